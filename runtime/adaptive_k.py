@@ -1,0 +1,191 @@
+"""Choosing how many drafts to verify per step: the DFlash ladder and the adaptive draft count.
+
+Contract:
+- `expected_tokens(acc, k)` is E(k) = 1 + Σ_{i=1..k} Π_{j=1..i} a_j: the expected tokens a step
+  emits when it verifies k drafts, with a_j the conditional probability that draft j is
+  accepted given drafts 1..j−1 were (the 1 is the bonus / recovered token every step emits).
+- `choose_k(cost, acc, max_k)` picks the count with the most expected tokens per ms.
+- `AcceptanceEstimator` measures a_j from verify outcomes without censoring bias.
+- `DraftLadder` is the `--dflash-draft-ladder` state machine; `AdaptiveKController` combines
+  the ladder cap, the estimator and `--dflash-adaptive-k`'s cost model into a per-step k.
+
+Invariants: pure Python, no tensors and no model code; every object holds the state of one
+sequence. The adaptive controller is for a single stream: with concurrent sequences a step's
+cost no longer depends on one sequence's draft count alone, so the serve leaves k to the
+ladder or to γ there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from metrale.runtime.specconfig import CostModel
+
+
+def expected_tokens(acc: Sequence[float], k: int) -> float:
+    """E(k) = 1 + Σ_{i=1..k} Π_{j=1..i} a_j, with `acc[j-1]` = a_j; needs len(acc) >= k."""
+    if k < 0 or k > len(acc):
+        raise ValueError(f"k = {k} needs 0 <= k <= len(acc) = {len(acc)}")
+    total, chain = 1.0, 1.0
+    for a in acc[:k]:
+        chain *= a  # probability that drafts 1..i are all accepted
+        total += chain
+    return total
+
+
+def choose_k(cost: CostModel, acc: Sequence[float], max_k: int) -> int:
+    """The count k <= max_k of `cost` maximizing E(k) / cost(k); ties go to the smaller k.
+
+    `acc` must hold at least min(max_k, cost.max_count) rates. The smaller k wins a tie because
+    it spends fewer drafter and verify rows for the same expected throughput.
+    """
+    best_k, best_rate = None, -1.0
+    for k in cost.counts:
+        if k > max_k:
+            break
+        rate = expected_tokens(acc, k) / cost.cost(k)
+        if rate > best_rate:  # strict: an equal rate keeps the smaller k
+            best_k, best_rate = k, rate
+    if best_k is None:
+        raise ValueError(f"no count of the cost model {cost} is <= max_k = {max_k}")
+    return best_k
+
+
+class AcceptanceEstimator:
+    """Per-position conditional acceptance a_j, counting only the positions actually tested.
+
+    One verify step that drafted n and accepted m tested positions 1..m (all accepted) and, if
+    m < n, position m+1 (rejected); positions after m+1 were never compared with the target, so
+    they count neither way. The naive ratio accepted / drafted counts them as rejections and
+    underestimates acceptance whenever chains are longer than their accepted prefix.
+
+    `rates` shrinks each position towards the pooled rate of all positions with a pseudo-count
+    (`strength`), and the pooled rate towards `prior`: a position never tested inherits the
+    sequence's overall acceptance, and a sequence with no data at all starts at `prior`.
+    `decay` < 1 multiplies the counts by `decay` before every update, so old steps fade and a
+    re-probe after a long suspension can move the estimate.
+    """
+
+    def __init__(self, decay: float = 1.0) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay = {decay}; expected 0 < decay <= 1")
+        self.decay = decay
+        self.tested: list[float] = []  # tested[j-1]: times position j was verified
+        self.accepted: list[float] = []  # accepted[j-1]: times position j was accepted
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"accepted {num_accepted} of {num_drafted} drafts")
+        if num_drafted == 0:
+            return  # a plain step measures nothing
+        if self.decay < 1.0:
+            self.tested = [t * self.decay for t in self.tested]
+            self.accepted = [a * self.decay for a in self.accepted]
+        last_tested = min(num_accepted + 1, num_drafted)
+        while len(self.tested) < last_tested:
+            self.tested.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(last_tested):
+            self.tested[j] += 1.0
+        for j in range(num_accepted):
+            self.accepted[j] += 1.0
+
+    def pooled(self, prior: float = 0.5, strength: float = 1.0) -> float:
+        """All tested positions together, shrunk towards `prior` by `strength` pseudo-tests."""
+        return (sum(self.accepted) + strength * prior) / (sum(self.tested) + strength)
+
+    def rates(self, max_k: int, prior: float = 0.5, strength: float = 1.0) -> list[float]:
+        """[a_1, ..., a_max_k]; each (accepted_j + s·pooled) / (tested_j + s), s = strength."""
+        if not (0.0 <= prior <= 1.0 and strength > 0.0):
+            raise ValueError(f"prior = {prior}, strength = {strength}; expected 0..1 and > 0")
+        pooled = self.pooled(prior, strength)
+        out = []
+        for j in range(max_k):
+            t = self.tested[j] if j < len(self.tested) else 0.0
+            a = self.accepted[j] if j < len(self.accepted) else 0.0
+            out.append((a + strength * pooled) / (t + strength))
+        return out
+
+
+class DraftLadder:
+    """`--dflash-draft-ladder`: the draft count a sequence sits on, moved by its verify outcomes.
+
+    A sequence starts on the lowest rung: its acceptance is unknown, a low rung wastes the
+    fewest drafter and verify rows if it turns out poor, and a sequence that accepts well
+    climbs one rung per fully accepted step, so starting low costs only a few steps.
+    A step that accepts all its drafts moves up one rung; a step that accepts fewer drafts than
+    the rung below moves down one; anything else stays.
+    """
+
+    def __init__(self, rungs: Sequence[int]) -> None:
+        rungs = tuple(rungs)
+        if not rungs or rungs[0] < 1 or any(b <= a for a, b in zip(rungs, rungs[1:])):
+            raise ValueError(f"rungs {rungs}: expected strictly ascending counts of at least 1")
+        self.rungs = rungs
+        self.index = 0
+
+    @property
+    def current(self) -> int:
+        return self.rungs[self.index]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted {accepted} of {drafted} drafts")
+        if drafted == 0:
+            return  # a plain step says nothing about the rung
+        if accepted == drafted:
+            self.index = min(self.index + 1, len(self.rungs) - 1)
+        elif self.index > 0 and accepted < self.rungs[self.index - 1]:
+            self.index -= 1
+
+
+class AdaptiveKController:
+    """`--dflash-adaptive-k` for one stream: each step verifies the k with most tokens per ms.
+
+    Call `next_k()` once per decode step and `observe(drafted, accepted)` after it. k is capped
+    by the ladder's rung (when a ladder is given) and by `max_k` (γ − 1). When the chosen k is
+    0 the step decodes plainly; after `reprobe_interval` plain steps in a row `next_k` returns
+    the best k > 0 once, so the estimator gets a fresh measurement (a suspended sequence would
+    otherwise never learn that its acceptance rose).
+    """
+
+    def __init__(
+        self,
+        cost: CostModel,
+        max_k: int,
+        reprobe_interval: int,
+        ladder: DraftLadder | None = None,
+        estimator: AcceptanceEstimator | None = None,
+        prior: float = 0.5,
+    ) -> None:
+        if max_k < 1 or reprobe_interval < 1:
+            raise ValueError(f"max_k = {max_k}, reprobe_interval = {reprobe_interval}; need >= 1")
+        self.cost = cost
+        self.max_k = max_k
+        self.reprobe_interval = reprobe_interval
+        self.ladder = ladder
+        self.estimator = estimator if estimator is not None else AcceptanceEstimator()
+        self.prior = prior
+        self.plain_steps = 0  # consecutive steps that chose k = 0
+
+    def cap(self) -> int:
+        return min(self.max_k, self.ladder.current) if self.ladder else self.max_k
+
+    def next_k(self) -> int:
+        cap = self.cap()
+        acc = self.estimator.rates(cap, prior=self.prior)
+        k = choose_k(self.cost, acc, cap)
+        if k > 0:
+            self.plain_steps = 0
+            return k
+        if self.plain_steps >= self.reprobe_interval:
+            self.plain_steps = 0
+            positive = CostModel(first=1, ms=self.cost.ms[1:])  # the same costs without 0:
+            return choose_k(positive, acc, cap)
+        self.plain_steps += 1
+        return 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.estimator.update(drafted, accepted)
+        if self.ladder is not None:
+            self.ladder.observe(drafted, accepted)

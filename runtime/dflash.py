@@ -1,0 +1,216 @@
+"""DFlash block drafters: z-lab's DFlash and DFlash2.
+
+A propose is one non-causal forward over the block `[anchor, MASK×(γ−1)]` (embedded with the
+target's embedding) at positions anchor_pos.. ; slot j predicts the token at anchor_pos+j. Every
+layer's attention sees, besides the block, the *context*: the target's tapped hidden states at the
+accepted positions 0..anchor_pos−1, turned into features by `hidden_norm(fc(taps))` and into K/V by
+each layer's own k/v projections (the same weights as the block's K/V; an engine may hold them
+stacked into one GEMM, `context_kv_proj`). Context K/V are cached; the block's are never kept.
+Invariant: the drafter cache's length is the anchor's position.
+
+DFlash2 adds, per layer, two-tap grouped dynamic convs over the block slots — before attention
+(`attention_conv`) and before the MLP (`mlp_conv`): for G channel groups,
+    y[t, g] = k[t, g, 0]·x[t, g] + k[t, g, 1]·x[t−1, g],  k[t] = base_kernel + kernel_projection(x[t])
+(x[−1] = 0) added residually — and a candidate selector: per slot, the top-16 candidates of the
+draft LM head are rescored with
+    score(c) = logit(c) + ⟨hidden_projection(h_slot) + predecessor_codebook[prev], successor_codebook[c]⟩
+where prev is the token chosen at the slot before (the anchor for slot 1), left to right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.runtime.configs import DFlashConfig
+from metrale.runtime.layers import MLP, Attention, KVCache, RMSNorm, attend, rope_cos_sin
+
+
+class DynamicConv(nn.Module):
+    """Two-tap grouped dynamic conv along the block slots (see the module docstring)."""
+
+    def __init__(self, hidden: int, groups: int):
+        super().__init__()
+        if hidden % groups:
+            raise ValueError(f"hidden size {hidden} is not divisible by conv_groups {groups}")
+        self.groups = groups
+        self.base_kernel = nn.Parameter(torch.zeros(groups, 2))
+        self.kernel_projection = nn.Linear(hidden, groups * 2, bias=False)
+
+    def forward(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """x [B, nb*Bs, H] (nb blocks of `block` slots) -> y [B, nb*Bs, H]."""
+        b, t, h = x.shape
+        g = self.groups
+        kernel = self.base_kernel.to(x.dtype) + self.kernel_projection(x).view(b, t, g, 2)
+        xg = x.view(b, t // block, block, g, h // g)  # [B, nb, Bs, G, H/G]
+        prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:, :, :-1]  # x[t-1] within each block, 0 at slot 0
+        kernel = kernel.view(b, t // block, block, g, 2, 1)
+        y = kernel[..., 0, :] * xg + kernel[..., 1, :] * prev
+        return y.reshape(b, t, h)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden: int, vocab: int, dim: int, num_candidates: int):
+        super().__init__()
+        self.num_candidates = num_candidates
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, dim))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, dim))
+        self.hidden_projection = nn.Linear(hidden, dim, bias=False)
+
+    def scores(self, hidden, cand_ids, cand_logits, prev_ids):
+        """hidden [..., H], cand_ids/cand_logits [..., K], prev_ids [...] -> scores [..., K] (fp32)."""
+        z = self.hidden_projection(hidden) + self.predecessor_codebook[prev_ids]  # [..., D]
+        bonus = (self.successor_codebook[cand_ids] * z.unsqueeze(-2)).sum(-1)  # [..., K]
+        return cand_logits.float() + bonus.float()
+
+    def select(self, hidden, logits, anchor):
+        """hidden [B, n, H], logits [B, n, V] for the draft slots, anchor [B] -> tokens [B, n]."""
+        cand_logits, cand_ids = logits.topk(self.num_candidates, dim=-1)  # [B, n, K]
+        prev, out = anchor, []
+        for j in range(hidden.shape[1]):
+            s = self.scores(hidden[:, j], cand_ids[:, j], cand_logits[:, j], prev)  # [B, K]
+            prev = cand_ids[:, j].gather(-1, s.argmax(-1, keepdim=True)).squeeze(-1)
+            out.append(prev)
+        return torch.stack(out, dim=1)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        d = cfg.decoder
+        self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.self_attn = Attention(d)
+        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.mlp = MLP(d.hidden_size, d.intermediate_size)
+        if cfg.version == 2:
+            self.attention_conv = DynamicConv(d.hidden_size, cfg.conv_groups)
+            self.mlp_conv = DynamicConv(d.hidden_size, cfg.conv_groups)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block: int):
+        """x [B, Tq, H]; ctx_k/v [B, nkv, S, hd]; mask [Tq, S+Tq] bool or None (all visible)."""
+        if hasattr(self, "attention_conv"):
+            x = x + self.attention_conv(x, block)
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = a.project_q(h, cos, sin)
+        k, v = a.kv_from_projected(a.k_proj(h), a.v_proj(h), cos, sin)
+        out = attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+        b, t, _ = x.shape
+        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd))
+        if hasattr(self, "mlp_conv"):
+            x = x + self.mlp_conv(x, block)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, γ−1] drafts for positions anchor_pos+1 ..
+    logits: torch.Tensor  # [B, γ−1, V] draft LM-head logits of those slots
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        d = cfg.decoder
+        self.fc = nn.Linear(cfg.num_context_features * cfg.target_hidden_size, d.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(d.num_hidden_layers))
+        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.context_kv_proj: nn.Module | None = None  # engine-only stacked k/v (see module doc)
+        if cfg.version == 2:
+            self.candidate_selector = CandidateSelector(d.hidden_size, d.vocab_size,
+                                                        cfg.selector_dim, cfg.num_candidates)
+
+    # -- context ---------------------------------------------------------------------------
+    def stacked_context_kv_weight(self) -> torch.Tensor:
+        """[L·2·nkv·hd, H]: every layer's k_proj then v_proj rows, layer by layer."""
+        rows = []
+        for layer in self.layers:
+            rows += [layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight]
+        return torch.cat(rows, dim=0)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
+        """features [B, C, n·Ht] -> per layer (k, v) [B, nkv, C, hd], roped at `positions` [C]."""
+        c = self.hidden_norm(self.fc(features))  # [B, C, H]
+        d = self.config.decoder
+        cos, sin = rope_cos_sin(positions, d.head_dim, d.rope_theta, c.dtype)
+        width = d.num_key_value_heads * d.head_dim
+        if self.context_kv_proj is not None:
+            kv = self.context_kv_proj(c).split(width, dim=-1)  # 2L × [B, C, nkv·hd]
+        else:
+            kv = []
+            for layer in self.layers:
+                kv += [layer.self_attn.k_proj(c), layer.self_attn.v_proj(c)]
+        return [layer.self_attn.kv_from_projected(kv[2 * i], kv[2 * i + 1], cos, sin)
+                for i, layer in enumerate(self.layers)]
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> KVCache:
+        d = self.config.decoder
+        return KVCache(d.num_hidden_layers, batch, d.num_key_value_heads, max_len, d.head_dim,
+                       dtype, device)
+
+    def add_context(self, features: torch.Tensor, cache: KVCache) -> None:
+        """Append the features [B, C, n·Ht] of the next C accepted positions to the cache."""
+        start, n = cache.length, features.shape[1]
+        positions = torch.arange(start, start + n, device=features.device)
+        for i, (k, v) in enumerate(self.context_kv(features, positions)):
+            cache.write(i, start, k, v)
+        cache.length = start + n
+
+    # -- propose ---------------------------------------------------------------------------
+    def _blocks(self, x, positions, kv, mask, block):
+        """x [B, Tq, H] block embeddings; kv per layer (k, v) of the context -> normed hidden."""
+        d = self.config.decoder
+        cos, sin = rope_cos_sin(positions, d.head_dim, d.rope_theta, x.dtype)
+        for layer, (k, v) in zip(self.layers, kv):
+            x = layer(x, cos, sin, k, v, mask, block)
+        return self.norm(x)
+
+    def forward_block(self, block_embeds: torch.Tensor, cache: KVCache):
+        """block_embeds [B, γ, H] at positions cache.length.. -> (hidden [B, γ, H], logits [B, γ, V])."""
+        start, g = cache.length, block_embeds.shape[1]
+        positions = torch.arange(start, start + g, device=block_embeds.device)
+        kv = [(cache.k[i, :, :, :start], cache.v[i, :, :, :start]) for i in range(len(self.layers))]
+        hidden = self._blocks(block_embeds, positions, kv, None, g)
+        return hidden, self.lm_head(hidden)
+
+    def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: KVCache, gamma: int) -> Proposal:
+        """anchor [B] (the last accepted token, at position cache.length) -> γ−1 greedy drafts."""
+        cfg = self.config
+        block = torch.full((anchor.shape[0], gamma), cfg.mask_token_id, dtype=torch.long,
+                           device=anchor.device)
+        block[:, 0] = anchor
+        hidden, logits = self.forward_block(embed(block), cache)
+        hidden, logits = hidden[:, 1:], logits[:, 1:]
+        if cfg.version == 2:
+            tokens = self.candidate_selector.select(hidden, logits, anchor)
+        else:
+            tokens = logits.argmax(-1)
+        return Proposal(tokens=tokens, logits=logits)
+
+    # -- training ----------------------------------------------------------------------------
+    def forward_train(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: list[int]):
+        """Many blocks of one batch of sequences in one forward.
+
+        features [B, L, n·Ht] for positions 0..L−1; block_embeds [B, nb·Bs, H] for blocks whose
+        anchors (positions, the same for the whole batch) are `anchors`. Block b sees the context
+        positions < anchors[b] and its own slots. Returns (hidden, logits) [B, nb·Bs, ·].
+        """
+        b, length, _ = features.shape
+        nb = len(anchors)
+        bs = block_embeds.shape[1] // nb
+        dev = features.device
+        kv = self.context_kv(features, torch.arange(length, device=dev))
+        anchor_t = torch.tensor(anchors, device=dev)
+        positions = (anchor_t[:, None] + torch.arange(bs, device=dev)[None, :]).reshape(-1)
+        block_of_query = torch.arange(nb, device=dev).repeat_interleave(bs)  # [Tq]
+        ctx_mask = torch.arange(length, device=dev)[None, :] < anchor_t[block_of_query][:, None]
+        own = block_of_query[:, None] == block_of_query[None, :]
+        mask = torch.cat([ctx_mask, own], dim=1)  # [Tq, L + Tq]
+        hidden = self._blocks(block_embeds, positions, kv, mask, bs)
+        return hidden, self.lm_head(hidden)

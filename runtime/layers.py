@@ -1,0 +1,207 @@
+"""Building blocks shared by the target, the MTP head and the drafters (PyTorch, CPU or GPU).
+
+Conventions: B batch, T new tokens, S keys (cache + new), H hidden, nh query heads, nkv KV heads,
+hd head dim, E experts. Norms compute in fp32 and return the input dtype, like transformers, so
+the fp32 target matches transformers' Qwen3 to rounding. Linear layers are plain `nn.Linear`;
+the loader swaps in quantized modules (`runtime.qlinear`) where an engine stores FP8/NVFP4
+weights, so model code never branches on precision.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.runtime.configs import DecoderConfig
+
+
+class RMSNorm(nn.Module):
+    """x̂·w (Qwen3, DeepSeek) or x̂·(1+w) (zero-centred, Qwen3-Next) with x̂ = x/rms(x)."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False):
+        super().__init__()
+        self.eps, self.zero_centred = eps, zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centred:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [T] (int64) -> cos, sin [T, hd] in `dtype` (rotate-half layout)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, n, T, hd]; cos/sin [T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, nh, T, hd], k/v [B, nkv, S, hd], mask [T, S] bool (True = may attend) -> [B, nh, T, hd]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:
+    """[T, start+T] bool: query i (absolute position start+i) sees keys 0..start+i."""
+    rows = torch.arange(t, device=device)[:, None] + start
+    cols = torch.arange(start + t, device=device)[None, :]
+    return cols <= rows
+
+
+class KVCache:
+    """Preallocated keys/values for a stack of attention layers, one sequence length for the batch.
+
+    k, v: [L, B, nkv, S_max, hd]. `length` is how many positions hold valid entries; rolling back
+    a rejected draft is `length = n` (stale entries past it are overwritten before being read).
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k/v [B, nkv, T, hd] at positions start.. and return all keys/values so far."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} requested")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    """Qwen3 attention: per-head RMSNorm on q and k before RoPE, grouped-query KV."""
+
+    def __init__(self, cfg: DecoderConfig, zero_centred_norm: bool = False):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, zero_centred_norm)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, zero_centred_norm)
+
+    def project_q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.nh, self.hd)).transpose(1, 2)
+        return apply_rope(q, cos, sin)  # [B, nh, T, hd]
+
+    def kv_from_projected(self, k: torch.Tensor, v: torch.Tensor, cos, sin):
+        """k/v [B, T, nkv*hd] straight from a projection -> normed, roped [B, nkv, T, hd] each."""
+        b, t, _ = k.shape
+        k = self.k_norm(k.view(b, t, self.nkv, self.hd)).transpose(1, 2)
+        v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0, start: int = 0) -> torch.Tensor:
+        """Causal self-attention. x [B, T, H]; positions [T]; with a cache, keys 0..start-1 come from it."""
+        b, t, _ = x.shape
+        cos, sin = rope_cos_sin(positions, self.hd, self.theta, x.dtype)
+        q = self.project_q(x, cos, sin)
+        k, v = self.kv_from_projected(self.k_proj(x), self.v_proj(x), cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, start, k, v)
+        else:
+            start = 0
+        out = attend(q, k, v, causal_mask(t, start, x.device) if t > 1 or start == 0 else None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (softmax router, optional renormalisation of the top-k weights) plus an
+    optional shared expert scaled by sigmoid(shared_expert_gate(x)) (a gate of 1 when absent)."""
+
+    def __init__(self, cfg: DecoderConfig, shared_gate: bool = True):
+        super().__init__()
+        h = cfg.hidden_size
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(h, cfg.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            MLP(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
+        )
+        inter = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(h, inter) if inter else None
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False) if inter and shared_gate else None
+
+    def route(self, x: torch.Tensor):
+        """x [N, H] -> top-k weights [N, k] (x.dtype), expert ids [N, k]."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [N, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, H]
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.nonzero(ids == e, as_tuple=True)
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out.reshape(shape)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer layer: x + attn(ln1(x)), then x + ffn(ln2(x))."""
+
+    def __init__(self, cfg: DecoderConfig, moe: bool, zero_centred_norm: bool = False,
+                 shared_gate: bool = True):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zero_centred_norm)
+        self.self_attn = Attention(cfg, zero_centred_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zero_centred_norm)
+        self.mlp = MoE(cfg, shared_gate) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, cache=None, layer=0, start=0):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, layer, start)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,163 @@
+"""Strict loading of Hugging Face checkpoints (config.json + safetensors) into metrale's models.
+
+Every tensor in the checkpoint is consumed and every parameter is filled; a missing, unexpected
+or mis-shaped tensor is refused with its checkpoint name. All renames between checkpoint names
+and module names live in `RENAMES` (one ordered prefix table per layout). The draft LM heads of
+the MTP head and the drafters are copies of the target's LM head unless the checkpoint has its own
+(`shared_head.head` in the DeepSeek naming).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from metrale.runtime.configs import (
+    DecoderConfig, DFlashConfig, MTPConfig, read_config, target_config,
+)
+from metrale.runtime.dflash import DFlashDrafter
+from metrale.runtime.errors import CheckpointError
+from metrale.runtime.mtp import MTPHead
+from metrale.runtime.qwen3 import Qwen3ForCausalLM
+
+# Checkpoint prefix -> module prefix, first match wins. `None` drops a tensor after consuming it
+# (a copy of a tensor the target already holds). `{N}` is the MTP layer index.
+RENAMES: dict[str, list[tuple[str, str | None]]] = {
+    "target": [],
+    "dflash": [],
+    "mtp.qwen3_next": [
+        ("mtp.layers.0.", "layer."),
+        ("mtp.", ""),
+    ],
+    "mtp.deepseek": [
+        ("model.layers.{N}.embed_tokens.", None),
+        ("model.layers.{N}.eh_proj.", "fc."),
+        ("model.layers.{N}.enorm.", "pre_fc_norm_embedding."),
+        ("model.layers.{N}.hnorm.", "pre_fc_norm_hidden."),
+        ("model.layers.{N}.shared_head.norm.", "norm."),
+        ("model.layers.{N}.shared_head.head.", "lm_head."),
+        ("model.layers.{N}.mlp.shared_experts.", "layer.mlp.shared_expert."),
+        ("model.layers.{N}.", "layer."),
+    ],
+}
+
+
+def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"checkpoint {folder}: no *.safetensors file found")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                if name in tensors:
+                    raise CheckpointError(f"checkpoint {folder}: tensor {name} appears twice ({f.name})")
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def rename(tensors: dict[str, torch.Tensor], layout: str, n: int = 0) -> tuple[dict, dict]:
+    """-> (module-named tensors, module name -> checkpoint name)."""
+    table = [(src.replace("{N}", str(n)), dst) for src, dst in RENAMES[layout]]
+    out, origin = {}, {}
+    for name, t in tensors.items():
+        new = name
+        for src, dst in table:
+            if name.startswith(src):
+                new = None if dst is None else dst + name[len(src):]
+                break
+        if new is not None:
+            out[new], origin[new] = t, name
+    return out, origin
+
+
+def strict_fill(module: nn.Module, tensors: dict[str, torch.Tensor], source: str,
+                origin: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> None:
+    """Copy `tensors` into `module`'s parameters and buffers; refuse any mismatch by name."""
+    origin = origin or {}
+    expected = module.state_dict()
+    for name in tensors:
+        if name not in expected:
+            raise CheckpointError(
+                f"{source}: unexpected tensor {origin.get(name, name)} (the model has no {name})"
+            )
+    for name, param in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"{source}: missing tensor {name}")
+        t = tensors[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{source}: tensor {origin.get(name, name)} has shape {list(t.shape)}, "
+                f"expected {list(param.shape)}"
+            )
+    with torch.no_grad():
+        for name, param in expected.items():
+            param.copy_(tensors[name].to(param.dtype))
+    if dtype is not None:
+        module.to(dtype)
+
+
+def _drop_tied(tensors: dict, cfg: DecoderConfig) -> dict:
+    if cfg.tie_word_embeddings:
+        tensors = dict(tensors)
+        tensors.setdefault("lm_head.weight", tensors.get("model.embed_tokens.weight"))
+    return tensors
+
+
+def load_target(folder: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    cfg = target_config(folder)
+    model = Qwen3ForCausalLM(cfg).to(dtype)
+    strict_fill(model, _drop_tied(read_safetensors(folder), cfg), f"checkpoint {folder}")
+    return model.eval()
+
+
+def mtp_layout(tensors: dict[str, torch.Tensor], source: str) -> tuple[str, int]:
+    """Which MTP naming a checkpoint uses: ('qwen3_next', 0) or ('deepseek', N)."""
+    if any(k.startswith("mtp.") for k in tensors):
+        return "qwen3_next", 0
+    layers = {int(m.group(1)) for k in tensors if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.", k))}
+    if len(layers) == 1:
+        return "deepseek", layers.pop()
+    raise CheckpointError(
+        f"{source}: no MTP head found (expected `mtp.*` tensors, Qwen3-Next naming, or one "
+        "`model.layers.N.eh_proj` layer, DeepSeek/GLM naming)"
+    )
+
+
+def mtp_config(folder: str | Path, naming: str, layer_index: int) -> MTPConfig:
+    raw = dict(read_config(folder))
+    if "n_shared_experts" in raw and "shared_expert_intermediate_size" not in raw:
+        raw["shared_expert_intermediate_size"] = raw["n_shared_experts"] * raw.get("moe_intermediate_size", 0)
+    decoder = DecoderConfig.from_hf(raw, f"{Path(folder) / 'config.json'}")
+    return MTPConfig(decoder=decoder, naming=naming, layer_index=layer_index)
+
+
+def load_mtp(folder: str | Path, target_lm_head: torch.Tensor,
+             dtype: torch.dtype = torch.float32) -> MTPHead:
+    source = f"checkpoint {folder}"
+    raw = read_safetensors(folder)
+    naming, n = mtp_layout(raw, source)
+    cfg = mtp_config(folder, naming, n)
+    tensors, origin = rename(raw, f"mtp.{naming}", n)
+    tensors.setdefault("lm_head.weight", target_lm_head)
+    head = MTPHead(cfg).to(dtype)
+    strict_fill(head, tensors, source, origin)
+    return head.eval()
+
+
+def load_dflash(folder: str | Path, target_lm_head: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    source = f"checkpoint {folder}"
+    cfg = DFlashConfig.from_hf(read_config(folder), f"{Path(folder) / 'config.json'}")
+    tensors = dict(read_safetensors(folder))
+    if "lm_head.weight" in tensors:
+        raise CheckpointError(f"{source}: unexpected tensor lm_head.weight (DFlash drafters share the target's)")
+    tensors["lm_head.weight"] = target_lm_head
+    drafter = DFlashDrafter(cfg).to(dtype)
+    strict_fill(drafter, tensors, source)
+    return drafter.eval()

@@ -1,0 +1,57 @@
+"""The MTP (multi-token prediction) head: one decoder layer that drafts the token after next.
+
+Input at position p: `fc(cat[norm_e(embed(token_p)), norm_h(hidden_{p-1})])` — the embedding
+comes first — where hidden_{p-1} is the target's last-layer output (before its final norm) at the
+previous position, or, inside a chain, the head's own pre-norm output. The layer's output h is
+both fed back (chains reuse the one head k times) and, through `norm` and the draft LM head,
+gives the draft distribution for position p+1.
+
+Two checkpoint namings (see `loader.MTP_RENAMES`): Qwen3-Next `mtp.*` (zero-centred norms x̂·(1+w),
+shared expert with a sigmoid gate) and DeepSeek/GLM `model.layers.{N}.*` (`enorm`, `hnorm`,
+`eh_proj`, `shared_head.norm`; plain norms; `shared_experts` without a gate). Internally both use
+the names of this module: `fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layer.*`, `norm`,
+`lm_head` (the draft LM head: a copy of the target's, so quantization can treat it separately).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from metrale.runtime.configs import MTPConfig
+from metrale.runtime.layers import DecoderLayer, KVCache, RMSNorm
+
+
+class MTPHead(nn.Module):
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        self.config = cfg
+        d, zc = cfg.decoder, cfg.zero_centred_norm
+        h = d.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(h, d.rms_norm_eps, zc)
+        self.pre_fc_norm_hidden = RMSNorm(h, d.rms_norm_eps, zc)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(d, moe=d.is_moe, zero_centred_norm=zc,
+                                  shared_gate=cfg.naming == "qwen3_next")
+        self.norm = RMSNorm(h, d.rms_norm_eps, zc)
+        self.lm_head = nn.Linear(h, d.vocab_size, bias=False)
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> KVCache:
+        d = self.config.decoder
+        return KVCache(1, batch, d.num_key_value_heads, max_len, d.head_dim, dtype, device)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
+                start: int | None = None):
+        """embeds [B, T, H] (target embedding of tokens at positions start..), hidden [B, T, H]
+        (hidden state of the position before each) -> (logits [B, T, V], h [B, T, H] pre-norm)."""
+        if cache is not None and start is None:
+            start = cache.length
+        start = start or 0
+        t = embeds.shape[1]
+        positions = torch.arange(start, start + t, device=embeds.device)
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds),
+                               self.pre_fc_norm_hidden(hidden)], dim=-1))  # [B, T, H]
+        h = self.layer(x, positions, cache, 0, start)
+        if cache is not None:
+            cache.length = start + t
+        return self.lm_head(self.norm(h)), h

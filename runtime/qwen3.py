@@ -1,0 +1,76 @@
+"""The target model: Qwen3 (dense) and Qwen3-MoE decoders with a KV cache and hidden-state taps.
+
+`forward(ids, cache, start, taps)` returns the logits and, for the speculative loop, the hidden
+states the drafters read: `taps` lists DFlash layer ids (id l = output of decoder layer l, i.e.
+transformers' `hidden_states[l+1]`), and `last_hidden` is the final layer's output before the
+final norm (what the MTP head consumes). Tensor names are exactly the HF checkpoint's
+(`model.layers.N.self_attn.q_proj.weight`, `model.layers.N.mlp.experts.E.gate_proj.weight`, …), so
+`state_dict()` is the checkpoint layout and loading needs no renames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from metrale.runtime.configs import DecoderConfig
+from metrale.runtime.layers import DecoderLayer, KVCache, RMSNorm
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, T, V]
+    last_hidden: torch.Tensor  # [B, T, H], last layer output before the final norm
+    taps: torch.Tensor | None  # [B, T, n_taps*H] concatenated in `taps` order, or None
+
+
+class Qwen3Body(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, moe=cfg.layer_is_moe(i)) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim,
+                       self.dtype, self.model.embed_tokens.weight.device)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, start: int | None = None,
+                taps: tuple[int, ...] = ()) -> TargetOutput:
+        """ids [B, T]. With a cache, the tokens sit at positions start.. (default: cache.length)
+        and the cache length becomes start+T."""
+        if cache is not None and start is None:
+            start = cache.length
+        start = start or 0
+        t = ids.shape[1]
+        positions = torch.arange(start, start + t, device=ids.device)
+        x = self.model.embed_tokens(ids)  # [B, T, H]
+        tapped = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, cache, i, start)
+            if i in taps:
+                tapped.append((taps.index(i), x))
+        if cache is not None:
+            cache.length = start + t
+        logits = self.lm_head(self.model.norm(x))
+        tap = torch.cat([h for _, h in sorted(tapped, key=lambda p: p[0])], dim=-1) if taps else None
+        return TargetOutput(logits=logits, last_hidden=x, taps=tap)

@@ -1,0 +1,94 @@
+"""Sampling parameters and the one token-sampling path of metrale.
+
+Contract: `probs_from_logits` turns logits into the distribution a token is drawn from
+(temperature, then top-p nucleus); `sample` draws from it. Plain decoding and speculative
+verification both call these, so a sampled token means the same thing on either path.
+
+Invariants: temperature 0 is greedy, and greedy is exactly `argmax` (the first maximal index on
+ties), expressed as a one-hot distribution where a distribution is needed. Probabilities are
+float32 whatever the logits' dtype, so bf16 logits do not round the nucleus.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from metrale.runtime.errors import ConfigError
+
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples: temperature >= 0 (0 = greedy), 0 < top_p <= 1, max_tokens >= 1.
+
+    `seed`, when given, makes the request's sampled tokens reproducible (see `generator_for`).
+    """
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    seed: int | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+            raise ConfigError(f"temperature: got {t!r}; expected a finite number >= 0 (0 = greedy)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise ConfigError(f"top_p: got {p!r}; expected a number with 0 < top_p <= 1")
+        if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
+            raise ConfigError(f"seed: got {self.seed!r}; expected an integer >= 0 or none")
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens: got {self.max_tokens!r}; expected an integer >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def generator_for(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded with `params.seed`, or None (torch's global stream) when unseeded."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] (any float dtype) -> probs [..., V] float32, each row summing to 1.
+
+    Greedy: one-hot at argmax. Otherwise softmax(logits / temperature), then the nucleus: the
+    smallest set of most likely tokens whose mass reaches top_p is kept and renormalized.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    probs = torch.softmax(logits / params.temperature, dim=-1)  # [..., V]
+    if params.top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V] each
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [..., V]: mass of the tokens ranked above
+    # A token is kept while the tokens above it have not yet reached top_p; the top token always is.
+    keep_sorted = mass_before < params.top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # [..., V] bool
+    probs = probs * keep
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs [..., V] -> token ids [...] int64, one draw per row."""
+    flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
+    ids = torch.multinomial(flat, num_samples=1, generator=generator)  # [N, 1]
+    return ids.reshape(probs.shape[:-1])
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [..., V] -> token ids [...] int64: argmax when greedy, else a draw from the nucleus."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample_from_probs(probs_from_logits(logits, params), generator)

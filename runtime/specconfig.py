@@ -1,0 +1,494 @@
+"""Speculative decoding flags, parsed once into a frozen config before any model loads.
+
+Contract:
+- `HELP` holds the `--help` text of every speculative flag (shared by `generate` and `serve`).
+- `SpeculativeConfig.from_flags(...)` takes the raw values the CLI gives (strings, ints, bools;
+  `None` for a flag that was not given) and returns a validated, frozen config, or raises
+  `ConfigError` naming the flag, the value and what is allowed.
+- `resolve_dflash(cfg, block_size)` checks the DFlash flags against the drafter's block size,
+  once the drafter's config is known (still before its weights load).
+- `resolve_draft_tp_size(cfg, world_size, num_kv_heads)` does the same for the drafter's
+  tensor-parallel degree against the topology.
+
+Invariants: the speculation mode is one `SpecMode` (MTP and DFlash exclude each other); every
+default lives in `SpeculativeConfig.__post_init__`, which also holds every cross-flag check, so a
+config built directly (or by `dataclasses.replace`) is validated exactly like one from flags.
+A flag whose field is `None` was not given; a flag that only one mode reads is refused in the
+other modes instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from metrale.runtime.errors import ConfigError
+
+DEFAULT_NUM_DRAFTS = 3
+DEFAULT_REPROBE_INTERVAL = 16
+DEFAULT_DRAFT_TP_SIZE = 1
+DEFAULT_DFLASH_DRAFTER = "dflash"
+
+HELP: dict[str, str] = {
+    "--speculative": (
+        "Speculative decoding with the engine's MTP head (default: off). Each step the head "
+        "drafts a chain of up to --num-drafts tokens and the target model verifies the chain in "
+        "one forward. Verification is lossless: greedy output follows the target's argmax and "
+        "sampled output the target's distribution. Not with --dflash."
+    ),
+    "--num-drafts": (
+        "Longest MTP draft chain per step (default: 3). At least 1. Requires --speculative."
+    ),
+    "--draft-confidence-stop": (
+        "Confidence stop for MTP draft chains (default: off). With TAU, the drafter extends a "
+        "chain past a draft only while that draft's top-1 probability is at least TAU, so a "
+        "chain of up to --num-drafts ends with its first draft below TAU, and that draft is "
+        "still verified. With cum:TAU, it extends the chain only while the running product of "
+        "the chain's top-1 probabilities so far is at least TAU. Unconfident chains cost fewer "
+        "drafter steps and fewer verify rows; confident ones run to full depth. It changes "
+        "which drafts are verified, never the emitted tokens. 0 < TAU < 1. Requires "
+        "--speculative; not with --dflash."
+    ),
+    "--dflash": (
+        "Speculative decoding with the engine's DFlash drafter (default: off). One drafter "
+        "forward proposes a block of drafts, of which the target verifies up to γ − 1 per step "
+        "(see --dflash-gamma). Verification is lossless. Not with --speculative."
+    ),
+    "--dflash-gamma": (
+        "DFlash block length γ: the anchor token plus up to γ − 1 drafts per step. Default: "
+        "the drafter's block size; a value may lower it, never raise it. At least 2. "
+        "Requires --dflash."
+    ),
+    "--dflash-draft-ladder": (
+        "Draft counts a sequence moves between, strictly ascending, each at least 1 and at "
+        "most γ − 1 (e.g. 1,3,7). A sequence starts on the lowest rung; a step that accepts all "
+        "of its drafts moves it up one rung, and a step that accepts fewer drafts than the rung "
+        "below moves it down one. Unset (the default): every step drafts γ − 1. "
+        "Requires --dflash."
+    ),
+    "--dflash-adaptive-k": (
+        "Adaptive DFlash draft count for a single stream: the measured step cost in ms by draft "
+        "count, as drafts:ms pairs over consecutive counts from 0 (the plain decode step) or 1, "
+        "e.g. 0:32,1:44,2:50,3:56. At concurrency 1 each step then verifies the count with the "
+        "most expected tokens per ms at the sequence's measured acceptance, capped by the "
+        "ladder rung (or γ − 1); with a 0: entry it suspends speculation where plain decoding "
+        "pays more, until the next re-probe (see --dflash-reprobe-interval). Counts above "
+        "γ − 1 are refused. Unset (the default): the ladder or γ decides. Requires --dflash."
+    ),
+    "--dflash-reprobe-interval": (
+        "While --dflash-adaptive-k has suspended speculation, run one speculative step after "
+        "every N plain steps to measure acceptance again (default: 16). The drafter keeps "
+        "reading the context while suspended, so the probe drafts from all of it. At least 1. "
+        "Requires --dflash-adaptive-k."
+    ),
+    "--exact-verify": (
+        "Compute the verification rows so that greedy output is byte-identical to plain "
+        "decoding with speculation off (default: off). The default chunkwise verify scores all "
+        "of a step's rows in one forward: faster, but like any change in acceptance "
+        "(--num-drafts included) it can move greedy text. Requires --speculative or --dflash."
+    ),
+    "--draft-tp-size": (
+        "Tensor-parallel degree of the DFlash drafter: auto (the serve's world size) or a rank "
+        "count. Above 1 every rank holds a slice of the drafter (its KV heads with their query "
+        "groups, a slice of the MLP intermediate and of the LM-head rows) and each propose runs "
+        "on all ranks at once, the drafts equal to one rank's up to the all-reduce summation "
+        "order. 1 runs the whole drafter on rank 0. The drafter's collectives span every rank, "
+        "so the value must be 1 or the world size, and the drafter's KV heads must divide "
+        "evenly among the ranks; startup refuses anything else. Set the same value on every "
+        "rank. Unset (the default): 1. Requires --dflash."
+    ),
+    "--dflash-drafter": (
+        "Which DFlash drafter component of the engine directory to run, by name, e.g. dflash "
+        "or dflash2 (default: dflash). Requires --dflash."
+    ),
+}
+
+# A plain decimal number; float() alone would also take "nan", "inf", "1_0" and padding.
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_UINT = re.compile(r"\d+")
+_DRAFTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def _q(value: object) -> str:
+    """A value quoted for a message the way the seeds print it: `"0"`."""
+    return json.dumps(value if isinstance(value, str) else str(value))
+
+
+class SpecMode(enum.Enum):
+    """Which drafter runs; the modes exclude each other."""
+
+    OFF = "off"
+    MTP = "mtp"  # --speculative
+    DFLASH = "dflash"  # --dflash
+
+
+@dataclass(frozen=True)
+class DraftStop:
+    """`--draft-confidence-stop`: stop a chain on the top-1 probability (or running product)."""
+
+    cumulative: bool
+    tau: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.tau, (int, float)) and 0.0 < self.tau < 1.0):  # NaN fails too
+            raise ConfigError(
+                f"--draft-confidence-stop: got TAU {_q(self.tau)}; expected 0 < TAU < 1"
+            )
+
+    @classmethod
+    def parse(cls, s: str) -> DraftStop:
+        body, cumulative = (s[4:], True) if s.startswith("cum:") else (s, False)
+        if not _DECIMAL.fullmatch(body):
+            raise ConfigError(
+                f"--draft-confidence-stop: got {_q(s)}; expected TAU or cum:TAU, a number with "
+                "0 < TAU < 1 (e.g. 0.6 or cum:0.3)"
+            )
+        return cls(cumulative=cumulative, tau=float(body))
+
+    def __str__(self) -> str:
+        return f"cum:{self.tau!r}" if self.cumulative else repr(self.tau)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """`--dflash-adaptive-k`: measured ms per decode step, for consecutive draft counts.
+
+    `ms[i]` is the cost of a step verifying `first + i` drafts; `first` is 0 (the model knows
+    the plain decode step, so it may suspend speculation) or 1.
+    """
+
+    first: int
+    ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.first not in (0, 1):
+            raise ConfigError(
+                f"--dflash-adaptive-k: counts start at {self.first}; expected them to start "
+                "at 0 or 1"
+            )
+        if self.max_count < 1:
+            raise ConfigError(
+                f"--dflash-adaptive-k: got {_q(str(self))}; expected at least one draft count "
+                "of 1 or more"
+            )
+        for count, ms in self.pairs():
+            if not (math.isfinite(ms) and ms > 0.0):
+                raise ConfigError(
+                    f"--dflash-adaptive-k: count {count} costs {_q(ms)} ms; expected a finite "
+                    "number of ms above 0"
+                )
+
+    @property
+    def counts(self) -> range:
+        return range(self.first, self.first + len(self.ms))
+
+    @property
+    def max_count(self) -> int:
+        return self.first + len(self.ms) - 1
+
+    def cost(self, count: int) -> float:
+        if count not in self.counts:
+            raise KeyError(count)
+        return self.ms[count - self.first]
+
+    def pairs(self) -> list[tuple[int, float]]:
+        return list(zip(self.counts, self.ms))
+
+    @classmethod
+    def parse(cls, s: str) -> CostModel:
+        allowed = (
+            "expected drafts:ms pairs over consecutive counts from 0 or 1, "
+            "e.g. 0:32,1:44,2:50,3:56"
+        )
+        counts: list[int] = []
+        costs: list[float] = []
+        for item in s.split(","):
+            count, sep, ms = item.strip().partition(":")
+            count, ms = count.strip(), ms.strip()
+            if not (sep and _UINT.fullmatch(count) and _DECIMAL.fullmatch(ms)):
+                raise ConfigError(
+                    f"--dflash-adaptive-k: malformed pair {_q(item)} in {_q(s)}; {allowed}"
+                )
+            n = int(count)
+            if n in counts:
+                raise ConfigError(
+                    f"--dflash-adaptive-k: count {n} appears twice in {_q(s)}; {allowed}"
+                )
+            if counts and n != counts[-1] + 1:
+                raise ConfigError(
+                    f"--dflash-adaptive-k: count {n} follows {counts[-1]} in {_q(s)}; counts must "
+                    f"be consecutive; {allowed}"
+                )
+            counts.append(n)
+            costs.append(float(ms))
+        if counts[0] not in (0, 1):
+            raise ConfigError(
+                f"--dflash-adaptive-k: counts in {_q(s)} start at {counts[0]}; {allowed}"
+            )
+        return cls(first=counts[0], ms=tuple(costs))
+
+    def __str__(self) -> str:
+        return ",".join(f"{c}:{ms!r}" for c, ms in self.pairs())
+
+
+def parse_ladder(s: str) -> tuple[int, ...]:
+    """`--dflash-draft-ladder`: strictly ascending draft counts, each at least 1."""
+    allowed = "expected strictly ascending draft counts of at least 1, e.g. 1,3,7"
+    items = [t.strip() for t in s.split(",")]
+    if not all(_UINT.fullmatch(t) for t in items):
+        raise ConfigError(f"--dflash-draft-ladder: got {_q(s)}; {allowed}")
+    return _check_ladder(tuple(int(t) for t in items))
+
+
+def _check_ladder(rungs: tuple[int, ...]) -> tuple[int, ...]:
+    allowed = "expected strictly ascending draft counts of at least 1, e.g. 1,3,7"
+    shown = _q(",".join(map(str, rungs)))
+    if not rungs:
+        raise ConfigError(f"--dflash-draft-ladder: got {shown} (no rungs); {allowed}")
+    if rungs[0] < 1:
+        raise ConfigError(f"--dflash-draft-ladder: got {shown}, rung {rungs[0]} < 1; {allowed}")
+    for lo, hi in zip(rungs, rungs[1:]):
+        if hi <= lo:
+            raise ConfigError(
+                f"--dflash-draft-ladder: got {shown}, rung {hi} after {lo}; {allowed}"
+            )
+    return rungs
+
+
+@dataclass(frozen=True)
+class DraftTpSize:
+    """`--draft-tp-size`: the serve's world size (`ranks is None`, i.e. `auto`) or a count."""
+
+    ranks: int | None
+
+    def __post_init__(self) -> None:
+        if self.ranks is not None and (type(self.ranks) is not int or self.ranks < 1):
+            raise ConfigError(
+                f"--draft-tp-size: expected `auto` or a rank count of at least 1, "
+                f"got {_q(self.ranks)}"
+            )
+
+    @classmethod
+    def parse(cls, s: str | int) -> DraftTpSize:
+        if s == "auto":
+            return cls(None)
+        if type(s) is int:
+            return cls(s)
+        if isinstance(s, str) and _UINT.fullmatch(s):
+            return cls(int(s))
+        raise ConfigError(f"--draft-tp-size: expected `auto` or a rank count of at least 1, got {_q(s)}")
+
+    def ranks_on(self, world_size: int) -> int:
+        return world_size if self.ranks is None else self.ranks
+
+    def __str__(self) -> str:
+        return "auto" if self.ranks is None else str(self.ranks)
+
+
+def _int_flag(flag: str, value: object, minimum: int) -> int:
+    if type(value) is not int or value < minimum:
+        raise ConfigError(f"{flag}: got {_q(value)}; expected an integer of at least {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The speculative flags, one field per flag; `None` means the flag was not given.
+
+    After construction the defaults of the active mode are filled in: `num_drafts` is 3 under
+    MTP; under DFlash `draft_tp_size` is 1, `dflash_drafter` is "dflash", and
+    `dflash_reprobe_interval` is 16 when `dflash_adaptive_k` is set. `dflash_gamma` stays
+    `None` until `resolve_dflash` (the drafter's block size decides).
+    """
+
+    mode: SpecMode = SpecMode.OFF
+    num_drafts: int | None = None
+    draft_stop: DraftStop | None = None
+    dflash_gamma: int | None = None
+    dflash_draft_ladder: tuple[int, ...] | None = None
+    dflash_adaptive_k: CostModel | None = None
+    dflash_reprobe_interval: int | None = None
+    exact_verify: bool = False
+    draft_tp_size: DraftTpSize | None = None
+    dflash_drafter: str | None = None
+
+    def __post_init__(self) -> None:
+        mtp, dflash = self.mode is SpecMode.MTP, self.mode is SpecMode.DFLASH
+        if self.draft_stop is not None and not mtp:
+            extra = "; not with --dflash" if dflash else ""
+            raise ConfigError(
+                f"--draft-confidence-stop {_q(str(self.draft_stop))} requires --speculative{extra}"
+            )
+        if self.num_drafts is not None and not mtp:
+            raise ConfigError(f"--num-drafts {_q(self.num_drafts)} requires --speculative")
+        if mtp:
+            if self.num_drafts is None:
+                object.__setattr__(self, "num_drafts", DEFAULT_NUM_DRAFTS)
+            _int_flag("--num-drafts", self.num_drafts, 1)
+        if self.exact_verify and self.mode is SpecMode.OFF:
+            raise ConfigError("--exact-verify requires --speculative or --dflash")
+        dflash_only = {
+            "--dflash-gamma": self.dflash_gamma,
+            "--dflash-draft-ladder": self.dflash_draft_ladder,
+            "--dflash-adaptive-k": self.dflash_adaptive_k,
+            "--dflash-reprobe-interval": self.dflash_reprobe_interval,
+            "--draft-tp-size": self.draft_tp_size,
+            "--dflash-drafter": self.dflash_drafter,
+        }
+        if not dflash:
+            for flag, value in dflash_only.items():
+                if value is not None:
+                    shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+                    raise ConfigError(f"{flag} {_q(shown)} requires --dflash")
+            return
+        self._check_dflash()
+
+    def _check_dflash(self) -> None:
+        if self.dflash_gamma is not None:
+            _int_flag("--dflash-gamma", self.dflash_gamma, 2)
+        if self.dflash_draft_ladder is not None:
+            _check_ladder(self.dflash_draft_ladder)
+        if self.dflash_reprobe_interval is not None and self.dflash_adaptive_k is None:
+            raise ConfigError(
+                f"--dflash-reprobe-interval {_q(self.dflash_reprobe_interval)} requires "
+                "--dflash-adaptive-k"
+            )
+        if self.dflash_adaptive_k is not None:
+            if self.dflash_reprobe_interval is None:
+                object.__setattr__(self, "dflash_reprobe_interval", DEFAULT_REPROBE_INTERVAL)
+            _int_flag("--dflash-reprobe-interval", self.dflash_reprobe_interval, 1)
+        if self.draft_tp_size is None:
+            object.__setattr__(self, "draft_tp_size", DraftTpSize(DEFAULT_DRAFT_TP_SIZE))
+        if self.dflash_drafter is None:
+            object.__setattr__(self, "dflash_drafter", DEFAULT_DFLASH_DRAFTER)
+        if not (isinstance(self.dflash_drafter, str) and _DRAFTER_NAME.fullmatch(self.dflash_drafter)):
+            raise ConfigError(
+                f"--dflash-drafter: got {_q(self.dflash_drafter)}; expected a component name of "
+                "letters, digits, '_' and '-', e.g. dflash or dflash2"
+            )
+        if self.dflash_gamma is not None:
+            # γ given explicitly: the draft counts can be checked now, before the drafter loads.
+            _check_counts_fit(self, self.dflash_gamma - 1, f"--dflash-gamma {self.dflash_gamma}")
+
+    @classmethod
+    def from_flags(
+        cls,
+        speculative: bool = False,
+        num_drafts: int | None = None,
+        draft_confidence_stop: str | None = None,
+        dflash: bool = False,
+        dflash_gamma: int | None = None,
+        dflash_draft_ladder: str | None = None,
+        dflash_adaptive_k: str | None = None,
+        dflash_reprobe_interval: int | None = None,
+        exact_verify: bool = False,
+        draft_tp_size: str | int | None = None,
+        dflash_drafter: str | None = None,
+    ) -> SpeculativeConfig:
+        """Parse the raw CLI values; pass `None` for every flag the user did not give."""
+        if speculative and dflash:
+            raise ConfigError("--speculative and --dflash exclude each other; choose one")
+        mode = SpecMode.MTP if speculative else SpecMode.DFLASH if dflash else SpecMode.OFF
+        if draft_confidence_stop is not None and dflash:
+            # Checked before parsing so the mode conflict is the message, not the syntax.
+            raise ConfigError(
+                f"--draft-confidence-stop {_q(draft_confidence_stop)} requires --speculative; "
+                "not with --dflash"
+            )
+        return cls(
+            mode=mode,
+            num_drafts=num_drafts,
+            draft_stop=None if draft_confidence_stop is None else DraftStop.parse(draft_confidence_stop),
+            dflash_gamma=dflash_gamma,
+            dflash_draft_ladder=None if dflash_draft_ladder is None else parse_ladder(dflash_draft_ladder),
+            dflash_adaptive_k=None if dflash_adaptive_k is None else CostModel.parse(dflash_adaptive_k),
+            dflash_reprobe_interval=dflash_reprobe_interval,
+            exact_verify=bool(exact_verify),
+            draft_tp_size=None if draft_tp_size is None else DraftTpSize.parse(draft_tp_size),
+            dflash_drafter=dflash_drafter,
+        )
+
+
+def _check_counts_fit(cfg: SpeculativeConfig, max_drafts: int, bound: str) -> None:
+    """Refuse ladder rungs and adaptive-k counts above γ − 1 (`max_drafts`)."""
+    for rung in cfg.dflash_draft_ladder or ():
+        if rung > max_drafts:
+            raise ConfigError(
+                f"--dflash-draft-ladder: rung {rung} drafts more than γ − 1 = {max_drafts} "
+                f"({bound}); expected rungs of at most {max_drafts}"
+            )
+    if cfg.dflash_adaptive_k is not None and cfg.dflash_adaptive_k.max_count > max_drafts:
+        raise ConfigError(
+            f"--dflash-adaptive-k: count {cfg.dflash_adaptive_k.max_count} drafts more than "
+            f"γ − 1 = {max_drafts} ({bound}); expected counts of at most {max_drafts}"
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedDFlash:
+    """The DFlash settings once the drafter's block size is known."""
+
+    block_size: int
+    gamma: int  # anchor + drafts per step; 2 <= gamma <= block_size
+    ladder: tuple[int, ...] | None
+    adaptive_k: CostModel | None
+    reprobe_interval: int | None
+    drafter: str
+
+    @property
+    def max_drafts(self) -> int:
+        return self.gamma - 1
+
+
+def resolve_dflash(cfg: SpeculativeConfig, block_size: int) -> ResolvedDFlash:
+    """γ = the drafter's block size unless `--dflash-gamma` lowers it; check counts against it."""
+    if cfg.mode is not SpecMode.DFLASH:
+        raise ConfigError(f"resolving DFlash settings needs --dflash; the mode is {cfg.mode.value}")
+    if type(block_size) is not int or block_size < 2:
+        raise ConfigError(
+            f"DFlash drafter {_q(cfg.dflash_drafter)}: block_size {_q(block_size)}; expected an "
+            "integer of at least 2"
+        )
+    gamma = block_size if cfg.dflash_gamma is None else cfg.dflash_gamma
+    if gamma > block_size:
+        raise ConfigError(
+            f"--dflash-gamma: got {gamma}, above the drafter {_q(cfg.dflash_drafter)}'s block "
+            f"size {block_size}; expected 2 <= γ <= {block_size}"
+        )
+    bound = (
+        f"the drafter {_q(cfg.dflash_drafter)}'s block size {block_size}"
+        if cfg.dflash_gamma is None
+        else f"--dflash-gamma {gamma}"
+    )
+    _check_counts_fit(cfg, gamma - 1, bound)
+    assert cfg.dflash_drafter is not None  # filled by __post_init__ under DFlash
+    return ResolvedDFlash(
+        block_size=block_size,
+        gamma=gamma,
+        ladder=cfg.dflash_draft_ladder,
+        adaptive_k=cfg.dflash_adaptive_k,
+        reprobe_interval=cfg.dflash_reprobe_interval,
+        drafter=cfg.dflash_drafter,
+    )
+
+
+def resolve_draft_tp_size(cfg: SpeculativeConfig, world_size: int, num_kv_heads: int) -> int:
+    """The drafter's rank count: 1 or the world size, and dividing the drafter's KV heads."""
+    if cfg.mode is not SpecMode.DFLASH:
+        raise ConfigError(f"--draft-tp-size needs --dflash; the mode is {cfg.mode.value}")
+    assert cfg.draft_tp_size is not None  # filled by __post_init__ under DFlash
+    ranks = cfg.draft_tp_size.ranks_on(world_size)
+    if ranks not in (1, world_size):
+        raise ConfigError(
+            f"--draft-tp-size: got {ranks} on a serve of {world_size} ranks; the drafter's "
+            f"collectives span every rank, so expected 1 or {world_size}"
+        )
+    if num_kv_heads % ranks != 0:
+        raise ConfigError(
+            f"--draft-tp-size: got {ranks}, but the drafter's {num_kv_heads} KV heads do not "
+            f"divide among {ranks} ranks; expected a rank count dividing {num_kv_heads}"
+        )
+    return ranks

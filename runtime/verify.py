@@ -1,0 +1,85 @@
+"""Lossless verification of a draft chain against the target model's rows (the reference).
+
+Terms, for a step that verifies k drafts d_1..d_k:
+- row i (0 <= i <= k) of the target's output is its distribution for the token after the
+  context plus d_1..d_i; row i−1 judges draft d_i, row k follows the last draft.
+- accepted: the drafts kept, always a prefix d_1..d_m (0 <= m <= k).
+- recovered token: when draft d_{m+1} is rejected, the token emitted in its place, drawn from
+  row m (greedy: the target's argmax there).
+- bonus token: when all k drafts are accepted, the token drawn from row k.
+Every step therefore emits m + 1 tokens: the accepted drafts and one recovered or bonus token.
+
+Greedy verification keeps the longest prefix where d_i equals the target's argmax of row i−1,
+so the output is the target's own greedy output. Sampled verification is the rejection
+sampling of Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative
+Decoding" (ICML 2023) and Chen et al., "Accelerating Large Language Model Decoding with
+Speculative Sampling" (2023), specialised to one-hot drafts: the drafter's distribution q is a
+point mass on d, so d is accepted with probability min(1, p(d)/q(d)) = p(d), and on rejection
+the recovered token is drawn from normalize(max(p − q, 0)), i.e. p with d's mass removed. Each
+emitted token is then distributed exactly as plain sampling from the target would give it.
+
+Invariants: no model code; the target probabilities come from `sampling.probs_from_logits`
+so verification and plain decoding share one definition of temperature and top-p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.runtime.sampling import sample_from_probs
+
+
+def _check(draft_tokens: torch.Tensor, target_rows: torch.Tensor) -> int:
+    k = draft_tokens.shape[0]
+    if draft_tokens.dim() != 1 or target_rows.dim() != 2 or target_rows.shape[0] != k + 1:
+        raise ValueError(
+            f"expected draft_tokens [k] and target rows [k+1, V]; got "
+            f"{tuple(draft_tokens.shape)} and {tuple(target_rows.shape)}"
+        )
+    return k
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """draft_tokens [k] int64, target_logits [k+1, V] -> (accepted m, emitted [m+1] int64).
+
+    emitted = d_1..d_m followed by the target's argmax of row m (recovered or bonus token).
+    """
+    k = _check(draft_tokens, target_logits)
+    target_ids = target_logits.argmax(dim=-1)  # [k+1]: the target's greedy token per row
+    matches = (draft_tokens.to(target_ids.device) == target_ids[:k]).long()  # [k]
+    accepted = int(matches.cumprod(dim=0).sum()) if k else 0  # length of the matching prefix
+    emitted = target_ids[: accepted + 1].clone()  # [m+1]; equals the drafts where they matched
+    return accepted, emitted
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, torch.Tensor]:
+    """draft_tokens [k] int64, target_probs [k+1, V] float -> (accepted m, emitted [m+1] int64).
+
+    Draft d_i is accepted with probability p_{i−1}(d_i) (u ~ U[0,1), accept when u < p). The
+    first rejection draws the recovered token from row i−1 with d_i zeroed and renormalized;
+    if every draft is accepted the bonus token is drawn from row k.
+    """
+    k = _check(draft_tokens, target_probs)
+    device = target_probs.device
+    drafts = draft_tokens.to(device)
+    # One uniform per draft, drawn up front so the random stream does not depend on where the
+    # chain is rejected.
+    u = torch.rand(k, generator=generator, device=device, dtype=torch.float64)  # [k]
+    p_draft = target_probs[torch.arange(k, device=device), drafts].double()  # [k]
+    # A draft holding all of its row's mass is accepted outright: a float32 row can carry
+    # p(d) = 0.99999994 with nothing left for a recovered token to be drawn from.
+    sole = (target_probs[:k] > 0).sum(dim=-1) == (p_draft > 0).long()  # [k] bool
+    accepted_mask = ((u < p_draft) | (sole & (p_draft > 0))).long()  # [k]
+    accepted = int(accepted_mask.cumprod(dim=0).sum()) if k else 0
+    row = target_probs[accepted].float()  # [V]
+    if accepted < k:
+        residual = row.clone()
+        residual[drafts[accepted]] = 0.0  # max(p − q, 0) with q one-hot on the rejected draft
+        assert float(residual.sum()) > 0.0  # a sole-mass draft is never rejected (above)
+        last = sample_from_probs(residual / residual.sum(), generator)  # recovered token
+    else:
+        last = sample_from_probs(row, generator)  # bonus token
+    emitted = torch.cat([drafts[:accepted], last.reshape(1)])  # [m+1]
+    return accepted, emitted

@@ -1,0 +1,58 @@
+"""The target model against transformers' own Qwen3 / Qwen3-MoE (the oracle), fp32 on CPU."""
+
+import pytest
+import torch
+
+from metrale.runtime.loader import load_target
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rope_theta=10000.0,
+              tie_word_embeddings=False)
+
+
+def _save(tmp_path, moe: bool):
+    torch.manual_seed(0)
+    if moe:
+        cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(**COMMON, intermediate_size=48)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # norms away from 1 so they are actually exercised
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.eval().save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_logits_match_transformers(tmp_path, moe):
+    ref = _save(tmp_path, moe)
+    ours = load_target(tmp_path)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids, output_hidden_states=True)
+        got = ours(ids, taps=(0, 1))
+    assert (got.logits - want.logits).abs().max().item() <= 1e-4
+    # taps: layer id l is transformers' hidden_states[l+1] (its last entry is after the final
+    # norm, so only inner layers are compared directly)
+    expect_taps = torch.cat([want.hidden_states[1], want.hidden_states[2]], dim=-1)
+    assert torch.allclose(got.taps, expect_taps, atol=1e-5)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_kv_cache_decode_matches_full_forward(tmp_path, moe):
+    _save(tmp_path, moe)
+    model = load_target(tmp_path)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model.new_cache(1, 16)
+        parts = [model(ids[:, :5], cache).logits]
+        parts += [model(ids[:, i:i + 1], cache).logits for i in range(5, 9)]
+    assert cache.length == 9
+    assert (torch.cat(parts, dim=1) - full).abs().max().item() <= 1e-5
