@@ -133,6 +133,10 @@ def _is_int(value: object, lowest: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= lowest
 
 
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
+
+
 @dataclass(frozen=True)
 class Manifest:
     """The root config.json of an engine directory.
@@ -180,12 +184,9 @@ class Manifest:
         self._check_files()
         for name, src in self.sources.items():
             if not (isinstance(src, dict) and set(src) == {"path", "sha256"}
-                    and isinstance(src["path"], str)
-                    and isinstance(src["sha256"], str) and _SHA256.fullmatch(src["sha256"])):
-                raise _ManifestInvalid(
-                    f"sources[{name!r}] must be {{\"path\": str, \"sha256\": 64 hex digits}}, "
-                    f"got {src!r}"
-                )
+                    and isinstance(src["path"], str) and _is_sha256(src["sha256"])):
+                raise _ManifestInvalid(f'sources[{name!r}] must be {{"path": str, "sha256": 64 '
+                                       f'hex digits}}, got {src!r}')
         for name, info in self.components.items():
             if not is_component_name(name):
                 raise _ManifestInvalid(f"component name {name!r} is not {COMPONENT_NAME_RULE}")
@@ -198,12 +199,9 @@ class Manifest:
             if rel == MANIFEST_NAME:
                 raise _ManifestInvalid(f"files lists {MANIFEST_NAME}, the manifest itself")
             if not (isinstance(entry, dict) and set(entry) == {"sha256", "size"}
-                    and isinstance(entry["sha256"], str) and _SHA256.fullmatch(entry["sha256"])
-                    and _is_int(entry["size"], 0)):
-                raise _ManifestInvalid(
-                    f"files[{rel!r}] must be {{\"sha256\": 64 hex digits, \"size\": int >= 0}}, "
-                    f"got {entry!r}"
-                )
+                    and _is_sha256(entry["sha256"]) and _is_int(entry["size"], 0)):
+                raise _ManifestInvalid(f'files[{rel!r}] must be {{"sha256": 64 hex digits, '
+                                       f'"size": int >= 0}}, got {entry!r}')
 
     def to_json(self) -> str:
         """The manifest as written to config.json: sorted keys, indent 2, trailing newline."""
@@ -468,24 +466,24 @@ def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
     return [row for k, v in sorted(value.items()) for row in _flatten(f"{prefix} {k}", v)]
 
 
-def _plugin_name(plugin: Any) -> str:
-    return str(plugin["name"]) if isinstance(plugin, dict) and "name" in plugin else _cell(plugin)
+def _files_cell(sizes: list[int]) -> str:
+    return f"{len(sizes)} file{'' if len(sizes) == 1 else 's'}, {human_size(sum(sizes))}"
 
 
 def manifest_rows(manifest: Manifest) -> list[tuple[str, str]]:
     """(field, value) rows describing the whole directory, for `metrale inspect`."""
-    total = sum(e["size"] for e in manifest.files.values())
     rows = [("format version", str(manifest.format_version)),
             ("metrale version", manifest.metrale_version), ("created", manifest.created),
             ("tensor parallel", str(manifest.tp_size))]
     rows += [(key, _cell(v)) for key, v in _flatten("build", manifest.build)]
-    rows.append(("plugins", ", ".join(_plugin_name(p) for p in manifest.plugins) or "none"))
+    names = [p["name"] if isinstance(p, dict) and "name" in p else p for p in manifest.plugins]
+    rows.append(("plugins", _cell(names) if names else "none"))
     for name, src in sorted(manifest.sources.items()):
         rows.append((f"source {name}", f"{src['path']} (sha256 {src['sha256'][:12]}…)"))
     for key, v in _flatten("memory", manifest.memory_estimate):
         is_bytes = isinstance(v, (int, float)) and not isinstance(v, bool)
         rows.append((key, human_size(v) if is_bytes else _cell(v)))
-    rows.append(("files", f"{len(manifest.files)} files, {human_size(total)}"))
+    rows.append(("files", _files_cell([e["size"] for e in manifest.files.values()])))
     return rows
 
 
@@ -495,5 +493,5 @@ def component_rows(manifest: Manifest) -> list[tuple[str, str, str, str]]:
     for name, info in sorted(manifest.components.items()):
         mine = [e["size"] for rel, e in manifest.files.items() if rel.startswith(f"{name}/")]
         rows.append((name, _cell(info.get("kind")), _cell(info.get("quantization")),
-                     f"{len(mine)} files, {human_size(sum(mine))}"))
+                     _files_cell(mine)))
     return rows

@@ -1,10 +1,11 @@
 """The MTP (multi-token prediction) head: one decoder layer that drafts the token after next.
 
-Input at position p: `fc(cat[norm_e(embed(token_p)), norm_h(hidden_{p-1})])` — the embedding
-comes first — where hidden_{p-1} is the target's last-layer output (before its final norm) at the
-previous position, or, inside a chain, the head's own pre-norm output. The layer's output h is
-both fed back (chains reuse the one head k times) and, through `norm` and the draft LM head,
-gives the draft distribution for position p+1.
+Entry p of the head's stream pairs the token at position p+1 with the hidden state of position
+p: `x_p = fc(cat[norm_e(embed(token_{p+1})), norm_h(hidden_p)])` — the embedding comes first —
+where hidden_p is the target's last-layer output (before its final norm), or, inside a chain, the
+head's own pre-norm output of entry p−1. Entry p sits at rotary position p and cache slot p, and
+through `norm` and the draft LM head gives the draft distribution for token p+2. The layer's
+output h is fed back, so a chain reuses the one head k times.
 
 Two checkpoint namings (see `loader.MTP_RENAMES`): Qwen3-Next `mtp.*` (zero-centred norms x̂·(1+w),
 shared expert with a sigmoid gate) and DeepSeek/GLM `model.layers.{N}.*` (`enorm`, `hnorm`,
@@ -42,8 +43,8 @@ class MTPHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
                 start: int | None = None):
-        """embeds [B, T, H] (target embedding of tokens at positions start..), hidden [B, T, H]
-        (hidden state of the position before each) -> (logits [B, T, V], h [B, T, H] pre-norm)."""
+        """Entries start..start+T−1. embeds [B, T, H] (target embedding of token p+1 for entry p),
+        hidden [B, T, H] (hidden state of position p) -> (logits [B, T, V], h [B, T, H] pre-norm)."""
         if cache is not None and start is None:
             start = cache.length
         start = start or 0

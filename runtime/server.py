@@ -33,17 +33,15 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metrale.runtime.errors import MetraleError
+from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.tokenizer import IncrementalDecoder, Tokenizer
-
-if TYPE_CHECKING:
-    from metrale.runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +68,16 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error") -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code = param, code
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind,
                           "param": self.param, "code": self.code}}
 
 
-def _server_error(e: BaseException) -> APIError:
-    return APIError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error",
+def _server_error(e: BaseException, what: str = "generation") -> APIError:
+    return APIError(500, f"{what} failed: {type(e).__name__}: {e}", kind="server_error",
                     code="internal_error")
 
 
@@ -101,10 +100,9 @@ def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], what
         if required:
             raise APIError(400, f"`{name}` is required", name, "missing_required_parameter")
         return None
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        value = ...  # fall through to the type error: true is not 1 here
-    if not isinstance(value, kinds):
-        raise APIError(400, f"`{name}` must be {what}, got {body.get(name)!r}", name, "invalid_type")
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise APIError(400, f"`{name}` must be {what}, got {value!r}", name, "invalid_type")
     return value
 
 
@@ -132,8 +130,8 @@ def _message_text(m: Any, i: int) -> Any:
     """OpenAI lets content be a list of parts; the text parts join into the template's string."""
     if isinstance(m, dict) and isinstance(m.get("content"), list):
         parts = m["content"]
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in parts):
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in parts):
             raise APIError(400, f"messages[{i}].content: only text parts are supported",
                            "messages", "invalid_type")
         return {**m, "content": "".join(p["text"] for p in parts)}
@@ -142,8 +140,6 @@ def _message_text(m: Any, i: int) -> Any:
 
 def parse_request(gen: TextGenerator, body: Any, chat: bool) -> GenerationRequest:
     """Check a /v1/completions (chat=False) or /v1/chat/completions body; raise APIError."""
-    from metrale.runtime.sampling import SamplingParams  # lazy: the sampler owns its module
-
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
     model = _field(body, "model", str, "a string")
@@ -169,7 +165,8 @@ def parse_request(gen: TextGenerator, body: Any, chat: bool) -> GenerationReques
         prompt_ids = tok.encode(text)
     else:
         prompt_param = "prompt"
-        prompt = _field(body, "prompt", (str, list), "a string", required=True)
+        prompt = _field(body, "prompt", (str, list), "a string, a list of one string, or a list "
+                        "of token ids", required=True)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             if not all(0 <= t < tok.vocab_size for t in prompt):
                 raise APIError(400, f"`prompt` token ids must lie in [0, {tok.vocab_size})",
@@ -193,7 +190,7 @@ def parse_request(gen: TextGenerator, body: Any, chat: bool) -> GenerationReques
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"`max_tokens` must be at least 1, got {max_tokens}", "max_tokens",
                        "invalid_value")
-    if temperature is not None and temperature < 0:
+    if temperature is not None and not temperature >= 0:  # NaN included
         raise APIError(400, f"`temperature` must be >= 0 (0 = greedy), got {temperature}",
                        "temperature", "invalid_value")
     if top_p is not None and not 0 < top_p <= 1:
@@ -201,7 +198,7 @@ def parse_request(gen: TextGenerator, body: Any, chat: bool) -> GenerationReques
     room = gen.max_context - len(prompt_ids)
     if max_tokens is None:
         max_tokens = min(SamplingParams().max_tokens, room)  # the sampler's default, if it fits
-    if max_tokens > room:
+    if room < 1 or max_tokens > room:
         raise APIError(400, f"the context holds {gen.max_context} tokens; the {prompt_param} "
                        f"takes {len(prompt_ids)}, leaving {max(room, 0)} for completion, but "
                        f"max_tokens is {max_tokens}", prompt_param, "context_length_exceeded")
@@ -212,8 +209,9 @@ def parse_request(gen: TextGenerator, body: Any, chat: bool) -> GenerationReques
         sampling["top_p"] = float(top_p)
     try:
         params = SamplingParams(**sampling)
-    except MetraleError as e:
-        raise APIError(400, str(e), None, "invalid_value") from e
+    except MetraleError as e:  # its message starts with the field's name
+        field = str(e).split(":", 1)[0]
+        raise APIError(400, str(e), field if field in sampling else None, "invalid_value") from e
 
     stop = body.get("stop")
     stops = tuple(s for s in _strings(stop, "stop") if s) if stop is not None else ()
@@ -262,6 +260,8 @@ def _run_generation(gen: TextGenerator, lock: threading.Lock, req: GenerationReq
         eos, limit = gen.tokenizer.eos_token_ids, req.params.max_tokens
         n, saw_eos, stopped = 0, False, False
         with lock:
+            if cancel.is_set():  # the client left while this request waited for the model
+                return
             tokens = gen.stream(req.prompt_ids, req.params)
             try:
                 for token in tokens:
@@ -330,7 +330,9 @@ def create_app(generator: TextGenerator) -> FastAPI:
     """The FastAPI app serving `generator`; all state lives in this closure."""
     app = FastAPI(title="metrale", docs_url=None, redoc_url=None, openapi_url=None)
     lock = threading.Lock()
-    counts: Counter[tuple[str, ...]] = Counter()  # mutated on the event loop thread only
+    # Mutated on the event loop thread only. requests: (endpoint, outcome); tokens: kind.
+    requests: Counter[tuple[str, str]] = Counter()
+    tokens: Counter[str] = Counter()
     started = int(time.time())
 
     @app.exception_handler(APIError)
@@ -342,6 +344,11 @@ def create_app(generator: TextGenerator) -> FastAPI:
         code = "not_found" if e.status_code == 404 else None
         return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(),
                             status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:
+        log.error("unhandled error on %s", request.url.path, exc_info=e)
+        return JSONResponse(_server_error(e, "request").body(), status_code=500)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -358,29 +365,32 @@ def create_app(generator: TextGenerator) -> FastAPI:
             text = generator.metrics_text()
         except Exception as e:
             log.exception("metrics_text failed")
-            raise _server_error(e) from e
+            raise _server_error(e, "metrics_text") from e
         lines = [text.rstrip("\n")] if text.strip() else []
-        lines += ["# HELP metrale_server_requests_total Generation requests by endpoint and outcome.",
+        lines += ["# HELP metrale_server_requests_total Generation requests by endpoint, outcome.",
                   "# TYPE metrale_server_requests_total counter"]
-        for (kind, endpoint, status), v in sorted(counts.items()):
-            if kind == "req":
-                lines.append(f'metrale_server_requests_total{{endpoint="{endpoint}",'
-                             f'status="{status}"}} {v}')
+        for (endpoint, status), v in sorted(requests.items()):
+            lines.append(f'metrale_server_requests_total{{endpoint="{endpoint}",'
+                         f'status="{status}"}} {v}')
         for name in ("prompt", "completion"):
             lines += [f"# HELP metrale_server_{name}_tokens_total {name.title()} tokens processed.",
                       f"# TYPE metrale_server_{name}_tokens_total counter",
-                      f"metrale_server_{name}_tokens_total {counts[('tok', name)]}"]
+                      f"metrale_server_{name}_tokens_total {tokens[name]}"]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def handle(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
             response = await generate(request, chat)
-            counts["req", endpoint, "ok"] += 1
-            return response
         except APIError as e:
-            counts["req", endpoint, "client_error" if e.status < 500 else "server_error"] += 1
+            requests[endpoint, "client_error" if e.status < 500 else "server_error"] += 1
             raise
+        except Exception as e:  # a bug, not the request's fault: still a JSON 500
+            log.exception("%s request failed", endpoint)
+            requests[endpoint, "server_error"] += 1
+            raise _server_error(e) from e
+        requests[endpoint, "ok"] += 1
+        return response
 
     async def generate(request: Request, chat: bool) -> Response:
         raw = await request.body()
@@ -390,11 +400,13 @@ def create_app(generator: TextGenerator) -> FastAPI:
             raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
         req = parse_request(generator, body, chat)
         prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
-        rid, created, n_prompt = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), len(req.prompt_ids)
-        counts["tok", "prompt"] += n_prompt
+        rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        n_prompt = len(req.prompt_ids)
+        tokens["prompt"] += n_prompt
         events = _events(generator, lock, req)
-        first = await anext(events)
+        first = await anext(events)  # waiting for it turns a failing prefill into a 500
         if first[0] == "error":
+            await events.aclose()
             raise _server_error(first[1])
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
@@ -410,13 +422,16 @@ def create_app(generator: TextGenerator) -> FastAPI:
         if not req.stream:
             parts: list[str] = []
             event = first
-            while event[0] == "text":
-                parts.append(event[1])
-                event = await anext(events)
+            try:
+                while event[0] == "text":
+                    parts.append(event[1])
+                    event = await anext(events)
+            finally:
+                await events.aclose()
             if event[0] == "error":
                 raise _server_error(event[1])
             finish, n_done = event[1]
-            counts["tok", "completion"] += n_done
+            tokens["completion"] += n_done
             text = "".join(parts)
             choice: dict[str, Any] = (
                 {"index": 0, "message": {"role": "assistant", "content": text},
@@ -427,6 +442,13 @@ def create_app(generator: TextGenerator) -> FastAPI:
                                  "usage": _usage(n_prompt, n_done)})
 
         async def sse() -> AsyncIterator[str]:
+            try:
+                async for line in sse_lines():
+                    yield line
+            finally:  # also when the client went away: stop the worker at its next token
+                await events.aclose()
+
+        async def sse_lines() -> AsyncIterator[str]:
             if chat:
                 yield _sse(chunk(None, None, role=True))
             event = first
@@ -439,7 +461,7 @@ def create_app(generator: TextGenerator) -> FastAPI:
                     break
                 else:
                     finish, n_done = payload
-                    counts["tok", "completion"] += n_done
+                    tokens["completion"] += n_done
                     yield _sse(chunk(None, finish))
                     if req.include_usage:
                         yield _sse({"id": rid, "object": obj + ".chunk" if chat else obj,

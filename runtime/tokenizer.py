@@ -124,7 +124,9 @@ class Tokenizer:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
         if not isinstance(config, dict):
-            raise CheckpointError(f"{cfg_file}: must hold a JSON object, got {type(config).__name__}")
+            raise CheckpointError(
+                f"{cfg_file}: must hold a JSON object, got {type(config).__name__}"
+            )
         jinja_file = root / "chat_template.jinja"
         if config.get("chat_template") is None and jinja_file.is_file():
             config["chat_template"] = jinja_file.read_text(encoding="utf-8")
@@ -266,7 +268,9 @@ def train_bpe_tokenizer(
         "clean_up_tokenization_spaces": False,
         "chat_template": CHATML_TEMPLATE,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2) + "\n", encoding="utf-8"
+    )
     special_map = {**specials, "additional_special_tokens": [IM_START, IM_END]}
     (out / "special_tokens_map.json").write_text(
         json.dumps(special_map, indent=2) + "\n", encoding="utf-8"
