@@ -23,6 +23,10 @@ DEFAULT_TOP_P = 1.0
 DEFAULT_MAX_TOKENS = 256
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples: temperature >= 0 (0 = greedy), 0 < top_p <= 1, max_tokens >= 1.
@@ -37,13 +41,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+        if not _is_number(t) or not (math.isfinite(t) and t >= 0):
             raise ConfigError(f"temperature: got {t!r}; expected a finite number >= 0 (0 = greedy)")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        if not _is_number(p) or not 0.0 < p <= 1.0:
             raise ConfigError(f"top_p: got {p!r}; expected a number with 0 < top_p <= 1")
-        if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
-            raise ConfigError(f"seed: got {self.seed!r}; expected an integer >= 0 or none")
+        if self.seed is not None and type(self.seed) is not int:
+            raise ConfigError(f"seed: got {self.seed!r}; expected an integer or none")
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise ConfigError(f"max_tokens: got {self.max_tokens!r}; expected an integer >= 1")
 
@@ -52,11 +56,17 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def generator_for(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator seeded with `params.seed`, or None (torch's global stream) when unseeded."""
+def generator_for(
+    params: SamplingParams, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """A generator seeded with `params.seed`, or None (torch's global stream) when unseeded.
+
+    Any integer is a seed (OpenAI's API allows negative ones); it is taken modulo 2**64, the
+    range torch's generators hold.
+    """
     if params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+    return torch.Generator(device=device).manual_seed(params.seed % 2**64)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -71,7 +81,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     probs = torch.softmax(logits / params.temperature, dim=-1)  # [..., V]
     if params.top_p >= 1.0:
         return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V] each
+    # Stable: among equally likely tokens the lower id ranks first, as argmax's tie rule does.
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., V] each
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [..., V]: mass of the tokens ranked above
     # A token is kept while the tokens above it have not yet reached top_p; the top token always is.
     keep_sorted = mass_before < params.top_p
@@ -80,15 +91,19 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_probs(
+    probs: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """probs [..., V] -> token ids [...] int64, one draw per row."""
     flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
     ids = torch.multinomial(flat, num_samples=1, generator=generator)  # [N, 1]
     return ids.reshape(probs.shape[:-1])
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [..., V] -> token ids [...] int64: argmax when greedy, else a draw from the nucleus."""
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """logits [..., V] -> token ids [...] int64: argmax when greedy, else a nucleus draw."""
     if params.greedy:
         return logits.argmax(dim=-1)
     return sample_from_probs(probs_from_logits(logits, params), generator)

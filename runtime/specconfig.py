@@ -93,9 +93,9 @@ HELP: dict[str, str] = {
     "--draft-tp-size": (
         "Tensor-parallel degree of the DFlash drafter: auto (the serve's world size) or a rank "
         "count. Above 1 every rank holds a slice of the drafter (its KV heads with their query "
-        "groups, a slice of the MLP intermediate and of the LM-head rows) and each propose runs "
-        "on all ranks at once, the drafts equal to one rank's up to the all-reduce summation "
-        "order. 1 runs the whole drafter on rank 0. The drafter's collectives span every rank, "
+        "groups, a slice of the MLP intermediate and of the shared LM head's rows) and each "
+        "propose runs on all ranks at once, the drafts equal to one rank's up to the all-reduce "
+        "summation order. 1 runs the whole drafter on rank 0. The drafter's collectives span every rank, "
         "so the value must be 1 or the world size, and the drafter's KV heads must divide "
         "evenly among the ranks; startup refuses anything else. Set the same value on every "
         "rank. Unset (the default): 1. Requires --dflash."
@@ -110,6 +110,9 @@ HELP: dict[str, str] = {
 _DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _UINT = re.compile(r"\d+")
 _DRAFTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+_COST_ALLOWED = "expected drafts:ms pairs over consecutive counts from 0 or 1, e.g. 0:32,1:44,2:50"
+_LADDER_ALLOWED = "expected strictly ascending draft counts of at least 1, e.g. 1,3,7"
+_TP_ALLOWED = "--draft-tp-size: expected `auto` or a rank count of at least 1, got"
 
 
 def _q(value: object) -> str:
@@ -199,10 +202,7 @@ class CostModel:
 
     @classmethod
     def parse(cls, s: str) -> CostModel:
-        allowed = (
-            "expected drafts:ms pairs over consecutive counts from 0 or 1, "
-            "e.g. 0:32,1:44,2:50,3:56"
-        )
+        allowed = _COST_ALLOWED
         counts: list[int] = []
         costs: list[float] = []
         for item in s.split(","):
@@ -236,7 +236,7 @@ class CostModel:
 
 def parse_ladder(s: str) -> tuple[int, ...]:
     """`--dflash-draft-ladder`: strictly ascending draft counts, each at least 1."""
-    allowed = "expected strictly ascending draft counts of at least 1, e.g. 1,3,7"
+    allowed = _LADDER_ALLOWED
     items = [t.strip() for t in s.split(",")]
     if not all(_UINT.fullmatch(t) for t in items):
         raise ConfigError(f"--dflash-draft-ladder: got {_q(s)}; {allowed}")
@@ -244,7 +244,7 @@ def parse_ladder(s: str) -> tuple[int, ...]:
 
 
 def _check_ladder(rungs: tuple[int, ...]) -> tuple[int, ...]:
-    allowed = "expected strictly ascending draft counts of at least 1, e.g. 1,3,7"
+    allowed = _LADDER_ALLOWED
     shown = _q(",".join(map(str, rungs)))
     if not rungs:
         raise ConfigError(f"--dflash-draft-ladder: got {shown} (no rungs); {allowed}")
@@ -266,10 +266,7 @@ class DraftTpSize:
 
     def __post_init__(self) -> None:
         if self.ranks is not None and (type(self.ranks) is not int or self.ranks < 1):
-            raise ConfigError(
-                f"--draft-tp-size: expected `auto` or a rank count of at least 1, "
-                f"got {_q(self.ranks)}"
-            )
+            raise ConfigError(f"{_TP_ALLOWED} {_q(self.ranks)}")
 
     @classmethod
     def parse(cls, s: str | int) -> DraftTpSize:
@@ -279,7 +276,7 @@ class DraftTpSize:
             return cls(s)
         if isinstance(s, str) and _UINT.fullmatch(s):
             return cls(int(s))
-        raise ConfigError(f"--draft-tp-size: expected `auto` or a rank count of at least 1, got {_q(s)}")
+        raise ConfigError(f"{_TP_ALLOWED} {_q(s)}")
 
     def ranks_on(self, world_size: int) -> int:
         return world_size if self.ranks is None else self.ranks
@@ -364,9 +361,10 @@ class SpeculativeConfig:
             object.__setattr__(self, "draft_tp_size", DraftTpSize(DEFAULT_DRAFT_TP_SIZE))
         if self.dflash_drafter is None:
             object.__setattr__(self, "dflash_drafter", DEFAULT_DFLASH_DRAFTER)
-        if not (isinstance(self.dflash_drafter, str) and _DRAFTER_NAME.fullmatch(self.dflash_drafter)):
+        name = self.dflash_drafter
+        if not (isinstance(name, str) and _DRAFTER_NAME.fullmatch(name)):
             raise ConfigError(
-                f"--dflash-drafter: got {_q(self.dflash_drafter)}; expected a component name of "
+                f"--dflash-drafter: got {_q(name)}; expected a component name of "
                 "letters, digits, '_' and '-', e.g. dflash or dflash2"
             )
         if self.dflash_gamma is not None:
@@ -392,24 +390,29 @@ class SpeculativeConfig:
         if speculative and dflash:
             raise ConfigError("--speculative and --dflash exclude each other; choose one")
         mode = SpecMode.MTP if speculative else SpecMode.DFLASH if dflash else SpecMode.OFF
-        if draft_confidence_stop is not None and dflash:
+        if draft_confidence_stop is not None and not speculative:
             # Checked before parsing so the mode conflict is the message, not the syntax.
+            extra = "; not with --dflash" if dflash else ""
             raise ConfigError(
-                f"--draft-confidence-stop {_q(draft_confidence_stop)} requires --speculative; "
-                "not with --dflash"
+                f"--draft-confidence-stop {_q(draft_confidence_stop)} requires --speculative{extra}"
             )
         return cls(
             mode=mode,
             num_drafts=num_drafts,
-            draft_stop=None if draft_confidence_stop is None else DraftStop.parse(draft_confidence_stop),
+            draft_stop=_maybe(DraftStop.parse, draft_confidence_stop),
             dflash_gamma=dflash_gamma,
-            dflash_draft_ladder=None if dflash_draft_ladder is None else parse_ladder(dflash_draft_ladder),
-            dflash_adaptive_k=None if dflash_adaptive_k is None else CostModel.parse(dflash_adaptive_k),
+            dflash_draft_ladder=_maybe(parse_ladder, dflash_draft_ladder),
+            dflash_adaptive_k=_maybe(CostModel.parse, dflash_adaptive_k),
             dflash_reprobe_interval=dflash_reprobe_interval,
             exact_verify=bool(exact_verify),
-            draft_tp_size=None if draft_tp_size is None else DraftTpSize.parse(draft_tp_size),
+            draft_tp_size=_maybe(DraftTpSize.parse, draft_tp_size),
             dflash_drafter=dflash_drafter,
         )
+
+
+def _maybe(parse, value):
+    """Parse a flag that was given; keep `None` (not given) as is."""
+    return None if value is None else parse(value)
 
 
 def _check_counts_fit(cfg: SpeculativeConfig, max_drafts: int, bound: str) -> None:

@@ -39,7 +39,9 @@ def _check(draft_tokens: torch.Tensor, target_rows: torch.Tensor) -> int:
     return k
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+def verify_greedy(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[int, torch.Tensor]:
     """draft_tokens [k] int64, target_logits [k+1, V] -> (accepted m, emitted [m+1] int64).
 
     emitted = d_1..d_m followed by the target's argmax of row m (recovered or bonus token).

@@ -1,0 +1,179 @@
+"""The draft count: E(k), the cost-model chooser, the estimator, the ladder, the controller."""
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metrale.runtime.adaptive_k import (
+    AcceptanceEstimator,
+    AdaptiveKController,
+    DraftLadder,
+    choose_k,
+    expected_tokens,
+)
+from metrale.runtime.specconfig import CostModel
+
+SEED_COST = CostModel.parse("0:32,1:44,2:50,3:56")
+
+
+def test_expected_tokens_by_hand():
+    acc = [0.8, 0.5, 0.25]
+    assert expected_tokens(acc, 0) == 1.0
+    assert expected_tokens(acc, 1) == pytest.approx(1.8)  # 1 + 0.8
+    assert expected_tokens(acc, 2) == pytest.approx(2.2)  # + 0.8·0.5
+    assert expected_tokens(acc, 3) == pytest.approx(2.3)  # + 0.8·0.5·0.25
+    with pytest.raises(ValueError):
+        expected_tokens(acc, 4)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=10))
+def test_expected_tokens_monotone_and_bounded(acc):
+    values = [expected_tokens(acc, k) for k in range(len(acc) + 1)]
+    assert all(b >= a for a, b in zip(values, values[1:]))
+    assert all(1.0 <= v <= k + 1 + 1e-12 for k, v in enumerate(values))
+
+
+def test_choose_k_thresholds_of_the_seed_cost_model():
+    # Cost 0:32,1:44,2:50,3:56 with i.i.d. acceptance α; rate r(k) = E(k)/cost(k):
+    #   r0 = 1/32, r1 = (1+α)/44, r2 = (1+α+α²)/50, r3 = (1+α+α²+α³)/56.
+    # Lower threshold: r1 > r0 ⇔ 1+α > 44/32 = 1.375 ⇔ α > 0.375. The others beat r0 later
+    #   (r2 > r0 ⇔ α²+α > 0.5625 ⇔ α > (−1+√3.25)/2 ≈ 0.4014; r3 > r0 ⇔ α³+α²+α > 0.75 ⇔
+    #   α > ≈ 0.4526), so k = 0 below 0.375 and k = 1 just above it.
+    # Upper threshold: r3 > r2 ⇔ 50α³ > 6(1+α+α²) ⇔ f(α) = 50α³ − 6α² − 6α − 6 > 0, whose one
+    #   positive root is α ≈ 0.6226 (f(0.622) ≈ −0.021, f(0.623) ≈ +0.023). Past it r3 also
+    #   beats r1 (⇔ 1+α² > 56/44 ⇔ α > ≈ 0.5222) and r0, so k = 3 above ≈ 0.6226; just below
+    #   it k = 2 (r2 > r1 ⇔ 44α² > 6(1+α) ⇔ α > ≈ 0.4437).
+    f = lambda a: 50 * a**3 - 6 * a**2 - 6 * a - 6  # noqa: E731
+    assert f(0.622) < 0 < f(0.623)
+
+    def k_at(alpha):
+        return choose_k(SEED_COST, [alpha] * 3, max_k=3)
+
+    assert k_at(0.2) == 0 and k_at(0.374) == 0
+    assert k_at(0.375) == 0  # exact tie r1 = 1.375/44 = 1/32 = r0: the smaller k wins
+    assert k_at(0.376) == 1
+    assert k_at(0.44) == 1 and k_at(0.45) == 2
+    assert k_at(0.622) == 2 and k_at(0.624) == 3 and k_at(0.95) == 3
+
+
+def test_choose_k_respects_max_k_and_a_model_without_zero():
+    assert choose_k(SEED_COST, [0.9] * 3, max_k=2) == 2
+    no_plain = CostModel.parse("1:44,2:50")
+    assert choose_k(no_plain, [0.0, 0.0], max_k=2) == 1  # cannot suspend: the cheapest count
+    with pytest.raises(ValueError):
+        choose_k(no_plain, [0.5], max_k=0)
+
+
+def simulate(alpha, k, steps, seed):
+    """Verify outcomes of chains of k drafts, each accepted i.i.d. with probability alpha."""
+    rng = random.Random(seed)
+    for _ in range(steps):
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        yield k, accepted
+
+
+def test_estimator_recovers_alpha_where_the_naive_ratio_is_biased():
+    alpha, k = 0.7, 4
+    est = AcceptanceEstimator()
+    drafted = accepted = 0
+    for n, m in simulate(alpha, k, steps=4000, seed=1234):
+        est.update(n, m)
+        drafted, accepted = drafted + n, accepted + m
+    # Naive accepted / drafted = E[m]/k = (α+α²+α³+α⁴)/4 = (0.7+0.49+0.343+0.2401)/4 ≈ 0.443:
+    # drafts after the first rejection are counted as rejected though they were never tested.
+    naive = accepted / drafted
+    assert naive == pytest.approx(0.443, abs=0.02)
+    assert abs(naive - alpha) > 0.2
+    # Position j is tested ≈ 4000·α^(j−1) times (≥ 1372 at j = 4): standard error ≤ 0.013.
+    rates = est.rates(k)
+    assert all(abs(a - alpha) < 0.04 for a in rates), rates
+    assert est.tested[0] == 4000 and est.tested[3] == pytest.approx(4000 * alpha**3, rel=0.1)
+
+
+def test_estimator_counts_only_tested_positions():
+    est = AcceptanceEstimator()
+    est.update(4, 1)  # position 1 accepted, position 2 rejected, 3 and 4 untested
+    est.update(2, 2)  # positions 1 and 2 accepted
+    est.update(0, 0)  # plain step: nothing
+    assert est.tested == [2, 2] and est.accepted == [2, 1]
+    # prior 0.5, strength 1: pooled = (3 + 0.5)/(4 + 1) = 0.7;
+    # a_1 = (2 + 0.7)/(2 + 1) = 0.9, a_2 = (1 + 0.7)/3 ≈ 0.5667, a_3 untested = 0.7/1 = 0.7.
+    assert est.rates(3) == pytest.approx([0.9, 1.7 / 3, 0.7])
+    assert AcceptanceEstimator().rates(2, prior=0.3) == pytest.approx([0.3, 0.3])
+    with pytest.raises(ValueError):
+        est.update(2, 3)
+
+
+def test_estimator_decay_forgets_old_steps():
+    est = AcceptanceEstimator(decay=0.5)
+    est.update(1, 0)
+    est.update(1, 0)
+    est.update(1, 1)
+    # Counts halve before each update: tested 1 → 0.5+1 = 1.5 → 0.75+1 = 1.75;
+    # accepted 0 → 0 → 0+1 = 1. Without decay a_1 would be 1/3; here it leans to the last step.
+    assert est.tested == [1.75] and est.accepted == [1.0]
+
+
+def test_ladder_moves():
+    ladder = DraftLadder([1, 3, 7])
+    assert ladder.current == 1  # starts low
+    ladder.observe(1, 1)  # all accepted: up
+    assert ladder.current == 3
+    ladder.observe(3, 1)  # 1 is not fewer than the rung below (1): stay
+    assert ladder.current == 3
+    ladder.observe(3, 3)
+    assert ladder.current == 7
+    ladder.observe(7, 7)  # top rung: stays
+    assert ladder.current == 7
+    ladder.observe(7, 2)  # 2 < 3: down
+    assert ladder.current == 3
+    ladder.observe(3, 0)  # 0 < 1: down
+    assert ladder.current == 1
+    ladder.observe(1, 0)  # bottom rung: stays
+    assert ladder.current == 1
+    ladder.observe(0, 0)  # a plain step: no move
+    assert ladder.current == 1
+    with pytest.raises(ValueError):
+        DraftLadder([3, 1])
+
+
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=5, unique=True).map(sorted),
+       st.lists(st.floats(0.0, 1.0), max_size=30))
+def test_ladder_stays_on_its_rungs(rungs, fractions):
+    ladder = DraftLadder(rungs)
+    for f in fractions:
+        before = ladder.index
+        k = ladder.current
+        ladder.observe(k, round(f * k))
+        assert ladder.current in rungs and abs(ladder.index - before) <= 1
+
+
+def test_controller_suspends_and_reprobes():
+    ctl = AdaptiveKController(SEED_COST, max_k=3, reprobe_interval=3)
+    # No data: every a_j = prior 0.5; r2 = 1.75/50 = 0.035 is best (r1 ≈ 0.0341, r3 ≈ 0.0335).
+    assert ctl.next_k() == 2
+    for _ in range(20):
+        ctl.observe(2, 0)  # every first draft rejected: a_1 → 0
+    ks = [ctl.next_k() for _ in range(8)]
+    # Three plain steps, then one probe at the best k > 0 (k = 1 when a_1 ≈ 0), then again.
+    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]
+    for _ in range(200):
+        ctl.observe(1, 1)  # acceptance recovers: the probe's measurements lift a_1
+    assert ctl.next_k() > 0
+
+
+def test_controller_is_capped_by_ladder_and_max_k():
+    ladder = DraftLadder([1, 2, 3])
+    ctl = AdaptiveKController(SEED_COST, max_k=3, reprobe_interval=16, ladder=ladder)
+    for _ in range(50):
+        ctl.estimator.update(3, 3)  # near-perfect acceptance: the cost model alone wants 3
+    assert ctl.next_k() == 1  # the lowest rung caps it
+    ctl.observe(1, 1)
+    assert ladder.current == 2 and ctl.next_k() == 2
+    ctl.observe(2, 2)
+    assert ctl.next_k() == 3
+    assert AdaptiveKController(SEED_COST, max_k=2, reprobe_interval=16).next_k() <= 2
