@@ -76,6 +76,16 @@ def rename(tensors: dict[str, torch.Tensor], layout: str, n: int = 0) -> tuple[d
     return out, origin
 
 
+def checkpoint_name(name: str, layout: str, n: int = 0) -> str:
+    """The checkpoint name that `rename` turns into module name `name` (for error messages)."""
+    for src, dst in RENAMES[layout]:
+        if dst is not None and name.startswith(dst):
+            candidate = src.replace("{N}", str(n)) + name[len(dst):]
+            if name in rename({candidate: None}, layout, n)[0]:
+                return candidate
+    return name
+
+
 def strict_fill(module: nn.Module, tensors: dict[str, torch.Tensor], source: str,
                 origin: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> None:
     """Copy `tensors` into `module`'s parameters and buffers; refuse any mismatch by name."""
@@ -88,7 +98,7 @@ def strict_fill(module: nn.Module, tensors: dict[str, torch.Tensor], source: str
             )
     for name, param in expected.items():
         if name not in tensors:
-            raise CheckpointError(f"{source}: missing tensor {name}")
+            raise CheckpointError(f"{source}: missing tensor {origin.get(name, name)}")
         t = tensors[name]
         if tuple(t.shape) != tuple(param.shape):
             raise CheckpointError(
@@ -146,6 +156,9 @@ def load_mtp(folder: str | Path, target_lm_head: torch.Tensor,
     tensors, origin = rename(raw, f"mtp.{naming}", n)
     tensors.setdefault("lm_head.weight", target_lm_head)
     head = MTPHead(cfg).to(dtype)
+    for name in head.state_dict():  # a missing tensor is reported by its checkpoint name
+        if name not in tensors:
+            origin[name] = checkpoint_name(name, f"mtp.{naming}", n)
     strict_fill(head, tensors, source, origin)
     return head.eval()
 

@@ -1,0 +1,140 @@
+"""`metrale build`: Hugging Face checkpoints -> an engine directory.
+
+Order of work (each step can refuse; nothing is written before the staging directory exists and
+nothing reaches the final path unless every step succeeded):
+1. Resolve the recipe and the flag overrides into `BuildOptions` (validated).
+2. Load every checkpoint strictly (every tensor consumed, every shape checked) and refuse
+   quantization requests the checkpoints cannot honour, before any quantizing.
+3. Per component, derive the engine state in module naming — the drafters' and the head's draft
+   LM head (a copy of the target's) and the drafters' stacked context K/V projection — then
+   quantize it with ModelOpt as the tier asks.
+4. Write weights, configs, tokenizer and the manifest (with the memory estimate) through
+   `EngineDirWriter`, which renames the staging directory into place only when complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from metrale.builder import quantize as q
+from metrale.builder.recipe import BuildOptions, Recipe
+from metrale.runtime.engine_dir import EngineDirWriter, Manifest, checkpoint_digest
+from metrale.runtime.errors import ConfigError
+from metrale.runtime.loader import load_dflash, load_mtp, load_target, read_safetensors, rename
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+@dataclass
+class BuildReport:
+    engine_dir: Path
+    manifest: Manifest
+    seconds: float
+    memory_estimate: dict = field(default_factory=dict)
+
+
+def _bf16_state(module: torch.nn.Module, drop: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()
+            if not k.startswith(drop)}
+
+
+def drafter_engine_state(drafter) -> dict[str, torch.Tensor]:
+    """Module-named drafter state plus the stacked context K/V projection (`context_kv_proj`)."""
+    state = _bf16_state(drafter, drop=("context_kv_proj.",))
+    state["context_kv_proj.weight"] = drafter.stacked_context_kv_weight().detach().to(torch.bfloat16).contiguous()
+    return state
+
+
+def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: bool = True,
+                 progress: Callable[[str], None] = lambda msg: None) -> BuildReport:
+    t0 = time.time()
+    opts = recipe.build
+    out = Path(engine_dir) if engine_dir is not None else Path(recipe.engine_dir)
+    if opts.draft_tp_size not in (1, "auto"):
+        raise ConfigError(f"--draft-tp-size {opts.draft_tp_size}: tensor-parallel drafter shards "
+                          "are not built by this version (allowed: 1, auto)")
+    if opts.trt_flavor not in ("none", "auto"):
+        raise ConfigError(f"--trt-flavor {opts.trt_flavor}: TensorRT engines are not built by this "
+                          "version (allowed: none, auto — auto builds none without TensorRT)")
+
+    progress("loading checkpoints")
+    target = load_target(recipe.target.checkpoint)
+    lm_head = target.lm_head.weight.detach()
+    head = None
+    if recipe.mtp is not None:
+        head = load_mtp(recipe.mtp.checkpoint, lm_head)
+        naming = head.config.naming
+        raw, _ = rename(read_safetensors(recipe.mtp.checkpoint), f"mtp.{naming}", head.config.layer_index)
+        q.check_mtp_request(raw, experts_nvfp4=opts.mtp_experts_nvfp4,
+                            mtp_quantization=opts.mtp_quantization, ffn_kind=head.config.ffn_kind)
+        del raw
+    drafters = {name: load_dflash(src.checkpoint, lm_head) for name, src in recipe.drafters.items()}
+
+    memory: dict[str, dict] = {}
+    with EngineDirWriter(out, overwrite=overwrite) as w:
+        progress("writing target")
+        _write_component(w, "target", recipe.target.checkpoint, _bf16_state(target),
+                         {"kind": "target"})
+        _copy_tokenizer(w, recipe.target.checkpoint)
+        sources = {"target": {"path": str(recipe.target.checkpoint),
+                              "sha256": checkpoint_digest(recipe.target.checkpoint)}}
+        if head is not None:
+            progress("quantizing the MTP head")
+            state = _bf16_state(head)
+            qstate, section = q.quantize_mtp(state, experts_nvfp4=opts.mtp_experts_nvfp4,
+                                             mtp_quantization=opts.mtp_quantization,
+                                             ffn_kind=head.config.ffn_kind)
+            memory["mtp"] = mtp_memory(state, head.config.ffn_kind)
+            _write_component(w, "mtp", recipe.mtp.checkpoint, qstate,
+                             {"kind": "mtp", "naming": head.config.naming, "quantization": section,
+                              "weight_bytes": q.weight_bytes(qstate)})
+            sources["mtp"] = {"path": str(recipe.mtp.checkpoint),
+                              "sha256": checkpoint_digest(recipe.mtp.checkpoint)}
+        for name, drafter in drafters.items():
+            progress(f"quantizing drafter {name} ({opts.draft_weight_quantization})")
+            state = drafter_engine_state(drafter)
+            qstate, section = q.quantize_drafter(state, opts.draft_weight_quantization)
+            memory[name] = {tier: q.estimate_bytes(state, tier) for tier in q.DRAFT_TIERS}
+            src = recipe.drafters[name].checkpoint
+            _write_component(w, name, src, qstate,
+                             {"kind": "dflash", "version": drafter.config.version,
+                              "quantization": section, "weight_bytes": q.weight_bytes(qstate)})
+            sources[name] = {"path": str(src), "sha256": checkpoint_digest(src)}
+        w.set(sources=sources, tp_size=1, memory_estimate=memory,
+              build={"recipe": recipe.name, "draft_weight_quantization": opts.draft_weight_quantization,
+                     "mtp_quantization": opts.mtp_quantization,
+                     "mtp_experts_nvfp4": opts.mtp_experts_nvfp4, "trt_flavor": "none",
+                     "target_sm": list(opts.target_sm)})
+        progress("hashing and installing")
+    return BuildReport(out, w.manifest, time.time() - t0, memory)
+
+
+def mtp_memory(state: dict[str, torch.Tensor], ffn_kind: str) -> dict[str, int]:
+    est = {"bf16": q.weight_bytes(state)}
+    if ffn_kind == "moe":
+        est["experts-nvfp4"] = q.estimate_mtp_bytes(state)
+    return est
+
+
+def _write_component(w: EngineDirWriter, name: str, checkpoint: Path, state: dict, info: dict) -> None:
+    w.copy_file(Path(checkpoint) / "config.json", f"{name}/config.json")
+    w.save_safetensors(f"{name}/rank0.safetensors", state, metadata={"format": "pt"})
+    w.component(name, {**info, "config": f"{name}/config.json", "files": [f"{name}/rank0.safetensors"]})
+
+
+def _copy_tokenizer(w: EngineDirWriter, checkpoint: Path) -> None:
+    found = [f for f in TOKENIZER_FILES if (Path(checkpoint) / f).is_file()]
+    if "tokenizer.json" not in found or "tokenizer_config.json" not in found:
+        raise ConfigError(f"target checkpoint {checkpoint}: tokenizer.json and tokenizer_config.json are required")
+    for f in found:
+        w.copy_file(Path(checkpoint) / f, f"tokenizer/{f}")
+

@@ -1,0 +1,150 @@
+"""`metrale bench`: plain decoding and every speculative mode over held-out prompts, one process.
+
+All modes run the same prompts, greedy, with the same token budget, in one process, so their
+ratios are comparable even on a shared, noisy machine (absolute tokens/s are not). Per mode:
+tokens/s, τ (accepted + bonus per step), speedup over plain, verify rows per emitted token,
+drafter time share, per-position acceptance, and how many prompts produced exactly plain
+decoding's tokens (all of them, under --exact-verify).
+
+The cost model for adaptive k is measured here first: the mean wall time of a decode step that
+verifies k drafts (propose + verify), for k = 0..γ−1, on the first prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from metrale import options as o
+from metrale.cli import app, out, user_errors
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "prompts.json"
+
+
+def mode_table(engine, gamma_costs: str | None) -> list[tuple[str, dict]]:
+    """(name, flags) for every mode the engine directory can run."""
+    modes: list[tuple[str, dict]] = [("plain", {})]
+    if engine.mtp is not None:
+        for k in (1, 2, 3):
+            modes.append((f"mtp k={k}", {"speculative": True, "num_drafts": k}))
+        modes.append(("mtp k=3 stop=0.6", {"speculative": True, "num_drafts": 3, "draft_confidence_stop": "0.6"}))
+        modes.append(("mtp k=3 stop=cum:0.5", {"speculative": True, "num_drafts": 3, "draft_confidence_stop": "cum:0.5"}))
+        modes.append(("mtp k=3 exact", {"speculative": True, "num_drafts": 3, "exact_verify": True}))
+    for name, drafter in engine.drafters.items():
+        base = {"dflash": True, "dflash_drafter": name}
+        g = drafter.config.block_size
+        modes.append((f"{name} γ={g}", base))
+        modes.append((f"{name} γ={g} exact", {**base, "exact_verify": True}))
+        modes.append((f"{name} γ=4", {**base, "dflash_gamma": 4}))
+        rungs = ",".join(str(r) for r in (1, 3, 7) if r <= g - 1)
+        modes.append((f"{name} ladder {rungs}", {**base, "dflash_draft_ladder": rungs}))
+        if gamma_costs:
+            modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": gamma_costs}))
+    return modes
+
+
+def measure_costs(engine, prompt_ids: list[int], max_tokens: int, drafter: str) -> str:
+    """`k:ms,...` for k = 0..γ−1: mean step time with a fixed draft count k (ladder of one rung)."""
+    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.specconfig import SpeculativeConfig
+
+    g = engine.drafters[drafter].config.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    pairs = []
+    for k in range(0, g):
+        if k == 0:
+            spec = SpeculativeConfig()
+        else:
+            spec = SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter, dflash_draft_ladder=str(k))
+        res = EngineGenerator(engine, spec).decoder().generate(prompt_ids, params)
+        steps = max(1, len(res.steps))
+        pairs.append(f"{k}:{1000 * (res.seconds - res.prefill_s) / steps:.3f}")
+    return ",".join(pairs)
+
+
+def run_mode(engine, flags: dict, prompts: list[list[int]], max_tokens: int, plain_tokens=None) -> dict:
+    from metrale.runtime.metrics import SpecMetrics
+    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.specconfig import SpeculativeConfig
+
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    total = SpecMetrics()
+    tokens, seconds, outputs = 0, 0.0, []
+    for ids in prompts:
+        res = gen.decoder().generate(ids, params)
+        total.merge(res.metrics)
+        tokens += len(res.token_ids)
+        seconds += res.seconds - res.prefill_s
+        outputs.append(res.token_ids)
+    row = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
+           "tau": round(total.tau or 0.0, 4), "steps": total.steps,
+           "verify_rows_per_token": round(total.verify_rows / max(1, tokens), 4),
+           "drafter_time_share": round(total.draft_s / max(1e-9, total.draft_s + total.verify_s), 4),
+           "acceptance_per_position": [round(a, 4) for a in total.acceptance_per_position()],
+           "drafts_proposed": total.drafts_proposed, "drafts_verified": total.drafts_verified}
+    if plain_tokens is not None:
+        row["identical_to_plain"] = sum(a == b for a, b in zip(outputs, plain_tokens))
+    return row, outputs
+
+
+@app.command()
+def bench(
+    engine_dir: o.EngineDir,
+    json_file: Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON to FILE.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSON list of prompt strings. Default: the tiny recipe's held-out prompts.")] = None,
+    num_prompts: Annotated[int, typer.Option(help="How many prompts to use.")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 48,
+    modes: Annotated[Optional[str], typer.Option(help="Comma-separated substrings: run only modes whose name contains one.")] = None,
+    device: o.Device = "cpu", dtype: o.Dtype = "float32",
+):
+    """Benchmark plain decoding against every speculative mode on held-out prompts."""
+    with user_errors():
+        from rich.table import Table
+
+        from metrale.runtime.engine import load_engine
+        from metrale.runtime.errors import ConfigError
+
+        path = prompts_file or DEFAULT_PROMPTS
+        try:
+            texts = json.loads(Path(path).read_text())[:num_prompts]
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--prompts {path}: not a readable JSON list of strings ({exc})") from None
+        engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device)
+        prompts = [engine.tokenizer.encode(t) for t in texts]
+        t0 = time.time()
+        costs = None
+        if engine.drafters:
+            costs = measure_costs(engine, prompts[0], max_tokens, sorted(engine.drafters)[0])
+        wanted = [w.strip() for w in modes.split(",")] if modes else None
+        rows, plain_tokens, plain_tps = [], None, None
+        for name, flags in mode_table(engine, costs):
+            if wanted and name != "plain" and not any(w in name for w in wanted):
+                continue
+            row, outputs = run_mode(engine, flags, prompts, max_tokens, plain_tokens)
+            if name == "plain":
+                plain_tokens, plain_tps = outputs, row["tokens_per_s"]
+            row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3)
+            rows.append({"mode": name, "flags": flags, **row})
+        result = {"engine_dir": str(engine_dir), "prompts": len(prompts), "max_tokens": max_tokens,
+                  "device": device, "dtype": dtype, "cost_model_ms": costs,
+                  "quantization": engine.manifest.build.get("draft_weight_quantization"),
+                  "bench_seconds": round(time.time() - t0, 1), "modes": rows}
+        t = Table(title=f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens)")
+        for col in ("mode", "tok/s", "τ", "speedup", "rows/tok", "drafter share", "=plain"):
+            t.add_column(col, justify="right" if col != "mode" else "left")
+        for r in rows:
+            t.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}×",
+                      f"{r['verify_rows_per_token']:.2f}", f"{r['drafter_time_share']:.0%}",
+                      str(r.get("identical_to_plain", "")))
+        out.print(t)
+        if costs:
+            out.print(f"measured cost model (ms per step by draft count): {costs}")
+        if json_file:
+            Path(json_file).write_text(json.dumps(result, indent=2) + "\n")

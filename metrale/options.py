@@ -1,0 +1,92 @@
+"""Typer option declarations shared by the commands; help texts come from one place.
+
+The speculative flags' help is `runtime.specconfig.HELP` (the seeds' semantics). Every flag
+defaults to `None` (not given) so `SpeculativeConfig.from_flags` can tell an explicit value
+from a default and refuse flags given without their mode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from metrale.runtime.specconfig import HELP
+
+EngineDir = Annotated[Path, typer.Option("--engine-dir", help="An engine directory written by `metrale build`.")]
+Device = Annotated[str, typer.Option(help="Torch device for the torch backend: cpu or cuda[:N].")]
+Dtype = Annotated[str, typer.Option(help="Activation/weight dtype of the torch backend: float32 or bfloat16.")]
+
+Speculative = Annotated[bool, typer.Option("--speculative", help=HELP["--speculative"])]
+NumDrafts = Annotated[Optional[int], typer.Option("--num-drafts", metavar="K", help=HELP["--num-drafts"])]
+ConfidenceStop = Annotated[Optional[str], typer.Option(
+    "--draft-confidence-stop", metavar="TAU|cum:TAU", help=HELP["--draft-confidence-stop"])]
+DFlash = Annotated[bool, typer.Option("--dflash", help=HELP["--dflash"])]
+DFlashDrafter = Annotated[Optional[str], typer.Option("--dflash-drafter", metavar="NAME", help=HELP["--dflash-drafter"])]
+Gamma = Annotated[Optional[int], typer.Option("--dflash-gamma", metavar="N", help=HELP["--dflash-gamma"])]
+Ladder = Annotated[Optional[str], typer.Option("--dflash-draft-ladder", metavar="1,3,7", help=HELP["--dflash-draft-ladder"])]
+AdaptiveK = Annotated[Optional[str], typer.Option(
+    "--dflash-adaptive-k", metavar="drafts:ms,...", help=HELP["--dflash-adaptive-k"])]
+Reprobe = Annotated[Optional[int], typer.Option(
+    "--dflash-reprobe-interval", metavar="N", help=HELP["--dflash-reprobe-interval"])]
+ExactVerify = Annotated[bool, typer.Option("--exact-verify", help=HELP["--exact-verify"])]
+DraftTp = Annotated[Optional[str], typer.Option("--draft-tp-size", metavar="auto|N", help=HELP["--draft-tp-size"])]
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    from metrale.runtime.errors import ConfigError
+
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name!r}: expected one of float32, bfloat16")
+    return getattr(torch, DTYPES[name])
+
+
+# name, annotation, default: the speculative flags, in `SpeculativeConfig.from_flags` order.
+SPEC_FLAGS = (
+    ("speculative", Speculative, False), ("num_drafts", NumDrafts, None),
+    ("draft_confidence_stop", ConfidenceStop, None), ("dflash", DFlash, False),
+    ("dflash_gamma", Gamma, None), ("dflash_draft_ladder", Ladder, None),
+    ("dflash_adaptive_k", AdaptiveK, None), ("dflash_reprobe_interval", Reprobe, None),
+    ("exact_verify", ExactVerify, False), ("draft_tp_size", DraftTp, None),
+    ("dflash_drafter", DFlashDrafter, None),
+)
+
+
+def with_spec_flags(on_error):
+    """Give a command the speculative flags; it receives them parsed, as `spec`.
+
+    The flags are appended to the command's signature (typer reads `__signature__`), parsed
+    with `SpeculativeConfig.from_flags` — every refusal happens here, before any model loads —
+    and errors go through `on_error` (the CLI's error context)."""
+    import functools
+    import inspect
+    import typing
+
+    def decorate(fn):
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)
+        kept = [p.replace(annotation=hints.get(p.name, p.annotation))
+                for p in sig.parameters.values() if p.name != "spec"]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann)
+                 for name, ann, default in SPEC_FLAGS]
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            from metrale.runtime.specconfig import SpeculativeConfig
+
+            flags = {name: kwargs.pop(name) for name, _, _ in SPEC_FLAGS}
+            with on_error():
+                spec = SpeculativeConfig.from_flags(**flags)
+            return fn(*args, spec=spec, **kwargs)
+
+        del command.__wrapped__  # typer must see the new signature, not the wrapped one
+        command.__signature__ = sig.replace(parameters=kept + added)
+        command.__annotations__ = {p.name: p.annotation for p in kept + added}
+        return command
+
+    return decorate

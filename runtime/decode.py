@@ -1,0 +1,166 @@
+"""The decode loop: plain decoding and speculative steps on the torch backend (one sequence).
+
+Vocabulary (one per concept, shared with `metrics`):
+- *pending* token: the last emitted token, not yet fed to the target. The target cache holds
+  every position before it, so the pending token's position is `target_cache.length`.
+- a *step* feeds `[pending, d_1..d_k]` (k drafts; k = 0 is a plain step) and emits the
+  accepted drafts plus one token from the target (recovered or bonus), so 1..k+1 tokens.
+- *chunkwise* verify computes the k+1 target rows in one forward; *exact* verify computes them
+  one row per forward, exactly as plain decoding does, so greedy output is byte-identical to
+  plain decoding (a one-forward verify sums in another order and may flip a near-tie argmax).
+
+Drafters plug in through `Proposer` (see `spec_mtp`, `spec_dflash`): `prefill` sees the prompt's
+target outputs, `propose(pending, k_max)` returns drafts, `accept` sees the target outputs of
+the accepted rows so the drafter's own state follows the target's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+from metrale.runtime.metrics import SpecMetrics
+from metrale.runtime.qwen3 import Qwen3ForCausalLM, TargetOutput
+from metrale.runtime.sampling import SamplingParams, generator_for, probs_from_logits, sample
+from metrale.runtime.verify import verify_greedy, verify_sampling
+
+
+class Proposer(Protocol):
+    taps: tuple[int, ...]  # target layer ids whose outputs the proposer needs
+
+    def prefill(self, prompt: torch.Tensor, out: TargetOutput, pending: int) -> None: ...
+
+    def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
+        """-> (drafts [k] int64 to verify, drafts proposed by the drafter)."""
+
+    def accept(self, out: TargetOutput, rows: int, emitted: torch.Tensor) -> None:
+        """The first `rows` rows of `out` (pending + accepted drafts) were kept; `emitted`
+        [rows] are the tokens that followed them (accepted drafts, then the new pending)."""
+
+
+@dataclass
+class StepTrace:
+    drafted: int
+    accepted: int
+    emitted: int
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]
+    seconds: float
+    prefill_s: float
+    finish_reason: str  # "stop" (EOS) or "length"
+    steps: list[StepTrace] = field(default_factory=list)
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode_s = self.seconds - self.prefill_s
+        return len(self.token_ids) / decode_s if decode_s > 0 else float("inf")
+
+
+class Decoder:
+    """Decodes one sequence at a time with a target and an optional proposer."""
+
+    def __init__(self, target: Qwen3ForCausalLM, eos_ids: frozenset[int], proposer: Proposer | None = None,
+                 exact_verify: bool = False, max_context: int | None = None):
+        self.target, self.eos_ids, self.proposer = target, eos_ids, proposer
+        self.exact_verify = exact_verify
+        self.max_context = max_context or target.config.max_position_embeddings
+        self.last_result: DecodeResult | None = None
+
+    def _taps(self) -> tuple[int, ...]:
+        return self.proposer.taps if self.proposer is not None else ()
+
+    def _verify_rows(self, tokens: torch.Tensor, cache, greedy: bool, drafts: torch.Tensor) -> TargetOutput:
+        """Target outputs for rows [pending, d_1..d_k] (tokens [1, k+1]).
+
+        Exact verify runs one row per forward and, when greedy, stops after the first row whose
+        argmax rejects the next draft (rows past it are never used)."""
+        if not self.exact_verify:
+            return self.target(tokens, cache, taps=self._taps())
+        outs = []
+        for i in range(tokens.shape[1]):
+            o = self.target(tokens[:, i:i + 1], cache, taps=self._taps())
+            outs.append(o)
+            if greedy and i < drafts.numel() and int(o.logits[0, -1].argmax()) != int(drafts[i]):
+                break
+        cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=1)  # noqa: E731
+        return TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
+                            taps=cat([o.taps for o in outs]))
+
+    @torch.no_grad()
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        """Yield generated token ids; stops at EOS (yielded) or after params.max_tokens."""
+        t0 = time.perf_counter()
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        device = self.target.model.embed_tokens.weight.device
+        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, P]
+        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
+        if budget < 1:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
+                             f"context of {self.max_context} tokens")
+        cache = self.target.new_cache(1, len(prompt_ids) + budget + 1 + 16)
+        gen = generator_for(params, device)
+        result = DecodeResult([], 0.0, 0.0, "length")
+        self.last_result = result
+        out = self.target(prompt, cache, taps=self._taps())
+        pending = int(sample(out.logits[0, -1], params, gen))
+        if self.proposer is not None:
+            self.proposer.prefill(prompt, out, pending)
+        result.prefill_s = time.perf_counter() - t0
+        emitted_total = 0
+        next_tokens = [pending]
+        while True:
+            for tok in next_tokens:
+                result.token_ids.append(tok)
+                emitted_total += 1
+                yield tok
+                if tok in self.eos_ids:
+                    result.finish_reason = "stop"
+                    result.seconds = time.perf_counter() - t0
+                    return
+                if emitted_total >= budget:
+                    result.seconds = time.perf_counter() - t0
+                    return
+            next_tokens = self._step(next_tokens[-1], cache, params, gen, budget - emitted_total, result)
+
+    def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult) -> list[int]:
+        t0 = time.perf_counter()
+        drafts, proposed = torch.empty(0, dtype=torch.long), 0
+        if self.proposer is not None and room > 1:
+            drafts, proposed = self.proposer.propose(pending, room - 1)
+            drafts = drafts[: room - 1]
+        t1 = time.perf_counter()
+        device = cache.k.device
+        tokens = torch.cat([torch.tensor([pending]), drafts.cpu()]).to(device)[None]  # [1, k+1]
+        base = cache.length
+        out = self._verify_rows(tokens, cache, params.greedy, drafts)
+        rows = out.logits[0]  # [r, V], r = k+1 (or fewer under exact greedy verify)
+        k = drafts.numel()
+        if params.greedy:
+            padded = rows if rows.shape[0] == k + 1 else torch.cat(
+                [rows, rows.new_zeros(k + 1 - rows.shape[0], rows.shape[1])])
+            accepted, emitted = verify_greedy(drafts.to(device), padded)
+        else:
+            accepted, emitted = verify_sampling(drafts.to(device), probs_from_logits(rows, params), gen)
+        cache.length = base + accepted + 1  # pending + accepted drafts stay; the rest is stale
+        if self.proposer is not None:
+            self.proposer.accept(out, accepted + 1, emitted)
+        t2 = time.perf_counter()
+        result.metrics.record_step(proposed=max(proposed, k), verified=k, accepted=accepted,
+                                   emitted=accepted + 1, verify_rows=rows.shape[0],
+                                   draft_s=t1 - t0, verify_s=t2 - t1)
+        result.steps.append(StepTrace(drafted=k, accepted=accepted, emitted=accepted + 1))
+        return [int(t) for t in emitted.tolist()]
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:
+        for _ in self.stream(prompt_ids, params):
+            pass
+        assert self.last_result is not None
+        return self.last_result

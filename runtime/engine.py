@@ -1,0 +1,115 @@
+"""Load an engine directory into the torch backend's models.
+
+The engine directory (see `engine_dir`) holds, per component, the HF `config.json` it was built
+from and `rank{r}.safetensors` in module naming, quantized linears in ModelOpt's export names
+(`weight` + `weight_scale` [+ `weight_scale_2`]). Loading verifies every checksum first, then
+fills each model strictly: quantized linears become `qlinear` modules that run the plugins'
+reference ops (dequantize exactly as the kernels do), every other tensor fills its parameter.
+
+Components: `target` (always), `mtp` (optional), and drafters (any other name, kind `dflash`).
+The drafters and the head embed with the target's embedding; they hold their own draft LM head.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
+from metrale.runtime.dflash import DFlashDrafter
+from metrale.runtime.engine_dir import Manifest, load_manifest
+from metrale.runtime.errors import EngineDirError
+from metrale.runtime.loader import strict_fill
+from metrale.runtime.mtp import MTPHead
+from metrale.runtime.qwen3 import Qwen3ForCausalLM
+from metrale.runtime.tokenizer import Tokenizer
+
+
+def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
+
+
+def fill_engine_state(module: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> nn.Module:
+    """Swap quantized linears in, then fill every parameter strictly (names and shapes)."""
+    from metrale.runtime import qlinear
+
+    device = next(module.parameters()).device
+
+    def linear_from_tensors(prefix, tensors):
+        return qlinear.linear_from_tensors(prefix, tensors).to(device)
+
+    for prefix in quantized_prefixes(tensors):
+        try:
+            module.get_submodule(prefix)
+        except AttributeError:
+            raise EngineDirError(f"{source}: unexpected quantized tensor {prefix}.weight_scale") from None
+        module.set_submodule(prefix, linear_from_tensors(prefix, tensors))
+    if "context_kv_proj.weight" in tensors and isinstance(module, DFlashDrafter):
+        module.context_kv_proj = linear_from_tensors("context_kv_proj", tensors)
+    strict_fill(module, tensors, source)
+    return module.eval()
+
+
+def _component_files(engine_dir: Path, name: str, rank: int = 0):
+    folder = engine_dir / name
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / f"rank{rank}.safetensors"))
+    return cfg, tensors, f"engine directory {engine_dir}: {name}/rank{rank}.safetensors"
+
+
+@dataclass
+class LoadedEngine:
+    """The torch backend's models for one engine directory (one rank)."""
+
+    path: Path
+    manifest: Manifest
+    tokenizer: Tokenizer
+    target: Qwen3ForCausalLM
+    mtp: MTPHead | None = None
+    drafters: dict[str, DFlashDrafter] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def model_id(self) -> str:
+        return self.path.name
+
+
+def _build(module_cls, cfg, dtype, device):
+    return module_cls(cfg).to(dtype=dtype, device=device)
+
+
+def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", rank: int = 0,
+                components: tuple[str, ...] | None = None) -> LoadedEngine:
+    """Verify and load. `components` limits which optional parts are loaded (target always)."""
+    path = Path(engine_dir)
+    manifest = load_manifest(path, verify=True)
+    device = torch.device(device)
+    tokenizer = Tokenizer.from_dir(path / "tokenizer")
+    cfg, tensors, source = _component_files(path, "target", 0)
+    target = _build(Qwen3ForCausalLM, DecoderConfig.from_hf(cfg, "target/config.json"), dtype, device)
+    fill_engine_state(target, tensors, source)
+    engine = LoadedEngine(path, manifest, tokenizer, target, dtype=dtype, device=device)
+    for name, info in manifest.components.items():
+        kind = info.get("kind")
+        if name == "target" or (components is not None and name not in components):
+            continue
+        if kind == "mtp":
+            cfg, tensors, source = _component_files(path, name, 0)
+            mcfg = MTPConfig(decoder=DecoderConfig.from_hf(cfg, f"{name}/config.json"),
+                             naming=info.get("naming", "qwen3_next"))
+            engine.mtp = fill_engine_state(_build(MTPHead, mcfg, dtype, device), tensors, source)
+        elif kind == "dflash":
+            cfg, tensors, source = _component_files(path, name, rank)
+            dcfg = DFlashConfig.from_hf(cfg, f"{name}/config.json")
+            drafter = _build(DFlashDrafter, dcfg, dtype, device)
+            engine.drafters[name] = fill_engine_state(drafter, tensors, source)
+        else:
+            raise EngineDirError(f"engine directory {path}: component {name} has unknown kind {kind!r}")
+    return engine

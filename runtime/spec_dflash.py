@@ -1,0 +1,60 @@
+"""DFlash / DFlash2 block drafts as a `decode.Proposer`: γ, the draft ladder and adaptive k.
+
+Each step runs one block propose `[pending, MASK×(γ−1)]` and verifies its first k drafts, where
+k comes from, in order of precedence: `--dflash-adaptive-k` (the cost model, capped by the
+ladder's rung when there is one), `--dflash-draft-ladder` (the sequence's rung), or γ−1.
+k = 0 (adaptive k only) is a plain step: no propose, but the drafter's context is still fed
+with the target's taps of the kept row, so a later re-probe drafts from complete context.
+Adaptive k is a single-stream policy; the loop here decodes one stream at a time, so it always
+applies (a batched scheduler would fall back to the ladder or γ, as the flag's help says).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.runtime.adaptive_k import AdaptiveKController, DraftLadder
+from metrale.runtime.dflash import DFlashDrafter
+from metrale.runtime.specconfig import ResolvedDFlash
+
+
+class DFlashProposer:
+    def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Embedding, settings: ResolvedDFlash,
+                 max_len: int):
+        self.drafter, self.embed, self.settings, self.max_len = drafter, embed, settings, max_len
+        self.taps = tuple(drafter.config.target_layer_ids)
+        ladder = DraftLadder(settings.ladder) if settings.ladder else None
+        self.ladder = ladder
+        self.controller = None
+        if settings.adaptive_k is not None:
+            self.controller = AdaptiveKController(settings.adaptive_k, settings.max_drafts,
+                                                  settings.reprobe_interval or 16, ladder)
+        self.last_k = 0
+
+    def prefill(self, prompt: torch.Tensor, out, pending: int) -> None:
+        w = self.embed.weight
+        self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)
+        self.drafter.add_context(out.taps, self.cache)
+
+    def draft_count(self) -> int:
+        if self.controller is not None:
+            return self.controller.next_k()
+        if self.ladder is not None:
+            return self.ladder.current
+        return self.settings.max_drafts
+
+    def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
+        k = min(self.draft_count(), max_drafts)
+        self.last_k = k
+        if k == 0:
+            return torch.empty(0, dtype=torch.long), 0
+        anchor = torch.tensor([pending], device=self.embed.weight.device)
+        proposal = self.drafter.propose(anchor, self.embed, self.cache, self.settings.gamma)
+        return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
+
+    def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
+        self.drafter.add_context(out.taps[:, :rows], self.cache)
+        if self.controller is not None:
+            self.controller.observe(self.last_k, rows - 1)
+        elif self.ladder is not None:
+            self.ladder.observe(self.last_k, rows - 1)

@@ -1,0 +1,64 @@
+"""MTP draft chains as a `decode.Proposer`, with the confidence stop of `--draft-confidence-stop`.
+
+Alignment (see `mtp`): head entry p = (token p+1, hidden p) predicts token p+2. With the target
+cache holding positions 0..q and the pending token at q+1, the head holds real entries 0..q
+(`base` = q+1) and entry q's output is the first draft (token q+2). Chain drafts write
+speculative entries from `base` on, feeding the head's own output back; they are rolled back
+(`length = base`) and overwritten by the real entries once the target has verified the step.
+
+Confidence stop: after draft d_i with top-1 probability p_i the chain continues only while
+p_i >= TAU (per-draft) or p_1·…·p_i >= TAU (`cum:`). The draft that trips the stop is still
+verified, so the stop changes which drafts are verified, never the emitted tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.runtime.mtp import MTPHead
+from metrale.runtime.specconfig import DraftStop
+
+
+class MTPProposer:
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, head: MTPHead, embed: torch.nn.Embedding, num_drafts: int,
+                 stop: DraftStop | None, max_len: int):
+        self.head, self.embed, self.num_drafts, self.stop = head, embed, num_drafts, stop
+        self.max_len = max_len
+
+    def _entries(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Append real entries: tokens [T] (token p+1), hidden [1, T, H] (target hidden p)."""
+        logits, h = self.head(self.embed(tokens[None]), hidden, self.cache, start=self.base)
+        self.base = self.cache.length
+        self.next_logits, self.next_h = logits[0, -1], h[:, -1:]
+
+    def prefill(self, prompt: torch.Tensor, out, pending: int) -> None:
+        w = self.embed.weight
+        self.cache = self.head.new_cache(1, self.max_len, w.dtype, w.device)
+        self.base = 0
+        tokens = torch.cat([prompt[0, 1:], torch.tensor([pending], device=prompt.device)])
+        self._entries(tokens, out.last_hidden)
+
+    def _continues(self, prob: float, running: float) -> bool:
+        if self.stop is None:
+            return True
+        return (running if self.stop.cumulative else prob) >= self.stop.tau
+
+    def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
+        k = min(self.num_drafts, max_drafts)
+        drafts: list[int] = []
+        logits, h, running = self.next_logits, self.next_h, 1.0
+        while len(drafts) < k:
+            prob, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            drafts.append(int(tok))
+            running *= float(prob)
+            if len(drafts) == k or not self._continues(float(prob), running):
+                break
+            logits, h = self.head(self.embed(tok.view(1, 1)), h, self.cache)  # speculative entry
+            logits = logits[0, -1]
+        self.cache.length = self.base
+        return torch.tensor(drafts, dtype=torch.long), len(drafts)
+
+    def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
+        self._entries(emitted.to(self.embed.weight.device), out.last_hidden[:, :rows])
