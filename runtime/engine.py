@@ -43,14 +43,14 @@ def fill_engine_state(module: nn.Module, tensors: dict[str, torch.Tensor], sourc
     def linear_from_tensors(prefix, tensors):
         return qlinear.linear_from_tensors(prefix, tensors).to(device)
 
+    if "context_kv_proj.weight" in tensors and isinstance(module, DFlashDrafter):
+        module.context_kv_proj = linear_from_tensors("context_kv_proj", tensors)  # engine-only
     for prefix in quantized_prefixes(tensors):
         try:
             module.get_submodule(prefix)
         except AttributeError:
             raise EngineDirError(f"{source}: unexpected quantized tensor {prefix}.weight_scale") from None
         module.set_submodule(prefix, linear_from_tensors(prefix, tensors))
-    if "context_kv_proj.weight" in tensors and isinstance(module, DFlashDrafter):
-        module.context_kv_proj = linear_from_tensors("context_kv_proj", tensors)
     strict_fill(module, tensors, source)
     return module.eval()
 

@@ -1,0 +1,43 @@
+# Two entry points on a fresh machine:
+#   make run   — create .venv, install, build engines/tiny from the embedded recipe, serve it
+#   make test  — create .venv, install with the test extras, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: install run build serve test clean
+
+# torch==2.13.0 first: it is a CPU build on these machines; a bare `torch` requirement would
+# pull a multi-GB CUDA build. The project's own range (torch>=2.8) is then already satisfied.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+engines/tiny/config.json: $(STAMP) recipes/tiny.toml $(wildcard recipes/tiny/*/*)
+	$(BIN)/metrale build
+
+build: engines/tiny/config.json
+
+serve: build
+	@echo
+	@echo "metrale serves engines/tiny on http://$(HOST):$(PORT); try:"
+	@echo "  curl http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"model\": \"tiny\", \"prompt\": \"def main(\", \"max_tokens\": 32, \"temperature\": 0}'"
+	@echo
+	$(BIN)/metrale serve --engine-dir engines/tiny --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
+
+run: serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf engines/tiny $(VENV)

@@ -1,0 +1,72 @@
+"""Shared fixtures: engine directories built once per session from the embedded tiny recipe.
+
+Tests run on CPU with one thread each (the models are tiny; the machines are shared). GPU tests
+carry the `gpu` marker and are skipped where CUDA is unavailable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = Path(os.environ.get("METRALE_TEST_RECIPE", ROOT / "recipes" / "tiny.toml"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA unavailable)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe():
+    from metrale.builder.recipe import load_recipe
+
+    return load_recipe(RECIPE)
+
+
+@pytest.fixture(scope="session")
+def engine_factory(tiny_recipe, tmp_path_factory):
+    """build(tier="fp8", **overrides) -> engine directory, cached per argument set."""
+    from metrale.builder.build import build_engine
+
+    cache: dict = {}
+
+    def build(tier: str = "fp8", **overrides) -> Path:
+        key = (tier, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("engine") / f"tiny-{tier}"
+            recipe = tiny_recipe.with_build(draft_weight_quantization=tier, **overrides)
+            cache[key] = build_engine(recipe, out).engine_dir
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(engine_factory) -> Path:
+    return engine_factory("fp8")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_engine_dir):
+    from metrale.runtime.engine import load_engine
+
+    return load_engine(tiny_engine_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts(tiny_recipe, tiny_engine) -> list[list[int]]:
+    import json
+
+    texts = json.loads((tiny_recipe.target.checkpoint.parent / "prompts.json").read_text())
+    return [tiny_engine.tokenizer.encode(t) for t in texts[:4]]
