@@ -6,6 +6,7 @@ carry the `gpu` marker and are skipped where CUDA is unavailable.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -70,3 +71,30 @@ def tiny_prompts(tiny_recipe, tiny_engine) -> list[list[int]]:
 
     texts = json.loads((tiny_recipe.target.checkpoint.parent / "prompts.json").read_text())
     return [tiny_engine.tokenizer.encode(t) for t in texts[:4]]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """Run an ASGI app with uvicorn on a free 127.0.0.1 port in a thread; yields its base URL."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        sock.close()

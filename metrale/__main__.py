@@ -1,0 +1,5 @@
+"""`python -m metrale` runs the CLI."""
+
+from metrale.cli import app
+
+app()

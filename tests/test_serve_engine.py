@@ -1,0 +1,59 @@
+"""`metrale serve` as a real process on the tiny engine, spoken to by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from openai import OpenAI
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "metrale", "serve", "--engine-dir", str(tiny_engine_dir),
+           "--port", str(port), "--dflash", "--dflash-draft-ladder", "1,3,7"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "metrale serve did not come up"
+        try:
+            if requests.get(base + "/health", timeout=1).ok:
+                break
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    yield base
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_openai_client_against_metrale_serve(server, tiny_engine, tiny_prompts):
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    models = client.models.list()
+    assert [m.id for m in models.data] == [tiny_engine.model_id]
+    prompt = tiny_engine.tokenizer.decode(tiny_prompts[0])
+    done = client.completions.create(model=tiny_engine.model_id, prompt=prompt, max_tokens=16, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=tiny_engine.model_id, prompt=prompt, max_tokens=16, temperature=0, stream=True))
+    assert done.choices[0].text and streamed == done.choices[0].text
+    chat = client.chat.completions.create(model=tiny_engine.model_id, max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": "import os"}])
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens >= 1
+    # a malformed request is a 4xx JSON error and the server stays up
+    bad = requests.post(server + "/v1/completions", data="{not json", timeout=10,
+                        headers={"Content-Type": "application/json"})
+    assert 400 <= bad.status_code < 500 and "error" in bad.json()
+    assert requests.get(server + "/health", timeout=5).ok
+    metrics = requests.get(server + "/metrics", timeout=5).text
+    assert "metrale_spec_decode" in metrics and "position=" in metrics
