@@ -302,9 +302,9 @@ def train_all(target, tok, stream, out: pathlib.Path, prompts, *, quick: bool, l
     target.requires_grad_(False)
     mask_id = tok.mask_token_id
     t0 = time.time()
-    data = distill_data(target, stream, 64 if quick else 1024, seed=7)
+    data = distill_data(target, stream, 16 if quick else 1024, seed=7)
     log(f"distillation data: {tuple(data['ids'].shape)} ({time.time() - t0:.0f}s)")
-    steps = 20 if quick else 800
+    steps = 4 if quick else 800
     report = {}
     t0 = time.time()
     mtp = train_mtp(target, data, steps, log)

@@ -138,8 +138,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "tiny"))
     ap.add_argument("--quick", action="store_true", help="a few steps of everything (smoke test)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
     t_start = time.time()
 
@@ -159,7 +160,7 @@ def main() -> None:
     stream = torch.cat([t for d in train_docs for t in (torch.tensor(tok.encode(d)), sep)])
     log(f"tokenizer: vocab {tok.vocab_size}; {stream.numel()} training tokens")
 
-    steps = 30 if args.quick else 1500
+    steps = 4 if args.quick else 1500
     target = train_target(stream, steps, log)
     round_bf16(target)
     save_hf(out / "target", target.state_dict(), hf_target_config(target.config, eos))
