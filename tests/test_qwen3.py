@@ -56,3 +56,15 @@ def test_kv_cache_decode_matches_full_forward(tmp_path, moe):
         parts += [model(ids[:, i:i + 1], cache).logits for i in range(5, 9)]
     assert cache.length == 9
     assert (torch.cat(parts, dim=1) - full).abs().max().item() <= 1e-5
+
+
+def test_shipped_tiny_target_matches_transformers(tiny_recipe):
+    """The embedded tiny checkpoint itself, read by transformers from its own files."""
+    path = tiny_recipe.target.checkpoint
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_target(path)
+    assert type(ref).__name__ == "Qwen3MoeForCausalLM"
+    ids = torch.randint(0, ours.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (ours(ids).logits - ref(ids).logits).abs().max().item()
+    assert diff <= 1e-4
