@@ -81,6 +81,16 @@ def _cosine(opt, step, steps, peak):
         group["lr"] = lr
 
 
+def optimizer_step(opt, module, loss, step: int, steps: int, log, what: str) -> None:
+    """One clipped AdamW step, logged every 100 steps (shared by every training loop)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+    if step % 100 == 0 or step == steps - 1:
+        log(f"{what} step {step}/{steps} loss {loss.item():.3f}")
+
+
 def _init(module):
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -129,12 +139,7 @@ def train_mtp(target, data, steps: int, log) -> MTPHead:
         for d, logits in enumerate(mtp_chain_logits(head, embed, ids, hidden, 2)):
             labels = greedy[:, 1 + d: 1 + d + logits.shape[1]]  # target's prediction for p+2+d
             loss = loss + (0.5 ** d) * F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"mtp step {step}/{steps} loss {loss.item():.3f}")
+        optimizer_step(opt, head, loss, step, steps, log, "mtp")
     return head.eval()
 
 
@@ -206,12 +211,7 @@ def train_dflash(target, data, version: int, mask_id: int, steps: int, log) -> D
         if version == 2:
             loss = loss + selector_loss(drafter, hidden.view(b, len(anchors), BLOCK, -1)[:, :, 1:],
                                         logits, labels, block.view(b, len(anchors), BLOCK)[:, :, 0])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"dflash{version if version > 1 else ''} step {step}/{steps} loss {loss.item():.3f}")
+        optimizer_step(opt, drafter, loss, step, steps, log, f"dflash{version if version > 1 else ''}")
     return drafter.eval()
 
 

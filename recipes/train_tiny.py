@@ -109,12 +109,7 @@ def train_target(stream: torch.Tensor, steps: int, log) -> Qwen3ForCausalLM:
             group["lr"] = lr_at(step, steps, 3e-3)
         logits = model(x[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"target step {step}/{steps} loss {loss.item():.3f}")
+        train_drafters.optimizer_step(opt, model, loss, step, steps, log, "target")
     return model.eval()
 
 
