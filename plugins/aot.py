@@ -1,0 +1,240 @@
+"""Loading the Triton kernels, and compiling them ahead of time to one cubin per target SM.
+
+Triton fixes its mode when it is imported: with `TRITON_INTERPRET=1` in the environment at that
+moment, every `@triton.jit` function (its own standard library included) becomes an interpreter
+function that runs on CPU tensors; otherwise they are JIT functions that compile for a GPU. One
+process therefore runs the kernels either in the interpreter or compiled, never both.
+`load_kernels(device)` returns `triton_kernels` after checking that the mode fits the device and
+says which environment variable to set when it does not. The compiler below needs the compiled
+mode: `compile_kernels_in_subprocess` (or `python -m metrale.plugins.aot OUT_DIR`) runs it in a
+process of its own, without `TRITON_INTERPRET`.
+
+`compile_kernels(out_dir, sms)` needs no GPU: `triton.compile(ASTSource(fn, signature,
+constexprs), target=GPUTarget("cuda", cc, 32))` emits a cubin for each SM (SM90/100/120 compile
+as their `a` variants: that exact architecture only). Per kernel and SM it writes
+`<kernel>.sm<NN>.cubin` and `<kernel>.sm<NN>.json`, <kernel> being the Triton function's name
+without its `_kernel` suffix (`nvfp4_w4a16_gemm.sm89.cubin`, symbol `nvfp4_w4a16_gemm_kernel`); the JSON is what a launcher (the TensorRT
+plugin) needs: the symbol name, block size, shared memory, the argument list, the grid rule and
+the cubin's sha256.
+
+Launch contract of every cubin: the kernel's non-constexpr arguments in signature order, then
+two u64 scratch pointers (global and profile scratch; 0 when their sizes are 0), block
+(32·num_warps, 1, 1), dynamic shared memory `shared` bytes, grid from `grid` (expressions over
+the arguments and the constexprs, `cdiv(a, b)` = ceil(a/b)). Floating-point fusion is off in
+every build (the option is passed explicitly, as its default changes between Triton releases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SMS = (89, 90, 100, 120)
+
+
+def import_triton():
+    """Import triton or raise an ImportError naming the package that provides it."""
+    try:
+        import triton
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the Triton faces of metrale.plugins need triton (pip install 'triton==3.9.0')"
+        ) from exc
+    return triton
+
+
+def triton_interprets() -> bool:
+    """Whether triton was imported in interpreter mode (its `tl.zeros` is an interpreter function)."""
+    import_triton()
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.zeros, InterpretedFunction)
+
+
+def load_kernels(device: str = "cuda") -> ModuleType:
+    """The `triton_kernels` module, after checking triton's mode suits tensors on `device`."""
+    interprets = triton_interprets()
+    on_cpu = str(device).startswith("cpu")
+    if on_cpu and not interprets:
+        raise RuntimeError(
+            "Triton kernels run on CPU tensors only in the interpreter: set TRITON_INTERPRET=1 in "
+            "the environment before triton is first imported"
+        )
+    if not on_cpu and interprets:
+        raise RuntimeError(
+            f"triton was imported with TRITON_INTERPRET=1, which runs kernels on CPU tensors "
+            f"only; unset it to launch on {device}"
+        )
+    from metrale.plugins import triton_kernels
+
+    return triton_kernels
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b: the grid rule's `cdiv`."""
+    return -(-a // b)
+
+
+def _ptr(dtype: str) -> str:
+    return "*" + dtype
+
+
+def kernel_specs(act: str = "bf16") -> list[dict]:
+    """One entry per kernel: signature (activation pointers of dtype `act`), constexprs,
+    num_warps and the grid rule. The constexprs are the ones the op launchers use."""
+    from metrale.plugins import draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
+
+    gemm_ints = {"M": "i32", "N": "i32", "K": "i32"}
+    dot = {"DOT_F32": act == "fp32"}  # tensor-core dot in bf16/fp16; float32 only for fp32
+    moe_ints = {"H": "i32", "INTER": "i32", "TOPK": "i32"}
+    return [
+        dict(name="fp8_w8a16_gemm_kernel", blocks={**fp8_gemm.TRITON_BLOCKS, **dot}, num_warps=4,
+             signature={"x_ptr": _ptr(act), "w_ptr": "*u8", "scale_ptr": "*fp32",
+                        "y_ptr": _ptr(act), **gemm_ints},
+             grid=["cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)", "1"]),
+        dict(name="nvfp4_w4a16_gemm_kernel", blocks={**nvfp4_gemm.TRITON_BLOCKS, **dot},
+             num_warps=4,
+             signature={"x_ptr": _ptr(act), "p_ptr": "*u8", "bs_ptr": "*u8", "gs_ptr": "*fp32",
+                        "y_ptr": _ptr(act), **gemm_ints},
+             grid=["cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)", "1"]),
+        dict(name="nvfp4_moe_gate_up_kernel", blocks=nvfp4_moe.GATE_UP_BLOCKS, num_warps=4,
+             signature={"x_ptr": _ptr(act), "ids_ptr": "*i64", "gu_ptr": "*u8",
+                        "gu_bs_ptr": "*u8", "gu_gs_ptr": "*fp32", "act_ptr": "*fp32",
+                        **moe_ints},
+             grid=["T * TOPK", "cdiv(INTER, BLOCK_I)", "1"],
+             note="stage 1 of nvfp4_moe_w4a16; act is a float32 [T*TOPK, INTER] workspace"),
+        dict(name="nvfp4_moe_down_kernel", blocks=nvfp4_moe.DOWN_BLOCKS, num_warps=4,
+             signature={"act_ptr": "*fp32", "ids_ptr": "*i64", "wt_ptr": _ptr(act),
+                        "dn_ptr": "*u8", "dn_bs_ptr": "*u8", "dn_gs_ptr": "*fp32",
+                        "y_ptr": _ptr(act), **moe_ints},
+             grid=["T", "cdiv(H, BLOCK_H)", "1"],
+             note="stage 2 of nvfp4_moe_w4a16, launched after stage 1 on the same stream"),
+        dict(name="dflash2_dynamic_conv_kernel", blocks=dynamic_conv.TRITON_BLOCKS, num_warps=4,
+             signature={"x_ptr": _ptr(act), "k_ptr": _ptr(act), "y_ptr": _ptr(act),
+                        "T": "i32", "H": "i32", "G": "i32", "BLOCK_SLOTS": "i32"},
+             grid=["B * T", "cdiv(H, BLOCK_H)", "1"]),
+        dict(name="draft_stop_kernel", blocks=draft_stop.TRITON_BLOCKS, num_warps=4,
+             signature={"logits_ptr": _ptr(act), "tau_ptr": "*fp32", "cum_ptr": "*i8",
+                        "run_ptr": "*fp32", "prob_ptr": "*fp32", "stop_ptr": "*i8",
+                        "run_out_ptr": "*fp32", "cval_ptr": "*fp32", "cid_ptr": "*i64",
+                        "V": "i32"},
+             grid=["R", "1", "1"],
+             note="cum_ptr and stop_ptr point at bool tensors (one byte each, 0 or 1)"),
+    ]
+
+
+def compile_kernels(out_dir: str | Path, sms: tuple[int, ...] = DEFAULT_SMS,
+                    act: str = "bf16", kernels: tuple[str, ...] | None = None) -> list[dict]:
+    """Compile the kernels (all, or those named in `kernels`) for every SM in `sms`; write
+    `<kernel>.sm<NN>.cubin` and `.json` to `out_dir` and return the metadata dicts (one per
+    file pair, kernels outer, SMs inner)."""
+    triton = import_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    specs = kernel_specs(act)
+    unknown = set(kernels or ()) - {s["name"] for s in specs}
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; known: "
+                         f"{', '.join(s['name'] for s in specs)}")
+    module = load_kernels("cuda")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for spec in specs:
+        if kernels is not None and spec["name"] not in kernels:
+            continue
+        fn = getattr(module, spec["name"])
+        constexprs = dict(spec["blocks"])
+        signature = {**spec["signature"], **{k: "constexpr" for k in constexprs}}
+        missing = set(fn.arg_names) ^ set(signature)
+        assert not missing, f"{spec['name']}: signature and kernel disagree on {sorted(missing)}"
+        signature = {a: signature[a] for a in fn.arg_names}  # kernel argument order
+        for sm in sms:
+            start = time.perf_counter()
+            compiled = triton.compile(
+                ASTSource(fn, signature, constexprs),
+                target=GPUTarget("cuda", sm, 32),
+                options={"num_warps": spec["num_warps"], "enable_fp_fusion": False},
+            )
+            seconds = time.perf_counter() - start
+            cubin = compiled.asm["cubin"]
+            md = compiled.metadata
+            stem = f"{spec['name'].removesuffix('_kernel')}.sm{sm}"
+            (out / f"{stem}.cubin").write_bytes(cubin)
+            meta = {
+                "kernel": spec["name"].removesuffix("_kernel"),  # the file key's prefix
+                "symbol": md.name,  # the function's name in the cubin
+                "sm": sm,
+                "arch": f"sm_{sm}" + ("a" if sm >= 90 else ""),
+                "cubin": f"{stem}.cubin",
+                "sha256": hashlib.sha256(cubin).hexdigest(),
+                "bytes": len(cubin),
+                "num_warps": md.num_warps,
+                "block": [32 * md.num_warps, 1, 1],
+                "shared": md.shared,
+                "global_scratch_size": md.global_scratch_size,
+                "profile_scratch_size": md.profile_scratch_size,
+                "args": [a for a in fn.arg_names if signature[a] != "constexpr"],
+                "signature": {a: t for a, t in signature.items() if t != "constexpr"},
+                "constexprs": constexprs,
+                "grid": spec["grid"],
+                "enable_fp_fusion": False,
+                "triton_version": triton.__version__,
+                "compile_seconds": round(seconds, 3),
+            }
+            if "note" in spec:
+                meta["note"] = spec["note"]
+            (out / f"{stem}.json").write_text(json.dumps(meta, indent=2) + "\n")
+            log.info("compiled %s for sm%d in %.2f s (%d bytes)", spec["name"], sm, seconds,
+                     len(cubin))
+            results.append(meta)
+    return results
+
+
+def compile_kernels_in_subprocess(out_dir: str | Path, sms: tuple[int, ...] = DEFAULT_SMS,
+                                  act: str = "bf16", kernels: tuple[str, ...] | None = None,
+                                  timeout: float = 600.0) -> list[dict]:
+    """`compile_kernels` in a fresh Python process without `TRITON_INTERPRET`, for callers whose
+    process imported triton in interpreter mode (or must not import it at all)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "metrale.plugins.aot", str(out_dir), "--act", act,
+           *[a for sm in sms for a in ("--sm", str(sm))],
+           *[a for name in kernels or () for a in ("--kernel", name)]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling the Triton kernels failed ({' '.join(cmd)}):\n"
+                           f"{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m metrale.plugins.aot",
+        description="Compile metrale's Triton kernels to cubins (no GPU needed).")
+    parser.add_argument("out_dir")
+    parser.add_argument("--sm", type=int, action="append",
+                        help=f"target SM, repeatable (default: {' '.join(map(str, DEFAULT_SMS))})")
+    parser.add_argument("--act", default="bf16", choices=("bf16", "fp16", "fp32"),
+                        help="activation dtype the kernels are compiled for (default: bf16)")
+    parser.add_argument("--kernel", action="append",
+                        help="compile only this kernel, repeatable (default: all)")
+    args = parser.parse_args(argv)
+    results = compile_kernels(args.out_dir, tuple(args.sm or DEFAULT_SMS), args.act,
+                              tuple(args.kernel) if args.kernel else None)
+    sys.stdout.write(json.dumps(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""`metrale::dflash2_dynamic_conv`: DFlash2's two-tap grouped dynamic conv over block slots.
+
+Math, for x [B, T, H] (bf16/fp16/fp32; T = nb·block, nb blocks of `block` slots), kernel
+[B, T, G, 2] in x's dtype (per slot and channel group, already base_kernel + kernel_projection(x)) and
+channel c in group g = c // (H/G):
+
+    y[b, t, c] = kernel[b, t, g, 0]·x[b, t, c] + kernel[b, t, g, 1]·x[b, t−1, c]
+
+where the second tap is absent (x[t−1] = 0) at each block's first slot, t % block == 0. This is
+`runtime.dflash.DynamicConv.forward` after its kernel projection. Both products and their sum
+are float32 and the result is rounded once to x's dtype: identical to `DynamicConv` in float32;
+for bf16 it rounds once where `DynamicConv` in bf16 rounds three times.
+
+Other faces: `dflash2_dynamic_conv_triton` (`triton_kernels.dflash2_dynamic_conv_kernel`,
+bit-identical to this reference: the kernel rounds in the same order with FP fusion off) and
+the ONNX node `metrale::DFlash2DynamicConv(x, kernel) -> y` with integer attribute `block`
+(`onnx_ops`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+OP_NAME = "metrale::dflash2_dynamic_conv"
+TRITON_BLOCKS = {"BLOCK_H": 256}  # channels per program (also the constexpr `aot` compiles)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def dflash2_dynamic_conv(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
+    """y [B, T, H] from x [B, T, H] and kernel [B, T, G, 2] over blocks of `block` slots."""
+    b, t, h, g = _check(x, kernel, block)
+    xg = x.to(torch.float32).view(b, t // block, block, g, h // g)  # [B, nb, Bs, G, H/G]
+    prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:, :, :-1]  # x[t−1] within each block, 0 at slot 0
+    k = kernel.to(torch.float32).view(b, t // block, block, g, 2, 1)
+    y = k[..., 0, :] * xg + k[..., 1, :] * prev  # [B, nb, Bs, G, H/G] f32
+    return y.reshape(b, t, h).to(x.dtype)
+
+
+@dflash2_dynamic_conv.register_fake
+def _dflash2_dynamic_conv_fake(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
+    _check(x, kernel, block, check_length=False)
+    return torch.empty_like(x)
+
+
+def _check(x: torch.Tensor, kernel: torch.Tensor, block: int,
+           check_length: bool = True) -> tuple[int, int, int, int]:
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() != 3:
+        raise ValueError(f"{OP_NAME}: x must be bf16/fp16/fp32 [B, T, H], got {x.dtype} "
+                         f"{list(x.shape)}")
+    b, t, h = x.shape
+    if (kernel.dim() != 4 or kernel.shape[:2] != (b, t) or kernel.shape[3] != 2
+            or kernel.dtype != x.dtype):
+        raise ValueError(f"{OP_NAME}: kernel must be {x.dtype} [{b}, {t}, G, 2] (x's dtype), got "
+                         f"{kernel.dtype} {list(kernel.shape)}")
+    g = kernel.shape[2]
+    if g < 1 or h % g:
+        raise ValueError(f"{OP_NAME}: hidden size {h} is not divisible by {g} conv groups")
+    if block < 1 or (check_length and t % block):
+        raise ValueError(f"{OP_NAME}: block must be >= 1 and divide the {t} slots, got {block}")
+    return b, t, h, g
+
+
+def dflash2_dynamic_conv_triton(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
+    """The Triton face: same contract as `dflash2_dynamic_conv`; CPU tensors run in the interpreter."""
+    from metrale.plugins.aot import cdiv, load_kernels
+
+    b, t, h, g = _check(x, kernel, block)
+    kernels = load_kernels(x.device.type)
+    x = x.contiguous()
+    y = torch.empty_like(x)  # [B, T, H]
+    bh = TRITON_BLOCKS["BLOCK_H"]
+    kernels.dflash2_dynamic_conv_kernel[(b * t, cdiv(h, bh))](
+        x, kernel.contiguous(), y, t, h, g, block, BLOCK_H=bh, num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return y

@@ -1,0 +1,299 @@
+"""Triton kernels of the metrale custom ops (the device face of each `plugins` op).
+
+This module imports triton at the top: import it only where triton is installed (the op modules
+do so lazily, inside their `*_triton` launchers, and `aot` when compiling). Each kernel computes
+exactly the math of its op's PyTorch reference, with float32 accumulation; the references are
+the oracles these kernels are tested against (on CPU with `TRITON_INTERPRET=1`).
+
+Invariants shared by every kernel:
+- Quantized weights are decoded in registers from their bytes with integer arithmetic (no FP8
+  hardware conversion), so the same source compiles for any SM: the FP8 plugin exists for
+  targets that lack native FP8. FP8 E4M3 and E2M1 values are rebuilt bit by bit as float32
+  (exact); the E4M3 NaN code (0x7F/0xFF) is not a weight value and decodes to ±480.
+- A dequantized weight fed to `tl.dot` is the stored code times its FP8 scale (at most 4 + 2
+  significant bits, magnitude in [2^-10, 2688]), which is exact in bf16 and fp16; per-row and
+  global float32 scales are applied to the float32 accumulator. So the tensor-core dot in the
+  activation dtype loses nothing against a float32 dequantize.
+- Kernels are compiled with floating-point fusion off (`TRITON_DEFAULT_FP_FUSION=0` or the
+  `enable_fp_fusion=False` option), so elementwise kernels round like the references.
+- Pointers are to contiguous tensors; strides are in elements. Integer ids are int64 on input,
+  and candidate ids are written as int64.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# A candidate slot not yet filled (larger than any vocabulary id).
+EMPTY_ID = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _e4m3_to_f32(b):
+    """FP8 E4M3 bytes (uint32 holding 0..255) -> float32, exactly (subnormals included)."""
+    sign = (b & 0x80) << 24
+    exp = (b >> 3) & 0xF
+    man = b & 0x7
+    normal = (sign | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    sub = man.to(tl.float32) * 0.001953125  # exponent field 0: man/8 * 2^-6 = man * 2^-9
+    sub = tl.where(sign != 0, -sub, sub)
+    return tl.where(exp == 0, sub, normal)
+
+
+@triton.jit
+def _e2m1_to_f32(c):
+    """E2M1 codes (uint32 holding 0..15) -> float32: sign bit 3, exponent bits 2-1, mantissa bit 0.
+
+    Exponent 0 is subnormal (0 or 0.5); code 8 is -0.0, as in `formats.E2M1_VALUES`.
+    """
+    sign = (c & 8) << 28
+    exp = (c >> 1) & 3
+    man = c & 1
+    normal = ((exp + 126) << 23) | (man << 22)
+    sub = man * (126 << 23)  # 0.5 has the float32 bits 126 << 23
+    return (sign | tl.where(exp == 0, sub, normal)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast_out(y, out_ty: tl.constexpr):
+    """float32 -> the output dtype, rounding to nearest even. Rounding to bf16 is done on the
+    bits (then the cast is exact) because the CPU interpreter's float32 -> bf16 cast truncates;
+    the GPU's cast rounds to nearest even, so both give the same bits. NaN is not preserved."""
+    if out_ty == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return y.to(out_ty)
+
+
+@triton.jit
+def _dot_acc(a, w, acc, DOT_F32: tl.constexpr):
+    """acc [BM, BN] f32 += a [BM, BK] @ w[BN, BK].T.
+
+    The operands are a's dtype (bf16/fp16 on tensor cores; w is exact in it) unless DOT_F32,
+    which multiplies in float32 ("ieee": no TF32 rounding). DOT_F32 gives the same products
+    (both operands are exact either way) and exists for the CPU interpreter, which has no
+    bfloat16 arithmetic; it is also what float32 activations use.
+    """
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision="ieee")
+
+
+@triton.jit
+def fp8_w8a16_gemm_kernel(
+    x_ptr, w_ptr, scale_ptr, y_ptr,  # x [M, K] act; w uint8 (E4M3 bytes) [N, K]; scale f32 [N]
+    M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """y[m, n] = scale[n] * sum_k x[m, k] * e4m3(w[n, k]). Grid (cdiv(M, BM), cdiv(N, BN))."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * K + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BM, BK]
+        wb = tl.load(w_ptr + rn[:, None] * K + kk[None, :],
+                     mask=(rn[:, None] < N) & (kk[None, :] < K), other=0)  # u8 [BN, BK]
+        w = _e4m3_to_f32(wb.to(tl.uint32))  # f32 [BN, BK], exact in bf16/fp16 (module doc)
+        acc = _dot_acc(a, w, acc, DOT_F32)
+    s = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)  # f32 [BN]
+    y = acc * s[None, :]
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], _cast_out(y, y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _nvfp4_tile(p_ptr, bs_ptr, rows, kk0, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantize rows x [kk0, kk0+BLOCK_K) of an NVFP4 weight to E2M1 * FP8 block scale (f32).
+
+    p_ptr: uint8 [n_rows, K/2]; bs_ptr: E4M3 bytes [n_rows, K/16]; rows: [BLOCK_R] row indices.
+    kk0 and K are multiples of 16; BLOCK_K a multiple of 16. Rows/columns out of range give 0.
+    """
+    half = kk0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] byte columns
+    rmask = rows[:, None] < n_rows
+    p = tl.load(p_ptr + rows[:, None] * (K // 2) + half[None, :],
+                mask=rmask & (half[None, :] < K // 2), other=0).to(tl.uint32)  # [BR, BK/2]
+    codes = tl.interleave(p & 0xF, p >> 4)  # [BR, BK]: element 2i is the low nibble
+    blk = kk0 // 16 + tl.arange(0, BLOCK_K // 16)  # [BK/16]
+    bsb = tl.load(bs_ptr + rows[:, None] * (K // 16) + blk[None, :],
+                  mask=rmask & (blk[None, :] < K // 16), other=0).to(tl.uint32)  # [BR, BK/16]
+    vals = tl.reshape(_e2m1_to_f32(codes), [BLOCK_R, BLOCK_K // 16, 16])
+    vals = vals * _e4m3_to_f32(bsb)[:, :, None]
+    return tl.reshape(vals, [BLOCK_R, BLOCK_K])
+
+
+@triton.jit
+def nvfp4_w4a16_gemm_kernel(
+    x_ptr, p_ptr, bs_ptr, gs_ptr, y_ptr,  # x [M, K]; packed u8 [N, K/2]; bs E4M3 [N, K/16]; gs f32 []
+    M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """y[m, n] = gs * sum_k x[m, k] * e2m1(code[n, k]) * e4m3(bs[n, k // 16]).
+
+    Grid (cdiv(M, BM), cdiv(N, BN)); K is a multiple of 16 (the NVFP4 block).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * K + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BM, BK]
+        w = _nvfp4_tile(p_ptr, bs_ptr, rn, k0, N, K, BLOCK_N, BLOCK_K)  # f32 [BN, BK]
+        acc = _dot_acc(a, w, acc, DOT_F32)
+    gs = tl.load(gs_ptr)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], _cast_out(acc * gs, y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def nvfp4_moe_gate_up_kernel(
+    x_ptr, ids_ptr, gu_ptr, gu_bs_ptr, gu_gs_ptr, act_ptr,
+    # x [T, H]; ids i64 [T*k]; gate_up packed u8 [E, 2I, H/2], bs E4M3 [E, 2I, H/16], gs f32 [E];
+    # act f32 [T*k, I] (workspace)
+    H, INTER, TOPK,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Stage 1 of the MoE op: act[p, i] = silu(gate_e(x_t))[i] * up_e(x_t)[i] for the routed
+    pair p = t*k + j, e = ids[p]. Grid (T*k, cdiv(I, BI)); H is a multiple of 16."""
+    p = tl.program_id(0)
+    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BI]
+    t = p // TOPK
+    e = tl.load(ids_ptr + p)  # i64
+    gp = gu_ptr + e * (2 * INTER) * (H // 2)
+    gb = gu_bs_ptr + e * (2 * INTER) * (H // 16)
+    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        rh = h0 + tl.arange(0, BLOCK_H)
+        xv = tl.load(x_ptr + t * H + rh, mask=rh < H, other=0.0).to(tl.float32)  # [BH]
+        wg = _nvfp4_tile(gp, gb, ri, h0, INTER, H, BLOCK_I, BLOCK_H)  # gate rows [BI, BH]
+        wu = _nvfp4_tile(gp + INTER * (H // 2), gb + INTER * (H // 16), ri, h0, INTER, H,
+                         BLOCK_I, BLOCK_H)  # up rows (I.. 2I) [BI, BH]
+        acc_g += tl.sum(wg * xv[None, :], axis=1)
+        acc_u += tl.sum(wu * xv[None, :], axis=1)
+    gs = tl.load(gu_gs_ptr + e)
+    g = acc_g * gs
+    u = acc_u * gs
+    act = g * tl.sigmoid(g) * u  # silu(g) * u
+    tl.store(act_ptr + p * INTER + ri, act, mask=ri < INTER)
+
+
+@triton.jit
+def nvfp4_moe_down_kernel(
+    act_ptr, ids_ptr, wt_ptr, dn_ptr, dn_bs_ptr, dn_gs_ptr, y_ptr,
+    # act f32 [T*k, I]; ids i64 [T*k]; weights [T*k]; down packed u8 [E, H, I/2],
+    # bs E4M3 [E, H, I/16], gs f32 [E]; y [T, H] in the activation dtype
+    H, INTER, TOPK,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """Stage 2 of the MoE op: y[t, h] = sum_j weights[t, j] * down_e(act[t*k + j])[h], looping
+    over the k routed pairs of token t. Grid (T, cdiv(H, BH)); I is a multiple of 16."""
+    t = tl.program_id(0)
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(0, TOPK):
+        p = t * TOPK + j
+        e = tl.load(ids_ptr + p)
+        dp = dn_ptr + e * H * (INTER // 2)
+        db = dn_bs_ptr + e * H * (INTER // 16)
+        part = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for i0 in range(0, INTER, BLOCK_I):
+            ri = i0 + tl.arange(0, BLOCK_I)
+            av = tl.load(act_ptr + p * INTER + ri, mask=ri < INTER, other=0.0)  # f32 [BI]
+            wd = _nvfp4_tile(dp, db, rh, i0, H, INTER, BLOCK_H, BLOCK_I)  # [BH, BI]
+            part += tl.sum(wd * av[None, :], axis=1)
+        wt = tl.load(wt_ptr + p).to(tl.float32)
+        acc += wt * (part * tl.load(dn_gs_ptr + e))
+    tl.store(y_ptr + t * H + rh, _cast_out(acc, y_ptr.dtype.element_ty), mask=rh < H)
+
+
+@triton.jit
+def dflash2_dynamic_conv_kernel(
+    x_ptr, k_ptr, y_ptr,  # x [B*T, H]; kernel [B*T, G, 2]; y [B*T, H]
+    T, H, G, BLOCK_SLOTS,
+    BLOCK_H: tl.constexpr,
+):
+    """y[r, c] = k[r, g, 0]*x[r, c] + k[r, g, 1]*x[r-1, c] with g = c // (H/G); the second tap is
+    absent at each block's first slot (t % BLOCK_SLOTS == 0). Grid (B*T, cdiv(H, BH))."""
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] channels
+    m = c < H
+    g = c // (H // G)
+    k0 = tl.load(k_ptr + r * G * 2 + g * 2, mask=m, other=0.0).to(tl.float32)
+    k1 = tl.load(k_ptr + r * G * 2 + g * 2 + 1, mask=m, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
+    slot = tl.full([BLOCK_H], (r % T) % BLOCK_SLOTS, tl.int32)  # a block, not a scalar mask
+    xp = tl.load(x_ptr + (r - 1) * H + c, mask=m & (slot != 0), other=0.0).to(tl.float32)
+    y = k0 * xv + k1 * xp
+    tl.store(y_ptr + r * H + c, _cast_out(y, y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def draft_stop_kernel(
+    logits_ptr, tau_ptr, cum_ptr, run_ptr,  # logits [R, V]; tau f32 []; cumulative i8 []; running f32 [R]
+    prob_ptr, stop_ptr, run_out_ptr, cval_ptr, cid_ptr,  # f32 [R]; i8 [R]; f32 [R]; f32 [R, 16]; i64 [R, 16]
+    V,
+    BLOCK_V: tl.constexpr, NUM_CAND: tl.constexpr,
+):
+    """One program per row r (grid (R,)): an online softmax max/sum and a running top-NUM_CAND
+    over chunks of BLOCK_V logits, ordered by value descending then id ascending."""
+    r = tl.program_id(0)
+    row = logits_ptr + r.to(tl.int64) * V
+    slot = tl.arange(0, NUM_CAND)
+    top_v = tl.full([NUM_CAND], float("-inf"), tl.float32)
+    top_i = tl.full([NUM_CAND], EMPTY_ID, tl.int32)
+    run_max = float("-inf")
+    run_sum = 0.0
+    for v0 in range(0, V, BLOCK_V):
+        idx = v0 + tl.arange(0, BLOCK_V)  # i32 [BV]
+        valid = idx < V
+        lv = tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32)
+        cmax = tl.max(lv, axis=0)
+        new_max = tl.maximum(run_max, cmax)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(lv - new_max), axis=0)
+        run_max = new_max
+        # Chunk ids exceed every kept id, so a chunk can only enter above the last kept value,
+        # or at any value while the list has empty slots.
+        last_v = tl.max(tl.where(slot == NUM_CAND - 1, top_v, float("-inf")), axis=0)
+        last_i = tl.min(tl.where(slot == NUM_CAND - 1, top_i, EMPTY_ID), axis=0)
+        if (cmax > last_v) | (last_i == EMPTY_ID):
+            new_v = tl.full([NUM_CAND], float("-inf"), tl.float32)
+            new_i = tl.full([NUM_CAND], EMPTY_ID, tl.int32)
+            pv = float("inf")
+            pi = -1
+            # Selection by the total order (value desc, id asc): each step takes the best
+            # candidate strictly after the previous pick, from the kept list and the chunk.
+            for s in tl.static_range(NUM_CAND):
+                el_old = (top_i != EMPTY_ID) & ((top_v < pv) | ((top_v == pv) & (top_i > pi)))
+                el_new = valid & ((lv < pv) | ((lv == pv) & (idx > pi)))
+                best = tl.maximum(tl.max(tl.where(el_old, top_v, float("-inf")), axis=0),
+                                  tl.max(tl.where(el_new, lv, float("-inf")), axis=0))
+                bid = tl.minimum(
+                    tl.min(tl.where(el_old & (top_v == best), top_i, EMPTY_ID), axis=0),
+                    tl.min(tl.where(el_new & (lv == best), idx, EMPTY_ID), axis=0))
+                new_v = tl.where(slot == s, best, new_v)
+                new_i = tl.where(slot == s, bid, new_i)
+                pv = best
+                pi = bid
+            top_v = new_v
+            top_i = new_i
+    top1 = 1.0 / run_sum  # softmax at the argmax: exp(0) / sum
+    running = tl.load(run_ptr + r) * top1
+    tau = tl.load(tau_ptr)
+    cum = tl.load(cum_ptr)
+    stop = tl.where(cum != 0, running < tau, top1 < tau)
+    tl.store(prob_ptr + r, top1)
+    tl.store(stop_ptr + r, stop.to(tl.int8))
+    tl.store(run_out_ptr + r, running)
+    tl.store(cval_ptr + r * NUM_CAND + slot, top_v)
+    tl.store(cid_ptr + r * NUM_CAND + slot, top_i.to(tl.int64))

@@ -1,0 +1,254 @@
+"""Triton kernels of metrale.plugins run in the CPU interpreter against the PyTorch references,
+plus the references of the MoE, dynamic-conv and draft-stop ops against the runtime modules.
+
+Triton fixes interpreter mode when it is first imported, so this module sets TRITON_INTERPRET=1
+(and TRITON_DEFAULT_FP_FUSION=0) at import, before anything imports triton; pytest imports every
+test module before running any test, and no other test module imports triton in this process
+(`test_aot` compiles in a subprocess). Kernel tests skip when triton is not installed.
+"""
+
+import importlib.util
+import math
+import os
+import sys
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from metrale.plugins import draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe  # noqa: E402
+from metrale.plugins.formats import E2M1_VALUES, dequantize_nvfp4  # noqa: E402
+from metrale.runtime.configs import DecoderConfig  # noqa: E402
+from metrale.runtime.dflash import DynamicConv  # noqa: E402
+from metrale.runtime.layers import MoE  # noqa: E402
+
+
+@pytest.fixture
+def interpreter():
+    from metrale.plugins.aot import triton_interprets
+
+    if not triton_interprets():
+        pytest.fail("triton was imported before this module could set TRITON_INTERPRET=1")
+
+
+def needs_triton(test):
+    """Skip without triton; run in the interpreter with it."""
+    test = pytest.mark.usefixtures("interpreter")(test)
+    return pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                              reason="triton is not installed (pip install triton==3.9.0)")(test)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def nvfp4(shape, g, scale_hi=400.0):
+    """Random NVFP4 weight [..., n, k]: (packed, block scales, a codes tensor)."""
+    codes = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    bs = (torch.rand(*shape[:-1], shape[-1] // 16, generator=g) * scale_hi + 0.01)
+    return packed, bs.to(torch.float8_e4m3fn), codes
+
+
+def close(actual, expected, dtype):
+    """Float32 kernels agree to rounding; bf16 outputs to one bf16 ulp."""
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2 ** -7, 1e-3)
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+# -- FP8 and NVFP4 GEMMs ----------------------------------------------------------------------
+
+@needs_triton
+def test_fp8_kernel_decodes_every_e4m3_code_exactly():
+    # x = identity, so y = W^T * scale: the kernel's bit-level E4M3 decode against torch's cast.
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # drop the two NaN codes -> 254 values
+    w = codes.view(torch.float8_e4m3fn).reshape(2, 127)  # [N=2, K=127]
+    x = torch.eye(127)
+    y = fp8_gemm.fp8_w8a16_gemm_triton(x, w, torch.tensor([1.0, 0.5]))  # [127, 2]
+    assert torch.equal(y.T, w.float() * torch.tensor([[1.0], [0.5]]))
+
+
+@needs_triton
+def test_nvfp4_kernel_decodes_every_e2m1_code_exactly():
+    codes = torch.tensor([list(range(16)) * 2, list(range(15, -1, -1)) * 2], dtype=torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [2, 16]
+    bs = torch.tensor([[2.0, 0.5], [448.0, 0.001953125]]).to(torch.float8_e4m3fn)
+    gs = torch.tensor(0.25)  # a power of two: the kernel's product order is then exact too
+    y = nvfp4_gemm.nvfp4_w4a16_gemm_triton(torch.eye(32), packed, bs, gs)  # [32, 2]
+    assert torch.equal(y.T, dequantize_nvfp4(packed, bs, gs))
+    assert y[:16, 0].tolist() == [v * 0.5 for v in E2M1_VALUES]  # block 0 of row 0: 2 * 0.25
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 80), (17, 64, 64), (5, 130, 144)])
+def test_fp8_kernel_matches_reference(m, n, k, dtype):
+    g = gen(m * 1000 + n + k)
+    w = (torch.randn(n, k, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-3
+    x = torch.randn(m, k, generator=g).to(dtype)
+    y = fp8_gemm.fp8_w8a16_gemm_triton(x, w, scale)
+    assert y.shape == (m, n) and y.dtype == dtype
+    close(y, fp8_gemm.fp8_w8a16_gemm(x, w, scale), dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,n,k", [((1,), 70, 96), ((17,), 65, 144), ((2, 3), 64, 64)])
+def test_nvfp4_kernel_matches_reference(shape, n, k, dtype):
+    g = gen(n + k)
+    packed, bs, _ = nvfp4((n, k), g)
+    gs = torch.tensor(3e-4)
+    x = torch.randn(*shape, k, generator=g).to(dtype)
+    y = nvfp4_gemm.nvfp4_w4a16_gemm_triton(x, packed, bs, gs)
+    assert y.shape == (*shape, n)
+    close(y, nvfp4_gemm.nvfp4_w4a16_gemm(x, packed, bs, gs), dtype)
+
+
+@needs_triton
+def test_nvfp4_kernel_refuses_ragged_block_scale():
+    packed = torch.zeros(4, 16, dtype=torch.uint8)  # K = 32 -> 2 blocks per row
+    with pytest.raises(ValueError, match="block_scale"):
+        nvfp4_gemm.nvfp4_w4a16_gemm_triton(torch.ones(1, 32), packed,
+                                           torch.ones(4, 3).to(torch.float8_e4m3fn),
+                                           torch.tensor(1.0))
+
+
+# -- grouped NVFP4 MoE ------------------------------------------------------------------------
+
+def moe_weights(e, h, i, g):
+    gu_p, gu_s, _ = nvfp4((e, 2 * i, h), g, scale_hi=50.0)
+    dn_p, dn_s, _ = nvfp4((e, h, i), g, scale_hi=50.0)
+    return (gu_p, gu_s, torch.rand(e, generator=g) * 2e-3 + 1e-4,
+            dn_p, dn_s, torch.rand(e, generator=g) * 2e-3 + 1e-4)
+
+
+def test_moe_reference_is_the_routed_part_of_layers_moe():
+    e, h, i, t = 4, 32, 16, 6
+    g = gen(7)
+    weights = moe_weights(e, h, i, g)
+    cfg = DecoderConfig(vocab_size=8, hidden_size=h, num_hidden_layers=1, num_attention_heads=1,
+                        num_key_value_heads=1, head_dim=8, intermediate_size=8, rms_norm_eps=1e-6,
+                        rope_theta=1e4, max_position_embeddings=16, num_experts=e,
+                        num_experts_per_tok=2, moe_intermediate_size=i, norm_topk_prob=True)
+    moe = MoE(cfg)  # no shared expert: its forward is the routed part alone
+    with torch.no_grad():
+        moe.gate.weight.normal_(generator=g)
+        for x_idx, mlp in enumerate(moe.experts):
+            gu = dequantize_nvfp4(weights[0][x_idx], weights[1][x_idx], weights[2][x_idx])
+            mlp.gate_proj.weight.copy_(gu[:i])  # gate rows first, then up rows
+            mlp.up_proj.weight.copy_(gu[i:])
+            mlp.down_proj.weight.copy_(dequantize_nvfp4(weights[3][x_idx], weights[4][x_idx],
+                                                        weights[5][x_idx]))
+        x = torch.randn(t, h, generator=g)
+        route_w, ids = moe.route(x)
+        expected = moe(x)
+    y = nvfp4_moe.nvfp4_moe_w4a16(x, ids, route_w, *weights)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+    assert expected.abs().max() > 0.1
+
+
+def test_moe_reference_refuses_out_of_range_expert():
+    weights = moe_weights(2, 16, 16, gen(0))
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 2\)"):
+        nvfp4_moe.nvfp4_moe_w4a16(torch.ones(1, 16), torch.tensor([[2]]), torch.ones(1, 1),
+                                  *weights)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,h,i,t,k", [(4, 48, 32, 5, 2), (3, 80, 48, 2, 3)])
+def test_moe_kernels_match_reference(e, h, i, t, k, dtype):
+    g = gen(e * h + i)
+    weights = moe_weights(e, h, i, g)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    ids[0, :] = 0  # a token routed twice to one expert still sums both slots
+    w = torch.rand(t, k, generator=g).to(dtype)
+    y = nvfp4_moe.nvfp4_moe_w4a16_triton(x, ids, w, *weights)
+    close(y, nvfp4_moe.nvfp4_moe_w4a16(x, ids, w, *weights), dtype)
+
+
+# -- DFlash2 dynamic conv ---------------------------------------------------------------------
+
+def test_conv_reference_equals_dflash_dynamic_conv():
+    b, t, h, groups, block = 2, 8, 12, 3, 4
+    g = gen(11)
+    conv = DynamicConv(h, groups)
+    with torch.no_grad():
+        conv.base_kernel.normal_(generator=g)
+        conv.kernel_projection.weight.normal_(generator=g)
+        x = torch.randn(b, t, h, generator=g)
+        kernel = conv.base_kernel + conv.kernel_projection(x).view(b, t, groups, 2)
+        expected = conv(x, block)
+    assert torch.equal(dynamic_conv.dflash2_dynamic_conv(x, kernel, block), expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,t,h,groups,block", [(2, 8, 40, 4, 4), (1, 6, 300, 3, 3),
+                                                (1, 5, 16, 16, 5)])
+def test_conv_kernel_is_bit_identical_to_reference(b, t, h, groups, block, dtype):
+    g = gen(h + t)
+    x = torch.randn(b, t, h, generator=g).to(dtype)
+    kernel = torch.randn(b, t, groups, 2, generator=g).to(dtype)
+    y = dynamic_conv.dflash2_dynamic_conv_triton(x, kernel, block)
+    expected = dynamic_conv.dflash2_dynamic_conv(x, kernel, block)
+    assert y.dtype == dtype and torch.equal(y, expected)
+
+
+def test_conv_refuses_block_not_dividing_slots():
+    with pytest.raises(ValueError, match="block must be >= 1 and divide the 6 slots"):
+        dynamic_conv.dflash2_dynamic_conv(torch.ones(1, 6, 4), torch.ones(1, 6, 2, 2), 4)
+
+
+# -- draft stop -------------------------------------------------------------------------------
+
+def test_draft_stop_reference_hand_example():
+    # 16 logits of 0 and one of ln 17: top-1 = 17 / (17 + 15) = 0.53125.
+    logits = torch.zeros(2, 16)
+    logits[:, 5] = math.log(17.0)
+    tau, running = torch.tensor(0.5), torch.tensor([1.0, 0.9])
+    p, stop, run_out, vals, ids = draft_stop.draft_stop(logits, tau, torch.tensor(False), running)
+    torch.testing.assert_close(p, torch.tensor([0.53125, 0.53125]))
+    assert stop.tolist() == [False, False]  # per-draft: 0.53 >= 0.5 continues
+    torch.testing.assert_close(run_out, torch.tensor([0.53125, 0.478125]))
+    assert ids[0].tolist() == [5] + [i for i in range(16) if i != 5]  # ties: lower id first
+    assert vals[0, 0].item() == pytest.approx(math.log(17.0)) and vals[0, 1:].eq(0).all()
+    _, stop, _, _, _ = draft_stop.draft_stop(logits, tau, torch.tensor(1), running)
+    assert stop.tolist() == [False, True]  # cumulative: 0.9 * 0.53 = 0.478 < 0.5 stops
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cumulative", [False, True])
+def test_draft_stop_kernel_matches_reference_with_ties(dtype, cumulative):
+    g = gen(5)
+    v = 2100  # two full chunks of 1024 and a ragged one
+    logits = torch.randint(-3, 4, (3, v), generator=g).to(dtype)  # many equal values
+    logits[1] = torch.randn(v, generator=g).to(dtype) * 3
+    logits[2, 2050] = 9.0  # the best candidate in the ragged last chunk
+    args = (torch.tensor(0.01), torch.tensor(cumulative), torch.tensor([1.0, 0.5, 0.25]))
+    got = draft_stop.draft_stop_triton(logits, *args)
+    ref = draft_stop.draft_stop(logits, *args)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=0)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[3], ref[3])
+    assert torch.equal(got[4], ref[4]) and got[4][2, 0] == 2050
+
+
+@needs_triton
+def test_draft_stop_kernel_small_vocab_and_infinite_logits():
+    logits = torch.full((2, 20), float("-inf"))
+    logits[0, [3, 7, 11]] = torch.tensor([1.0, 2.0, 1.0])  # 3 finite: the rest are -inf by id
+    logits[1] = torch.arange(20.0)
+    args = (torch.tensor(0.9), torch.tensor(False), torch.ones(2))
+    got = draft_stop.draft_stop_triton(logits, *args)
+    ref = draft_stop.draft_stop(logits, *args)
+    assert got[4][0, :5].tolist() == [7, 3, 11, 0, 1] and torch.equal(got[4], ref[4])
+    assert torch.equal(got[3], ref[3]) and torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=0)
