@@ -1,0 +1,496 @@
+"""ONNX export of every engine component (one rank), and its lowering for a target SM.
+
+Each component is wrapped in a small adapter that turns the runtime model's cached, Python-int
+driven forward into one step with explicit tensors, so the graph has dynamic sequence and past
+lengths. The adapters reuse the runtime modules (norms, projections, rotary, `attend`, MLPs) and
+change none of them. Graph I/O (all float tensors in the model's dtype, ids/positions int64):
+
+- target step: `input_ids` [1, T], `past_key`/`past_value` [L, 1, nkv, P, hd], `position` [1]
+  -> `logits` [1, T, V], `new_key`/`new_value` [L, 1, nkv, T, hd], `taps` [1, T, n·H] (the
+  decoder outputs of the tapped layer ids, concatenated in order; only with taps),
+  `last_hidden` [1, T, H].
+- MTP step: `embeds`, `hidden` [1, T, H], `past_key`/`past_value` [1, 1, nkv, P, hd], `position` ->
+  `logits`, `hidden_out` [1, T, H] (pre-norm, fed back in a chain), `new_key`/`new_value`.
+- DFlash propose: `context_features` [1, C, n·Ht] (taps of the C newly accepted positions),
+  `past_key`/`past_value` [L, 1, nkv, P, hd] (context K/V so far), `position` [1], `block_embeds`
+  [1, G, H] -> `new_key`/`new_value` [L, 1, nkv, C, hd] (the new context's K/V), `hidden` [1, G, H]
+  (normed), `logits` [1, G, V], and for DFlash2 `selector_query` [1, G, D] (=
+  hidden_projection(hidden); the runtime adds the predecessor codebook and scores candidates).
+
+`position` is the absolute position of the first new token (context feature for the drafter) and
+the number of valid past entries: past slots at or after it are masked out, so a preallocated
+cache can be passed whole. Only the new K/V come out; the caller writes them at `position`.
+TensorRT profiles need P ≥ 1: a first step passes one dummy past slot with position 0.
+
+Quantized linears (`qlinear.Fp8Linear`, `Nvfp4Linear`) export as `metrale`-domain nodes (opset
+`metrale` 1): `Fp8W8A16Gemm(x, w FLOAT8E4M3FN [N, K], scale f32 [N])` and
+`NvFp4W4A16Gemm(x, packed uint8 [N, K/2], block_scale FLOAT8E4M3FN [N, K/16], global_scale f32 [])`.
+That portable graph is what the engine directory stores. `lower_for_sm` rewrites it for one SM:
+where TensorRT has a native path (FP8 from SM89, FP4 from SM100) a node becomes standard ops —
+per-row DequantizeLinear + MatMul, or the FP4 E2M1 block-16 double DequantizeLinear (opset 23) —
+and otherwise stays a node for the TensorRT plugin (`plugins.trt_plugin`), its uint8 and FP8
+weight tensors retyped int8 holding the same bytes (see `_bytes_as_int8` for why).
+
+MoE layers export densely: every expert runs on every token and is weighted by the router's
+top-k weights scattered into [N, E] (zero elsewhere): the runtime's per-token sum in the same
+expert order plus exact zeros, at E/k times the FFN work (a grouped MoE plugin would remove that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from metrale.runtime import qlinear
+from metrale.runtime.dflash import DFlashDrafter
+from metrale.runtime.layers import MoE, attend, rope_cos_sin
+from metrale.runtime.mtp import MTPHead
+from metrale.runtime.qwen3 import Qwen3ForCausalLM
+
+DOMAIN = "metrale"
+DOMAIN_VERSION = 1
+EXPORT_OPSET = 20  # the legacy exporter's ceiling; FP8 DequantizeLinear needs 19
+FP4_OPSET = 23  # FLOAT4E2M1 DequantizeLinear
+FP8_OP, NVFP4_OP = "Fp8W8A16Gemm", "NvFp4W4A16Gemm"
+
+
+def native_fp8(sm: int) -> bool:  # TensorRT's FP8 DequantizeLinear path: Ada and newer
+    return sm >= 89
+
+
+def native_fp4(sm: int) -> bool:  # E2M1 tensors: Blackwell (SM100/SM120) and newer
+    return sm >= 100
+
+
+# -- quantized linears as metrale nodes ------------------------------------------------------
+
+
+def _typed_like(out, x, n: int):
+    """Give a custom node's output x's element type and shape [..., n] (ONNX cannot infer it)."""
+    from torch.onnx import symbolic_helper
+
+    sizes = symbolic_helper._get_tensor_sizes(x)
+    out.setType(x.type() if sizes is None else x.type().with_sizes(list(sizes[:-1]) + [n]))
+    return out
+
+
+class _Fp8Gemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, scale):  # x [..., K], w fp8 [N, K], scale f32 [N] -> [..., N]
+        return torch.ops.metrale.fp8_w8a16_gemm(x, w, scale)
+
+    @staticmethod
+    def symbolic(g, x, w, scale):
+        n = w.type().sizes()[0]
+        return _typed_like(g.op(f"{DOMAIN}::{FP8_OP}", x, w, scale), x, n)
+
+
+class _Nvfp4Gemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, packed, block_scale, global_scale):  # -> [..., N]
+        return torch.ops.metrale.nvfp4_w4a16_gemm(x, packed, block_scale, global_scale)
+
+    @staticmethod
+    def symbolic(g, x, packed, block_scale, global_scale):
+        n = packed.type().sizes()[0]
+        return _typed_like(g.op(f"{DOMAIN}::{NVFP4_OP}", x, packed, block_scale, global_scale), x, n)
+
+
+class _ExportLinear(nn.Module):
+    """Stands in for a quantized linear while tracing; shares its tensors (no copies)."""
+
+    def __init__(self, inner: qlinear._StoredLinear):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        m = self.inner
+        if m.kind == "fp8":
+            return m._add_bias(_Fp8Gemm.apply(x, m.weight, m.weight_scale))
+        return m._add_bias(_Nvfp4Gemm.apply(x, m.weight, m.weight_scale, m.weight_scale_2))
+
+
+@contextlib.contextmanager
+def _metrale_nodes(root: nn.Module):
+    """Swap every quantized linear under `root` for its exporting stand-in; restore on exit."""
+    swapped = [(name, mod) for name, mod in root.named_modules() if _quantized(mod)]
+    for name, mod in swapped:
+        root.set_submodule(name, _ExportLinear(mod))
+    try:
+        yield
+    finally:
+        for name, mod in swapped:
+            root.set_submodule(name, mod)
+
+
+def _quantized(mod: nn.Module) -> bool:
+    return isinstance(mod, (qlinear.Fp8Linear, qlinear.Nvfp4Linear))
+
+
+# -- shared step pieces --------------------------------------------------------------------
+
+
+def _ffn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(mlp, MoE):
+        return mlp(x)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [N, H]
+    weights, ids = mlp.route(x2)  # [N, k] each
+    dense = x2.new_zeros((x2.shape[0], len(mlp.experts))).scatter(1, ids, weights)  # [N, E]
+    out = torch.zeros_like(x2)
+    for e, expert in enumerate(mlp.experts):
+        out = out + expert(x2) * dense[:, e:e + 1]
+    if mlp.shared_expert is not None:
+        shared = mlp.shared_expert(x2)
+        if mlp.shared_expert_gate is not None:
+            shared = torch.sigmoid(mlp.shared_expert_gate(x2)) * shared
+        out = out + shared
+    return out.reshape(shape)
+
+
+def _past_mask(past_len: int, position: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, P] bool: past slot j is valid iff j < position."""
+    return (torch.arange(past_len, device=position.device)[None, :] < position).expand(rows, past_len)
+
+
+def _layer_step(layer, x, cos, sin, past_k, past_v, mask):
+    """A runtime `DecoderLayer` over new tokens with explicit past K/V.
+
+    x [1, T, H]; past_k/v [1, nkv, P, hd]; mask [T, P+T] -> (x [1, T, H], k, v [1, nkv, T, hd]).
+    """
+    a = layer.self_attn
+    h = layer.input_layernorm(x)
+    q = a.project_q(h, cos, sin)  # [1, nh, T, hd]
+    k, v = a.kv_from_projected(a.k_proj(h), a.v_proj(h), cos, sin)
+    out = attend(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), mask)
+    b, t, _ = x.shape
+    x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd))
+    return x + _ffn(layer.mlp, layer.post_attention_layernorm(x)), k, v
+
+
+def _causal_step_mask(past_len, position, t, device):
+    rows = torch.arange(t, device=device)
+    own = rows[None, :] <= rows[:, None]  # [T, T]
+    return torch.cat([_past_mask(past_len, position, t), own], dim=1)  # [T, P+T]
+
+
+# -- adapters ------------------------------------------------------------------------------
+
+
+class TargetStep(nn.Module):
+    def __init__(self, model: Qwen3ForCausalLM, taps: tuple[int, ...] = ()):
+        super().__init__()
+        self.model, self.taps = model, tuple(taps)
+
+    def forward(self, input_ids, past_key, past_value, position):
+        m, cfg = self.model, self.model.config
+        t = input_ids.shape[1]
+        positions = position + torch.arange(t, device=input_ids.device)  # [T]
+        x = m.model.embed_tokens(input_ids)  # [1, T, H]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        mask = _causal_step_mask(past_key.shape[3], position, t, x.device)
+        ks, vs, tapped = [], [], {}
+        for i, layer in enumerate(m.model.layers):
+            x, k, v = _layer_step(layer, x, cos, sin, past_key[i], past_value[i], mask)
+            ks.append(k)
+            vs.append(v)
+            if i in self.taps:
+                tapped[i] = x
+        logits = m.lm_head(m.model.norm(x))
+        outs = [logits, torch.stack(ks), torch.stack(vs)]
+        if self.taps:
+            outs.append(torch.cat([tapped[i] for i in self.taps], dim=-1))
+        return (*outs, x)
+
+
+class MTPStep(nn.Module):
+    def __init__(self, head: MTPHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, embeds, hidden, past_key, past_value, position):
+        hd, cfg = self.head, self.head.config.decoder
+        t = embeds.shape[1]
+        positions = position + torch.arange(t, device=embeds.device)
+        x = hd.fc(torch.cat([hd.pre_fc_norm_embedding(embeds), hd.pre_fc_norm_hidden(hidden)], -1))
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        mask = _causal_step_mask(past_key.shape[3], position, t, x.device)
+        h, k, v = _layer_step(hd.layer, x, cos, sin, past_key[0], past_value[0], mask)
+        return hd.lm_head(hd.norm(h)), h, k[None], v[None]
+
+
+class DFlashPropose(nn.Module):
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, context_features, past_key, past_value, position, block_embeds):
+        d, cfg = self.drafter, self.drafter.config.decoder
+        c, g, p = context_features.shape[1], block_embeds.shape[1], past_key.shape[3]
+        dev = block_embeds.device
+        kv = d.context_kv(context_features, position + torch.arange(c, device=dev))
+        block_pos = position + c + torch.arange(g, device=dev)  # [G]
+        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, block_embeds.dtype)
+        rows = torch.arange(g, device=dev)[:, None]
+        cols = torch.arange(c + g, device=dev)[None, :]
+        visible = (rows >= 0) & (cols >= 0)  # [G, C+G]: new context and the whole block
+        mask = torch.cat([_past_mask(p, position, g), visible], dim=1)  # [G, P+C+G]
+        x = block_embeds
+        for i, layer in enumerate(d.layers):
+            k, v = kv[i]
+            x = layer(x, cos, sin, torch.cat([past_key[i], k], 2), torch.cat([past_value[i], v], 2),
+                      mask, g)
+        hidden = d.norm(x)
+        outs = [torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]), hidden,
+                d.lm_head(hidden)]
+        if d.config.version == 2:
+            outs.append(d.candidate_selector.hidden_projection(hidden))
+        return tuple(outs)
+
+
+# -- export --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    """A component graph's interface: names in order and dynamic axes (name -> {axis: label})."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    dynamic: dict
+
+    def axis_labels(self) -> set[str]:
+        return {label for axes in self.dynamic.values() for label in axes.values()}
+
+
+def _kv_shape(layers: int, cfg, past: int):
+    return (layers, 1, cfg.num_key_value_heads, past, cfg.head_dim)
+
+
+def example_inputs(kind: str, module: nn.Module, *, t: int = 3, past: int = 4, position: int = 2,
+                   context: int = 2, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs for one step of a component (also what tracing sees): random, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(module.parameters()).dtype
+    pos = torch.tensor([position], dtype=torch.int64)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if kind == "target":
+        cfg = module.config
+        kv = _kv_shape(cfg.num_hidden_layers, cfg, past)
+        ids = torch.randint(0, cfg.vocab_size, (1, t), generator=gen)
+        return ids, rand(*kv), rand(*kv), pos
+    if kind == "mtp":
+        cfg = module.config.decoder
+        kv = _kv_shape(1, cfg, past)
+        return rand(1, t, cfg.hidden_size), rand(1, t, cfg.hidden_size), rand(*kv), rand(*kv), pos
+    if kind == "dflash":
+        dc, cfg = module.config, module.config.decoder
+        kv = _kv_shape(cfg.num_hidden_layers, cfg, past)
+        feats = rand(1, context, dc.num_context_features * dc.target_hidden_size)
+        return feats, rand(*kv), rand(*kv), pos, rand(1, dc.block_size, cfg.hidden_size)
+    raise ValueError(f"unknown component kind {kind!r} (allowed: target, mtp, dflash)")
+
+
+def graph_io(kind: str, module: nn.Module, taps: tuple[int, ...] = ()) -> GraphIO:
+    kv = {3: "past"}
+    if kind == "target":
+        outs = ("logits", "new_key", "new_value") + (("taps",) if taps else ()) + ("last_hidden",)
+        dyn = {"input_ids": {1: "tokens"}, "past_key": kv, "past_value": kv, "logits": {1: "tokens"},
+               "new_key": {3: "tokens"}, "new_value": {3: "tokens"}, "last_hidden": {1: "tokens"}}
+        if taps:
+            dyn["taps"] = {1: "tokens"}
+        return GraphIO(("input_ids", "past_key", "past_value", "position"), outs, dyn)
+    if kind == "mtp":
+        dyn = {"embeds": {1: "tokens"}, "hidden": {1: "tokens"}, "past_key": kv, "past_value": kv,
+               "logits": {1: "tokens"}, "hidden_out": {1: "tokens"}, "new_key": {3: "tokens"},
+               "new_value": {3: "tokens"}}
+        return GraphIO(("embeds", "hidden", "past_key", "past_value", "position"),
+                       ("logits", "hidden_out", "new_key", "new_value"), dyn)
+    if kind == "dflash":
+        v2 = module.config.version == 2
+        outs = ("new_key", "new_value", "hidden", "logits") + (("selector_query",) if v2 else ())
+        dyn = {"context_features": {1: "context"}, "past_key": kv, "past_value": kv,
+               "block_embeds": {1: "block"}, "new_key": {3: "context"},
+               "new_value": {3: "context"}, "hidden": {1: "block"}, "logits": {1: "block"}}
+        if v2:
+            dyn["selector_query"] = {1: "block"}
+        return GraphIO(("context_features", "past_key", "past_value", "position", "block_embeds"),
+                       outs, dyn)
+    raise ValueError(f"unknown component kind {kind!r} (allowed: target, mtp, dflash)")
+
+
+def adapter(kind: str, module: nn.Module, taps: tuple[int, ...] = ()) -> nn.Module:
+    if kind == "target":
+        return TargetStep(module, taps)
+    if kind == "mtp":
+        return MTPStep(module)
+    if kind == "dflash":
+        return DFlashPropose(module)
+    raise ValueError(f"unknown component kind {kind!r} (allowed: target, mtp, dflash)")
+
+
+def export_component(kind: str, module: nn.Module, *, taps: tuple[int, ...] = (),
+                     sm: int | None = None) -> onnx.ModelProto:
+    """Trace one component's step to ONNX: the portable graph, or lowered for `sm` when given."""
+    model = export_module(adapter(kind, module, taps), example_inputs(kind, module),
+                          graph_io(kind, module, taps))
+    return lower_for_sm(model, sm) if sm is not None else model
+
+
+def export_module(step: nn.Module, inputs: tuple[torch.Tensor, ...], gio: GraphIO) -> onnx.ModelProto:
+    """Trace `step(*inputs)` with the legacy exporter, quantized linears as metrale nodes."""
+    quantized = any(_quantized(m) for m in step.modules())
+    buf = io.BytesIO()
+    with _metrale_nodes(step), torch.no_grad(), _quiet_export():
+        torch.onnx.export(step.eval(), inputs, buf, dynamo=False, opset_version=EXPORT_OPSET,
+                          custom_opsets={DOMAIN: DOMAIN_VERSION} if quantized else None,
+                          input_names=list(gio.inputs), output_names=list(gio.outputs),
+                          dynamic_axes=gio.dynamic, do_constant_folding=True)
+    model = onnx.load_from_string(buf.getvalue())
+    model.producer_name = "metrale"
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)  # the legacy exporter
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        # "Only steps=1 can be constant folded": the strided slice stays a node, as it should.
+        warnings.filterwarnings("ignore", message="Constant folding")
+        yield
+
+
+# -- lowering for an SM --------------------------------------------------------------------
+
+
+def metrale_ops(model: onnx.ModelProto) -> dict[str, int]:
+    """Count of metrale-domain nodes by op type (what the TensorRT plugins must cover)."""
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.domain == DOMAIN:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def lower_for_sm(model: onnx.ModelProto, sm: int) -> onnx.ModelProto:
+    """A copy of the portable graph with native standard-op paths wherever `sm` has them."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    _fold_weight_identities(out.graph)
+    inits = {t.name: t for t in out.graph.initializer}
+    elem = _value_types(out)
+    nodes, fp4 = [], False
+    for node in out.graph.node:
+        if node.domain == DOMAIN and node.op_type == FP8_OP and native_fp8(sm):
+            nodes += _fp8_native(node, elem)
+        elif node.domain == DOMAIN and node.op_type == NVFP4_OP and native_fp4(sm):
+            nodes += _fp4_native(node, elem, inits, out.graph)
+            fp4 = True
+        else:
+            if node.domain == DOMAIN:
+                for name in node.input[1:]:
+                    if name in inits:  # a scalar scale may be a Constant node: float, kept
+                        _bytes_as_int8(inits[name])
+            nodes.append(node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    used = {name for n in out.graph.node for name in n.input}
+    keep = [t for t in out.graph.initializer if t.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(keep)
+    if not metrale_ops(out):  # nothing left for a plugin: no custom domain to declare
+        keep_ops = [op for op in out.opset_import if op.domain != DOMAIN]
+        del out.opset_import[:]
+        out.opset_import.extend(keep_ops)
+    for op in out.opset_import if fp4 else ():
+        if op.domain in ("", "ai.onnx"):
+            op.version = max(op.version, FP4_OPSET)
+    return out
+
+
+def _fold_weight_identities(graph: onnx.GraphProto) -> None:
+    """The exporter shares equal initializers through `Identity` nodes; point their consumers at
+    the initializer itself so every weight a metrale node reads is an initializer it can see."""
+    inits = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    alias = {n.output[0]: n.input[0] for n in graph.node
+             if n.op_type == "Identity" and n.input[0] in inits and n.output[0] not in outputs}
+    if not alias:
+        return
+    keep = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    for n in keep:
+        for i, name in enumerate(n.input):
+            if name in alias:
+                n.input[i] = alias[name]
+    del graph.node[:]
+    graph.node.extend(keep)
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, int]:
+    vis = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
+    return {v.name: v.type.tensor_type.elem_type for v in vis}
+
+
+def _matmul_tail(node, w_name: str, elem: dict[str, int]) -> list[onnx.NodeProto]:
+    """W f32 [N, K] -> y = x @ W.T (W cast to x's dtype first when x is not float32)."""
+    x, y, base = node.input[0], node.output[0], node.name or node.output[0]
+    nodes = []
+    x_type = elem.get(x, TensorProto.FLOAT)
+    if x_type not in (TensorProto.FLOAT, TensorProto.UNDEFINED):
+        nodes.append(helper.make_node("Cast", [w_name], [f"{base}/w_cast"], to=x_type))
+        w_name = f"{base}/w_cast"
+    nodes.append(helper.make_node("Transpose", [w_name], [f"{base}/w_t"], perm=[1, 0]))
+    nodes.append(helper.make_node("MatMul", [x, f"{base}/w_t"], [y]))
+    return nodes
+
+
+def _fp8_native(node, elem) -> list[onnx.NodeProto]:
+    _, w, scale = node.input
+    base = node.name or node.output[0]
+    dq = helper.make_node("DequantizeLinear", [w, scale], [f"{base}/w"], axis=0)  # f32 [N, K]
+    return [dq, *_matmul_tail(node, f"{base}/w", elem)]
+
+
+def _fp4_native(node, elem, inits, graph) -> list[onnx.NodeProto]:
+    """packed u8 [N, K/2] -> FLOAT4E2M1 [N, K] (same bytes: element 2i is the low nibble, as
+    ONNX packs 4-bit types), block scales dequantized by the global scale first, then the
+    block-16 dequantize: the scale product precedes the E2M1 value, as `plugins.formats` does."""
+    _, packed, block_scale, global_scale = node.input
+    base = node.name or node.output[0]
+    src = inits[packed]
+    n, half = src.dims
+    fp4 = TensorProto(name=f"{packed}/fp4", data_type=TensorProto.FLOAT4E2M1, dims=[n, 2 * half],
+                      raw_data=numpy_helper.to_array(src).tobytes())
+    if fp4.name not in inits:  # one packed tensor may feed several nodes
+        graph.initializer.append(fp4)
+        inits[fp4.name] = fp4
+    scales = helper.make_node("DequantizeLinear", [block_scale, global_scale], [f"{base}/scale"])
+    dq = helper.make_node("DequantizeLinear", [fp4.name, f"{base}/scale"], [f"{base}/w"],
+                          axis=1, block_size=16)
+    return [scales, dq, *_matmul_tail(node, f"{base}/w", elem)]
+
+
+def _bytes_as_int8(t: TensorProto) -> None:
+    """Retype a uint8 or FLOAT8E4M3FN initializer as int8 holding the same bytes.
+
+    Why: TensorRT's ONNX parser widens uint8 weights to int32 (four times the memory, a layout no
+    kernel expects); a network that needs both int8 and fp8 is refused ("int8SupportRequired &&
+    fp8SupportRequired"); SM75-SM86 have no fp8 type at all. Int8 bytes pass through unchanged,
+    and the plugin's kernel decodes E2M1 codes and E4M3 bits itself."""
+    if t.data_type in (TensorProto.UINT8, TensorProto.FLOAT8E4M3FN):
+        raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+        t.ClearField("int32_data")
+        t.data_type = TensorProto.INT8
+        t.raw_data = raw

@@ -1,0 +1,284 @@
+"""TensorRT engines for an engine directory: one per component, rank and target SM.
+
+`export_and_build` is the build step: for every component it writes the portable ONNX graph
+(`<component>/rank0.onnx`, metrale-domain nodes for the quantized linears; see `onnx_export`),
+then, with a TensorRT flavour (`trt_env`), lowers the graph for each SM of `--target-sm` and
+builds `<component>/rank0.sm<NN>.engine`. TensorRT-RTX builds with no GPU for the SMs in
+`trt.ComputeCapability`; full TensorRT builds for the local GPU's SM only. Quantized linears the
+SM has no native path for reach the TensorRT plugins of `plugins.trt_plugin` (registered for the
+SM before parsing); the manifest records which plugin ops each engine holds.
+
+Networks are strongly typed (the ONNX graph's dtypes are the engine's), with one optimization
+profile whose ranges come from `EngineProfile`: new tokens 1..max_tokens, past 1..max_context,
+the drafter's context 1..max_tokens and block 1..block_size (opt: the whole block).
+
+Invariants: an engine is written only after TensorRT built it; a parse or build failure raises
+`EngineBuildError` carrying TensorRT's own error messages and naming the component and SM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import onnx
+from torch import nn
+
+from metrale.builder import onnx_export as ox
+from metrale.builder.trt_env import TrtFlavor, TrtModule, load_trt, rtx_compute_capabilities
+from metrale.runtime.errors import ConfigError, MetraleError
+
+log = logging.getLogger(__name__)
+
+
+class EngineBuildError(MetraleError):
+    """TensorRT could not parse or build a component's graph."""
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """Upper bounds of the dynamic axes the engines accept (the optimization profile)."""
+
+    max_tokens: int = 256  # new tokens per target/MTP step and new context per propose
+    max_context: int = 4096  # past entries (capped by the model's max_position_embeddings)
+
+    def ranges(self, kind: str, module: nn.Module) -> dict[str, tuple[int, int, int]]:
+        """Axis label -> (min, opt, max) for one component."""
+        cfg = module.config if kind == "target" else module.config.decoder
+        ctx = max(1, min(self.max_context, cfg.max_position_embeddings))
+        tokens = max(1, min(self.max_tokens, ctx))
+        out = {"tokens": (1, min(8, tokens), tokens), "past": (1, max(1, ctx // 2), ctx)}
+        if kind == "dflash":
+            block = module.config.block_size
+            out.update(context=(1, min(8, tokens), tokens), block=(1, block, block))
+        return out
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    path: Path
+    sm: int
+    seconds: float
+    size: int
+    plugin_ops: dict[str, int]  # metrale op type -> node count left for plugins
+
+
+def _collecting_logger(trt):
+    class Collect(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity, msg):
+            if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                self.errors.append(msg)
+                log.error("TensorRT: %s", msg)
+            elif severity == trt.ILogger.Severity.WARNING:
+                log.debug("TensorRT warning: %s", msg)
+
+    return Collect()
+
+
+def check_sms(tm: TrtModule, sms: tuple[int, ...], explicit: bool) -> tuple[int, ...]:
+    """The SMs of `--target-sm` this flavour can build here; refuses (explicit) or skips (auto)."""
+    can = tm.supported_sms()
+    bad = [sm for sm in sms if sm not in can]
+    if bad and explicit:
+        raise ConfigError(
+            f"--target-sm {','.join(map(str, sms))}: --trt-flavor {tm.flavor.value} cannot build for "
+            f"SM {', '.join(map(str, bad))} here (it can build for: {', '.join(map(str, can)) or 'none'})")
+    for sm in bad:
+        log.warning("skipping SM%d: TensorRT %s cannot build for it here", sm, tm.flavor.value)
+    return tuple(sm for sm in sms if sm in can)
+
+
+def build_engine_bytes(tm: TrtModule, model: onnx.ModelProto, sm: int,
+                       ranges: Mapping[str, tuple[int, int, int]], gio: ox.GraphIO,
+                       what: str) -> bytes:
+    """Parse the (SM-lowered) graph and build a serialized engine for `sm`."""
+    from metrale.plugins.trt_plugin import register_plugins
+
+    trt = tm.trt
+    logger = _collecting_logger(trt)
+    plugins = register_plugins(trt, sm)  # held until the build ends
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(model.SerializeToString()):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise EngineBuildError(f"{what}: TensorRT {tm.flavor.value} could not parse the ONNX graph "
+                               f"for SM{sm}: {'; '.join(errors + logger.errors)}")
+    config = builder.create_builder_config()
+    if tm.flavor is TrtFlavor.RTX:
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(rtx_compute_capabilities(trt)[sm], 0)
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        tensor = network.get_input(i)
+        axes = gio.dynamic.get(tensor.name, {})
+        dims = list(tensor.shape)
+        shapes = []
+        for pick in range(3):  # min, opt, max
+            shapes.append([ranges[axes[a]][pick] if a in axes else d for a, d in enumerate(dims)])
+        profile.set_shape(tensor.name, *shapes)
+    config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    del plugins
+    if serialized is None:
+        raise EngineBuildError(f"{what}: TensorRT {tm.flavor.value} could not build for SM{sm}: "
+                               f"{'; '.join(logger.errors) or 'no message'}")
+    return bytes(serialized)
+
+
+def save_onnx(model: onnx.ModelProto, path: Path) -> None:
+    """Write `model`; past 2 GB (protobuf's limit) the weights go to `<name>.data` beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if model.ByteSize() < (1 << 31) - (1 << 26):
+        onnx.save_model(model, str(path))
+    else:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data")
+
+
+# -- the build step ------------------------------------------------------------------------
+
+
+def components_of(models) -> list[tuple[str, str, nn.Module]]:
+    """(name, kind, module) for a LoadedEngine-like object: `.target`, `.mtp`, `.drafters`
+    (a None target or head is skipped: building only some components)."""
+    out = [("target", "target", models.target)] if models.target is not None else []
+    if getattr(models, "mtp", None) is not None:
+        out.append(("mtp", "mtp", models.mtp))
+    out += [(name, "dflash", d) for name, d in getattr(models, "drafters", {}).items()]
+    return out
+
+
+def target_taps(models) -> tuple[int, ...]:
+    """The target layer ids every drafter reads, in first-seen order (one `taps` output)."""
+    taps: list[int] = []
+    for d in getattr(models, "drafters", {}).values():
+        taps += [i for i in d.config.target_layer_ids if i not in taps]
+    return tuple(taps)
+
+
+@dataclass
+class StagedModels:
+    """The torch models of components already written to a (staging) directory."""
+
+    target: nn.Module
+    mtp: nn.Module | None = None
+    drafters: dict[str, nn.Module] = field(default_factory=dict)
+
+
+def load_staged(root: Path, kinds: Mapping[str, str], dtype=None) -> StagedModels:
+    """Load `<name>/config.json` + `<name>/rank0.safetensors` for each name -> kind ("target",
+    "mtp" with its naming as "mtp:<naming>", "dflash") exactly as the torch backend would."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
+    from metrale.runtime.dflash import DFlashDrafter
+    from metrale.runtime.engine import fill_engine_state
+    from metrale.runtime.mtp import MTPHead
+    from metrale.runtime.qwen3 import Qwen3ForCausalLM
+
+    dtype = dtype or torch.float32
+    staged = StagedModels(target=None)
+    for name, kind in kinds.items():
+        cfg = json.loads((root / name / "config.json").read_text())
+        tensors = load_file(str(root / name / "rank0.safetensors"))
+        where = f"{name}/config.json"
+        if kind == "target":
+            module = Qwen3ForCausalLM(DecoderConfig.from_hf(cfg, where))
+        elif kind.startswith("mtp"):
+            naming = kind.partition(":")[2] or "qwen3_next"
+            module = MTPHead(MTPConfig(decoder=DecoderConfig.from_hf(cfg, where), naming=naming))
+        elif kind == "dflash":
+            module = DFlashDrafter(DFlashConfig.from_hf(cfg, where))
+        else:
+            raise ValueError(f"component {name}: unknown kind {kind!r} (allowed: target, mtp, dflash)")
+        module = fill_engine_state(module.to(dtype), tensors, f"{name}/rank0.safetensors")
+        if kind == "target":
+            staged.target = module
+        elif kind.startswith("mtp"):
+            staged.mtp = module
+        else:
+            staged.drafters[name] = module
+    return staged
+
+
+def export_and_build(writer, models, opts, progress: Callable[[str], None] = lambda msg: None,
+                     profile: EngineProfile = EngineProfile()) -> dict[str, Any]:
+    """The build step: ONNX graphs and engines into an open `EngineDirWriter` (`writer.path`),
+    for `opts.trt_flavor` and `opts.target_sm` (a `BuildOptions`). See `write_engines`."""
+    return write_engines(writer.path, models, flavor=opts.trt_flavor, target_sm=opts.target_sm,
+                         profile=profile, progress=progress)
+
+
+def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 120),
+                  profile: EngineProfile = EngineProfile(),
+                  progress: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+    """Write every component's ONNX graph and engines under `root` (the staging directory).
+
+    Returns {"trt_flavor", "trt_version", "target_sm" (built), "skipped_sm", "components":
+    {name: {"onnx", "io", "files", "engines": {sm: {file, seconds, bytes, plugins}}, ...}}}:
+    the manifest additions (every path relative to `root`).
+    """
+    tm = load_trt(flavor)
+    explicit = TrtFlavor.parse(flavor) in (TrtFlavor.RTX, TrtFlavor.TENSORRT)
+    sms = check_sms(tm, tuple(target_sm), explicit) if tm is not None else ()
+    taps = target_taps(models)
+    result: dict[str, Any] = {
+        "trt_flavor": tm.flavor.value if tm else "none",
+        "trt_version": tm.version if tm else None,
+        "target_sm": list(sms),
+        "skipped_sm": [sm for sm in target_sm if sm not in sms] if tm else list(target_sm),
+        "components": {},
+    }
+    for name, kind, module in components_of(models):
+        progress(f"exporting {name} to ONNX")
+        tap_ids = taps if kind == "target" else ()
+        gio = ox.graph_io(kind, module, tap_ids)
+        t0 = time.time()
+        portable = ox.export_component(kind, module, taps=tap_ids)
+        rel = f"{name}/rank0.onnx"
+        save_onnx(portable, root / rel)
+        files = [p.relative_to(root).as_posix() for p in sorted((root / name).glob("rank0.onnx*"))]
+        info: dict[str, Any] = {
+            "onnx": rel, "onnx_seconds": round(time.time() - t0, 3),
+            "io": {"inputs": list(gio.inputs), "outputs": list(gio.outputs),
+                   "dynamic": {k: {str(a): v for a, v in ax.items()} for k, ax in gio.dynamic.items()}},
+            "plugin_ops": ox.metrale_ops(portable), "engines": {},
+        }
+        if kind == "target" and taps:
+            info["taps"] = list(taps)
+        if kind == "dflash":
+            info["tap_index"] = [taps.index(i) for i in module.config.target_layer_ids]
+        ranges = profile.ranges(kind, module)
+        info["profile"] = {k: list(v) for k, v in ranges.items() if k in gio.axis_labels()}
+        for sm in sms:
+            progress(f"building {name} engine for SM{sm} ({tm.flavor.value})")
+            built = build_one(tm, portable, sm, kind, module, gio, ranges, root, name)
+            info["engines"][str(sm)] = {"file": built.path.relative_to(root).as_posix(),
+                                        "seconds": round(built.seconds, 3), "bytes": built.size,
+                                        "plugins": built.plugin_ops}
+            files.append(built.path.relative_to(root).as_posix())
+        info["files"] = files
+        result["components"][name] = info
+    return result
+
+
+def build_one(tm: TrtModule, portable: onnx.ModelProto, sm: int, kind: str, module: nn.Module,
+              gio: ox.GraphIO, ranges, root: Path, name: str, rank: int = 0) -> BuiltEngine:
+    t0 = time.time()
+    lowered = ox.lower_for_sm(portable, sm)
+    data = build_engine_bytes(tm, lowered, sm, ranges, gio, f"component {name} (rank {rank})")
+    path = root / name / f"rank{rank}.sm{sm}.engine"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return BuiltEngine(path, sm, time.time() - t0, len(data), ox.metrale_ops(lowered))
