@@ -7,7 +7,8 @@ nothing reaches the final path unless every step succeeded):
    quantization requests the checkpoints cannot honour, before any quantizing.
 3. Per component, derive the engine state in module naming — the drafters' and the head's draft
    LM head (a copy of the target's) and the drafters' stacked context K/V projection — then
-   quantize it with ModelOpt as the tier asks.
+   quantize it with ModelOpt as the tier asks; with `--draft-tp-size N` cut each drafter's
+   quantized state into N rank files (`builder.shard`; the target and MTP head stay rank0).
 4. Write weights, configs, tokenizer and the manifest (with the memory estimate) through
    `EngineDirWriter`, which renames the staging directory into place only when complete.
 """
@@ -23,7 +24,9 @@ from typing import Callable
 import torch
 
 from metrale.builder import quantize as q
+from metrale.builder import shard
 from metrale.builder.recipe import BuildOptions, Recipe
+from metrale.runtime.configs import DFlashConfig, read_config
 from metrale.runtime.engine_dir import EngineDirWriter, Manifest, checkpoint_digest
 from metrale.runtime.errors import ConfigError
 from metrale.runtime.loader import load_dflash, load_mtp, load_target, read_safetensors, rename
@@ -59,12 +62,15 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
     t0 = time.time()
     opts = recipe.build
     out = Path(engine_dir) if engine_dir is not None else Path(recipe.engine_dir)
-    if opts.draft_tp_size not in (1, "auto"):
-        raise ConfigError(f"--draft-tp-size {opts.draft_tp_size}: tensor-parallel drafter shards "
-                          "are not built by this version (allowed: 1, auto)")
+    tp = shard.resolve_build_tp(opts.draft_tp_size)
     if opts.trt_flavor not in ("none", "auto"):
         raise ConfigError(f"--trt-flavor {opts.trt_flavor}: TensorRT engines are not built by this "
                           "version (allowed: none, auto — auto builds none without TensorRT)")
+
+    tier_format = q.DraftWeightQuantization.parse(opts.draft_weight_quantization).format
+    for name, src in recipe.drafters.items():  # from the configs: refused before any loading
+        cfg = DFlashConfig.from_hf(read_config(src.checkpoint), f"{src.checkpoint}/config.json")
+        shard.check_drafter_tp(cfg, tp, tier_format, name)
 
     progress("loading checkpoints")
     target = load_target(recipe.target.checkpoint)
@@ -82,7 +88,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
     memory: dict[str, dict] = {}
     with EngineDirWriter(out, overwrite=overwrite) as w:
         progress("writing target")
-        _write_component(w, "target", recipe.target.checkpoint, _bf16_state(target),
+        _write_component(w, "target", recipe.target.checkpoint, [_bf16_state(target)],
                          {"kind": "target"})
         _copy_tokenizer(w, recipe.target.checkpoint)
         sources = {"target": {"path": str(recipe.target.checkpoint),
@@ -94,7 +100,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
                                              mtp_quantization=opts.mtp_quantization,
                                              ffn_kind=head.config.ffn_kind)
             memory["mtp"] = mtp_memory(state, head.config.ffn_kind)
-            _write_component(w, "mtp", recipe.mtp.checkpoint, qstate,
+            _write_component(w, "mtp", recipe.mtp.checkpoint, [qstate],
                              {"kind": "mtp", "naming": head.config.naming, "quantization": section,
                               "weight_bytes": q.weight_bytes(qstate)})
             sources["mtp"] = {"path": str(recipe.mtp.checkpoint),
@@ -105,11 +111,13 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
             qstate, section = q.quantize_drafter(state, opts.draft_weight_quantization)
             memory[name] = {tier: q.estimate_bytes(state, tier) for tier in q.DRAFT_TIERS}
             src = recipe.drafters[name].checkpoint
-            _write_component(w, name, src, qstate,
+            shards = shard.shard_drafter(qstate, drafter.config, tp)
+            _write_component(w, name, src, shards,
                              {"kind": "dflash", "version": drafter.config.version,
-                              "quantization": section, "weight_bytes": q.weight_bytes(qstate)})
+                              "quantization": section, "weight_bytes": q.weight_bytes(qstate),
+                              "tp_size": tp, "rank_weight_bytes": shard.shard_bytes(shards)})
             sources[name] = {"path": str(src), "sha256": checkpoint_digest(src)}
-        w.set(sources=sources, tp_size=1, memory_estimate=memory,
+        w.set(sources=sources, tp_size=tp, memory_estimate=memory,
               build={"recipe": recipe.name, "draft_weight_quantization": opts.draft_weight_quantization,
                      "mtp_quantization": opts.mtp_quantization,
                      "mtp_experts_nvfp4": opts.mtp_experts_nvfp4, "trt_flavor": "none",
@@ -125,10 +133,14 @@ def mtp_memory(state: dict[str, torch.Tensor], ffn_kind: str) -> dict[str, int]:
     return est
 
 
-def _write_component(w: EngineDirWriter, name: str, checkpoint: Path, state: dict, info: dict) -> None:
+def _write_component(w: EngineDirWriter, name: str, checkpoint: Path, states: list[dict],
+                     info: dict) -> None:
+    """The component's config and one `rank{r}.safetensors` per state (rank order)."""
     w.copy_file(Path(checkpoint) / "config.json", f"{name}/config.json")
-    w.save_safetensors(f"{name}/rank0.safetensors", state, metadata={"format": "pt"})
-    w.component(name, {**info, "config": f"{name}/config.json", "files": [f"{name}/rank0.safetensors"]})
+    files = [f"{name}/rank{r}.safetensors" for r in range(len(states))]
+    for f, state in zip(files, states):
+        w.save_safetensors(f, state, metadata={"format": "pt"})
+    w.component(name, {**info, "config": f"{name}/config.json", "files": files})
 
 
 def _copy_tokenizer(w: EngineDirWriter, checkpoint: Path) -> None:

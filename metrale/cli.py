@@ -3,6 +3,8 @@
 Flags are kebab-case and map one-to-one onto config fields (`BuildOptions`,
 `SpeculativeConfig`, `SamplingParams`); every value is validated there, before any model loads.
 A `MetraleError` is printed as one line naming the flag or file — never a traceback.
+`generate` and `serve` run as one process or as every rank of a `torchrun` launch (`--nproc N`
+re-runs the same command line under torchrun); only rank 0 prints and serves.
 """
 
 from __future__ import annotations
@@ -134,11 +136,53 @@ def inspect(engine_dir: o.EngineDir,
         out.print(c)
 
 
-def _load(engine_dir: Path, device: str, dtype: str, spec):
-    from metrale.runtime.engine import load_engine
-    from metrale.runtime.service import EngineGenerator
+NPROC_HELP = ("Run as N processes under torchrun (this command line, re-launched with "
+              "`python -m torch.distributed.run --standalone --nproc-per-node N`), e.g. with "
+              "--draft-tp-size auto. Default: 1, or the world size of an existing torchrun launch.")
+Nproc = Annotated[Optional[int], typer.Option("--nproc", metavar="N", help=NPROC_HELP)]
 
-    return EngineGenerator(load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device), spec)
+
+def _relaunch(nproc: Optional[int], command: str) -> None:
+    """Replace this process with torchrun running the same command line when --nproc asks for
+    more than one process; refuse a count that contradicts a torchrun launch."""
+    import os
+
+    from metrale.runtime.errors import ConfigError
+    from metrale.runtime.tp import torchrun_argv
+
+    if nproc is None:
+        return
+    if nproc < 1:
+        raise ConfigError(f"--nproc: expected a process count of at least 1, got {nproc}")
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None:
+        if int(world) != nproc:
+            raise ConfigError(f"--nproc {nproc}: this process is one of {world} launched by torchrun; "
+                              f"expected --nproc {world} or none")
+        return
+    if nproc == 1:
+        return
+    argv = sys.argv[1:]
+    if not argv or argv[0] != command:
+        raise ConfigError(f"--nproc re-runs the command line, which must start with {command!r}")
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    cmd = torchrun_argv(nproc, kept)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)  # torchrun takes this process's place: signals reach it directly
+
+
+def _load(engine_dir: Path, device: str, dtype: str, spec):
+    from metrale.runtime.service import load_generator
+
+    return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype), device=device)
 
 
 @app.command()
@@ -152,17 +196,26 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the tokenizer's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line: text, token ids, per-step accepted counts, tau, tokens/s.")] = False,
-    device: o.Device = "cpu", dtype: o.Dtype = "float32", spec=None,
+    device: o.Device = "cpu", dtype: o.Dtype = "float32", nproc: Nproc = None, spec=None,
 ):
     """Generate text for one prompt."""
     with user_errors():
         from metrale.runtime.sampling import SamplingParams
 
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+        _relaunch(nproc, "generate")
         gen = _load(engine_dir, device, dtype, spec)
+        if not gen.world.leader:
+            gen.follow()
+            gen.world.close()
+            return
         text_in = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = gen.tokenizer.encode(text_in)
-        result = gen.decoder().generate(ids, params)
+        try:
+            result = gen.generate(ids, params)
+        finally:
+            gen.shutdown()
+        gen.world.close()
         text = gen.tokenizer.decode(result.token_ids)
         if as_json:
             m = result.metrics
@@ -182,15 +235,25 @@ def serve(
     engine_dir: o.EngineDir,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
-    device: o.Device = "cpu", dtype: o.Dtype = "float32", spec=None,
+    device: o.Device = "cpu", dtype: o.Dtype = "float32", nproc: Nproc = None, spec=None,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     with user_errors():
         from metrale.runtime.server import serve as run_server
 
+        _relaunch(nproc, "serve")
         gen = _load(engine_dir, device, dtype, spec)
-        err.print(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}")
-        run_server(gen, host=host, port=port)
+        if not gen.world.leader:
+            gen.follow()
+            gen.world.close()
+            return
+        err.print(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}"
+                  + (f", {gen.world.size} ranks" if gen.world.size > 1 else ""))
+        try:
+            run_server(gen, host=host, port=port)
+        finally:
+            gen.shutdown()
+        gen.world.close()
 
 
 def main() -> None:  # pragma: no cover

@@ -15,6 +15,12 @@ DFlash2 adds, per layer, two-tap grouped dynamic convs over the block slots — 
 draft LM head are rescored with
     score(c) = logit(c) + ⟨hidden_projection(h_slot) + predecessor_codebook[prev], successor_codebook[c]⟩
 where prev is the token chosen at the slot before (the anchor for slot 1), left to right.
+
+Tensor parallel (`tp`, see `runtime.tp`): each rank builds the drafter with its own heads,
+intermediate slice and LM-head vocab slice; the partial outputs of o_proj and down_proj are
+summed over the ranks (one all-reduce each), and the drafts come from the global top
+candidates gathered from every rank's vocab slice (one all-gather), so every rank drafts the
+same tokens, equal to one rank's up to the all-reduce's summation order.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 
 from metrale.runtime.configs import DFlashConfig
 from metrale.runtime.layers import MLP, Attention, KVCache, RMSNorm, attend, rope_cos_sin
+from metrale.runtime.tp import TOP_CANDIDATES, TensorParallel, check_drafter_split, local_decoder
 
 
 class DynamicConv(nn.Module):
@@ -69,6 +76,10 @@ class CandidateSelector(nn.Module):
     def select(self, hidden, logits, anchor):
         """hidden [B, n, H], logits [B, n, V] for the draft slots, anchor [B] -> tokens [B, n]."""
         cand_logits, cand_ids = logits.topk(self.num_candidates, dim=-1)  # [B, n, K]
+        return self.select_candidates(hidden, cand_logits, cand_ids, anchor)
+
+    def select_candidates(self, hidden, cand_logits, cand_ids, anchor):
+        """hidden [B, n, H], the top candidates' logits/ids [B, n, K], anchor [B] -> [B, n]."""
         prev, out = anchor, []
         for j in range(hidden.shape[1]):
             s = self.scores(hidden[:, j], cand_ids[:, j], cand_logits[:, j], prev)  # [B, K]
@@ -78,9 +89,10 @@ class CandidateSelector(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, tp: TensorParallel | None = None):
         super().__init__()
-        d = cfg.decoder
+        self.tp = tp
+        d = cfg.decoder if tp is None else local_decoder(cfg.decoder, tp.rank, tp.size)
         self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.self_attn = Attention(d)
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
@@ -99,28 +111,39 @@ class DFlashLayer(nn.Module):
         k, v = a.kv_from_projected(a.k_proj(h), a.v_proj(h), cos, sin)
         out = attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
         b, t, _ = x.shape
-        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd))
+        x = x + self._sum(a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd)))
         if hasattr(self, "mlp_conv"):
             x = x + self.mlp_conv(x, block)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._sum(self.mlp(self.post_attention_layernorm(x)))
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """[B, Tq, H] this rank's heads' (or intermediate slice's) share -> the whole sum."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
 
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [B, γ−1] drafts for positions anchor_pos+1 ..
-    logits: torch.Tensor  # [B, γ−1, V] draft LM-head logits of those slots
+    logits: torch.Tensor  # [B, γ−1, V_r] draft LM-head logits of those slots for token ids
+    vocab_start: int = 0  # vocab_start.. : the whole vocab on one rank, the rank's slice under tp
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
+        self.tp = tp  # None: the whole drafter in this process
+        if tp is not None:
+            check_drafter_split(cfg, tp.size)
         d = cfg.decoder
+        # this rank's shapes: its KV heads, intermediate slice and vocab slice
+        self.local = d if tp is None else local_decoder(d, tp.rank, tp.size)
+        self.vocab_start = 0 if tp is None else tp.range(d.vocab_size)[0]
         self.fc = nn.Linear(cfg.num_context_features * cfg.target_hidden_size, d.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(d.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashLayer(cfg, tp) for _ in range(d.num_hidden_layers))
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.lm_head = nn.Linear(d.hidden_size, self.local.vocab_size, bias=False)
         self.context_kv_proj: nn.Module | None = None  # engine-only stacked k/v (see module doc)
         if cfg.version == 2:
             self.candidate_selector = CandidateSelector(d.hidden_size, d.vocab_size,
@@ -137,7 +160,7 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
         """features [B, C, n·Ht] -> per layer (k, v) [B, nkv, C, hd], roped at `positions` [C]."""
         c = self.hidden_norm(self.fc(features))  # [B, C, H]
-        d = self.config.decoder
+        d = self.local
         cos, sin = rope_cos_sin(positions, d.head_dim, d.rope_theta, c.dtype)
         width = d.num_key_value_heads * d.head_dim
         if self.context_kv_proj is not None:
@@ -150,7 +173,7 @@ class DFlashDrafter(nn.Module):
                 for i, layer in enumerate(self.layers)]
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> KVCache:
-        d = self.config.decoder
+        d = self.local
         return KVCache(d.num_hidden_layers, batch, d.num_key_value_heads, max_len, d.head_dim,
                        dtype, device)
 
@@ -187,6 +210,20 @@ class DFlashDrafter(nn.Module):
         block[:, 0] = anchor
         hidden, logits = self.forward_block(embed(block), cache)
         hidden, logits = hidden[:, 1:], logits[:, 1:]
+        if self.tp is not None:
+            # one all-gather: every rank's top candidates, with the anchors and the cache length
+            # as a lockstep check
+            length = torch.tensor([float(cache.length)], device=anchor.device)
+            vals, ids = self.tp.top_candidates(logits, self.vocab_start,
+                                               max(TOP_CANDIDATES, cfg.num_candidates),
+                                               torch.cat([anchor.float(), length]))  # [B, n, k]
+            if cfg.version == 2:
+                n = cfg.num_candidates
+                tokens = self.candidate_selector.select_candidates(hidden, vals[..., :n],
+                                                                   ids[..., :n], anchor)
+            else:
+                tokens = ids[..., 0]  # the global argmax
+            return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start)
         if cfg.version == 2:
             tokens = self.candidate_selector.select(hidden, logits, anchor)
         else:

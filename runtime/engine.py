@@ -8,6 +8,11 @@ reference ops (dequantize exactly as the kernels do), every other tensor fills i
 
 Components: `target` (always), `mtp` (optional), and drafters (any other name, kind `dflash`).
 The drafters and the head embed with the target's embedding; they hold their own draft LM head.
+
+A drafter built with `--draft-tp-size N` has N rank files (its manifest entry's `tp_size`).
+Loaded with a `TensorParallel` of N ranks, each rank reads its own file; loaded without one,
+the rank files are merged back into the whole drafter (their bytes are the one-rank bytes).
+The target and the MTP head are single-rank (rank0 files) and every rank loads them whole.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from metrale.runtime.loader import strict_fill
 from metrale.runtime.mtp import MTPHead
 from metrale.runtime.qwen3 import Qwen3ForCausalLM
 from metrale.runtime.tokenizer import Tokenizer
+from metrale.runtime.tp import TensorParallel, merge_drafter_state
 
 
 def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -84,10 +90,31 @@ def _build(module_cls, cfg, dtype, device):
     return module_cls(cfg).to(dtype=dtype, device=device)
 
 
+def _drafter_tensors(path: Path, name: str, info: dict, cfg: DFlashConfig,
+                     tp: TensorParallel | None):
+    """The drafter's tensors for this process: its rank's file, or all rank files merged."""
+    built = info.get("tp_size", 1)
+    if type(built) is not int or built < 1:
+        raise EngineDirError(f"engine directory {path}: drafter {name} has tp_size {built!r}; "
+                             "expected an integer >= 1")
+    if tp is None and built == 1:
+        return _component_files(path, name, 0)[1:]
+    if tp is None:
+        shards = [_component_files(path, name, r)[1] for r in range(built)]
+        return merge_drafter_state(shards, cfg), f"engine directory {path}: {name}/rank*.safetensors"
+    if built != tp.size:
+        raise EngineDirError(
+            f"engine directory {path}: drafter {name} was built with --draft-tp-size {built}, so "
+            f"it runs on {'1 rank' if built == 1 else f'1 or {built} ranks'}, not {tp.size}; "
+            f"rebuild with --draft-tp-size {tp.size}")
+    return _component_files(path, name, tp.rank)[1:]
+
+
 def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", rank: int = 0,
-                components: tuple[str, ...] | None = None) -> LoadedEngine:
-    """Verify and load. `components` limits which optional parts are loaded (target always)."""
+                device: str | torch.device = "cpu", components: tuple[str, ...] | None = None,
+                tp: TensorParallel | None = None) -> LoadedEngine:
+    """Verify and load. `components` limits which optional parts are loaded (target always);
+    `tp` makes every drafter this rank's tensor-parallel shard."""
     path = Path(engine_dir)
     manifest = load_manifest(path, verify=True)
     device = torch.device(device)
@@ -106,9 +133,10 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                              naming=info.get("naming", "qwen3_next"))
             engine.mtp = fill_engine_state(_build(MTPHead, mcfg, dtype, device), tensors, source)
         elif kind == "dflash":
-            cfg, tensors, source = _component_files(path, name, rank)
+            cfg = json.loads((path / name / "config.json").read_text())
             dcfg = DFlashConfig.from_hf(cfg, f"{name}/config.json")
-            drafter = _build(DFlashDrafter, dcfg, dtype, device)
+            tensors, source = _drafter_tensors(path, name, info, dcfg, tp)
+            drafter = DFlashDrafter(dcfg, tp).to(dtype=dtype, device=device)
             engine.drafters[name] = fill_engine_state(drafter, tensors, source)
         else:
             raise EngineDirError(f"engine directory {path}: component {name} has unknown kind {kind!r}")

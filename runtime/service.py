@@ -5,20 +5,39 @@
 merged into one aggregate for `/metrics`. The speculative config was validated when parsed; the
 parts that need the engine (the drafter exists, γ against its block size, the MTP head exists)
 are resolved here once, at start-up, before the first request.
+
+Under `torchrun` (`load_generator` joins the world) every rank loads the whole target and runs
+the same decode: the target is replicated, which is deterministic and lets every rank know the
+accepted tokens without a broadcast per step; only the drafter is tensor-parallel. The leader
+(rank 0) broadcasts each request (prompt ids and sampling parameters, with a seed it draws for
+an unseeded sampled request) before decoding it; the other ranks `follow`, decoding the same
+requests until the leader's `shutdown`. A stream the client abandons is still decoded to its
+end on the leader, so every rank runs the same collectives. Only the leader prints or serves.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import random
+from dataclasses import replace
+from pathlib import Path
 from typing import Iterator
 
-from metrale.runtime.decode import Decoder
-from metrale.runtime.engine import LoadedEngine
-from metrale.runtime.errors import ConfigError
+import torch
+
+from metrale.runtime.configs import DFlashConfig
+from metrale.runtime.decode import DecodeResult, Decoder
+from metrale.runtime.engine import LoadedEngine, load_engine
+from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.metrics import SpecMetricsAggregate
 from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.spec_dflash import DFlashProposer
 from metrale.runtime.spec_mtp import MTPProposer
-from metrale.runtime.specconfig import SpecMode, SpeculativeConfig, resolve_dflash
+from metrale.runtime.specconfig import SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
+from metrale.runtime.tp import TensorParallel, World
+
+log = logging.getLogger(__name__)
 
 
 def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
@@ -36,9 +55,11 @@ def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
 
 
 class EngineGenerator:
-    def __init__(self, engine: LoadedEngine, spec: SpeculativeConfig | None = None):
+    def __init__(self, engine: LoadedEngine, spec: SpeculativeConfig | None = None,
+                 world: World | None = None):
         self.engine = engine
         self.spec = spec or SpeculativeConfig()
+        self.world = world or World()
         self.dflash = check_engine_supports(engine, self.spec)
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
@@ -56,13 +77,76 @@ class EngineGenerator:
             proposer = DFlashProposer(e.drafters[self.dflash.drafter], embed, self.dflash, max_len)
         return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context)
 
+    def _announce(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Leader: send the request to the other ranks (a sampled request gets a seed)."""
+        if self.world.size == 1:
+            return params
+        if not params.greedy and params.seed is None:
+            params = replace(params, seed=random.getrandbits(63))
+        self.world.broadcast((list(prompt_ids), params))
+        return params
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:
+        """One whole request (on every rank of a world: the leader announces it)."""
+        return self.decoder().generate(prompt_ids, self._announce(prompt_ids, params))
+
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        params = self._announce(prompt_ids, params)
         decoder = self.decoder()
+        tokens = decoder.stream(prompt_ids, params)
         try:
-            yield from decoder.stream(prompt_ids, params)
+            for tok in tokens:  # not `yield from`: closing this generator must not close `tokens`
+                yield tok
         finally:
+            if self.world.size > 1:
+                for _ in tokens:  # the other ranks decode the whole request: keep in step
+                    pass
             if decoder.last_result is not None:
                 self.metrics.add(decoder.last_result.metrics)
 
+    def follow(self) -> None:
+        """A non-leader rank: decode the leader's requests until its `shutdown`."""
+        while True:
+            request = self.world.broadcast()
+            if request is None:
+                return
+            prompt_ids, params = request
+            try:
+                self.decoder().generate(prompt_ids, params)
+            except (MetraleError, ValueError) as exc:  # the leader raises the same, to its caller
+                log.debug("rank %d: request refused: %s", self.world.rank, exc)
+
+    def shutdown(self) -> None:
+        """Leader: release the other ranks' `follow`."""
+        if self.world.size > 1 and self.world.leader:
+            self.world.broadcast(None)
+
     def metrics_text(self) -> str:
         return self.metrics.prometheus_text()
+
+
+def drafter_kv_heads(engine_dir: Path, name: str) -> int | None:
+    """The KV heads of drafter `name` from its config, or None when there is no such drafter."""
+    path = Path(engine_dir) / name / "config.json"
+    if not path.is_file():
+        return None
+    cfg = DFlashConfig.from_hf(json.loads(path.read_text()), f"{name}/config.json")
+    return cfg.decoder.num_key_value_heads
+
+
+def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
+                   dtype: torch.dtype = torch.float32, device: str = "cpu") -> EngineGenerator:
+    """Load an engine for this process: a plain process, or one rank of a `torchrun` world.
+
+    In a world, `--draft-tp-size` must be the same on every rank (checked with an all-gather)
+    and resolve to 1 or the world size; above 1 every drafter is loaded as this rank's shard.
+    """
+    world = World.from_env(device)
+    tp = None
+    if spec.mode is SpecMode.DFLASH:
+        world.agree(str(spec.draft_tp_size), "--draft-tp-size")
+        kv_heads = drafter_kv_heads(Path(engine_dir), spec.dflash_drafter)
+        if kv_heads is not None and resolve_draft_tp_size(spec, world.size, kv_heads) > 1:
+            tp = TensorParallel(world.rank, world.size)
+    engine = load_engine(engine_dir, dtype=dtype, device=world.device(device), tp=tp)
+    return EngineGenerator(engine, spec, world)
