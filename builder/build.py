@@ -63,9 +63,9 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
     opts = recipe.build
     out = Path(engine_dir) if engine_dir is not None else Path(recipe.engine_dir)
     tp = shard.resolve_build_tp(opts.draft_tp_size)
-    if opts.trt_flavor not in ("none", "auto"):
-        raise ConfigError(f"--trt-flavor {opts.trt_flavor}: TensorRT engines are not built by this "
-                          "version (allowed: none, auto — auto builds none without TensorRT)")
+    if opts.trt_flavor != "none" and tp > 1:
+        raise ConfigError(f"--trt-flavor {opts.trt_flavor} with --draft-tp-size {tp}: engines are built "
+                          "for one rank only; use --trt-flavor none for tensor-parallel drafters")
 
     tier_format = q.DraftWeightQuantization.parse(opts.draft_weight_quantization).format
     for name, src in recipe.drafters.items():  # from the configs: refused before any loading
@@ -117,13 +117,48 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
                               "quantization": section, "weight_bytes": q.weight_bytes(qstate),
                               "tp_size": tp, "rank_weight_bytes": shard.shard_bytes(shards)})
             sources[name] = {"path": str(src), "sha256": checkpoint_digest(src)}
+        engines = build_engines(w, opts, progress) if opts.trt_flavor != "none" else {}
         w.set(sources=sources, tp_size=tp, memory_estimate=memory,
+              plugins=engines.get("plugins", []),
               build={"recipe": recipe.name, "draft_weight_quantization": opts.draft_weight_quantization,
                      "mtp_quantization": opts.mtp_quantization,
-                     "mtp_experts_nvfp4": opts.mtp_experts_nvfp4, "trt_flavor": "none",
-                     "target_sm": list(opts.target_sm)})
+                     "mtp_experts_nvfp4": opts.mtp_experts_nvfp4,
+                     "trt_flavor": engines.get("trt_flavor", "none"),
+                     "trt_version": engines.get("trt_version"),
+                     "target_sm": list(opts.target_sm),
+                     "engine_sm": engines.get("target_sm", []),
+                     "skipped_sm": engines.get("skipped_sm", [])})
         progress("hashing and installing")
     return BuildReport(out, w.manifest, time.time() - t0, memory)
+
+
+def build_engines(w: EngineDirWriter, opts, progress) -> dict:
+    """ONNX graphs, TensorRT engines and the plugins' cubins for the components written so far
+    (loaded back from the staging directory exactly as serve loads them)."""
+    from metrale.builder.trt_build import export_and_build, load_staged
+
+    infos = w.components
+    kinds = {name: ("mtp:" + info.get("naming", "qwen3_next") if info["kind"] == "mtp" else info["kind"])
+             for name, info in infos.items()}
+    models = load_staged(w.path, kinds)
+    extra = export_and_build(w, models, opts, progress)
+    for name, add in extra["components"].items():
+        w.component(name, {**infos[name], **{k: v for k, v in add.items() if k != "files"},
+                           "files": infos[name]["files"] + add["files"]})
+    if any(e["plugins"] for c in extra["components"].values() for e in c["engines"].values()):
+        extra["plugins"] = compile_cubins(w, extra["target_sm"], progress)
+    return extra
+
+
+def compile_cubins(w: EngineDirWriter, sms: list[int], progress) -> list[dict]:
+    """The Triton kernels behind the engines' plugin layers, compiled to one cubin per SM."""
+    try:
+        from metrale.plugins.aot import compile_kernels_in_subprocess
+    except ImportError as exc:  # pragma: no cover - the module imports triton lazily
+        raise ConfigError(f"engines with plugin layers need the kernels extra: {exc}") from None
+    progress(f"compiling plugin kernels for SM {', '.join(map(str, sms))}")
+    # the engines are exported from fp32 modules: the plugins see fp32 activations
+    return compile_kernels_in_subprocess(w.path / "plugins", sms=tuple(sms), act="fp32")
 
 
 def mtp_memory(state: dict[str, torch.Tensor], ffn_kind: str) -> dict[str, int]:

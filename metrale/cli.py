@@ -88,24 +88,22 @@ def _print_build(report) -> None:
     from rich.table import Table
 
     from metrale.runtime.engine_dir import human_size
+    from metrale.runtime.manifest_view import quant_cell
 
     m = report.manifest
     t = Table(title=f"metrale build → {report.engine_dir}  ({report.seconds:.1f} s)")
     for col in ("component", "kind", "quantization", "weight bytes"):
         t.add_column(col)
     for name, info in m.components.items():
-        qsec = (info.get("quantization") or {}).get("quantization", {})
-        t.add_row(name, info.get("kind", ""), str(qsec.get("quant_algo") or "declared"),
+        t.add_row(name, info.get("kind", ""), quant_cell(info.get("quantization")),
                   human_size(info.get("weight_bytes", 0)) if info.get("weight_bytes") else "")
     out.print(t)
     if report.memory_estimate:
         est = Table(title="memory estimate: weight bytes per tier")
         est.add_column("component")
-        tiers = sorted({k for v in report.memory_estimate.values() for k in v})
-        for tier in tiers:
-            est.add_column(tier, justify="right")
+        est.add_column("tier → weight bytes")
         for name, per in report.memory_estimate.items():
-            est.add_row(name, *(human_size(per[k]) if k in per else "" for k in tiers))
+            est.add_row(name, "   ".join(f"{k} {human_size(v)}" for k, v in per.items()))
         out.print(est)
 
 
@@ -116,7 +114,8 @@ def inspect(engine_dir: o.EngineDir,
     with user_errors():
         from rich.table import Table
 
-        from metrale.runtime.engine_dir import COMPONENT_COLUMNS, component_rows, load_manifest, manifest_rows
+        from metrale.runtime.engine_dir import load_manifest
+        from metrale.runtime.manifest_view import COMPONENT_COLUMNS, component_rows, manifest_rows
 
         m = load_manifest(engine_dir)
         if as_json:

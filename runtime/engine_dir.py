@@ -46,7 +46,6 @@ MANIFEST_NAME = "config.json"
 RESERVED_NAMES = frozenset({"plugins", "tokenizer"})
 COMPONENT_NAME_RULE = ("allowed (letters, digits, '_', '-', '.', starting with a letter or "
                        f"digit, and not one of {sorted(RESERVED_NAMES)})")
-COMPONENT_COLUMNS = ("component", "kind", "quantization", "files")
 
 _COMPONENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -402,6 +401,11 @@ class EngineDirWriter:
                             f"(settable: {', '.join(sorted(self._SETTABLE))})")
         self._fields.update(manifest_fields)
 
+    @property
+    def components(self) -> dict[str, dict[str, Any]]:
+        """The component entries recorded so far (copies)."""
+        return {name: dict(info) for name, info in self._components.items()}
+
     def component(self, name: str, info: Mapping[str, Any]) -> None:
         """Record (or replace) one component's manifest entry."""
         if not is_component_name(name):
@@ -448,50 +452,3 @@ class EngineDirWriter:
             os.rename(aside, final)
             raise
         shutil.rmtree(aside, ignore_errors=True)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_cell(v)}" for k, v in sorted(value.items())) or "-"
-    if isinstance(value, list):
-        return ", ".join(_cell(v) for v in value) or "-"
-    return str(value)
-
-
-def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
-    if not isinstance(value, dict):
-        return [(prefix, value)]
-    return [row for k, v in sorted(value.items()) for row in _flatten(f"{prefix} {k}", v)]
-
-
-def _files_cell(sizes: list[int]) -> str:
-    return f"{len(sizes)} file{'' if len(sizes) == 1 else 's'}, {human_size(sum(sizes))}"
-
-
-def manifest_rows(manifest: Manifest) -> list[tuple[str, str]]:
-    """(field, value) rows describing the whole directory, for `metrale inspect`."""
-    rows = [("format version", str(manifest.format_version)),
-            ("metrale version", manifest.metrale_version), ("created", manifest.created),
-            ("tensor parallel", str(manifest.tp_size))]
-    rows += [(key, _cell(v)) for key, v in _flatten("build", manifest.build)]
-    names = [p["name"] if isinstance(p, dict) and "name" in p else p for p in manifest.plugins]
-    rows.append(("plugins", _cell(names) if names else "none"))
-    for name, src in sorted(manifest.sources.items()):
-        rows.append((f"source {name}", f"{src['path']} (sha256 {src['sha256'][:12]}…)"))
-    for key, v in _flatten("memory", manifest.memory_estimate):
-        is_bytes = isinstance(v, (int, float)) and not isinstance(v, bool)
-        rows.append((key, human_size(v) if is_bytes else _cell(v)))
-    rows.append(("files", _files_cell([e["size"] for e in manifest.files.values()])))
-    return rows
-
-
-def component_rows(manifest: Manifest) -> list[tuple[str, str, str, str]]:
-    """One row per component, columns `COMPONENT_COLUMNS`: name, kind, quantization, files."""
-    rows = []
-    for name, info in sorted(manifest.components.items()):
-        mine = [e["size"] for rel, e in manifest.files.items() if rel.startswith(f"{name}/")]
-        rows.append((name, _cell(info.get("kind")), _cell(info.get("quantization")),
-                     _files_cell(mine)))
-    return rows

@@ -15,12 +15,11 @@ from metrale.runtime.engine_dir import (
     EngineDirWriter,
     Manifest,
     checkpoint_digest,
-    component_rows,
     human_size,
     load_manifest,
-    manifest_rows,
     verify_files,
 )
+from metrale.runtime.manifest_view import component_rows, manifest_rows
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
 SHA_A = "a" * 64
