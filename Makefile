@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install run build serve test clean
+.PHONY: install run build serve test ci-engines clean
 
 # torch==2.13.0 first: it is a CPU build on these machines; a bare `torch` requirement would
 # pull a multi-GB CUDA build. The project's own range (torch>=2.8) is then already satisfied.
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,kernels]'
+	$(BIN)/pip install -q -e '.[test,kernels,trt]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -38,6 +38,11 @@ run: serve
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# CI engine artifacts: TensorRT-RTX engines for SM89 and SM120 in every drafter tier, built
+# with no GPU under engines/ci/<tier>, then checked (manifest, checksums, plugin layers).
+ci-engines: $(STAMP)
+	$(BIN)/python .ci/check_engines.py
 
 clean:
 	rm -rf engines/tiny $(VENV)

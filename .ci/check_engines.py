@@ -1,0 +1,67 @@
+"""Build the tiny engine directories with no GPU (TensorRT-RTX, SM89 and SM120, every drafter
+tier) under engines/ci/<tier> and check each one: the manifest loads and every checksum holds,
+every component has an engine per SM, and the plugin layers are the expected ones — NVFP4
+drafter GEMMs become metrale plugin layers on SM89 (no native FP4 below SM100) and native FP4
+dequantize on SM120; FP8 is native on both; the plugins' cubins are in the directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from metrale.runtime.engine_dir import load_manifest
+
+TIERS = ("declared", "fp8", "fp8-aux", "nvfp4")
+SMS = (89, 120)
+
+
+def expected_plugins(tier: str, component: str, sm: int, quantized: int) -> dict[str, int]:
+    if component in ("dflash", "dflash2") and tier == "nvfp4" and sm < 100:
+        return {"NvFp4W4A16Gemm": quantized}
+    return {}
+
+
+def check(engine_dir: Path, tier: str) -> list[str]:
+    m = load_manifest(engine_dir)  # verifies every file's sha256 and size
+    problems = []
+    assert m.build["trt_flavor"] == "rtx", m.build
+    for name, info in m.components.items():
+        q = (info.get("quantization") or {}).get("quantization", {})
+        quantized = len(q.get("quantized_modules", []))
+        for sm in SMS:
+            eng = info.get("engines", {}).get(str(sm))
+            if eng is None:
+                problems.append(f"{engine_dir}: {name} has no SM{sm} engine")
+                continue
+            want = expected_plugins(tier, name, sm, quantized)
+            if eng["plugins"] != want:
+                problems.append(f"{engine_dir}: {name} SM{sm} plugin layers {eng['plugins']}, expected {want}")
+    if tier == "nvfp4":
+        cubins = [f for f in m.files if f.startswith("plugins/") and f.endswith(".cubin")]
+        for sm in SMS:
+            if not any(f.endswith(f"nvfp4_w4a16_gemm.sm{sm}.cubin") for f in cubins):
+                problems.append(f"{engine_dir}: no nvfp4_w4a16_gemm cubin for SM{sm}")
+    return problems
+
+
+def main() -> int:
+    root = Path("engines/ci")
+    problems = []
+    for tier in TIERS:
+        out = root / tier
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "metrale", "build", "--engine-dir", str(out),
+                        "--trt-flavor", "rtx", "--target-sm", ",".join(map(str, SMS)),
+                        "--draft-weight-quantization", tier], check=True)
+        problems += check(out, tier)
+        print(f"engines/ci/{tier}: built and checked in {time.time() - t0:.1f} s")
+    for p in problems:
+        print("FAIL:", p)
+    print(f"engine checks: {len(TIERS) * 4 * len(SMS) - len(problems)} ok, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
