@@ -146,12 +146,7 @@ def _ffn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x2)
     for e, expert in enumerate(mlp.experts):
         out = out + expert(x2) * dense[:, e:e + 1]
-    if mlp.shared_expert is not None:
-        shared = mlp.shared_expert(x2)
-        if mlp.shared_expert_gate is not None:
-            shared = torch.sigmoid(mlp.shared_expert_gate(x2)) * shared
-        out = out + shared
-    return out.reshape(shape)
+    return (out + mlp.shared(x2)).reshape(shape)
 
 
 def _past_mask(past_len: int, position: torch.Tensor, rows: int) -> torch.Tensor:

@@ -184,6 +184,18 @@ def _load(engine_dir: Path, device: str, dtype: str, spec):
     return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype), device=device)
 
 
+def _load_leader(nproc, command: str, engine_dir, device, dtype, spec):
+    """Relaunch under torchrun when asked, load, and on a follower rank serve the leader's
+    proposes until it shuts down: returns the generator on the leader rank, None elsewhere."""
+    _relaunch(nproc, command)
+    gen = _load(engine_dir, device, dtype, spec)
+    if gen.world.leader:
+        return gen
+    gen.follow()
+    gen.world.close()
+    return None
+
+
 @app.command()
 @o.with_spec_flags(lambda: user_errors())
 def generate(
@@ -202,11 +214,8 @@ def generate(
         from metrale.runtime.sampling import SamplingParams
 
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
-        _relaunch(nproc, "generate")
-        gen = _load(engine_dir, device, dtype, spec)
-        if not gen.world.leader:
-            gen.follow()
-            gen.world.close()
+        gen = _load_leader(nproc, "generate", engine_dir, device, dtype, spec)
+        if gen is None:
             return
         text_in = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = gen.tokenizer.encode(text_in)
@@ -240,11 +249,8 @@ def serve(
     with user_errors():
         from metrale.runtime.server import serve as run_server
 
-        _relaunch(nproc, "serve")
-        gen = _load(engine_dir, device, dtype, spec)
-        if not gen.world.leader:
-            gen.follow()
-            gen.world.close()
+        gen = _load_leader(nproc, "serve", engine_dir, device, dtype, spec)
+        if gen is None:
             return
         err.print(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}"
                   + (f", {gen.world.size} ranks" if gen.world.size > 1 else ""))

@@ -182,12 +182,16 @@ class MoE(nn.Module):
             token, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out.reshape(shape)
+        return (out + self.shared(x)).reshape(shape)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | float:
+        """The shared expert's contribution for x [N, H] (0 without one)."""
+        if self.shared_expert is None:
+            return 0.0
+        y = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            y = torch.sigmoid(self.shared_expert_gate(x)) * y
+        return y
 
 
 class DecoderLayer(nn.Module):
