@@ -122,7 +122,7 @@ def bench(
     modes: Annotated[Optional[str], typer.Option(help="Comma-separated substrings: run only modes whose name contains one.")] = None,
     repeats: Annotated[int, typer.Option(help="Runs per prompt and mode; the fastest counts (filters stalls of a shared machine).")] = 2,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
-    device: o.Device = "cpu", dtype: o.Dtype = "float32",
+    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "torch",
 ):
     """Benchmark plain decoding against every speculative mode on held-out prompts."""
     with user_errors():
@@ -130,6 +130,9 @@ def bench(
 
         from metrale.runtime.engine import load_engine
         from metrale.runtime.errors import ConfigError
+        from metrale.runtime.trt_backend import Backend, load_trt_engine, resolve_backend
+
+        backend_kind, device = resolve_backend(backend, device, dtype)
 
         path = prompts_file or DEFAULT_PROMPTS
         try:
@@ -140,7 +143,10 @@ def bench(
             import torch
 
             torch.set_num_threads(threads)
-        engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device)
+        if backend_kind is Backend.TENSORRT:
+            engine = load_trt_engine(engine_dir, device=device)
+        else:
+            engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device)
         prompts = [engine.tokenizer.encode(t) for t in texts]
         t0 = time.time()
         costs = None
@@ -157,10 +163,14 @@ def bench(
             row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3)
             rows.append({"mode": name, "flags": flags, **row})
         result = {"engine_dir": str(engine_dir), "prompts": len(prompts), "max_tokens": max_tokens,
-                  "device": device, "dtype": dtype, "cost_model_ms": costs, "repeats": repeats,
-                  "threads": torch_threads(),
+                  "backend": backend_kind.value, "device": device, "dtype": dtype,
+                  "cost_model_ms": costs, "repeats": repeats, "threads": torch_threads(),
                   "quantization": engine.manifest.build.get("draft_weight_quantization"),
                   "bench_seconds": round(time.time() - t0, 1), "modes": rows}
+        if backend_kind is Backend.TENSORRT:  # how each engine ran: eager calls, graph replays
+            from metrale.runtime.trt_backend import runner_stats
+
+            result["trt_runners"] = runner_stats(engine)
         t = Table(title=f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens)")
         for col in ("mode", "tok/s", "τ", "speedup", "rows/tok", "drafter share", "=plain"):
             t.add_column(col, justify="right" if col != "mode" else "left")

@@ -178,17 +178,25 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
     os.execv(cmd[0], cmd)  # torchrun takes this process's place: signals reach it directly
 
 
-def _load(engine_dir: Path, device: str, dtype: str, spec):
+def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "torch"):
+    if backend == "tensorrt":
+        from metrale.runtime.trt_backend import load_trt_generator
+
+        return load_trt_generator(engine_dir, spec, device=device)
     from metrale.runtime.service import load_generator
 
     return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype), device=device)
 
 
-def _load_leader(nproc, command: str, engine_dir, device, dtype, spec):
-    """Relaunch under torchrun when asked, load, and on a follower rank serve the leader's
-    proposes until it shuts down: returns the generator on the leader rank, None elsewhere."""
+def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: str = "torch"):
+    """Check --backend against --device/--dtype/--nproc, relaunch under torchrun when asked,
+    load, and on a follower rank serve the leader's proposes until it shuts down: returns the
+    generator on the leader rank, None elsewhere."""
+    from metrale.runtime.trt_backend import resolve_backend
+
+    backend, device = resolve_backend(backend, device, dtype, nproc)
     _relaunch(nproc, command)
-    gen = _load(engine_dir, device, dtype, spec)
+    gen = _load(engine_dir, device, dtype, spec, backend.value)
     if gen.world.leader:
         return gen
     gen.follow()
@@ -207,14 +215,15 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the tokenizer's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line: text, token ids, per-step accepted counts, tau, tokens/s.")] = False,
-    device: o.Device = "cpu", dtype: o.Dtype = "float32", nproc: Nproc = None, spec=None,
+    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "torch",
+    nproc: Nproc = None, spec=None,
 ):
     """Generate text for one prompt."""
     with user_errors():
         from metrale.runtime.sampling import SamplingParams
 
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
-        gen = _load_leader(nproc, "generate", engine_dir, device, dtype, spec)
+        gen = _load_leader(nproc, "generate", engine_dir, device, dtype, spec, backend)
         if gen is None:
             return
         text_in = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
@@ -243,13 +252,14 @@ def serve(
     engine_dir: o.EngineDir,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
-    device: o.Device = "cpu", dtype: o.Dtype = "float32", nproc: Nproc = None, spec=None,
+    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "torch",
+    nproc: Nproc = None, spec=None,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     with user_errors():
         from metrale.runtime.server import serve as run_server
 
-        gen = _load_leader(nproc, "serve", engine_dir, device, dtype, spec)
+        gen = _load_leader(nproc, "serve", engine_dir, device, dtype, spec, backend)
         if gen is None:
             return
         err.print(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}"

@@ -1,0 +1,413 @@
+"""The `tensorrt` backend: an engine directory's TensorRT engines behind the torch models' calls.
+
+`load_trt_engine` returns the same `LoadedEngine` the torch backend's `engine.load_engine` does,
+with engine-backed stand-ins for the three model kinds, each answering exactly the calls the
+decode loop and the proposers make, with the same signatures and outputs (`decode`,
+`spec_mtp`, `spec_dflash` run unchanged):
+- `TrtTarget(ids, cache, start=None, taps=())` -> `TargetOutput`, `new_cache`, `.config`,
+  `.model.embed_tokens` (the one torch module kept: the MTP head and the drafters embed with it);
+- `TrtMTPHead(embeds, hidden, cache, start=None)` -> (logits, h), `new_cache`;
+- `TrtDrafter.add_context(features, cache)`, `.propose(anchor, embed, cache, gamma)` ->
+  `Proposal`, `new_cache`, `.config`.
+The graphs' interface is `builder.onnx_export`'s: each step takes the whole preallocated KV cache
+as `past_key`/`past_value` with `position` (the first new position = the number of valid past
+entries; slots at or after it are masked), and returns only the new K/V, which the caller writes
+at `position`. Caches (`EngineCache`) are torch CUDA tensors [L, 1, nkv, S, hd] with S the
+engine profile's largest past, so every decode step has one shape; the target's
+`config.max_position_embeddings` is capped at S so the decode loop never outgrows a cache.
+
+The drafter engine adds context and proposes in one call (new context features C ≥ 1, then the
+block): `add_context` only queues features on the cache, and `propose` sends them with the block.
+Context K/V of a position depend on that position alone, so where the queue outgrows the
+profile's context range the surplus is sent ahead with a one-slot dummy block.
+
+CUDA graphs (`trt_runner`): the target and head steps with one new token, and each propose of a
+whole block whose context count C fits in a block, are captured per cache buffer and replayed.
+Cache buffers come from a per-component pool and return to it when their cache is collected, so
+consecutive requests reuse buffers and their graphs; two caches alive at once never share one.
+
+Precision: the engines compute in the dtype they were built with (the ONNX graphs' dtype,
+float32 for `metrale build`); `--dtype` applies to the torch backend only.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import weakref
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from metrale.runtime.configs import DecoderConfig, DFlashConfig
+from metrale.runtime.dflash import CandidateSelector, Proposal
+from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.engine_dir import load_manifest
+from metrale.runtime.errors import ConfigError, EngineDirError
+from metrale.runtime.qwen3 import TargetOutput
+from metrale.runtime.trt_runner import EngineRunner, gpu_sm, import_trt, pick_engine_sm
+
+log = logging.getLogger(__name__)
+
+KV = ("past_key", "past_value")
+
+
+class Backend(str, enum.Enum):
+    TORCH = "torch"
+    TENSORRT = "tensorrt"
+
+    @classmethod
+    def parse(cls, s: str) -> "Backend":
+        try:
+            return cls(s)
+        except ValueError:
+            raise ConfigError(f"--backend {s!r}: allowed values are torch, tensorrt") from None
+
+
+def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
+                    nproc: int | None = None, cuda_available: bool | None = None) -> tuple[Backend, str]:
+    """Check `--backend` against `--device`, `--dtype` and `--nproc` before anything loads;
+    returns the backend and the device (default: cpu for torch, cuda for tensorrt)."""
+    b = Backend.parse(backend)
+    if b is Backend.TORCH:
+        return b, device or "cpu"
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        raise ConfigError("--backend tensorrt runs TensorRT engines on an NVIDIA GPU, and CUDA is "
+                          "not available here; use --backend torch (the default)")
+    device = device or "cuda"
+    if torch.device(device).type != "cuda":
+        raise ConfigError(f"--backend tensorrt needs --device cuda or cuda:N, got --device {device}")
+    if dtype not in ("float32", "fp32"):
+        raise ConfigError(f"--dtype {dtype}: the tensorrt backend computes in the dtype its engines "
+                          "were built in; --dtype applies to --backend torch")
+    if nproc is not None and nproc > 1:
+        raise ConfigError(f"--nproc {nproc}: the tensorrt backend runs one process (its engines "
+                          "are built for one rank); use --backend torch for tensor parallelism")
+    return b, device
+
+
+# -- caches ----------------------------------------------------------------------------------
+
+
+class EngineCache:
+    """One sequence's K/V for one component: `k`, `v` [L, 1, nkv, S, hd] on the GPU; `length`
+    valid positions; `pending` (drafters) context features [1, C, n·Ht] not yet in `k`/`v`."""
+
+    def __init__(self, slot: dict):
+        self.k, self.v, self.slot_id = slot["k"], slot["v"], slot["id"]
+        self.length = 0
+        self.pending: torch.Tensor | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write_new(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new k/v [L, 1, nkv, T, hd] at positions start.."""
+        end = start + k.shape[3]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} requested")
+        self.k[:, :, :, start:end] = k
+        self.v[:, :, :, start:end] = v
+
+
+class _SlotPool:
+    """Preallocated K/V buffers of one shape; a buffer returns when its cache is collected."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.free: list[dict] = []
+        self.count = 0
+
+    def cache(self) -> EngineCache:
+        if self.free:
+            slot = self.free.pop()
+        else:
+            # zeros, not empty: masked slots are still multiplied by a zero weight, and an
+            # uninitialized NaN there would survive it
+            slot = {"id": self.count, "k": torch.zeros(self.shape, dtype=self.dtype, device=self.device),
+                    "v": torch.zeros(self.shape, dtype=self.dtype, device=self.device)}
+            self.count += 1
+        cache = EngineCache(slot)
+        weakref.finalize(cache, self.free.append, slot)
+        return cache
+
+
+class _Component:
+    """What the three stand-ins share: the runner, the profile ranges and the cache pool."""
+
+    def __init__(self, runner: EngineRunner, profile: dict, layers: int, cfg: DecoderConfig):
+        self.runner, self.profile = runner, profile
+        self.max_new = int(profile.get("tokens", profile.get("context", (1, 1, 1)))[2])
+        past = int(profile["past"][2])
+        self.kv_dtype = runner.dtypes["past_key"]
+        self.pool = _SlotPool((layers, 1, cfg.num_key_value_heads, past, cfg.head_dim),
+                              self.kv_dtype, runner.device)
+
+    def _cache(self, batch: int) -> EngineCache:
+        if batch != 1:
+            raise ValueError(f"the tensorrt backend decodes one sequence per cache, got batch {batch}")
+        return self.pool.cache()
+
+    def _position(self, pos: int) -> torch.Tensor:
+        return torch.full((1,), pos, dtype=torch.int64, device=self.runner.device)
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+# -- the stand-ins ---------------------------------------------------------------------------
+
+
+class TrtTarget(_Component):
+    def __init__(self, runner: EngineRunner, profile: dict, cfg: DecoderConfig,
+                 embed: nn.Embedding, engine_taps: tuple[int, ...]):
+        super().__init__(runner, profile, cfg.num_hidden_layers, cfg)
+        past = int(profile["past"][2])
+        self.config = replace(cfg, max_position_embeddings=min(cfg.max_position_embeddings, past))
+        self.model = SimpleNamespace(embed_tokens=embed)
+        self.engine_taps = engine_taps
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> EngineCache:
+        return self._cache(batch)
+
+    def __call__(self, ids: torch.Tensor, cache: EngineCache | None = None, start: int | None = None,
+                 taps: tuple[int, ...] = ()) -> TargetOutput:
+        """ids [1, T] at positions start.. (default cache.length); the cache length becomes start+T."""
+        if cache is None:
+            if start:
+                raise ValueError("a target step after position 0 needs the cache of the positions before it")
+            cache = self.new_cache(1, ids.shape[1])
+        start = cache.length if start is None else start
+        parts = []
+        for lo in range(0, ids.shape[1], self.max_new):  # the profile's most new tokens per call
+            chunk = ids[:, lo:lo + self.max_new]  # [1, t]
+            feeds = {"input_ids": chunk, "past_key": cache.k, "past_value": cache.v,
+                     "position": self._position(start + lo)}
+            key = ("step", cache.slot_id) if chunk.shape[1] == 1 else None
+            out = self.runner.run(feeds, graph_key=key, persistent=KV)
+            cache.write_new(start + lo, out["new_key"], out["new_value"])
+            parts.append(out)
+        cache.length = start + ids.shape[1]
+        tapped = _cat([p.get("taps") for p in parts]) if taps else None
+        return TargetOutput(logits=_cat([p["logits"] for p in parts]),
+                            last_hidden=_cat([p["last_hidden"] for p in parts]),
+                            taps=self.select_taps(tapped, taps))
+
+    forward = __call__
+
+    def select_taps(self, tapped: torch.Tensor | None, wanted: tuple[int, ...]) -> torch.Tensor | None:
+        """The engine's `taps` [1, T, n·H] (layers `engine_taps`) -> the `wanted` layers' [1, T, m·H]."""
+        if not wanted:
+            return None
+        missing = [i for i in wanted if i not in self.engine_taps]
+        if tapped is None or missing:
+            raise EngineDirError(f"the target engine taps layers {list(self.engine_taps)}, not "
+                                 f"{missing or list(wanted)}; rebuild the engine directory")
+        h = self.config.hidden_size
+        idx = [self.engine_taps.index(i) for i in wanted]
+        if idx == list(range(len(self.engine_taps))):
+            return tapped
+        return torch.cat([tapped[..., i * h:(i + 1) * h] for i in idx], dim=-1)
+
+
+class TrtMTPHead(_Component):
+    def __init__(self, runner: EngineRunner, profile: dict, cfg: DecoderConfig):
+        super().__init__(runner, profile, 1, cfg)
+        self.config = SimpleNamespace(decoder=cfg)
+
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
+        return self._cache(batch)
+
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: EngineCache,
+                 start: int | None = None):
+        """Entries start.. : embeds, hidden [1, T, H] -> (logits [1, T, V], h [1, T, H] pre-norm)."""
+        start = cache.length if start is None else start
+        logits, hs = [], []
+        for lo in range(0, embeds.shape[1], self.max_new):
+            e, h = embeds[:, lo:lo + self.max_new], hidden[:, lo:lo + self.max_new]
+            feeds = {"embeds": e, "hidden": h, "past_key": cache.k, "past_value": cache.v,
+                     "position": self._position(start + lo)}
+            key = ("step", cache.slot_id) if e.shape[1] == 1 else None
+            out = self.runner.run(feeds, graph_key=key, persistent=KV)
+            cache.write_new(start + lo, out["new_key"], out["new_value"])
+            logits.append(out["logits"])
+            hs.append(out["hidden_out"])
+        cache.length = start + embeds.shape[1]
+        return _cat(logits), _cat(hs)
+
+    forward = __call__
+
+
+class TrtDrafter(_Component):
+    def __init__(self, runner: EngineRunner, profile: dict, cfg: DFlashConfig,
+                 codebooks: tuple[torch.Tensor, torch.Tensor] | None):
+        super().__init__(runner, profile, cfg.decoder.num_hidden_layers, cfg.decoder)
+        self.config = cfg
+        self.max_context = int(profile["context"][2])
+        self.selector = None
+        if cfg.version == 2:
+            d = cfg.decoder
+            sel = CandidateSelector(d.hidden_size, d.vocab_size, cfg.selector_dim, cfg.num_candidates)
+            # the engine's `selector_query` is hidden_projection(hidden) already
+            sel.hidden_projection = nn.Identity()
+            dtype = runner.dtypes["selector_query"]
+            sel.predecessor_codebook = nn.Parameter(codebooks[0].to(runner.device, dtype), False)
+            sel.successor_codebook = nn.Parameter(codebooks[1].to(runner.device, dtype), False)
+            self.selector = sel
+
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
+        return self._cache(batch)
+
+    def add_context(self, features: torch.Tensor, cache: EngineCache) -> None:
+        """Queue the features [1, C, n·Ht] of the next C accepted positions (sent with the next
+        propose; a queue longer than the profile allows is sent ahead in profile-sized chunks)."""
+        cache.pending = features if cache.pending is None else torch.cat([cache.pending, features], 1)
+        while cache.pending.shape[1] > self.max_context:
+            ahead, cache.pending = cache.pending[:, :self.max_context], cache.pending[:, self.max_context:]
+            dummy = torch.zeros(1, 1, self.config.decoder.hidden_size,
+                                dtype=self.runner.dtypes["block_embeds"], device=self.runner.device)
+            self._run(ahead, dummy, cache)
+
+    def _run(self, context: torch.Tensor, block: torch.Tensor, cache: EngineCache) -> dict:
+        c, g = context.shape[1], block.shape[1]
+        feeds = {"context_features": context, "past_key": cache.k, "past_value": cache.v,
+                 "position": self._position(cache.length), "block_embeds": block}
+        key = ("propose", cache.slot_id, c, g) if g == self.config.block_size and c <= g else None
+        out = self.runner.run(feeds, graph_key=key, persistent=KV)
+        cache.write_new(cache.length, out["new_key"], out["new_value"])
+        cache.length += c
+        return out
+
+    def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: EngineCache, gamma: int) -> Proposal:
+        """anchor [1] (the last accepted token, at position cache.length + queued) -> γ−1 drafts."""
+        if cache.pending is None or cache.pending.shape[1] == 0:
+            raise RuntimeError("propose needs the context of at least one accepted position first")
+        block = torch.full((anchor.shape[0], gamma), self.config.mask_token_id, dtype=torch.long,
+                           device=anchor.device)
+        block[:, 0] = anchor
+        out = self._run(cache.pending, embed(block), cache)
+        cache.pending = None
+        logits = out["logits"][:, 1:]  # [1, γ−1, V]: slot j predicts position anchor+j
+        if self.selector is not None:
+            tokens = self.selector.select(out["selector_query"][:, 1:], logits, anchor)
+        else:
+            tokens = logits.argmax(-1)
+        return Proposal(tokens=tokens, logits=logits)
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _tensors(path: Path, names: tuple[str, ...], where: str) -> list[torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        missing = [n for n in names if n not in keys]
+        if missing:
+            raise EngineDirError(f"{where}: {path.name} has no tensor {missing[0]}")
+        return [f.get_tensor(n) for n in names]
+
+
+def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cuda",
+                    graphs: bool = True) -> LoadedEngine:
+    """Verify the directory and load every component's engine for this GPU's SM."""
+    from metrale.plugins.trt_plugin import KernelLibrary, register_plugins
+    from metrale.runtime.tokenizer import Tokenizer
+
+    resolve_backend("tensorrt", str(device))
+    path = Path(engine_dir)
+    manifest = load_manifest(path, verify=True)
+    dev = torch.device(device)
+    dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    comps = manifest.components
+    sm = pick_engine_sm({n: c.get("engines", {}) for n, c in comps.items()}, gpu_sm(dev), path)
+    flavor = manifest.build.get("trt_flavor")
+    trt = import_trt(flavor, path)
+    with torch.cuda.device(dev):
+        stream = torch.cuda.Stream(dev)
+        plugins = None
+        if any(c["engines"][str(sm)].get("plugins") for c in comps.values()):
+            try:
+                library = KernelLibrary.from_dir(path / "plugins")
+            except (OSError, ValueError, KeyError) as exc:
+                raise EngineDirError(f"engine directory {path}: plugins/ cannot be read ({exc})") from None
+            plugins = register_plugins(trt, sm, library)  # before deserializing plugin layers
+
+        def runner(name: str) -> EngineRunner:
+            rel = comps[name]["engines"][str(sm)]["file"]
+            what = f"engine directory {path}: {rel}"
+            return EngineRunner(trt, flavor, (path / rel).read_bytes(), what, dev, stream, graphs)
+
+        def config(name: str) -> dict:
+            return json.loads((path / name / "config.json").read_text())
+
+        tcfg = DecoderConfig.from_hf(config("target"), "target/config.json")
+        tgt = runner("target")
+        (weight,) = _tensors(path / "target" / "rank0.safetensors", ("model.embed_tokens.weight",),
+                             f"engine directory {path}")
+        embed = nn.Embedding.from_pretrained(weight.to(dev, tgt.dtypes["last_hidden"]), freeze=True)
+        engine_taps = tuple(comps["target"].get("taps", ()))
+        target = TrtTarget(tgt, comps["target"]["profile"], tcfg, embed, engine_taps)
+        loaded = LoadedEngine(path, manifest, Tokenizer.from_dir(path / "tokenizer"), target,
+                              dtype=embed.weight.dtype, device=dev)
+        for name, info in comps.items():
+            if name == "target":
+                continue
+            if info.get("kind") == "mtp":
+                mcfg = DecoderConfig.from_hf(config(name), f"{name}/config.json")
+                loaded.mtp = TrtMTPHead(runner(name), info["profile"], mcfg)
+            elif info.get("kind") == "dflash":
+                dcfg = DFlashConfig.from_hf(config(name), f"{name}/config.json")
+                if any(i not in engine_taps for i in dcfg.target_layer_ids):
+                    raise EngineDirError(f"engine directory {path}: drafter {name} reads target "
+                                         f"layers {list(dcfg.target_layer_ids)}, the target engine "
+                                         f"taps {list(engine_taps)}; rebuild the directory")
+                books = None
+                if dcfg.version == 2:
+                    books = tuple(_tensors(path / name / "rank0.safetensors",
+                                           ("candidate_selector.predecessor_codebook",
+                                            "candidate_selector.successor_codebook"),
+                                           f"engine directory {path}"))
+                loaded.drafters[name] = TrtDrafter(runner(name), info["profile"], dcfg, books)
+            else:
+                raise EngineDirError(f"engine directory {path}: component {name} has unknown kind "
+                                     f"{info.get('kind')!r}")
+    # the plugin creators must outlive every engine holding plugin layers
+    target.keep_alive = (plugins, stream)
+    log.info("loaded %s for SM%d (TensorRT %s)", path, sm, flavor)
+    return loaded
+
+
+def load_trt_generator(engine_dir: str | Path, spec, *, device: str = "cuda"):
+    """`service.load_generator` for the tensorrt backend: one process, one rank."""
+    import os
+
+    from metrale.runtime.service import EngineGenerator
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ConfigError(f"--backend tensorrt runs in one process, not {world} torchrun ranks")
+    tp = getattr(spec.draft_tp_size, "ranks", None)
+    if tp is not None and tp > 1:
+        raise ConfigError(f"--draft-tp-size {tp}: the tensorrt backend runs one-rank engines; "
+                          "use --backend torch for tensor-parallel drafters")
+    return EngineGenerator(load_trt_engine(engine_dir, device=device), spec)
+
+
+def runner_stats(engine: LoadedEngine) -> dict:
+    """Per component: eager runs, graph captures and replays, and the graph mode (for checks)."""
+    parts = {"target": engine.target, "mtp": engine.mtp, **engine.drafters}
+    return {name: vars(part.runner.stats) for name, part in parts.items() if part is not None}

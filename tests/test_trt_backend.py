@@ -1,0 +1,416 @@
+"""The tensorrt backend.
+
+On CPU: the flag checks (`--backend tensorrt` refused without CUDA, naming the flag), the rule
+that picks which SM's engines a GPU runs, and the backend's stand-ins for the target, the MTP
+head and the drafters driven by `AdapterRunner` — a runner that executes the very step graphs
+the engines are built from (`builder.onnx_export`'s adapters) with a deliberately small
+optimization profile, so prompt chunking, the drafter's context queue, tap selection, cache
+positions and the CUDA-graph keys are all exercised and checked against the torch backend.
+
+On a GPU (`gpu` marker): real engines built for the local SM — logits, taps and drafts against
+the torch backend on CUDA, greedy output under --exact-verify, CUDA graph capture and reuse.
+`METRALE_TRT_ENGINES=fp8=DIR,nvfp4=DIR` points the GPU tests at engine directories built
+already (what scripts/gpu_checks.sh does); otherwise they build them here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.errors import ConfigError, EngineDirError
+from metrale.runtime.sampling import SamplingParams
+from metrale.runtime.service import EngineGenerator
+from metrale.runtime.specconfig import SpeculativeConfig
+from metrale.runtime.trt_backend import (
+    Backend, EngineCache, TrtDrafter, TrtMTPHead, TrtTarget, _SlotPool, resolve_backend,
+)
+from metrale.runtime.trt_runner import pick_engine_sm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
+MODES = {
+    "plain": {},
+    "mtp k=3": dict(speculative=True, num_drafts=3),
+    "dflash": dict(dflash=True),
+    "dflash2": dict(dflash=True, dflash_drafter="dflash2"),
+}
+
+
+def plain_text(s: str) -> str:
+    return re.sub(r"[\s│╭╮╰╯─]+", " ", re.sub(r"\x1b\[[0-9;]*m", "", s))
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+
+def test_tensorrt_refused_without_cuda_names_the_flag():
+    with pytest.raises(ConfigError, match=r"--backend tensorrt .*CUDA is not available"):
+        resolve_backend("tensorrt", None, cuda_available=False)
+    if not torch.cuda.is_available():  # this machine: the real check, and through the CLI
+        with pytest.raises(ConfigError, match="--backend tensorrt"):
+            resolve_backend("tensorrt", "cuda")
+        # the engine directory does not exist: the refusal comes before anything is read
+        for cmd in (["generate", "--prompt", "x"], ["serve"], ["bench"]):
+            r = CliRunner().invoke(_app(), [*cmd, "--engine-dir", "/nonexistent", "--backend", "tensorrt"])
+            assert r.exit_code == 2 and "Traceback" not in r.output
+            assert "--backend tensorrt" in plain_text(r.output) and "nonexistent" not in r.output
+
+
+def _app():
+    from metrale.cli import app
+
+    return app
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("torch", None), (Backend.TORCH, "cpu")),
+    (("torch", "cuda:1"), (Backend.TORCH, "cuda:1")),  # the torch backend checks its own device
+    (("tensorrt", None), (Backend.TENSORRT, "cuda")),
+    (("tensorrt", "cuda:0"), (Backend.TENSORRT, "cuda:0")),
+])
+def test_backend_and_device_defaults(args, expected):
+    assert resolve_backend(*args, cuda_available=True) == expected
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(backend="tpu", device=None), "--backend 'tpu': allowed values are torch, tensorrt"),
+    (dict(backend="tensorrt", device="cpu"), "needs --device cuda or cuda:N, got --device cpu"),
+    (dict(backend="tensorrt", device=None, dtype="bfloat16"), "--dtype bfloat16"),
+    (dict(backend="tensorrt", device=None, nproc=2), "--nproc 2"),
+])
+def test_backend_refusals_name_the_flag(kwargs, needle):
+    with pytest.raises(ConfigError) as exc:
+        resolve_backend(**kwargs, cuda_available=True)
+    assert needle in str(exc.value)
+
+
+# -- which SM's engines ----------------------------------------------------------------------
+
+
+def test_sm_choice_takes_the_gpus_own_sm():
+    engines = {"target": {"89": {}, "120": {}}, "mtp": {"120": {}, "89": {}}}
+    assert pick_engine_sm(engines, 89, "e") == 89
+    assert pick_engine_sm(engines, 120, "e") == 120
+    assert pick_engine_sm({"target": [90]}, 90, "e") == 90
+
+
+def test_sm_choice_refuses_an_sm_not_built_naming_dir_and_sms():
+    engines = {"target": {"89": {}, "120": {}}, "dflash": {"89": {}, "120": {}}}
+    with pytest.raises(EngineDirError) as exc:
+        pick_engine_sm(engines, 90, "engines/tiny")  # an H100/H200 against RTX-built engines
+    msg = str(exc.value)
+    assert "engines/tiny" in msg and "SM90" in msg and "89, 120" in msg and "--target-sm 90" in msg
+    with pytest.raises(EngineDirError, match="SM86"):  # no nearest-SM fallback: exact or nothing
+        pick_engine_sm(engines, 86, "e")
+
+
+def test_sm_choice_refuses_a_component_missing_the_sm_and_a_dir_without_engines():
+    with pytest.raises(EngineDirError, match="component mtp has engines for SM 120"):
+        pick_engine_sm({"target": {"89": {}, "120": {}}, "mtp": {"120": {}}}, 89, "e")
+    with pytest.raises(EngineDirError, match="holds no TensorRT engines.*--trt-flavor none"):
+        pick_engine_sm({"target": {}, "mtp": {}}, 89, "e")
+
+
+# -- the stand-ins, on CPU, over the graphs the engines are built from ----------------------
+
+# small on purpose: prompts span several target calls, the drafter's queue outgrows `context`
+TOKENS_PROFILE = {"tokens": (1, 2, 5), "past": (1, 64, 160)}
+DRAFT_PROFILE = {"context": (1, 2, 3), "block": (1, 8, 8), "past": (1, 64, 160)}
+ENGINE_TAPS = (3, 0, 1)  # another order than the drafters' (0, 1, 3): selection must reorder
+
+
+class AdapterRunner:
+    """`EngineRunner`'s interface over a step adapter in torch; every call checked against the
+    profile and recorded with its graph key."""
+
+    def __init__(self, kind, module, profile, taps=()):
+        from metrale.builder import onnx_export as ox
+
+        self.step = ox.adapter(kind, module, taps).eval()
+        self.gio = ox.graph_io(kind, module, taps)
+        self.profile, self.device = profile, torch.device("cpu")
+        self.dtypes = {n: torch.float32 for n in self.gio.inputs + self.gio.outputs}
+        self.calls: list[tuple] = []  # (graph key, {input: shape})
+
+    def run(self, feeds, graph_key=None, persistent=()):
+        for name in self.gio.inputs:
+            for axis, label in self.gio.dynamic.get(name, {}).items():
+                lo, _, hi = self.profile[label]
+                assert lo <= feeds[name].shape[axis] <= hi, (name, feeds[name].shape, label)
+        for name in persistent:
+            assert feeds[name].shape[3] == self.profile["past"][2]  # the whole preallocated cache
+        self.calls.append((graph_key, {n: tuple(feeds[n].shape) for n in self.gio.inputs}))
+        with torch.no_grad():
+            outs = self.step(*[feeds[n] for n in self.gio.inputs])
+        return dict(zip(self.gio.outputs, outs))
+
+
+def standin_engine(e: LoadedEngine) -> LoadedEngine:
+    """The torch engine `e` behind the tensorrt backend's stand-ins."""
+    target = TrtTarget(AdapterRunner("target", e.target, TOKENS_PROFILE, ENGINE_TAPS), TOKENS_PROFILE,
+                       e.target.config, e.target.model.embed_tokens, ENGINE_TAPS)
+    mtp = TrtMTPHead(AdapterRunner("mtp", e.mtp, TOKENS_PROFILE), TOKENS_PROFILE, e.mtp.config.decoder)
+    drafters = {}
+    for name, d in e.drafters.items():
+        books = None
+        if d.config.version == 2:
+            sel = d.candidate_selector
+            books = (sel.predecessor_codebook.detach(), sel.successor_codebook.detach())
+        drafters[name] = TrtDrafter(AdapterRunner("dflash", d, DRAFT_PROFILE), DRAFT_PROFILE,
+                                    d.config, books)
+    return LoadedEngine(e.path, e.manifest, e.tokenizer, target, mtp, drafters)
+
+
+@pytest.fixture(scope="module")
+def standins(tiny_engine):
+    return standin_engine(tiny_engine)
+
+
+def decode(engine, prompts, flags, params=GREEDY):
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
+    return [gen.decoder().generate(p, params).token_ids for p in prompts]
+
+
+def test_standin_target_matches_torch_target_across_chunks(tiny_engine, standins, tiny_prompts):
+    ids = torch.tensor([tiny_prompts[0][:12]])  # 12 tokens: three calls of at most 5
+    ref_cache = tiny_engine.target.new_cache(1, 64)
+    ref = tiny_engine.target(ids, ref_cache, taps=(0, 1, 3))
+    cache = standins.target.new_cache(1, 64)
+    got = standins.target(ids, cache, taps=(0, 1, 3))
+    assert cache.length == 12 and cache.max_len == 160
+    assert [c[1]["input_ids"][1] for c in standins.target.runner.calls[-3:]] == [5, 5, 2]
+    torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.last_hidden, ref.last_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.taps, ref.taps, rtol=1e-4, atol=1e-4)  # reordered from (3, 0, 1)
+    torch.testing.assert_close(cache.k[:, :, :, :12], ref_cache.k[:, :, :, :12], rtol=1e-4, atol=1e-4)
+    # one more token at position 12: a one-token step, the graphed shape
+    nxt = torch.tensor([[tiny_prompts[0][12]]])
+    torch.testing.assert_close(standins.target(nxt, cache).logits,
+                               tiny_engine.target(nxt, ref_cache).logits, rtol=1e-4, atol=1e-4)
+    assert standins.target.runner.calls[-1][0] == ("step", cache.slot_id)
+    assert all(c[0] is None for c in standins.target.runner.calls[-4:-1])  # prefill chunks: eager
+
+
+def test_tap_selection_reorders_and_refuses_untapped_layers(standins):
+    h = standins.target.config.hidden_size
+    tapped = torch.arange(3 * h, dtype=torch.float32).view(1, 1, 3 * h)  # layers 3, 0, 1
+    got = standins.target.select_taps(tapped, (0, 1, 3))
+    assert torch.equal(got[..., :h], tapped[..., h:2 * h])  # layer 0 sits second in the engine
+    assert torch.equal(got[..., 2 * h:], tapped[..., :h])
+    assert standins.target.select_taps(tapped, (3, 0, 1)) is tapped
+    assert standins.target.select_taps(tapped, ()) is None
+    with pytest.raises(EngineDirError, match=r"taps layers \[3, 0, 1\], not \[2\]"):
+        standins.target.select_taps(tapped, (2,))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_standins_decode_like_the_torch_backend(tiny_engine, standins, tiny_prompts, mode):
+    prompts = tiny_prompts[:2]
+    assert decode(standins, prompts, MODES[mode]) == decode(tiny_engine, prompts, MODES[mode])
+
+
+def test_exact_verify_through_standins_equals_plain(standins, tiny_prompts):
+    prompts = tiny_prompts[:2]
+    plain = decode(standins, prompts, {})
+    for flags in (MODES["mtp k=3"], MODES["dflash2"]):
+        assert decode(standins, prompts, {**flags, "exact_verify": True}) == plain
+
+
+def test_drafter_queue_and_graph_keys(standins, tiny_prompts):
+    runner = standins.drafters["dflash"].runner
+    runner.calls.clear()
+    decode(standins, tiny_prompts[:1], MODES["dflash"])
+    flushes = [c for k, c in runner.calls if c["block_embeds"][1] == 1]
+    proposes = [(k, c) for k, c in runner.calls if c["block_embeds"][1] == 8]
+    n_prompt = len(tiny_prompts[0])
+    # the prompt's context goes ahead in chunks of 3; what is left rides with the first propose
+    assert sum(c["context_features"][1] for c in flushes) == 3 * ((n_prompt - 1) // 3)
+    assert all(c["context_features"][1] == 3 for c in flushes)
+    assert proposes and all(k == ("propose", k[1], c["context_features"][1], 8) for k, c in proposes)
+    positions = [c for _, c in runner.calls]
+    assert len(positions) == len(flushes) + len(proposes)
+
+
+def test_caches_come_from_a_pool_and_return_to_it():
+    pool = _SlotPool((2, 1, 1, 4, 2), torch.float32, torch.device("cpu"))
+    a = pool.cache()
+    b = pool.cache()  # alive at once: never the same buffer
+    assert a.slot_id != b.slot_id and a.k.data_ptr() != b.k.data_ptr()
+    a_id, a_ptr = a.slot_id, a.k.data_ptr()
+    a.write_new(1, torch.ones(2, 1, 1, 2, 2), torch.full((2, 1, 1, 2, 2), 2.0))
+    assert a.k[0, 0, 0, :, 0].tolist() == [0.0, 1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="holds 4 positions; 5 requested"):
+        a.write_new(3, torch.ones(2, 1, 1, 2, 2), torch.ones(2, 1, 1, 2, 2))
+    del a
+    c = pool.cache()  # the collected cache's buffer (and the graphs captured on it) come back
+    assert (c.slot_id, c.k.data_ptr(), c.length, c.pending) == (a_id, a_ptr, 0, None)
+    assert pool.count == 2
+
+
+def test_standin_caches_are_reused_by_the_next_request(standins, tiny_prompts):
+    decode(standins, tiny_prompts[:1], {})
+    keys = {k for k, _ in standins.target.runner.calls[-5:] if k is not None}
+    decode(standins, tiny_prompts[1:2], {})
+    assert keys and keys == {k for k, _ in standins.target.runner.calls[-5:] if k is not None}
+
+
+# -- on a GPU: real engines --------------------------------------------------------------------
+
+
+def _build_flavor(sm: int) -> str | None:
+    """Full TensorRT where it imports (it builds for the local GPU), else TensorRT-RTX where it
+    supports the SM, else None."""
+    from metrale.builder.trt_env import TrtUnavailable, load_trt
+
+    for flavor in ("tensorrt", "rtx"):
+        try:
+            tm = load_trt(flavor)
+        except TrtUnavailable:
+            continue
+        if sm in tm.supported_sms():
+            return flavor
+    return None
+
+
+@pytest.fixture(scope="session")
+def gpu_engine_dir(engine_factory):
+    from metrale.runtime.trt_runner import gpu_sm
+
+    given = dict(p.split("=", 1) for p in os.environ.get("METRALE_TRT_ENGINES", "").split(",") if p)
+    sm = gpu_sm(torch.device("cuda"))
+    built = {}
+
+    def get(tier: str):
+        if tier in given:
+            return given[tier]
+        if tier not in built:
+            flavor = _build_flavor(sm)
+            if flavor is None:
+                pytest.skip(f"no TensorRT flavour here builds SM{sm} (tensorrt is not installed; "
+                            "tensorrt_rtx builds SM75-SM121 without SM90/SM100)")
+            built[tier] = engine_factory(tier, trt_flavor=flavor, target_sm=(sm,))
+        return built[tier]
+
+    return get
+
+
+def _engines(gpu_engine_dir, tier="fp8"):
+    from metrale.runtime.engine import load_engine
+    from metrale.runtime.trt_backend import load_trt_engine
+
+    path = gpu_engine_dir(tier)
+    return load_engine(path, device="cuda"), load_trt_engine(path, device="cuda")
+
+
+def _same_up_to_near_ties(ref_logits, ref_ids, got_ids, margin=1e-2):
+    """Greedy ids agree until the first position where the reference's own top-2 margin is
+    below `margin` (a float32-vs-TF32 near tie); returns how many positions were compared."""
+    for i, (a, b) in enumerate(zip(ref_ids, got_ids)):
+        if a != b:
+            top = ref_logits[i].float().topk(2).values
+            assert top[0] - top[1] < margin, f"position {i}: {b} instead of {a}, clear margin"
+            return i
+    return len(ref_ids)
+
+
+@pytest.mark.gpu
+def test_gpu_target_and_head_logits_match_torch(gpu_engine_dir, tiny_prompts):
+    ref, trt = _engines(gpu_engine_dir)
+    ids = torch.tensor([tiny_prompts[0]], device="cuda")
+    rc, tc = ref.target.new_cache(1, 256), trt.target.new_cache(1, 256)
+    r, t = ref.target(ids, rc, taps=(0, 1, 3)), trt.target(ids, tc, taps=(0, 1, 3))
+    scale = r.logits.abs().max().item()
+    for a, b in ((r.logits, t.logits), (r.taps, t.taps), (r.last_hidden, t.last_hidden)):
+        assert (a - b).abs().max().item() <= 2e-2 * max(1.0, scale)
+    for tok in tiny_prompts[1][:6]:  # one-token steps: the CUDA-graph path
+        step = torch.tensor([[tok]], device="cuda")
+        a, b = ref.target(step, rc).logits, trt.target(step, tc).logits
+        assert (a - b).abs().max().item() <= 2e-2 * max(1.0, a.abs().max().item())
+    emb = ref.target.model.embed_tokens(ids[:, 1:])
+    hc, hc2 = ref.mtp.new_cache(1, 256, torch.float32, "cuda"), trt.mtp.new_cache(1, 256)
+    a, _ = ref.mtp(emb, r.last_hidden[:, :-1], hc)
+    b, _ = trt.mtp(emb, r.last_hidden[:, :-1], hc2)
+    assert (a - b).abs().max().item() <= 2e-2 * max(1.0, a.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["fp8", "nvfp4"])  # nvfp4 below SM100 runs the plugin's cubin
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_gpu_drafts_match_torch(gpu_engine_dir, tiny_prompts, tier, drafter):
+    ref, trt = _engines(gpu_engine_dir, tier)
+    ids = torch.tensor([tiny_prompts[2]], device="cuda")
+    out = ref.target(ids, ref.target.new_cache(1, 256), taps=(0, 1, 3))
+    anchor = out.logits[0, -1].argmax().view(1)
+    props = []
+    for e in (ref, trt):
+        d = e.drafters[drafter]
+        cache = d.new_cache(1, 256, torch.float32, "cuda")
+        d.add_context(out.taps, cache)
+        props.append(d.propose(anchor, ref.target.model.embed_tokens, cache, d.config.block_size))
+    a, b = props
+    assert (a.logits - b.logits).abs().max().item() <= 2e-2 * max(1.0, a.logits.abs().max().item())
+    n = _same_up_to_near_ties(a.logits[0], a.tokens[0].tolist(), b.tokens[0].tolist())
+    assert n >= 1
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_matches_torch_and_exact_verify_matches_plain(gpu_engine_dir, tiny_prompts):
+    ref, trt = _engines(gpu_engine_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = decode(trt, tiny_prompts, {}, params)
+    for flags in (MODES["mtp k=3"], MODES["dflash"], MODES["dflash2"]):
+        assert decode(trt, tiny_prompts, {**flags, "exact_verify": True}, params) == plain
+    ref_plain = decode(ref, tiny_prompts, {}, params)
+    agree = sum(a == b for a, b in zip(ref_plain, plain))
+    assert agree >= len(plain) - 1, (ref_plain, plain)  # TF32 may move one near tie, not more
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_replay_cuda_graphs_and_reuse_them(gpu_engine_dir, tiny_prompts):
+    from metrale.runtime.trt_backend import runner_stats
+
+    _, trt = _engines(gpu_engine_dir)
+    decode(trt, tiny_prompts[:1], MODES["dflash"])
+    first = runner_stats(trt)
+    decode(trt, tiny_prompts[1:2], MODES["dflash"])
+    second = runner_stats(trt)
+    for name in ("target", "dflash"):
+        mode = second[name]["graph_mode"]
+        assert mode in ("manual", "rtx-native"), second[name]
+        if mode == "manual":
+            assert first[name]["graph_captures"] >= 1 and second[name]["graph_replays"] > 0
+            # the second request got the first one's cache buffer back, and its graphs
+            assert second[name]["graph_captures"] <= first[name]["graph_captures"] + 1
+
+
+@pytest.mark.gpu
+def test_gpu_cli_generate_with_the_tensorrt_backend(gpu_engine_dir):
+    import json
+
+    path = gpu_engine_dir("fp8")
+    r = CliRunner().invoke(_app(), ["generate", "--engine-dir", str(path), "--prompt", "def main(",
+                                    "--max-tokens", "12", "--json", "--dflash", "--exact-verify",
+                                    "--backend", "tensorrt"])
+    assert r.exit_code == 0, r.output
+    row = json.loads(r.output.strip().splitlines()[-1])
+    plain = CliRunner().invoke(_app(), ["generate", "--engine-dir", str(path), "--prompt", "def main(",
+                                        "--max-tokens", "12", "--json", "--backend", "tensorrt"])
+    assert json.loads(plain.output.strip().splitlines()[-1])["token_ids"] == row["token_ids"]
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_a_directory_without_engines(engine_factory):
+    from metrale.runtime.trt_backend import load_trt_engine
+
+    with pytest.raises(EngineDirError, match="holds no TensorRT engines"):
+        load_trt_engine(engine_factory("fp8"), device="cuda")  # the default build: trt_flavor none
+
+
+def test_engine_cache_reports_its_length_and_size():
+    cache = EngineCache({"id": 7, "k": torch.zeros(1, 1, 2, 5, 4), "v": torch.zeros(1, 1, 2, 5, 4)})
+    assert (cache.slot_id, cache.max_len, cache.length) == (7, 5, 0)
