@@ -1,0 +1,47 @@
+"""`metrale build --trt-flavor rtx` end to end: ONNX graphs, engines and cubins land in the engine
+directory with checksums, and an altered engine or cubin is refused naming the file."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from metrale.runtime.engine import load_engine
+from metrale.runtime.engine_dir import load_manifest
+from metrale.runtime.errors import EngineDirError
+
+pytest.importorskip("tensorrt_rtx")
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def built(engine_factory):
+    return engine_factory("nvfp4", trt_flavor="rtx", target_sm=(89,))
+
+
+def test_engines_onnx_and_cubins_are_recorded(built):
+    m = load_manifest(built)
+    assert m.build["trt_flavor"] == "rtx" and m.build["engine_sm"] == [89]
+    for name in ("target", "mtp", "dflash", "dflash2"):
+        assert f"{name}/rank0.onnx" in m.files
+        assert f"{name}/rank0.sm89.engine" in m.files
+        assert m.files[f"{name}/rank0.sm89.engine"]["size"] > 100_000
+    # NVFP4 has no native path below SM100: the drafters' GEMMs are plugin layers, whose
+    # kernels are compiled to cubins for the SM and shipped in plugins/
+    q = m.components["dflash"]["quantization"]["quantization"]
+    assert m.components["dflash"]["engines"]["89"]["plugins"] == {"NvFp4W4A16Gemm": len(q["quantized_modules"])}
+    assert "plugins/nvfp4_w4a16_gemm.sm89.cubin" in m.files
+    assert m.plugins  # the cubins' metadata
+
+
+@pytest.mark.parametrize("victim", ["dflash/rank0.sm89.engine", "plugins/nvfp4_w4a16_gemm.sm89.cubin"])
+def test_altered_engine_or_cubin_is_refused(built, tmp_path, victim):
+    copy = tmp_path / "copy"
+    shutil.copytree(built, copy)
+    f = copy / victim
+    data = bytearray(f.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    f.write_bytes(bytes(data))
+    with pytest.raises(EngineDirError, match=victim.replace(".", r"\.")):
+        load_engine(copy)
