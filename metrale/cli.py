@@ -79,9 +79,25 @@ def build(
             mtp_experts_nvfp4=mtp_experts_nvfp4,
             draft_tp_size=None if draft_tp_size is None else parse_draft_tp_size(draft_tp_size),
             trt_flavor=trt_flavor, target_sm=None if target_sm is None else parse_target_sm(target_sm))
-        with err.status("building") as status:
-            report = build_engine(r, engine_dir, progress=lambda m: status.update(m))
+        with _build_progress() as advance:
+            report = build_engine(r, engine_dir, progress=advance)
         _print_build(report)
+
+
+@contextlib.contextmanager
+def _build_progress():
+    """A rich progress bar over the build's steps; yields the builder's `progress` callback."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed} steps"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task("building", total=None)
+
+        def advance(message: str) -> None:
+            bar.update(task, description=message, advance=1)
+
+        yield advance
 
 
 def _print_build(report) -> None:
