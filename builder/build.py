@@ -11,6 +11,8 @@ nothing reaches the final path unless every step succeeded):
    quantized state into N rank files (`builder.shard`; the target and MTP head stay rank0).
 4. Write weights, configs, tokenizer and the manifest (with the memory estimate) through
    `EngineDirWriter`, which renames the staging directory into place only when complete.
+5. With a TensorRT flavour, ONNX graphs and engines per component and SM (`trt_build`); a
+   sharded drafter gets one graph and one engine per rank and SM (`tp_export`).
 """
 
 from __future__ import annotations
@@ -63,9 +65,6 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
     opts = recipe.build
     out = Path(engine_dir) if engine_dir is not None else Path(recipe.engine_dir)
     tp = shard.resolve_build_tp(opts.draft_tp_size)
-    if opts.trt_flavor != "none" and tp > 1:
-        raise ConfigError(f"--trt-flavor {opts.trt_flavor} with --draft-tp-size {tp}: engines are built "
-                          "for one rank only; use --trt-flavor none for tensor-parallel drafters")
 
     tier_format = q.DraftWeightQuantization.parse(opts.draft_weight_quantization).format
     for name, src in recipe.drafters.items():  # from the configs: refused before any loading
@@ -134,18 +133,22 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
 
 def build_engines(w: EngineDirWriter, opts, progress) -> dict:
     """ONNX graphs, TensorRT engines and the plugins' cubins for the components written so far
-    (loaded back from the staging directory exactly as serve loads them)."""
+    (loaded back from the staging directory exactly as serve loads them; a tensor-parallel
+    drafter rank by rank, one graph and engine per rank)."""
     from metrale.builder.trt_build import export_and_build, load_staged
+    from metrale.plugins.trt_plugin import GEMM_OPS
 
     infos = w.components
     kinds = {name: ("mtp:" + info.get("naming", "qwen3_next") if info["kind"] == "mtp" else info["kind"])
              for name, info in infos.items()}
-    models = load_staged(w.path, kinds)
+    models = load_staged(w.path, kinds, tp_sizes={n: i.get("tp_size", 1) for n, i in infos.items()})
     extra = export_and_build(w, models, opts, progress)
     for name, add in extra["components"].items():
         w.component(name, {**infos[name], **{k: v for k, v in add.items() if k != "files"},
                            "files": infos[name]["files"] + add["files"]})
-    if any(e["plugins"] for c in extra["components"].values() for e in c["engines"].values()):
+    # only the GEMM plugins launch Triton kernels (the collectives call NCCL)
+    if any(op in GEMM_OPS for c in extra["components"].values() for e in c["engines"].values()
+           for op in e["plugins"]):
         extra["plugins"] = compile_cubins(w, extra["target_sm"], progress)
     return extra
 

@@ -341,9 +341,11 @@ def export_component(kind: str, module: nn.Module, *, taps: tuple[int, ...] = ()
     return lower_for_sm(model, sm) if sm is not None else model
 
 
-def export_module(step: nn.Module, inputs: tuple[torch.Tensor, ...], gio: GraphIO) -> onnx.ModelProto:
-    """Trace `step(*inputs)` with the legacy exporter, quantized linears as metrale nodes."""
-    quantized = any(_quantized(m) for m in step.modules())
+def export_module(step: nn.Module, inputs: tuple[torch.Tensor, ...], gio: GraphIO, *,
+                  custom_domain: bool = False) -> onnx.ModelProto:
+    """Trace `step(*inputs)` with the legacy exporter, quantized linears as metrale nodes
+    (`custom_domain`: `step` emits other metrale nodes itself, e.g. `tp_export`'s collectives)."""
+    quantized = custom_domain or any(_quantized(m) for m in step.modules())
     buf = io.BytesIO()
     with _metrale_nodes(step), torch.no_grad(), _quiet_export():
         torch.onnx.export(step.eval(), inputs, buf, dynamo=False, opset_version=EXPORT_OPSET,

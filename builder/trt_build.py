@@ -8,6 +8,13 @@ builds `<component>/rank0.sm<NN>.engine`. TensorRT-RTX builds with no GPU for th
 SM has no native path for reach the TensorRT plugins of `plugins.trt_plugin` (registered for the
 SM before parsing); the manifest records which plugin ops each engine holds.
 
+A drafter built with `--draft-tp-size N > 1` gets one graph and one engine per rank and SM
+(`<drafter>/rank{r}.onnx`, `<drafter>/rank{r}.sm<NN>.engine`; `tp_export`), whose AllReduce /
+AllGather nodes become NCCL plugin layers (`plugins.trt_collectives`). Its manifest entry lists
+them per rank: `onnx_ranks` [rank order], and per SM `engines[sm] = {"plugins": {op: count},
+"ranks": [{"file", "seconds", "bytes"} per rank]}` — no single `file`, since one rank's engine
+alone cannot run (every rank's plugin ops are the same and checked to be).
+
 Networks are strongly typed (the ONNX graph's dtypes are the engine's), with one optimization
 profile whose ranges come from `EngineProfile`: new tokens 1..max_tokens, past 1..max_context,
 the drafter's context 1..max_tokens and block 1..block_size (opt: the whole block).
@@ -171,11 +178,15 @@ class StagedModels:
     target: nn.Module
     mtp: nn.Module | None = None
     drafters: dict[str, nn.Module] = field(default_factory=dict)
+    # tensor-parallel drafters: name -> the rank modules in rank order (drafters[name] is rank 0)
+    drafter_ranks: dict[str, list[nn.Module]] = field(default_factory=dict)
 
 
-def load_staged(root: Path, kinds: Mapping[str, str], dtype=None) -> StagedModels:
+def load_staged(root: Path, kinds: Mapping[str, str], dtype=None,
+                tp_sizes: Mapping[str, int] | None = None) -> StagedModels:
     """Load `<name>/config.json` + `<name>/rank0.safetensors` for each name -> kind ("target",
-    "mtp" with its naming as "mtp:<naming>", "dflash") exactly as the torch backend would."""
+    "mtp" with its naming as "mtp:<naming>", "dflash") exactly as the torch backend would; a
+    drafter with `tp_sizes[name]` > 1 loads each rank's shard as `load_engine(tp=...)` does."""
     import json
 
     import torch
@@ -190,6 +201,13 @@ def load_staged(root: Path, kinds: Mapping[str, str], dtype=None) -> StagedModel
     dtype = dtype or torch.float32
     staged = StagedModels(target=None)
     for name, kind in kinds.items():
+        size = (tp_sizes or {}).get(name, 1)
+        if kind == "dflash" and size > 1:
+            from metrale.builder.tp_export import load_rank_drafters
+
+            staged.drafter_ranks[name] = load_rank_drafters(root, name, size, dtype)
+            staged.drafters[name] = staged.drafter_ranks[name][0]
+            continue
         cfg = json.loads((root / name / "config.json").read_text())
         tensors = load_file(str(root / name / "rank0.safetensors"))
         where = f"{name}/config.json"
@@ -241,6 +259,11 @@ def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 12
         "components": {},
     }
     for name, kind, module in components_of(models):
+        ranks = getattr(models, "drafter_ranks", {}).get(name) if kind == "dflash" else None
+        if ranks:
+            result["components"][name] = _write_rank_engines(tm, sms, root, name, ranks, taps,
+                                                              profile, progress)
+            continue
         progress(f"exporting {name} to ONNX")
         tap_ids = taps if kind == "target" else ()
         gio = ox.graph_io(kind, module, tap_ids)
@@ -271,6 +294,49 @@ def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 12
         info["files"] = files
         result["components"][name] = info
     return result
+
+
+def _write_rank_engines(tm, sms, root: Path, name: str, ranks: list[nn.Module], taps,
+                        profile: EngineProfile, progress) -> dict[str, Any]:
+    """A tensor-parallel drafter: per rank its graph, then per SM every rank's engine."""
+    from metrale.builder import tp_export
+
+    gio = tp_export.rank_graph_io(ranks[0])
+    graphs, onnx_files, t0 = [], [], time.time()
+    for r, module in enumerate(ranks):
+        progress(f"exporting {name} rank {r} of {len(ranks)} to ONNX")
+        graphs.append(tp_export.export_rank(module))
+        onnx_files.append(f"{name}/rank{r}.onnx")
+        save_onnx(graphs[-1], root / onnx_files[-1])
+    ops = [ox.metrale_ops(g) for g in graphs]
+    if any(o != ops[0] for o in ops):  # the ranks' collectives must pair up one to one
+        raise EngineBuildError(f"component {name}: the rank graphs hold different metrale ops: {ops}")
+    files = [p.relative_to(root).as_posix() for r in range(len(ranks))
+             for p in sorted((root / name).glob(f"rank{r}.onnx*"))]
+    ranges = profile.ranges("dflash", ranks[0])
+    info: dict[str, Any] = {
+        "onnx": onnx_files[0], "onnx_ranks": onnx_files, "onnx_seconds": round(time.time() - t0, 3),
+        "io": {"inputs": list(gio.inputs), "outputs": list(gio.outputs),
+               "dynamic": {k: {str(a): v for a, v in ax.items()} for k, ax in gio.dynamic.items()}},
+        "plugin_ops": ops[0], "tap_index": [taps.index(i) for i in ranks[0].config.target_layer_ids],
+        "profile": {k: list(v) for k, v in ranges.items() if k in gio.axis_labels()}, "engines": {},
+    }
+    for sm in sms:
+        entry: dict[str, Any] = {"plugins": None, "ranks": []}
+        for r, (module, graph) in enumerate(zip(ranks, graphs)):
+            progress(f"building {name} rank {r} engine for SM{sm} ({tm.flavor.value})")
+            built = build_one(tm, graph, sm, "dflash", module, gio, ranges, root, name, rank=r)
+            if entry["plugins"] not in (None, built.plugin_ops):
+                raise EngineBuildError(f"component {name}: SM{sm} rank {r} holds plugin ops "
+                                       f"{built.plugin_ops}, rank 0 {entry['plugins']}")
+            entry["plugins"] = built.plugin_ops
+            rel = built.path.relative_to(root).as_posix()
+            entry["ranks"].append({"file": rel, "seconds": round(built.seconds, 3),
+                                   "bytes": built.size})
+            files.append(rel)
+        info["engines"][str(sm)] = entry
+    info["files"] = files
+    return info
 
 
 def build_one(tm: TrtModule, portable: onnx.ModelProto, sm: int, kind: str, module: nn.Module,

@@ -16,6 +16,12 @@ outputs (shapes as in each op's module; "act" is float, float16 or bfloat16, one
     DraftStop(logits act [R, V], tau float [], cumulative bool [] (or an integer),
               running float [R]) -> (top1_prob float [R], stop bool [R], running_out float [R],
                                      cand_vals float [R, 16], cand_ids int64 [R, 16])
+    AllReduce(x act [...]; attributes group_size, rank: int) -> y act [...] (sum over the group)
+    AllGather(x [...]; attributes group_size, rank: int) -> y [group_size, ...] (rank order,
+                  on a new leading rank axis)
+
+The collectives' OpRuns call `torch.distributed` (the caller's process group, e.g. gloo on CPU;
+its world is the tensor-parallel group and must match the node's group_size and rank).
 
 The `OpRun` classes below compute each node with the op's PyTorch reference (the oracle), so a
 graph holding these nodes is checked on CPU with
@@ -149,4 +155,46 @@ class DraftStop(OpRun):
         return tuple(to_numpy(t) for t in outs)
 
 
-REFERENCE_OPS = [Fp8W8A16Gemm, NvFp4W4A16Gemm, NvFp4MoeW4A16, DFlash2DynamicConv, DraftStop]
+def _check_group(op: str, group_size, rank) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"{op}: no torch.distributed process group (one rank's graph runs "
+                           "together with the other ranks' graphs)")
+    have = (dist.get_world_size(), dist.get_rank())
+    if have != (int(group_size), int(rank)):
+        raise RuntimeError(f"{op}: the node is rank {rank} of {group_size}, the process group "
+                           f"is rank {have[1]} of {have[0]}")
+
+
+class AllReduce(OpRun):
+    op_domain = DOMAIN
+
+    def _run(self, x, group_size=None, rank=None):
+        import torch.distributed as dist
+
+        group_size = self.group_size if group_size is None else group_size
+        rank = self.rank if rank is None else rank
+        _check_group("AllReduce", group_size, rank)
+        t = to_torch(x)
+        dist.all_reduce(t)
+        return (to_numpy(t),)
+
+
+class AllGather(OpRun):
+    op_domain = DOMAIN
+
+    def _run(self, x, group_size=None, rank=None):
+        import torch.distributed as dist
+
+        group_size = self.group_size if group_size is None else group_size
+        rank = self.rank if rank is None else rank
+        _check_group("AllGather", group_size, rank)
+        t = to_torch(x)
+        every = [torch.empty_like(t) for _ in range(int(group_size))]
+        dist.all_gather(every, t)
+        return (to_numpy(torch.stack(every)),)
+
+
+REFERENCE_OPS = [Fp8W8A16Gemm, NvFp4W4A16Gemm, NvFp4MoeW4A16, DFlash2DynamicConv, DraftStop,
+                 AllReduce, AllGather]

@@ -30,6 +30,9 @@ with grid (ceil(M / block_m), ceil(N / block_n), 1) and 32·num_warps threads pe
 is the product of x's leading dims. A missing kernel is an error at the first launch, never a
 silent no-op.
 
+`register_plugins` also registers the tensor-parallel collectives (`AllReduce`, `AllGather` over
+NCCL; `plugins.trt_collectives`), so one call covers every metrale node an engine may hold.
+
 Invariant: this module imports no TensorRT flavour itself; `plugin_classes(trt)` builds the
 classes for the module it is given (tensorrt_rtx or tensorrt), once per module.
 """
@@ -281,10 +284,14 @@ class RegisteredPlugins:
 
     creators: dict[str, object]
     library: KernelLibrary
+    collectives: object = None  # plugins.trt_collectives.Collectives
 
 
-def register_plugins(trt: ModuleType, sm: int, library: KernelLibrary | None = None) -> RegisteredPlugins:
-    """Register a creator per GEMM op for building (or running) for `sm`.
+def register_plugins(trt: ModuleType, sm: int, library: KernelLibrary | None = None,
+                     comm=None) -> RegisteredPlugins:
+    """Register a creator per GEMM op for building (or running) for `sm`, and one per collective
+    op of a tensor-parallel drafter (`plugins.trt_collectives`; `comm`, an `NcclCommunicator`,
+    is needed only to run them).
 
     The registry is process-wide and keyed by name/version/namespace, so an earlier registration
     of the same op (another SM) is replaced first. Returns the creators; the caller holds them
@@ -302,4 +309,8 @@ def register_plugins(trt: ModuleType, sm: int, library: KernelLibrary | None = N
         if not registry.register_creator(creator, PLUGIN_NAMESPACE):
             raise RuntimeError(f"TensorRT refused to register the {op} plugin creator")
         creators[op] = creator
-    return RegisteredPlugins(creators, library)
+    from metrale.plugins.trt_collectives import Collectives, register_collectives
+
+    collectives = Collectives(comm)
+    creators.update(register_collectives(trt, collectives))
+    return RegisteredPlugins(creators, library, collectives)
