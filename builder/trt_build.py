@@ -37,6 +37,7 @@ from torch import nn
 from metrale.builder import onnx_export as ox
 from metrale.builder.trt_env import TrtFlavor, TrtModule, load_trt, rtx_compute_capabilities
 from metrale.runtime.errors import ConfigError, MetraleError
+from metrale.runtime.trt_runner import collecting_logger
 
 log = logging.getLogger(__name__)
 
@@ -73,22 +74,6 @@ class BuiltEngine:
     plugin_ops: dict[str, int]  # metrale op type -> node count left for plugins
 
 
-def _collecting_logger(trt):
-    class Collect(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-            self.errors: list[str] = []
-
-        def log(self, severity, msg):
-            if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
-                self.errors.append(msg)
-                log.error("TensorRT: %s", msg)
-            elif severity == trt.ILogger.Severity.WARNING:
-                log.debug("TensorRT warning: %s", msg)
-
-    return Collect()
-
-
 def check_sms(tm: TrtModule, sms: tuple[int, ...], explicit: bool) -> tuple[int, ...]:
     """The SMs of `--target-sm` this flavour can build here; refuses (explicit) or skips (auto)."""
     can = tm.supported_sms()
@@ -109,7 +94,7 @@ def build_engine_bytes(tm: TrtModule, model: onnx.ModelProto, sm: int,
     from metrale.plugins.trt_plugin import register_plugins
 
     trt = tm.trt
-    logger = _collecting_logger(trt)
+    logger = collecting_logger(trt)
     plugins = register_plugins(trt, sm)  # held until the build ends
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))

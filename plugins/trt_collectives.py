@@ -30,6 +30,8 @@ import os
 from dataclasses import dataclass, field
 from types import ModuleType
 
+from metrale.plugins.trt_plugin import PluginDefaults
+
 COLLECTIVE_OPS = ("AllReduce", "AllGather")
 ACTIVATION_TYPES = ("FLOAT", "HALF", "BF16")
 # TensorRT DataType member name -> ncclDataType_t (nccl.h: ncclFloat16 6, ncclFloat32 7, ncclBfloat16 9)
@@ -164,7 +166,7 @@ def _fields(trt: ModuleType, group_size: int, rank: int):
 def collective_classes(trt: ModuleType):
     """(plugin class, creator class) implemented against the TensorRT module `trt`."""
 
-    class MetraleCollectivePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild,
+    class MetraleCollectivePlugin(PluginDefaults, trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild,
                                   trt.IPluginV3OneRuntime):
         """One AllReduce or AllGather node of one rank. Serialized fields: group_size, rank."""
 
@@ -180,21 +182,12 @@ def collective_classes(trt: ModuleType):
             self.num_outputs = 1
             self.timing_cache_id = ""
 
-        def get_capability_interface(self, _type):
-            return self
-
         def clone(self):
             twin = MetraleCollectivePlugin(self.op, self.group_size, self.rank, self.shared)
             self.shared.keep_alive.append(twin)
             return twin
 
-        def destroy(self):
-            pass
-
         # -- build --
-        def get_output_data_types(self, input_types):
-            return [input_types[0]]
-
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
             x = inputs[0]
             if self.op == "AllReduce":
@@ -209,15 +202,6 @@ def collective_classes(trt: ModuleType):
             if pos == 0:
                 return desc.type in tuple(getattr(trt.DataType, t) for t in ACTIVATION_TYPES)
             return desc.type == in_out[0].desc.type
-
-        def configure_plugin(self, inp, out):
-            pass
-
-        def get_workspace_size(self, inp, out):
-            return 0
-
-        def get_valid_tactics(self):
-            return []
 
         def get_fields_to_serialize(self):
             return trt.PluginFieldCollection(_fields(trt, self.group_size, self.rank))

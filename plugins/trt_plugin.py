@@ -173,11 +173,35 @@ def launch_gemm(lib: KernelLibrary, spec: GemmOpSpec, sm: int, input_desc, input
                                    (args, types), 0))
 
 
+class PluginDefaults:
+    """The IPluginV3 methods every metrale plugin answers the same way (a plain mixin, listed
+    before TensorRT's interfaces so its methods win): no extra capability objects, nothing to
+    free, outputs typed like the first input, no workspace, no tactics."""
+
+    def get_capability_interface(self, _type):
+        return self
+
+    def destroy(self):
+        pass
+
+    def get_output_data_types(self, input_types):
+        return [input_types[0]]
+
+    def configure_plugin(self, inp, out):
+        pass
+
+    def get_workspace_size(self, inp, out):
+        return 0
+
+    def get_valid_tactics(self):
+        return []
+
+
 @functools.lru_cache(maxsize=None)
 def plugin_classes(trt: ModuleType):
     """(plugin class, creator class) implemented against the TensorRT module `trt`."""
 
-    class MetraleGemmPlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild,
+    class MetraleGemmPlugin(PluginDefaults, trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild,
                             trt.IPluginV3OneRuntime):
         """One weight-only GEMM node. Fields (serialized into the engine): `sm` (int32)."""
 
@@ -194,21 +218,12 @@ def plugin_classes(trt: ModuleType):
             self.timing_cache_id = ""
 
         # -- core / lifetime --
-        def get_capability_interface(self, _type):
-            return self
-
         def clone(self):
             twin = MetraleGemmPlugin(self.spec, self.sm, self.library)
             self.library.keep_alive.append(twin)  # TensorRT holds it by a borrowed pointer
             return twin
 
-        def destroy(self):
-            pass
-
         # -- build --
-        def get_output_data_types(self, input_types):
-            return [input_types[0]]
-
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
             out = trt.DimsExprs(inputs[0])  # x [..., K] -> y [..., N]
             out[len(out) - 1] = inputs[1][0]
@@ -223,15 +238,6 @@ def plugin_classes(trt: ModuleType):
             if pos == num_inputs:  # the output follows x's dtype
                 return desc.type == in_out[0].desc.type
             return desc.type == getattr(trt.DataType, self.spec.weights[pos - 1])
-
-        def configure_plugin(self, inp, out):
-            pass
-
-        def get_workspace_size(self, inp, out):
-            return 0
-
-        def get_valid_tactics(self):
-            return []
 
         def get_fields_to_serialize(self):
             return trt.PluginFieldCollection(_sm_field(trt, self.sm))

@@ -333,6 +333,12 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
     dev = torch.device(device)
     dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     comps = manifest.components
+    sharded = sorted(n for n, c in comps.items() if c.get("tp_size", 1) > 1)
+    if sharded:
+        raise ConfigError(
+            f"--backend tensorrt: engine directory {path} holds tensor-parallel drafter engines "
+            f"({', '.join(sharded)}, built with --draft-tp-size > 1), which this backend does not run; "
+            "rebuild with --draft-tp-size 1 or use --backend torch")
     sm = pick_engine_sm({n: c.get("engines", {}) for n, c in comps.items()}, gpu_sm(dev), path)
     flavor = manifest.build.get("trt_flavor")
     trt = import_trt(flavor, path)

@@ -136,7 +136,8 @@ def torch_dtype(trt: ModuleType, dt) -> torch.dtype:
     raise EngineDirError(f"TensorRT tensor type {dt} has no torch equivalent here")
 
 
-def _collecting_logger(trt: ModuleType):
+def collecting_logger(trt: ModuleType):
+    """A TensorRT logger that keeps error messages (`.errors`) and sends the rest to logging."""
     class Collect(trt.ILogger):
         def __init__(self):
             trt.ILogger.__init__(self)
@@ -179,7 +180,7 @@ class EngineRunner:
     def __init__(self, trt: ModuleType, flavor: str, data: bytes, what: str, device: torch.device,
                  stream: torch.cuda.Stream, graphs: bool = True):
         self.trt, self.flavor, self.what, self.device, self.stream = trt, flavor, what, device, stream
-        self.logger = _collecting_logger(trt)
+        self.logger = collecting_logger(trt)
         self.runtime = trt.Runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(data)
         if self.engine is None:
