@@ -68,9 +68,12 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden, dim, bias=False)
 
     def scores(self, hidden, cand_ids, cand_logits, prev_ids):
-        """hidden [..., H], cand_ids/cand_logits [..., K], prev_ids [...] -> scores [..., K] (fp32)."""
-        z = self.hidden_projection(hidden) + self.predecessor_codebook[prev_ids]  # [..., D]
-        bonus = (self.successor_codebook[cand_ids] * z.unsqueeze(-2)).sum(-1)  # [..., K]
+        """hidden [..., H], cand_ids/cand_logits [..., K], prev_ids [...] -> scores [..., K] (fp32).
+
+        Codebook rows are looked up with `F.embedding`, not indexing: on CPU its backward sums
+        the gradients of repeated ids in a fixed order, so training the selector is reproducible."""
+        z = self.hidden_projection(hidden) + F.embedding(prev_ids, self.predecessor_codebook)  # [..., D]
+        bonus = (F.embedding(cand_ids, self.successor_codebook) * z.unsqueeze(-2)).sum(-1)  # [..., K]
         return cand_logits.float() + bonus.float()
 
     def select(self, hidden, logits, anchor):
