@@ -167,16 +167,22 @@ def _check_group(op: str, group_size, rank) -> None:
                            f"is rank {have[1]} of {have[0]}")
 
 
+def _collective_input(node, op, x, group_size, rank):
+    """The node's attributes (or the evaluator's overrides), checked against the process group;
+    -> (x as a torch tensor, group size)."""
+    group_size = node.group_size if group_size is None else group_size
+    rank = node.rank if rank is None else rank
+    _check_group(op, group_size, rank)
+    return to_torch(x), group_size
+
+
 class AllReduce(OpRun):
     op_domain = DOMAIN
 
     def _run(self, x, group_size=None, rank=None):
         import torch.distributed as dist
 
-        group_size = self.group_size if group_size is None else group_size
-        rank = self.rank if rank is None else rank
-        _check_group("AllReduce", group_size, rank)
-        t = to_torch(x)
+        t, _ = _collective_input(self, "AllReduce", x, group_size, rank)
         dist.all_reduce(t)
         return (to_numpy(t),)
 
@@ -187,10 +193,7 @@ class AllGather(OpRun):
     def _run(self, x, group_size=None, rank=None):
         import torch.distributed as dist
 
-        group_size = self.group_size if group_size is None else group_size
-        rank = self.rank if rank is None else rank
-        _check_group("AllGather", group_size, rank)
-        t = to_torch(x)
+        t, group_size = _collective_input(self, "AllGather", x, group_size, rank)
         every = [torch.empty_like(t) for _ in range(int(group_size))]
         dist.all_gather(every, t)
         return (to_numpy(torch.stack(every)),)

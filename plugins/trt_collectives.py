@@ -207,15 +207,6 @@ def collective_classes(trt: ModuleType):
             return trt.PluginFieldCollection(_fields(trt, self.group_size, self.rank))
 
         # -- runtime (GPU only) --
-        def on_shape_change(self, inp, out):
-            pass
-
-        def set_tactic(self, tactic):
-            pass
-
-        def attach_to_context(self, context):
-            return self.clone()
-
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
             comm = self.shared.communicator(self.op, self.group_size, self.rank)
             count = _volume(input_desc[0].dims)  # elements each rank sends

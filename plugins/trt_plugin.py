@@ -176,7 +176,8 @@ def launch_gemm(lib: KernelLibrary, spec: GemmOpSpec, sm: int, input_desc, input
 class PluginDefaults:
     """The IPluginV3 methods every metrale plugin answers the same way (a plain mixin, listed
     before TensorRT's interfaces so its methods win): no extra capability objects, nothing to
-    free, outputs typed like the first input, no workspace, no tactics."""
+    free, outputs typed like the first input, no workspace, no tactics, and one clone per
+    execution context."""
 
     def get_capability_interface(self, _type):
         return self
@@ -195,6 +196,15 @@ class PluginDefaults:
 
     def get_valid_tactics(self):
         return []
+
+    def on_shape_change(self, inp, out):
+        pass
+
+    def set_tactic(self, tactic):
+        pass
+
+    def attach_to_context(self, context):
+        return self.clone()
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,15 +253,6 @@ def plugin_classes(trt: ModuleType):
             return trt.PluginFieldCollection(_sm_field(trt, self.sm))
 
         # -- runtime (GPU only) --
-        def on_shape_change(self, inp, out):
-            pass
-
-        def set_tactic(self, tactic):
-            pass
-
-        def attach_to_context(self, context):
-            return self.clone()
-
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
             launch_gemm(self.library, self.spec, self.sm, input_desc, inputs, outputs, stream)
 
