@@ -7,7 +7,8 @@ change none of them. Graph I/O (all float tensors in the model's dtype, ids/posi
 
 - target step: `input_ids` [1, T], `past_key`/`past_value` [L, 1, nkv, P, hd], `position` [1]
   -> `logits` [1, T, V], `new_key`/`new_value` [L, 1, nkv, T, hd], `taps` [1, T, n·H] (the
-  decoder outputs of the tapped layer ids, concatenated in order; only with taps),
+  hidden states of the tapped layer ids as transformers numbers them — the last layer's after the
+  final norm — concatenated in order; only with taps),
   `last_hidden` [1, T, H].
 - MTP step: `embeds`, `hidden` [1, T, H], `past_key`/`past_value` [1, 1, nkv, P, hd], `position` ->
   `logits`, `hidden_out` [1, T, H] (pre-norm, fed back in a chain), `new_key`/`new_value`.
@@ -197,7 +198,10 @@ class TargetStep(nn.Module):
             vs.append(v)
             if i in self.taps:
                 tapped[i] = x
-        logits = m.lm_head(m.model.norm(x))
+        normed = m.model.norm(x)
+        if len(m.model.layers) - 1 in self.taps:  # transformers' last hidden_states entry is normed
+            tapped[len(m.model.layers) - 1] = normed
+        logits = m.lm_head(normed)
         outs = [logits, torch.stack(ks), torch.stack(vs)]
         if self.taps:
             outs.append(torch.cat([tapped[i] for i in self.taps], dim=-1))

@@ -23,6 +23,7 @@ from metrale.runtime.mtp import MTPHead
 
 PROMPT, GEN = 32, 96
 BLOCK = 8
+DRAFTER_STEPS = 800
 TAPS = (0, 1, 3)
 
 
@@ -294,7 +295,10 @@ def distill_data_from(target, prompts):
     return {"ids": ids, "taps": o.taps, "hidden": o.last_hidden, "greedy": o.logits.argmax(-1)}
 
 
-def train_all(target, tok, stream, out: pathlib.Path, prompts, *, quick: bool, log) -> dict:
+def train_all(target, tok, stream, out: pathlib.Path, prompts, *, quick: bool, log,
+              mtp: MTPHead | None = None) -> dict:
+    """Distillation data, then the MTP head (unless `mtp`, an already trained one, is given) and
+    both drafters; saves them under `out` and returns the training report."""
     from train_tiny import save_hf
 
     import time
@@ -306,14 +310,15 @@ def train_all(target, tok, stream, out: pathlib.Path, prompts, *, quick: bool, l
     log(f"distillation data: {tuple(data['ids'].shape)} ({time.time() - t0:.0f}s)")
     steps = 4 if quick else 800
     report = {}
-    t0 = time.time()
-    mtp = train_mtp(target, data, steps, log)
-    report["mtp_train_s"] = round(time.time() - t0, 1)
-    save_hf(out / "mtp", *mtp_hf(mtp, target.config))
+    if mtp is None:
+        t0 = time.time()
+        mtp = train_mtp(target, data, steps, log)
+        report["mtp_train_s"] = round(time.time() - t0, 1)
+        save_hf(out / "mtp", *mtp_hf(mtp, target.config))
     drafters = {}
     for version, name in ((1, "dflash"), (2, "dflash2")):
         t0 = time.time()
-        drafters[name] = train_dflash(target, data, version, mask_id, steps, log)
+        drafters[name] = train_dflash(target, data, version, mask_id, DRAFTER_STEPS if not quick else 4, log)
         report[f"{name}_train_s"] = round(time.time() - t0, 1)
         save_hf(out / name, *dflash_hf(drafters[name], target.config))
     for m in (mtp, *drafters.values()):  # evaluate what is shipped: bf16-rounded weights

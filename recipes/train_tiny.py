@@ -129,11 +129,33 @@ def save_hf(folder: pathlib.Path, state: dict[str, torch.Tensor], config: dict) 
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def retrain_drafters(out: pathlib.Path, train_docs: list[str], quick: bool, t_start: float, log) -> None:
+    """The drafters again, from the shipped target (its bf16 weights are what it was trained to),
+    tokenizer and MTP head; TRAINING.json keeps the other entries and gets the drafters' anew."""
+    from metrale.runtime.loader import load_mtp, load_target
+    from metrale.runtime.tokenizer import Tokenizer
+
+    target = load_target(out / "target")
+    tok = Tokenizer.from_dir(out / "target")
+    mtp = load_mtp(out / "mtp", target.lm_head.weight)
+    eos = tok.token_id("<|endoftext|>")
+    stream = torch.cat([t for d in train_docs for t in (torch.tensor(tok.encode(d)), torch.tensor([eos]))])
+    prompts = json.loads((out / "prompts.json").read_text())
+    report = json.loads((out / "TRAINING.json").read_text())
+    report.update(train_drafters.train_all(target, tok, stream, out, prompts, quick=quick, log=log, mtp=mtp))
+    report["drafters_retrain_s"] = round(time.time() - t_start, 1)
+    (out / "TRAINING.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    log(json.dumps(report, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "tiny"))
     ap.add_argument("--quick", action="store_true", help="a few steps of everything (smoke test)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
+    ap.add_argument("--drafters-only", action="store_true",
+                    help="retrain only the DFlash drafters against the target, tokenizer, prompts "
+                         "and MTP head already in --out (the rest is kept byte for byte)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
@@ -149,6 +171,9 @@ def main() -> None:
         train_docs, test_docs = train_docs[:6], test_docs[:2]
     log(f"corpus: {len(train_docs)} train / {len(test_docs)} held-out documents")
 
+    if args.drafters_only:
+        retrain_drafters(out, train_docs, args.quick, t_start, log)
+        return
     tok = train_bpe_tokenizer(train_docs, VOCAB, out / "target")
     eos = tok.token_id("<|endoftext|>")
     sep = torch.tensor([eos])

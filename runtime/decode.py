@@ -93,7 +93,7 @@ class Decoder:
         return TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
                             taps=cat([o.taps for o in outs]))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
         """Yield generated token ids; stops at EOS (yielded) or after params.max_tokens."""
         t0 = time.perf_counter()

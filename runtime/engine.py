@@ -29,6 +29,7 @@ from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
 from metrale.runtime.dflash import DFlashDrafter
 from metrale.runtime.engine_dir import Manifest, load_manifest
 from metrale.runtime.errors import EngineDirError
+from metrale.runtime.layers import pack_for_inference
 from metrale.runtime.loader import strict_fill
 from metrale.runtime.mtp import MTPHead
 from metrale.runtime.qwen3 import Qwen3ForCausalLM
@@ -80,10 +81,33 @@ class LoadedEngine:
     drafters: dict[str, DFlashDrafter] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
+    packed: bool = False
 
     @property
     def model_id(self) -> str:
         return self.path.name
+
+    def models(self) -> dict[str, nn.Module]:
+        return {"target": self.target, **({"mtp": self.mtp} if self.mtp is not None else {}),
+                **self.drafters}
+
+    def pack(self) -> "LoadedEngine":
+        """Ready the models for the decode loop, once: quantized weights dequantized (bit-identical
+        results, see `qlinear`), target q/k/v and gate/up fused, routed experts stacked."""
+        if not self.packed:
+            for model in self.models().values():
+                pack_for_inference(model)
+            self.packed = True
+        return self
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes held per model: parameters and every buffer, packed copies included."""
+        out = {}
+        for name, model in self.models().items():
+            seen = {t.data_ptr(): t.numel() * t.element_size()
+                    for t in (*model.parameters(), *model.buffers())}
+            out[name] = sum(seen.values())
+        return out
 
 
 def _build(module_cls, cfg, dtype, device):

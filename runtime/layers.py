@@ -16,6 +16,22 @@ from torch import nn
 from metrale.runtime.configs import DecoderConfig
 
 
+def float_weight(linear: nn.Module) -> torch.Tensor:
+    """The [out, in] floating-point weight a linear computes with (quantized ones dequantized)."""
+    dense = getattr(linear, "dense_weight", None)
+    return dense() if dense is not None else linear.weight.detach()
+
+
+def pack_for_inference(module: nn.Module) -> nn.Module:
+    """Call `pack()` on every submodule that has one: fused projections and stacked experts for
+    the decode loop. Training and export use the unpacked modules."""
+    stacked = {id(m) for sub in module.modules() if isinstance(sub, MoE) for m in sub.experts.modules()}
+    for sub in module.modules():
+        if hasattr(sub, "pack") and id(sub) not in stacked:  # routed experts run stacked
+            sub.pack()
+    return module
+
+
 class RMSNorm(nn.Module):
     """x̂·w (Qwen3, DeepSeek) or x̂·(1+w) (zero-centred, Qwen3-Next) with x̂ = x/rms(x)."""
 
@@ -108,6 +124,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, zero_centred_norm)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, zero_centred_norm)
+        self.register_buffer("qkv_weight", None, persistent=False)  # [(nh+2nkv)·hd, H], see pack()
+
+    def pack(self) -> None:
+        """Fuse q/k/v into one GEMM for inference (plain float weights only; quantized
+        projections keep their own op so their results stay the op's bits)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if all(type(p) is nn.Linear and p.bias is None for p in projs):
+            self.qkv_weight = torch.cat([p.weight.detach() for p in projs], dim=0)
 
     def project_q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         b, t, _ = x.shape
@@ -122,12 +146,18 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, start: int = 0) -> torch.Tensor:
-        """Causal self-attention. x [B, T, H]; positions [T]; with a cache, keys 0..start-1 come from it."""
+                layer: int = 0, start: int = 0, rope=None) -> torch.Tensor:
+        """Causal self-attention. x [B, T, H]; positions [T]; with a cache, keys 0..start-1 come
+        from it. `rope` (cos, sin) [T, hd] when the caller has them for `positions` already."""
         b, t, _ = x.shape
-        cos, sin = rope_cos_sin(positions, self.hd, self.theta, x.dtype)
-        q = self.project_q(x, cos, sin)
-        k, v = self.kv_from_projected(self.k_proj(x), self.v_proj(x), cos, sin)
+        cos, sin = rope if rope is not None else rope_cos_sin(positions, self.hd, self.theta, x.dtype)
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight).split(
+                [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+            q = apply_rope(self.q_norm(q.view(b, t, self.nh, self.hd)).transpose(1, 2), cos, sin)
+        else:
+            q, k, v = self.project_q(x, cos, sin), self.k_proj(x), self.v_proj(x)
+        k, v = self.kv_from_projected(k, v, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
         else:
@@ -144,8 +174,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # [2I, H], see pack()
+
+    def pack(self) -> None:
+        """Fuse gate and up into one GEMM (plain float weights only)."""
+        if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
+            self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(),
+                                             self.up_proj.weight.detach()], dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -164,6 +204,8 @@ class MoE(nn.Module):
         inter = cfg.shared_expert_intermediate_size
         self.shared_expert = MLP(h, inter) if inter else None
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if inter and shared_gate else None
+        self.register_buffer("experts_gate_up", None, persistent=False)  # [E·2I, H], see pack()
+        self.register_buffer("experts_down", None, persistent=False)  # [E, I, H]
 
     def route(self, x: torch.Tensor):
         """x [N, H] -> top-k weights [N, k] (x.dtype), expert ids [N, k]."""
@@ -173,16 +215,41 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    def pack(self) -> None:
+        """Stack every routed expert's weights for the fixed-op-count inference path: gate and up
+        of expert e are rows [e·2I, e·2I+I) and [e·2I+I, (e+1)·2I) of one [E·2I, H] matrix, the
+        down projections one [E, I, H] batch. Quantized experts are dequantized here, once."""
+        dtype = self.gate.weight.dtype
+        gate_up, down = [], []
+        for expert in self.experts:
+            gate_up += [float_weight(expert.gate_proj), float_weight(expert.up_proj)]
+            down.append(float_weight(expert.down_proj).t())
+        self.experts_gate_up = torch.cat(gate_up, dim=0).to(dtype)  # [E·2I, H]
+        self.experts_down = torch.stack(down).to(dtype).contiguous()  # [E, I, H]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, ids = self.route(x)
+        if self.experts_gate_up is not None:
+            return (self._dense_experts(x, weights, ids) + self.shared(x)).reshape(shape)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return (out + self.shared(x)).reshape(shape)
+
+    def _dense_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, weighted by the (mostly zero) routing weights: a fixed
+        number of ops whatever the routing, and each row's sum runs over the experts in id
+        order with exact zeros for the unselected ones, as the per-expert loop sums them."""
+        n, e = x.shape[0], self.experts_down.shape[0]
+        dense = x.new_zeros(n, e).scatter_(1, ids, weights)  # [N, E]
+        gate, up = F.linear(x, self.experts_gate_up).view(n, e, 2, -1).unbind(2)  # [N, E, I] each
+        act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
+        y = torch.bmm(act, self.experts_down)  # [E, N, H]
+        return (y * dense.t().unsqueeze(-1)).sum(0)  # [N, H]
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | float:
         """The shared expert's contribution for x [N, H] (0 without one)."""
@@ -206,6 +273,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zero_centred_norm)
         self.mlp = MoE(cfg, shared_gate) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, cache=None, layer=0, start=0):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, layer, start)
+    def forward(self, x, positions, cache=None, layer=0, start=0, rope=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, layer, start, rope)
         return x + self.mlp(self.post_attention_layernorm(x))

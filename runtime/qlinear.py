@@ -25,6 +25,7 @@ from torch import nn
 
 import metrale.plugins.fp8_gemm  # noqa: F401  (registers torch.ops.metrale.fp8_w8a16_gemm)
 import metrale.plugins.nvfp4_gemm  # noqa: F401  (registers torch.ops.metrale.nvfp4_w4a16_gemm)
+from metrale.plugins.formats import dequantize_fp8, dequantize_nvfp4
 from metrale.runtime.errors import CheckpointError
 
 QuantKind = Literal["none", "fp8", "nvfp4"]
@@ -94,6 +95,21 @@ class _StoredLinear(nn.Module):
                 self._buffers[name] = before.to(after.device)
         return self
 
+    def dense_weight(self) -> torch.Tensor:
+        """The float32 [out, in] weight the op computes with, dequantized exactly as it does."""
+        raise NotImplementedError
+
+    def pack(self) -> None:
+        """Dequantize once for the decode loop: forward then multiplies by the cached float32
+        weight, the same arithmetic the op does on every call, so the result is bit-identical."""
+        self.register_buffer("dequantized", self.dense_weight(), persistent=False)
+
+    def _run(self, x: torch.Tensor, *op_args: torch.Tensor) -> torch.Tensor:
+        cached = self._buffers.get("dequantized")
+        if cached is None:
+            return self._add_bias(self.op(x, *op_args))
+        return self._add_bias((x.to(torch.float32) @ cached.T).to(x.dtype))
+
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -109,6 +125,12 @@ class DenseLinear(_StoredLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
         self.register_buffer("weight", weight)  # [out, in]
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def pack(self) -> None:  # nothing to dequantize
+        pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
@@ -128,8 +150,11 @@ class Fp8Linear(_StoredLinear):
         self.register_buffer("weight", weight)  # float8_e4m3fn [out, in]
         self.register_buffer("weight_scale", weight_scale)  # float32 [out]
 
+    def dense_weight(self) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.weight_scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return self._add_bias(self.op(x, self.weight, self.weight_scale))
+        return self._run(x, self.weight, self.weight_scale)
 
 
 class Nvfp4Linear(_StoredLinear):
@@ -148,8 +173,11 @@ class Nvfp4Linear(_StoredLinear):
         self.register_buffer("weight_scale", weight_scale)  # float8_e4m3fn [out, in/16]
         self.register_buffer("weight_scale_2", weight_scale_2)  # float32 []
 
+    def dense_weight(self) -> torch.Tensor:
+        return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return self._add_bias(self.op(x, self.weight, self.weight_scale, self.weight_scale_2))
+        return self._run(x, self.weight, self.weight_scale, self.weight_scale_2)
 
 
 def linear_from_tensors(prefix: str, tensors: Mapping[str, torch.Tensor]) -> _StoredLinear:

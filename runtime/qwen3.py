@@ -1,9 +1,12 @@
 """The target model: Qwen3 (dense) and Qwen3-MoE decoders with a KV cache and hidden-state taps.
 
 `forward(ids, cache, start, taps)` returns the logits and, for the speculative loop, the hidden
-states the drafters read: `taps` lists DFlash layer ids (id l = output of decoder layer l, i.e.
-transformers' `hidden_states[l+1]`), and `last_hidden` is the final layer's output before the
-final norm (what the MTP head consumes). Tensor names are exactly the HF checkpoint's
+states the drafters read: `taps` lists DFlash layer ids, id l being transformers'
+`output_hidden_states` entry `hidden_states[l+1]` — the output of decoder layer l for l < L−1,
+and for the last layer (l = L−1) that output *after the final norm*, because transformers
+replaces its last entry with the normed state (z-lab's drafters are trained on exactly these
+entries). `last_hidden` is the final layer's output before the final norm (what the MTP head
+consumes). Tensor names are exactly the HF checkpoint's
 (`model.layers.N.self_attn.q_proj.weight`, `model.layers.N.mlp.experts.E.gate_proj.weight`, …), so
 `state_dict()` is the checkpoint layout and loading needs no renames.
 """
@@ -16,7 +19,7 @@ import torch
 from torch import nn
 
 from metrale.runtime.configs import DecoderConfig
-from metrale.runtime.layers import DecoderLayer, KVCache, RMSNorm
+from metrale.runtime.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope_tables: dict = {}  # (dtype, device) -> (cos, sin) [max_pos, hd]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -64,13 +68,31 @@ class Qwen3ForCausalLM(nn.Module):
         t = ids.shape[1]
         positions = torch.arange(start, start + t, device=ids.device)
         x = self.model.embed_tokens(ids)  # [B, T, H]
-        tapped = []
+        rope = self.rope(start, t, x.dtype, x.device)
+        tapped: dict[int, torch.Tensor] = {}
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, cache, i, start)
-            if i in taps:
-                tapped.append((taps.index(i), x))
+            x = layer(x, positions, cache, i, start, rope)
+            if i in taps and i != last:
+                tapped[i] = x
         if cache is not None:
             cache.length = start + t
-        logits = self.lm_head(self.model.norm(x))
-        tap = torch.cat([h for _, h in sorted(tapped, key=lambda p: p[0])], dim=-1) if taps else None
+        normed = self.model.norm(x)  # [B, T, H]
+        if last in taps:
+            tapped[last] = normed  # transformers' hidden_states[L] is the normed output
+        logits = self.lm_head(normed)
+        tap = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return TargetOutput(logits=logits, last_hidden=x, taps=tap)
+
+    def rope(self, start: int, t: int, dtype: torch.dtype, device: torch.device):
+        """cos, sin [T, hd] for positions start..start+T−1, from a table built once per dtype
+        and device (every layer and step shares it)."""
+        key = (dtype, device)
+        table = self._rope_tables.get(key)
+        c = self.config
+        if table is None or table[0].shape[0] < start + t:
+            length = max(c.max_position_embeddings, start + t)
+            positions = torch.arange(length, device=device)
+            table = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+            self._rope_tables[key] = table
+        return table[0][start:start + t], table[1][start:start + t]

@@ -57,7 +57,7 @@ def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
 class EngineGenerator:
     def __init__(self, engine: LoadedEngine, spec: SpeculativeConfig | None = None,
                  world: World | None = None):
-        self.engine = engine
+        self.engine = engine.pack() if hasattr(engine, "pack") else engine
         self.spec = spec or SpeculativeConfig()
         self.world = world or World()
         self.dflash = check_engine_supports(engine, self.spec)

@@ -368,7 +368,8 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
         engine_taps = tuple(comps["target"].get("taps", ()))
         target = TrtTarget(tgt, comps["target"]["profile"], tcfg, embed, engine_taps)
         loaded = LoadedEngine(path, manifest, Tokenizer.from_dir(path / "tokenizer"), target,
-                              dtype=embed.weight.dtype, device=dev)
+                              dtype=embed.weight.dtype, device=dev,
+                              packed=True)  # the plans hold their own weights: nothing to pack
         for name, info in comps.items():
             if name == "target":
                 continue

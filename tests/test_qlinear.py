@@ -137,3 +137,19 @@ def test_dtype_casts_keep_the_stored_format():
         torch.testing.assert_close(module(x), before, rtol=0, atol=0)
     dense = linear_from_tensors(P, {f"{P}.weight": torch.randn(6, 32)}).to(torch.bfloat16)
     assert dense.weight.dtype == torch.bfloat16  # a plain weight follows the cast
+
+
+@pytest.mark.parametrize("make", [fp8_tensors, nvfp4_tensors], ids=["fp8", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_dequantizes_once_with_the_ops_bits(make, dtype):
+    """`pack()` caches the float32 weight; results stay bit-identical to the per-call op, for
+    one row and many (the decode loop's shapes), in float32 and bfloat16 activations."""
+    lin = linear_from_tensors(P, make(out_f=48, in_f=64))
+    xs = [torch.randn(1, 64).to(dtype), torch.randn(3, 8, 64).to(dtype)]
+    before = [lin(x) for x in xs]
+    lin.pack()
+    assert lin.dequantized.dtype == torch.float32 and lin.dequantized.shape == (48, 64)
+    assert "dequantized" not in lin.state_dict()  # the stored format is what the engine keeps
+    for x, want in zip(xs, before):
+        got = lin(x)
+        assert got.dtype == dtype and torch.equal(got, want)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from metrale.runtime.layers import pack_for_inference
 from metrale.runtime.loader import load_target
 
 transformers = pytest.importorskip("transformers")
@@ -36,12 +37,15 @@ def test_logits_match_transformers(tmp_path, moe):
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(ids, output_hidden_states=True)
-        got = ours(ids, taps=(0, 1))
+        got = ours(ids, taps=(2, 0, 1))
     assert (got.logits - want.logits).abs().max().item() <= 1e-4
-    # taps: layer id l is transformers' hidden_states[l+1] (its last entry is after the final
-    # norm, so only inner layers are compared directly)
-    expect_taps = torch.cat([want.hidden_states[1], want.hidden_states[2]], dim=-1)
-    assert torch.allclose(got.taps, expect_taps, atol=1e-5)
+    # taps: layer id l is transformers' hidden_states[l+1], in the order asked for; for the
+    # last layer (l = 2 of 3) that entry is after the final norm
+    assert len(want.hidden_states) == 4
+    expect_taps = torch.cat([want.hidden_states[3], want.hidden_states[1], want.hidden_states[2]], dim=-1)
+    assert (got.taps - expect_taps).abs().max().item() <= 1e-5
+    # ...and not the pre-norm output of the last layer, which is what last_hidden carries
+    assert (got.taps[..., :32] - got.last_hidden).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
@@ -68,3 +72,24 @@ def test_shipped_tiny_target_matches_transformers(tiny_recipe):
     with torch.no_grad():
         diff = (ours(ids).logits - ref(ids).logits).abs().max().item()
     assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_packed_inference_path_matches_transformers(tmp_path, moe):
+    """Fused q/k/v and gate/up, stacked experts (fixed op count) against transformers, prefill
+    and KV-cached decode; the packed model keeps the checkpoint's state_dict."""
+    ref = _save(tmp_path, moe)
+    model = load_target(tmp_path)
+    keys = set(model.state_dict())
+    pack_for_inference(model)
+    assert set(model.state_dict()) == keys
+    assert model.model.layers[0].self_attn.qkv_weight is not None
+    if moe:
+        assert model.model.layers[0].mlp.experts_gate_up.shape == (4 * 2 * 24, 32)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(ids).logits
+        cache = model.new_cache(1, 16)
+        parts = [model(ids[:, :7], cache).logits] + [model(ids[:, i:i + 1], cache).logits
+                                                     for i in range(7, 12)]
+    assert (torch.cat(parts, dim=1) - want).abs().max().item() <= 1e-4
