@@ -13,6 +13,8 @@ nothing reaches the final path unless every step succeeded):
    `EngineDirWriter`, which renames the staging directory into place only when complete.
 5. With a TensorRT flavour, ONNX graphs and engines per component and SM (`trt_build`); a
    sharded drafter gets one graph and one engine per rank and SM (`tp_export`).
+6. With `--cpu-engines aoti` (the default), the target's steps as AOTInductor packages for this
+   CPU (`cpu_build`), checked row by row against one-row steps and against the eager model.
 """
 
 from __future__ import annotations
@@ -117,6 +119,14 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
                               "tp_size": tp, "rank_weight_bytes": shard.shard_bytes(shards)})
             sources[name] = {"path": str(src), "sha256": checkpoint_digest(src)}
         engines = build_engines(w, opts, progress) if opts.trt_flavor != "none" else {}
+        if opts.cpu_engines == "aoti":
+            from metrale.builder.cpu_build import build_cpu_packages
+
+            taps = tuple(dict.fromkeys(i for d in drafters.values() for i in d.config.target_layer_ids))
+            info = w.components["target"]
+            cpu = build_cpu_packages(w, taps, sources["target"]["sha256"], progress)
+            w.component("target", {**info, "cpu": cpu,
+                                   "files": info["files"] + [p["file"] for p in cpu["packages"]]})
         w.set(sources=sources, tp_size=tp, memory_estimate=memory,
               plugins=engines.get("plugins", []),
               build={"recipe": recipe.name, "draft_weight_quantization": opts.draft_weight_quantization,
@@ -126,7 +136,8 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
                      "trt_version": engines.get("trt_version"),
                      "target_sm": list(opts.target_sm),
                      "engine_sm": engines.get("target_sm", []),
-                     "skipped_sm": engines.get("skipped_sm", [])})
+                     "skipped_sm": engines.get("skipped_sm", []),
+                     "cpu_engines": opts.cpu_engines})
         progress("hashing and installing")
     return BuildReport(out, w.manifest, time.time() - t0, memory)
 

@@ -36,6 +36,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny.toml
 DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
 MTP_QUANTIZATIONS = ("bf16", "fp8")
 TRT_FLAVORS = ("auto", "rtx", "tensorrt", "none")
+CPU_ENGINES = ("aoti", "none")
 # SM75 (Turing) is the oldest architecture either TensorRT flavour builds for.
 MIN_TARGET_SM = 75
 
@@ -84,8 +85,10 @@ class BuildOptions:
     draft_tp_size: int | str = 1  # rank count, or "auto": the serve's world size
     trt_flavor: str = "auto"  # auto: the builder picks a flavour that is installed
     target_sm: tuple[int, ...] = (89, 120)  # SM numbers the engines and cubins are built for
+    cpu_engines: str = "aoti"  # aoti: the target's steps as AOTInductor packages for this CPU
 
     def __post_init__(self) -> None:
+        _one_of("cpu_engines", self.cpu_engines, CPU_ENGINES)
         _one_of("draft_weight_quantization", self.draft_weight_quantization,
                 DRAFT_WEIGHT_QUANTIZATIONS)
         _one_of("mtp_quantization", self.mtp_quantization, MTP_QUANTIZATIONS)

@@ -49,16 +49,20 @@ def mode_table(engine, gamma_costs: str | None) -> list[tuple[str, dict]]:
 
 def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: str, repeats: int) -> str:
     """`k:ms,...` for k = 0..γ−1: the step time with a fixed draft count k (a one-rung ladder),
-    best of `repeats` runs over `prompts` (the minimum filters out stalls of a shared machine)."""
+    the median over `repeats` runs of the mean step time over `prompts` (one stalled run of a
+    shared machine moves a median no more than it moves the run beside it)."""
+    import statistics
+
     from metrale.runtime.specconfig import SpeculativeConfig
 
     g = engine.drafters[drafter].config.block_size
     pairs = []
     for k in range(0, g):
         flags = {} if k == 0 else {"dflash": True, "dflash_drafter": drafter, "dflash_draft_ladder": str(k)}
-        best = min(_timed(engine, SpeculativeConfig.from_flags(**flags), prompts, max_tokens)
-                   for _ in range(repeats))
-        pairs.append(f"{k}:{1000 * best[0] / max(1, best[1]):.3f}")
+        spec = SpeculativeConfig.from_flags(**flags)
+        per_step = [s / max(1, n) for s, n in (_timed(engine, spec, prompts, max_tokens)
+                                                for _ in range(repeats))]
+        pairs.append(f"{k}:{1000 * statistics.median(per_step):.3f}")
     return ",".join(pairs)
 
 
@@ -79,6 +83,8 @@ def _timed(engine, spec, prompts, max_tokens) -> tuple[float, int]:
 
 def run_mode(engine, flags: dict, prompts: list[list[int]], max_tokens: int, repeats: int,
              plain_tokens=None) -> dict:
+    """One mode over the prompts; per prompt the run of median decode time counts (greedy:
+    every run emits the same tokens)."""
     from metrale.runtime.metrics import SpecMetrics
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
@@ -89,16 +95,24 @@ def run_mode(engine, flags: dict, prompts: list[list[int]], max_tokens: int, rep
     total = SpecMetrics()
     tokens, seconds, outputs = 0, 0.0, []
     for ids in prompts:
-        runs = [gen.decoder().generate(ids, params) for _ in range(repeats)]
-        res = min(runs, key=lambda r: r.seconds - r.prefill_s)  # greedy: every run emits the same tokens
+        runs = sorted((gen.decoder().generate(ids, params) for _ in range(repeats)),
+                      key=lambda r: r.seconds - r.prefill_s)
+        res = runs[(len(runs) - 1) // 2]
         total.merge(res.metrics)
         tokens += len(res.token_ids)
         seconds += res.seconds - res.prefill_s
         outputs.append(res.token_ids)
+    work = total.draft_s + total.verify_s
     row = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
            "tau": round(total.tau or 0.0, 4), "steps": total.steps,
+           "verify_rows": total.verify_rows,
            "verify_rows_per_token": round(total.verify_rows / max(1, tokens), 4),
-           "drafter_time_share": round(total.draft_s / max(1e-9, total.draft_s + total.verify_s), 4),
+           "draft_s": round(total.draft_s, 5), "verify_s": round(total.verify_s, 5),
+           "host_s": round(max(0.0, seconds - work), 5),
+           "time_split": {"draft": round(total.draft_s / seconds, 4),
+                          "verify": round(total.verify_s / seconds, 4),
+                          "host": round(max(0.0, seconds - work) / seconds, 4)},
+           "drafter_time_share": round(total.draft_s / max(1e-9, work), 4),
            "acceptance_per_position": [round(a, 4) for a in total.acceptance_per_position()],
            "drafts_proposed": total.drafts_proposed, "drafts_verified": total.drafts_verified}
     if plain_tokens is not None:
@@ -120,14 +134,16 @@ def bench(
     num_prompts: Annotated[int, typer.Option(help="How many prompts to use.")] = 8,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 48,
     modes: Annotated[Optional[str], typer.Option(help="Comma-separated substrings: run only modes whose name contains one.")] = None,
-    repeats: Annotated[int, typer.Option(help="Runs per prompt and mode; the fastest counts (filters stalls of a shared machine).")] = 2,
+    repeats: Annotated[int, typer.Option(help="Runs per prompt and mode; the median counts (stalls of a shared machine move it little).")] = 3,
+    reference: Annotated[bool, typer.Option("--transformers/--no-transformers", help="Add a row for transformers' eager greedy generate on the same target weights (when transformers is installed).")] = True,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
-    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "torch",
+    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
 ):
     """Benchmark plain decoding against every speculative mode on held-out prompts."""
     with user_errors():
         from rich.table import Table
 
+        from metrale.bench_costs import mode_bound, target_row_costs, transformers_reference
         from metrale.runtime.engine import load_engine
         from metrale.runtime.errors import ConfigError
         from metrale.runtime.trt_backend import Backend, load_trt_engine, resolve_backend
@@ -146,12 +162,14 @@ def bench(
         if backend_kind is Backend.TENSORRT:
             engine = load_trt_engine(engine_dir, device=device)
         else:
-            engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device)
+            engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device,
+                                 backend=backend_kind.value)
         prompts = [engine.tokenizer.encode(t) for t in texts]
         t0 = time.time()
         costs = None
         if engine.drafters:
             costs = measure_costs(engine, prompts[:2], max_tokens, sorted(engine.drafters)[0], repeats)
+        row_costs = target_row_costs(engine, prompts[0])
         wanted = [w.strip() for w in modes.split(",")] if modes else None
         rows, plain_tokens, plain_tps = [], None, None
         for name, flags in mode_table(engine, costs):
@@ -161,10 +179,18 @@ def bench(
             if name == "plain":
                 plain_tokens, plain_tps = outputs, row["tokens_per_s"]
             row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3)
+            row.update(mode_bound(row, row_costs, exact=bool(flags.get("exact_verify"))))
             rows.append({"mode": name, "flags": flags, **row})
+        ref = transformers_reference(engine, prompts, max_tokens, repeats) if reference else None
+        if ref is not None:
+            same = sum(o[:len(p)] == p for o, p in zip(ref["outputs"], plain_tokens))
+            rows.append({"mode": "transformers generate", "tokens_per_s": ref["tokens_per_s"],
+                         "speedup": round(ref["tokens_per_s"] / plain_tps, 3),
+                         "identical_to_plain": same})
         result = {"engine_dir": str(engine_dir), "prompts": len(prompts), "max_tokens": max_tokens,
-                  "backend": backend_kind.value, "device": device, "dtype": dtype,
-                  "cost_model_ms": costs, "repeats": repeats, "threads": torch_threads(),
+                  "backend": getattr(engine, "backend", backend_kind.value), "device": device, "dtype": dtype,
+                  "cost_model_ms": costs, "target_rows_ms": row_costs, "repeats": repeats,
+                  "threads": torch_threads(),
                   "quantization": engine.manifest.build.get("draft_weight_quantization"),
                   "bench_seconds": round(time.time() - t0, 1), "modes": rows}
         if backend_kind is Backend.TENSORRT:  # how each engine ran: eager calls, graph replays
@@ -172,13 +198,21 @@ def bench(
 
             result["trt_runners"] = runner_stats(engine)
         t = Table(title=f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens)")
-        for col in ("mode", "tok/s", "τ", "speedup", "rows/tok", "drafter share", "=plain"):
+        for col in ("mode", "tok/s", "τ", "speedup", "bound", "e", "rows/tok", "draft/verify/host", "=plain"):
             t.add_column(col, justify="right" if col != "mode" else "left")
         for r in rows:
+            if "tau" not in r:  # the reference row
+                t.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", "", f"{r['speedup']:.2f}×", "", "", "", "",
+                          str(r["identical_to_plain"]))
+                continue
+            split = r["time_split"]
             t.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}×",
-                      f"{r['verify_rows_per_token']:.2f}", f"{r['drafter_time_share']:.0%}",
+                      f"{r['bound']:.2f}×", f"{r['e']:.2f}", f"{r['verify_rows_per_token']:.2f}",
+                      f"{split['draft']:.0%}/{split['verify']:.0%}/{split['host']:.0%}",
                       str(r.get("identical_to_plain", "")))
         out.print(t)
+        out.print(f"backend {result['backend']}; target forward by rows (ms): "
+                  + ", ".join(f"{r}:{c:.3f}" for r, c in row_costs.items()))
         if costs:
             out.print(f"measured cost model (ms per step by draft count): {costs}")
         if json_file:

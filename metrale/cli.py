@@ -67,6 +67,7 @@ def build(
     draft_tp_size: Annotated[Optional[str], typer.Option(metavar="auto|N", help="Tensor-parallel shards of the drafters: auto (1 at build time) or a rank count.")] = None,
     trt_flavor: Annotated[Optional[str], typer.Option(metavar="auto|rtx|tensorrt|none", help="TensorRT flavour for engines; none writes weights only.")] = None,
     target_sm: Annotated[Optional[str], typer.Option(metavar="89,120", help="Comma-separated SM targets for engines and cubins.")] = None,
+    cpu_engines: Annotated[Optional[str], typer.Option(metavar="aoti|none", help="CPU engines: aoti compiles the target's decode and verify steps into AOTInductor packages for this machine's CPU (what --backend auto runs on a CPU); none skips them. [default: aoti]")] = None,
 ):
     """Build an engine directory from a recipe's Hugging Face checkpoints."""
     with user_errors():
@@ -78,7 +79,8 @@ def build(
             draft_weight_quantization=draft_weight_quantization, mtp_quantization=mtp_quantization,
             mtp_experts_nvfp4=mtp_experts_nvfp4,
             draft_tp_size=None if draft_tp_size is None else parse_draft_tp_size(draft_tp_size),
-            trt_flavor=trt_flavor, target_sm=None if target_sm is None else parse_target_sm(target_sm))
+            trt_flavor=trt_flavor, target_sm=None if target_sm is None else parse_target_sm(target_sm),
+            cpu_engines=cpu_engines)
         with _build_progress() as advance:
             report = build_engine(r, engine_dir, progress=advance)
         _print_build(report)
@@ -194,17 +196,17 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
     os.execv(cmd[0], cmd)  # torchrun takes this process's place: signals reach it directly
 
 
-def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "torch"):
+def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"):
     if backend == "tensorrt":
         from metrale.runtime.trt_backend import load_trt_generator
 
         return load_trt_generator(engine_dir, spec, device=device)
     from metrale.runtime.service import load_generator
 
-    return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype), device=device)
+    return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype), device=device, backend=backend)
 
 
-def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: str = "torch"):
+def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: str = "auto"):
     """Check --backend against --device/--dtype/--nproc, relaunch under torchrun when asked,
     load, and on a follower rank serve the leader's proposes until it shuts down: returns the
     generator on the leader rank, None elsewhere."""
@@ -231,7 +233,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the tokenizer's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line: text, token ids, per-step accepted counts, tau, tokens/s.")] = False,
-    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "torch",
+    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
     """Generate text for one prompt."""
@@ -268,7 +270,7 @@ def serve(
     engine_dir: o.EngineDir,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
-    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "torch",
+    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -292,3 +294,4 @@ def main() -> None:  # pragma: no cover
 
 
 from metrale import bench as _bench  # noqa: E402,F401  (registers `metrale bench`)
+from metrale import calibrate as _calibrate  # noqa: E402,F401  (registers `metrale calibrate`)

@@ -16,12 +16,15 @@ from metrale.runtime.specconfig import HELP
 
 EngineDir = Annotated[Path, typer.Option("--engine-dir", help="An engine directory written by `metrale build`.")]
 Device = Annotated[Optional[str], typer.Option(
-    help="Torch device: cpu or cuda[:N]. Default: cpu with --backend torch, cuda with --backend tensorrt.")]
-BACKEND_HELP = ("What runs the models. torch: the engine directory's safetensors in PyTorch, on CPU or "
-                "GPU. tensorrt: its TensorRT engines for this GPU's SM, with CUDA graphs for the "
+    help="Torch device: cpu or cuda[:N]. Default: cpu, or cuda with --backend tensorrt.")]
+BACKEND_HELP = ("What runs the models. auto (default): aoti on a CPU when the engine directory has "
+                "CPU packages built for this machine, torch otherwise. torch: the engine directory's "
+                "safetensors in eager PyTorch, on CPU or GPU. aoti: the target's AOTInductor packages "
+                "(built with --cpu-engines aoti; CPU only; the drafters and the MTP head run in eager "
+                "PyTorch). tensorrt: its TensorRT engines for this GPU's SM, with CUDA graphs for the "
                 "one-token decode steps and the block proposes (needs an NVIDIA GPU and engines built "
                 "for its SM; one process).")
-Backend = Annotated[str, typer.Option("--backend", metavar="torch|tensorrt", help=BACKEND_HELP)]
+Backend = Annotated[str, typer.Option("--backend", metavar="auto|torch|aoti|tensorrt", help=BACKEND_HELP)]
 Dtype = Annotated[str, typer.Option(help="Activation/weight dtype of the torch backend: float32 or bfloat16.")]
 
 Speculative = Annotated[bool, typer.Option("--speculative", help=HELP["--speculative"])]

@@ -137,7 +137,7 @@ class Decoder:
             drafts, proposed = self.proposer.propose(pending, room - 1)
             drafts = drafts[: room - 1]
         t1 = time.perf_counter()
-        device = cache.k.device
+        device = self.target.model.embed_tokens.weight.device
         tokens = torch.cat([torch.tensor([pending]), drafts.cpu()]).to(device)[None]  # [1, k+1]
         base = cache.length
         out = self._verify_rows(tokens, cache, params.greedy, drafts)

@@ -18,6 +18,7 @@ The target and the MTP head are single-rank (rank0 files) and every rank loads t
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from metrale.runtime.mtp import MTPHead
 from metrale.runtime.qwen3 import Qwen3ForCausalLM
 from metrale.runtime.tokenizer import Tokenizer
 from metrale.runtime.tp import TensorParallel, merge_drafter_state
+
+log = logging.getLogger(__name__)
 
 
 def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -82,13 +85,15 @@ class LoadedEngine:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     packed: bool = False
+    backend: str = "torch"  # what runs the target: torch (eager) or aoti (CPU packages)
 
     @property
     def model_id(self) -> str:
         return self.path.name
 
     def models(self) -> dict[str, nn.Module]:
-        return {"target": self.target, **({"mtp": self.mtp} if self.mtp is not None else {}),
+        target = getattr(self.target, "model_ref", self.target)  # the eager model behind packages
+        return {"target": target, **({"mtp": self.mtp} if self.mtp is not None else {}),
                 **self.drafters}
 
     def pack(self) -> "LoadedEngine":
@@ -136,9 +141,11 @@ def _drafter_tensors(path: Path, name: str, info: dict, cfg: DFlashConfig,
 
 def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", components: tuple[str, ...] | None = None,
-                tp: TensorParallel | None = None) -> LoadedEngine:
+                tp: TensorParallel | None = None, backend: str = "torch") -> LoadedEngine:
     """Verify and load. `components` limits which optional parts are loaded (target always);
-    `tp` makes every drafter this rank's tensor-parallel shard."""
+    `tp` makes every drafter this rank's tensor-parallel shard. `backend` "aoti" runs the target
+    on the directory's CPU packages (refused when it has none that fit this process), "auto"
+    does so when it can and runs eager torch otherwise."""
     path = Path(engine_dir)
     manifest = load_manifest(path, verify=True)
     device = torch.device(device)
@@ -147,6 +154,8 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     target = _build(Qwen3ForCausalLM, DecoderConfig.from_hf(cfg, "target/config.json"), dtype, device)
     fill_engine_state(target, tensors, source)
     engine = LoadedEngine(path, manifest, tokenizer, target, dtype=dtype, device=device)
+    if backend in ("aoti", "auto"):
+        _use_cpu_packages(engine, manifest.components["target"], backend)
     for name, info in manifest.components.items():
         kind = info.get("kind")
         if name == "target" or (components is not None and name not in components):
@@ -165,3 +174,28 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
         else:
             raise EngineDirError(f"engine directory {path}: component {name} has unknown kind {kind!r}")
     return engine
+
+
+def _use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
+    """Swap the target's decode face for its AOTInductor packages (see `cpu_engine`)."""
+    from metrale.runtime.cpu_engine import load_compiled_target
+
+    where = f"engine directory {engine.path}"
+    why = None
+    if engine.device.type != "cpu":
+        why = f"the CPU packages run on the CPU, not {engine.device}"
+    elif "cpu" not in info:
+        why = "it has no CPU packages (build it with --cpu-engines aoti)"
+    if why is None:
+        try:
+            pack_for_inference(engine.target)
+            engine.target = load_compiled_target(engine.path, info, engine.target)
+            engine.backend = "aoti"
+            return
+        except EngineDirError as exc:
+            if backend == "aoti":
+                raise
+            why = str(exc)
+    if backend == "aoti":
+        raise EngineDirError(f"--backend aoti: {where}: {why}")
+    log.info("%s: running eager torch (%s)", where, why)

@@ -452,3 +452,21 @@ class EngineDirWriter:
             os.rename(aside, final)
             raise
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def add_files(engine_dir: str | os.PathLike[str], new_files: Mapping[str, bytes]) -> Manifest:
+    """Write `new_files` (relative path -> bytes) into an existing, verified engine directory:
+    a new directory is staged with every current file plus these, hashed, and swapped in as a
+    build's is, so a reader never sees a file its manifest does not vouch for."""
+    root = Path(engine_dir)
+    old = load_manifest(root, verify=True)
+    with EngineDirWriter(root, overwrite=True) as w:
+        for rel in old.files:
+            if rel not in new_files:
+                w.copy_file(root / rel, rel)
+        for rel, data in new_files.items():
+            w.write_bytes(rel, data)
+        w.set(**{f.name: getattr(old, f.name) for f in fields(Manifest)
+                 if f.name not in ("files", "format_version")})
+    assert w.manifest is not None
+    return w.manifest

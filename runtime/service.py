@@ -34,7 +34,7 @@ from metrale.runtime.metrics import SpecMetricsAggregate
 from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.spec_dflash import DFlashProposer
 from metrale.runtime.spec_mtp import MTPProposer
-from metrale.runtime.specconfig import SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
+from metrale.runtime.specconfig import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
 from metrale.runtime.tp import TensorParallel, World
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,15 @@ def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
             have = ", ".join(sorted(engine.drafters)) or "none"
             raise ConfigError(f"--dflash-drafter {name!r}: engine directory {engine.path} has no such "
                               f"drafter (it has: {have})")
-        return resolve_dflash(spec, engine.drafters[name].config.block_size)
+        calibrated, of = None, ""
+        if spec.dflash_adaptive_k == AUTO:
+            from metrale.runtime import calibration
+
+            wanted = calibration.setting(name, engine.backend, str(engine.dtype).removeprefix("torch."),
+                                         torch.get_num_threads())
+            calibrated = calibration.lookup(engine.path, wanted)
+            of = f"{calibration.describe(wanted)} in engine directory {engine.path}"
+        return resolve_dflash(spec, engine.drafters[name].config.block_size, calibrated, of)
     return None
 
 
@@ -135,7 +143,8 @@ def drafter_kv_heads(engine_dir: Path, name: str) -> int | None:
 
 
 def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
-                   dtype: torch.dtype = torch.float32, device: str = "cpu") -> EngineGenerator:
+                   dtype: torch.dtype = torch.float32, device: str = "cpu",
+                   backend: str = "auto") -> EngineGenerator:
     """Load an engine for this process: a plain process, or one rank of a `torchrun` world.
 
     In a world, `--draft-tp-size` must be the same on every rank (checked with an all-gather)
@@ -148,5 +157,5 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
         kv_heads = drafter_kv_heads(Path(engine_dir), spec.dflash_drafter)
         if kv_heads is not None and resolve_draft_tp_size(spec, world.size, kv_heads) > 1:
             tp = TensorParallel(world.rank, world.size)
-    engine = load_engine(engine_dir, dtype=dtype, device=world.device(device), tp=tp)
+    engine = load_engine(engine_dir, dtype=dtype, device=world.device(device), tp=tp, backend=backend)
     return EngineGenerator(engine, spec, world)

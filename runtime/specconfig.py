@@ -29,6 +29,7 @@ from metrale.runtime.errors import ConfigError
 
 DEFAULT_NUM_DRAFTS = 3
 DEFAULT_REPROBE_INTERVAL = 16
+AUTO = "auto"  # `--dflash-adaptive-k auto`: the table `metrale calibrate` stored
 DEFAULT_DRAFT_TP_SIZE = 1
 DEFAULT_DFLASH_DRAFTER = "dflash"
 
@@ -76,7 +77,9 @@ HELP: dict[str, str] = {
         "most expected tokens per ms at the sequence's measured acceptance, capped by the "
         "ladder rung (or γ − 1); with a 0: entry it suspends speculation where plain decoding "
         "pays more, until the next re-probe (see --dflash-reprobe-interval). Counts above "
-        "γ − 1 are refused. Unset (the default): the ladder or γ decides. Requires --dflash."
+        "γ − 1 are refused. `auto` takes the table `metrale calibrate` measured and stored in "
+        "the engine directory for this drafter, backend, dtype and thread count. Unset (the "
+        "default): the ladder or γ decides. Requires --dflash."
     ),
     "--dflash-reprobe-interval": (
         "While --dflash-adaptive-k has suspended speculation, run one speculative step after "
@@ -308,7 +311,7 @@ class SpeculativeConfig:
     draft_stop: DraftStop | None = None
     dflash_gamma: int | None = None
     dflash_draft_ladder: tuple[int, ...] | None = None
-    dflash_adaptive_k: CostModel | None = None
+    dflash_adaptive_k: CostModel | str | None = None  # "auto": the engine's calibration
     dflash_reprobe_interval: int | None = None
     exact_verify: bool = False
     draft_tp_size: DraftTpSize | None = None
@@ -404,12 +407,16 @@ class SpeculativeConfig:
             draft_stop=_maybe(DraftStop.parse, draft_confidence_stop),
             dflash_gamma=dflash_gamma,
             dflash_draft_ladder=_maybe(parse_ladder, dflash_draft_ladder),
-            dflash_adaptive_k=_maybe(CostModel.parse, dflash_adaptive_k),
+            dflash_adaptive_k=_maybe(_parse_adaptive_k, dflash_adaptive_k),
             dflash_reprobe_interval=dflash_reprobe_interval,
             exact_verify=bool(exact_verify),
             draft_tp_size=_maybe(DraftTpSize.parse, draft_tp_size),
             dflash_drafter=dflash_drafter,
         )
+
+
+def _parse_adaptive_k(text: str) -> CostModel | str:
+    return AUTO if text.strip() == AUTO else CostModel.parse(text)
 
 
 def _maybe(parse, value):
@@ -425,7 +432,7 @@ def _check_counts_fit(cfg: SpeculativeConfig, max_drafts: int, bound: str) -> No
                 f"--dflash-draft-ladder: rung {rung} drafts more than γ − 1 = {max_drafts} "
                 f"({bound}); expected rungs of at most {max_drafts}"
             )
-    if cfg.dflash_adaptive_k is not None and cfg.dflash_adaptive_k.max_count > max_drafts:
+    if isinstance(cfg.dflash_adaptive_k, CostModel) and cfg.dflash_adaptive_k.max_count > max_drafts:
         raise ConfigError(
             f"--dflash-adaptive-k: count {cfg.dflash_adaptive_k.max_count} drafts more than "
             f"γ − 1 = {max_drafts} ({bound}); expected counts of at most {max_drafts}"
@@ -448,8 +455,11 @@ class ResolvedDFlash:
         return self.gamma - 1
 
 
-def resolve_dflash(cfg: SpeculativeConfig, block_size: int) -> ResolvedDFlash:
-    """γ = the drafter's block size unless `--dflash-gamma` lowers it; check counts against it."""
+def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
+                   calibrated: CostModel | None = None, calibration_of: str = "") -> ResolvedDFlash:
+    """γ = the drafter's block size unless `--dflash-gamma` lowers it; check counts against it.
+    `--dflash-adaptive-k auto` takes `calibrated` (what `metrale calibrate` stored for this
+    drafter and backend, described by `calibration_of`), cut to the counts γ allows."""
     if cfg.mode is not SpecMode.DFLASH:
         raise ConfigError(f"resolving DFlash settings needs --dflash; the mode is {cfg.mode.value}")
     if type(block_size) is not int or block_size < 2:
@@ -470,11 +480,20 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int) -> ResolvedDFlash:
     )
     _check_counts_fit(cfg, gamma - 1, bound)
     assert cfg.dflash_drafter is not None  # filled by __post_init__ under DFlash
+    adaptive_k = cfg.dflash_adaptive_k
+    if adaptive_k == AUTO:
+        if calibrated is None:
+            raise ConfigError(
+                f"--dflash-adaptive-k auto: there is no calibration for {calibration_of or 'this drafter'}; "
+                "run `metrale calibrate --engine-dir DIR` with the same backend, dtype and threads "
+                "first, or give the table as drafts:ms pairs")
+        adaptive_k = CostModel(first=calibrated.first,
+                               ms=calibrated.ms[: gamma - calibrated.first])
     return ResolvedDFlash(
         block_size=block_size,
         gamma=gamma,
         ladder=cfg.dflash_draft_ladder,
-        adaptive_k=cfg.dflash_adaptive_k,
+        adaptive_k=adaptive_k,
         reprobe_interval=cfg.dflash_reprobe_interval,
         drafter=cfg.dflash_drafter,
     )

@@ -57,7 +57,9 @@ KV = ("past_key", "past_value")
 
 
 class Backend(str, enum.Enum):
+    AUTO = "auto"  # aoti on a CPU when the engine directory has fitting packages, else torch
     TORCH = "torch"
+    AOTI = "aoti"
     TENSORRT = "tensorrt"
 
     @classmethod
@@ -65,7 +67,7 @@ class Backend(str, enum.Enum):
         try:
             return cls(s)
         except ValueError:
-            raise ConfigError(f"--backend {s!r}: allowed values are torch, tensorrt") from None
+            raise ConfigError(f"--backend {s!r}: allowed values are auto, torch, aoti, tensorrt") from None
 
 
 def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
@@ -73,8 +75,14 @@ def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
     """Check `--backend` against `--device`, `--dtype` and `--nproc` before anything loads;
     returns the backend and the device (default: cpu for torch, cuda for tensorrt)."""
     b = Backend.parse(backend)
-    if b is Backend.TORCH:
+    if b in (Backend.TORCH, Backend.AUTO):
         return b, device or "cpu"
+    if b is Backend.AOTI:
+        device = device or "cpu"
+        if torch.device(device).type != "cpu":
+            raise ConfigError(f"--backend aoti runs the engine's CPU packages; --device {device} is not "
+                              "a CPU (use --backend torch there)")
+        return b, device
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     if not cuda_available:

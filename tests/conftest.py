@@ -37,7 +37,8 @@ def tiny_recipe():
 
 @pytest.fixture(scope="session")
 def engine_factory(tiny_recipe, tmp_path_factory):
-    """build(tier="fp8", **overrides) -> engine directory, cached per argument set."""
+    """build(tier="fp8", **overrides) -> engine directory, cached per argument set. CPU packages
+    are compiled only where a test asks for them (`cpu_engines="aoti"`): they take minutes."""
     from metrale.builder.build import build_engine
 
     cache: dict = {}
@@ -46,7 +47,8 @@ def engine_factory(tiny_recipe, tmp_path_factory):
         key = (tier, tuple(sorted(overrides.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp("engine") / f"tiny-{tier}"
-            recipe = tiny_recipe.with_build(draft_weight_quantization=tier, **overrides)
+            recipe = tiny_recipe.with_build(draft_weight_quantization=tier,
+                                            **{"cpu_engines": "none", **overrides})
             cache[key] = build_engine(recipe, out).engine_dir
         return cache[key]
 
@@ -56,6 +58,12 @@ def engine_factory(tiny_recipe, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_engine_dir(engine_factory) -> Path:
     return engine_factory("fp8")
+
+
+@pytest.fixture(scope="session")
+def aoti_engine_dir(engine_factory) -> Path:
+    """The default engine with its CPU packages (AOTInductor), as `metrale build` writes it."""
+    return engine_factory("fp8", cpu_engines="aoti")
 
 
 @pytest.fixture(scope="session")

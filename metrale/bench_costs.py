@@ -1,0 +1,114 @@
+"""Costs `metrale bench` and `metrale calibrate` measure, and the bound a speculative mode can reach.
+
+Terms (all times are medians over repeated calls, in milliseconds):
+- c(r): one target forward of r rows (the pending token plus r − 1 drafts) at the position that
+  follows a held-out prompt, with the drafters' taps, on the backend under test.
+- c_plain = c(1): a plain decode step's model time.
+- c_verify: what a mode's verification costs per step — c(r̄) for its mean verify rows r̄ per
+  step when chunkwise (one forward; c interpolated between row counts), r̄·c(1) when exact.
+- c_draft: the mode's own drafter time per step.
+- bound = τ · c_plain / (c_verify + c_draft): the speedup over plain decoding if nothing but
+  model time were spent; e = speedup / τ, the fraction of each accepted token's saving kept.
+
+The transformers reference decodes the same target weights with transformers' eager greedy
+`generate` (no speculation), timed as (t(N tokens) − t(1 token)) / (N − 1) so prefill is left
+out as it is for metrale's rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def median_ms(fn, calls: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def all_taps(engine) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(i for d in engine.drafters.values() for i in d.config.target_layer_ids))
+
+
+@torch.inference_mode()
+def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 40) -> dict[int, float]:
+    """c(r) for r = 1..max_rows (see the module docstring)."""
+    target, taps = engine.target, all_taps(engine)
+    device = target.model.embed_tokens.weight.device
+    ids = torch.tensor([prompt], device=device)
+    cache = target.new_cache(1, len(prompt) + max_rows + 32)
+    target(ids, cache, taps=taps)
+    base = cache.length
+    rows = torch.tensor([(prompt * max_rows)[:max_rows]], device=device)  # [1, max_rows]
+    costs = {}
+    for r in range(1, max_rows + 1):
+        def step(r=r):
+            target(rows[:, :r], cache, start=base, taps=taps)
+            cache.length = base
+        costs[r] = round(median_ms(step, calls), 4)
+    return costs
+
+
+def interpolate(costs: dict[int, float], rows: float) -> float:
+    lo = max(1, min(int(rows), max(costs)))
+    hi = min(lo + 1, max(costs))
+    frac = min(max(rows - lo, 0.0), 1.0) if hi > lo else 0.0
+    return costs[lo] + frac * (costs[hi] - costs[lo])
+
+
+def mode_bound(row: dict, costs: dict[int, float], exact: bool) -> dict:
+    """bound, e and the per-step costs for one bench row (see the module docstring)."""
+    steps = max(1, row["steps"])
+    rows_per_step = row["verify_rows"] / steps
+    c_verify = rows_per_step * costs[1] if exact else interpolate(costs, rows_per_step)
+    c_draft = 1000 * row["draft_s"] / steps
+    tau = row["tau"] or 1.0
+    bound = tau * costs[1] / (c_verify + c_draft)
+    return {"c_verify_ms": round(c_verify, 4), "c_draft_ms": round(c_draft, 4),
+            "bound": round(bound, 3), "e": round(row["speedup"] / tau, 3),
+            "of_bound": round(row["speedup"] / bound, 3)}
+
+
+def transformers_reference(engine, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict | None:
+    """tok/s of transformers' eager greedy `generate` on the engine's target weights, and how
+    many prompts' greedy text (up to metrale's length) it shares; None when not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    target_dir = Path(engine.path) / "target"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_bytes((target_dir / "config.json").read_bytes())
+        (Path(tmp) / "model.safetensors").symlink_to((target_dir / "rank0.safetensors").resolve())
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=engine.dtype).eval()
+    tokens_out, seconds = [], 0.0
+    n = max(2, max_tokens)
+
+    def run(ids, new):
+        return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            full = statistics.median(_timed(lambda: run(ids, n)) for _ in range(repeats))
+            first = statistics.median(_timed(lambda: run(ids, 1)) for _ in range(repeats))
+            seconds += max(full - first, 1e-9)
+            tokens_out.append(run(ids, n)[0, len(p):].tolist())
+    return {"tokens_per_s": round(len(prompts) * (n - 1) / seconds, 2), "outputs": tokens_out}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

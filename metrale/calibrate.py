@@ -1,0 +1,70 @@
+"""`metrale calibrate`: measure the step costs `--dflash-adaptive-k auto` decides with.
+
+For each drafter of the engine directory, the median ms of a greedy decode step that verifies
+exactly k drafts (k = 0..γ−1, k = 0 being a plain step), over held-out prompts and repeats, on
+the backend, dtype and thread count given (those of the serve that will use it). The table goes
+into the engine directory's `calibration.json` (see `runtime.calibration`), checksummed in the
+manifest; an entry for the same setting is replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from metrale import options as o
+from metrale.cli import app, out, user_errors
+
+
+@app.command()
+def calibrate(
+    engine_dir: o.EngineDir,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSON list of prompt strings. Default: the tiny recipe's held-out prompts.")] = None,
+    num_prompts: Annotated[int, typer.Option(min=1, help="How many prompts to decode per measurement.")] = 4,
+    max_tokens: Annotated[int, typer.Option(min=2, help="Tokens generated per prompt.")] = 48,
+    repeats: Annotated[int, typer.Option(min=1, help="Measurements per draft count; the median is stored.")] = 5,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads, as the serve will run.")] = 1,
+    dtype: o.Dtype = "float32", backend: o.Backend = "auto",
+):
+    """Measure the cost of a decode step by draft count and store it for --dflash-adaptive-k auto."""
+    with user_errors():
+        import torch
+
+        from metrale.bench import DEFAULT_PROMPTS, measure_costs
+        from metrale.runtime import calibration
+        from metrale.runtime.engine import load_engine
+        from metrale.runtime.engine_dir import add_files
+        from metrale.runtime.errors import ConfigError
+        from metrale.runtime.trt_backend import Backend, resolve_backend
+
+        kind, device = resolve_backend(backend, None, dtype)
+        if kind is Backend.TENSORRT:
+            raise ConfigError("--backend tensorrt: calibrate measures the CPU backends (auto, torch, aoti)")
+        path = prompts_file or DEFAULT_PROMPTS
+        try:
+            texts = json.loads(Path(path).read_text())[:num_prompts]
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--prompts {path}: not a readable JSON list of strings ({exc})") from None
+        torch.set_num_threads(threads)
+        engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device, backend=kind.value)
+        if not engine.drafters:
+            raise ConfigError(f"engine directory {engine_dir} has no DFlash drafter to calibrate")
+        prompts = [engine.tokenizer.encode(t) for t in texts]
+        dtype_name = str(engine.dtype).removeprefix("torch.")
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        entries = []
+        for name in sorted(engine.drafters):
+            t0 = time.time()
+            table = measure_costs(engine, prompts, max_tokens, name, repeats)
+            entries.append({**calibration.setting(name, engine.backend, dtype_name, threads),
+                            "table": table, "repeats": repeats, "prompts": len(prompts),
+                            "max_tokens": max_tokens, "measured": now})
+            out.print(f"{name} ({engine.backend}, {dtype_name}, {threads} thread(s)): {table}  "
+                      f"[{time.time() - t0:.1f} s]")
+        add_files(engine_dir, {calibration.FILE: calibration.merged(Path(engine_dir), entries)})
+        out.print(f"stored in {Path(engine_dir) / calibration.FILE}; serve with --dflash-adaptive-k auto")

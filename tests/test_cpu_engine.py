@@ -1,0 +1,145 @@
+"""CPU engines: the static-cache step modules, the AOTInductor packages `metrale build` compiles,
+and the `aoti` backend's promise — every row of a multi-row step is bit-identical to the one-row
+step at its position, so chunkwise speculation emits exactly plain greedy decoding's tokens."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from metrale.runtime.cpu_steps import TargetStep
+from metrale.runtime.errors import EngineDirError
+from metrale.runtime.layers import pack_for_inference
+
+
+def _kv(target, slots):
+    c = target.config
+    return [torch.zeros(slots, c.num_key_value_heads, c.head_dim) for _ in range(2 * c.num_hidden_layers)]
+
+
+def test_target_step_matches_the_model(tiny_recipe):
+    """The step module (eager) against the packed model: prefill, then one- and multi-row steps
+    at later positions; logits, last hidden and taps (the last layer's after the final norm)."""
+    from metrale.runtime.loader import load_target
+
+    target = pack_for_inference(load_target(tiny_recipe.target.checkpoint))
+    taps = (3, 0, 1)
+    step = TargetStep(target, taps).eval()
+    ids = torch.randint(0, target.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    kv = _kv(target, 64)
+    cache = target.new_cache(1, 64)
+    with torch.inference_mode():
+        for a, b in ((0, 12), (12, 13), (13, 20)):
+            got = step(ids[:, a:b], torch.tensor([a]), *kv)
+            want = target(ids[:, a:b], cache, taps=taps)
+            assert (got[0] - want.logits).abs().max().item() <= 1e-4
+            assert (got[1] - want.last_hidden).abs().max().item() <= 1e-4
+            assert (got[2] - want.taps).abs().max().item() <= 1e-4
+    assert cache.length == 20
+
+
+@pytest.fixture(scope="module")
+def aoti_engine(aoti_engine_dir):
+    from metrale.runtime.engine import load_engine
+
+    engine = load_engine(aoti_engine_dir, backend="aoti")
+    assert engine.backend == "aoti"
+    return engine
+
+
+def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir):
+    m = json.loads((aoti_engine_dir / "config.json").read_text())
+    cpu = m["components"]["target"]["cpu"]
+    assert {(p["rows"], p["slots"]) for p in cpu["packages"]} == {(1, 256), (8, 256), (1, 1088), (8, 1088)}
+    for p in cpu["packages"]:
+        assert p["file"] in m["files"] and m["files"][p["file"]]["size"] > 0
+    assert cpu["dtype"] == "float32" and cpu["torch"] == torch.__version__.split("+")[0]
+    assert cpu["isa"] == torch.backends.cpu.get_cpu_capability() and cpu["taps"] == [0, 1, 3]
+    assert cpu["check"]["rows_bit_identical"] is True
+    assert cpu["check"]["max_abs_diff_vs_eager"] <= 1e-4
+
+
+@pytest.mark.parametrize("k", range(8))
+def test_verify_rows_bit_identical_to_one_row_steps(aoti_engine, k):
+    """For k drafts, each row of the k+1-row forward equals the one-row step at that position,
+    bit for bit (logits, last hidden, taps), for random prompts of random lengths."""
+    target = aoti_engine.target
+    gen = torch.Generator().manual_seed(100 + k)
+    for trial in range(2):
+        n = int(torch.randint(3, 40, (1,), generator=gen))
+        ids = torch.randint(0, target.config.vocab_size, (1, n + k + 1), generator=gen)
+        a, b = target.new_cache(1, 80), target.new_cache(1, 80)
+        with torch.inference_mode():
+            target(ids[:, :n], a)
+            target(ids[:, :n], b)
+            many = target(ids[:, n:], a, taps=(0, 1, 3))
+            ones = [target(ids[:, i:i + 1], b, taps=(0, 1, 3)) for i in range(n, n + k + 1)]
+        for field in ("logits", "last_hidden", "taps"):
+            assert torch.equal(getattr(many, field), torch.cat([getattr(o, field) for o in ones], dim=1))
+
+
+def test_aoti_decodes_like_the_eager_target(aoti_engine, tiny_engine, tiny_prompts):
+    """Greedy plain decoding on the packages gives the eager backend's tokens."""
+    from metrale.runtime.decode import Decoder
+    from metrale.runtime.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    eos = tiny_engine.tokenizer.eos_token_ids
+    for ids in tiny_prompts:
+        want = Decoder(tiny_engine.target, eos).generate(ids, params).token_ids
+        got = Decoder(aoti_engine.target, eos).generate(ids, params).token_ids
+        assert got == want
+
+
+SPEC_MODES = [
+    {"speculative": True, "num_drafts": 3},
+    {"speculative": True, "num_drafts": 3, "draft_confidence_stop": "cum:0.5"},
+    {"dflash": True},
+    {"dflash": True, "dflash_gamma": 4},
+    {"dflash": True, "dflash_draft_ladder": "1,3,7"},
+    {"dflash": True, "dflash_drafter": "dflash2"},
+    {"dflash": True, "dflash_drafter": "dflash2", "dflash_adaptive_k": "0:1,1:1.2,2:1.3,3:1.4,4:1.5,5:1.6,6:1.7,7:1.8"},
+]
+
+
+@pytest.mark.parametrize("flags", SPEC_MODES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_chunkwise_speculation_emits_plain_greedy_text(aoti_engine, tiny_prompts, flags):
+    """Without --exact-verify: the verify rows are the plain steps' rows, so every mode's greedy
+    tokens are plain decoding's, token for token."""
+    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.specconfig import SpeculativeConfig
+
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    plain = EngineGenerator(aoti_engine)
+    spec = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**flags))
+    for ids in tiny_prompts:
+        res = spec.generate(ids, params)
+        assert res.token_ids == plain.generate(ids, params).token_ids
+        assert res.metrics.drafts_verified > 0
+
+
+def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
+    from metrale.runtime.cpu_engine import check_fingerprint
+    from metrale.runtime.engine import load_engine
+
+    assert load_engine(tiny_engine_dir, backend="auto").backend == "torch"  # no packages: eager
+    assert load_engine(aoti_engine_dir, backend="auto").backend == "aoti"
+    assert load_engine(aoti_engine_dir, backend="torch").backend == "torch"
+    with pytest.raises(EngineDirError, match="--backend aoti: .*no CPU packages"):
+        load_engine(tiny_engine_dir, backend="aoti")
+    # bf16 activations: the packages are float32, so auto runs eager and aoti is refused by name
+    assert load_engine(aoti_engine_dir, backend="auto", dtype=torch.bfloat16).backend == "torch"
+    with pytest.raises(EngineDirError, match="built for dtype 'float32'.*'bfloat16'"):
+        load_engine(aoti_engine_dir, backend="aoti", dtype=torch.bfloat16)
+    info = json.loads((aoti_engine_dir / "config.json").read_text())["components"]["target"]["cpu"]
+    with pytest.raises(EngineDirError, match="built for isa 'AVX512_NOT_HERE'"):
+        check_fingerprint({**info, "isa": "AVX512_NOT_HERE"}, torch.float32, "x")
+    # a package altered on disk is refused by the manifest's checksum, naming it
+    copy = tmp_path / "copy"
+    shutil.copytree(aoti_engine_dir, copy)
+    pkg = copy / "target" / "cpu" / "t1.s256.pt2"
+    pkg.write_bytes(pkg.read_bytes()[:-10])
+    with pytest.raises(EngineDirError, match="t1.s256.pt2"):
+        load_engine(copy, backend="aoti")
