@@ -71,7 +71,7 @@ def mode_bound(row: dict, costs: dict[int, float], exact: bool) -> dict:
     steps = max(1, row["steps"])
     rows_per_step = row["verify_rows"] / steps
     c_verify = rows_per_step * costs[1] if exact else interpolate(costs, rows_per_step)
-    c_draft = 1000 * row["draft_s"] / steps
+    c_draft = 1000 * row["draft_s"] / steps if row["drafts_proposed"] else 0.0  # plain: no drafter
     tau = row["tau"] or 1.0
     bound = tau * costs[1] / (c_verify + c_draft)
     return {"c_verify_ms": round(c_verify, 4), "c_draft_ms": round(c_draft, 4),

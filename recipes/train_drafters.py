@@ -325,4 +325,5 @@ def train_all(target, tok, stream, out: pathlib.Path, prompts, *, quick: bool, l
         for p in m.parameters():
             p.data.copy_(p.data.to(torch.bfloat16).float())
     report.update(agreement(target, tok, prompts, mtp, drafters))
+    report["drafter_steps"] = DRAFTER_STEPS if not quick else 4
     return report

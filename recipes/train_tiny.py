@@ -153,10 +153,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "tiny"))
     ap.add_argument("--quick", action="store_true", help="a few steps of everything (smoke test)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
+    ap.add_argument("--drafter-steps", type=int, default=train_drafters.DRAFTER_STEPS,
+                    help="training steps of each DFlash drafter")
     ap.add_argument("--drafters-only", action="store_true",
                     help="retrain only the DFlash drafters against the target, tokenizer, prompts "
                          "and MTP head already in --out (the rest is kept byte for byte)")
     args = ap.parse_args()
+    train_drafters.DRAFTER_STEPS = args.drafter_steps
     torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
     t_start = time.time()

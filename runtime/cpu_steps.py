@@ -8,9 +8,12 @@ its weights and submodules; only the attention is written anew, over a *static* 
   and a prefix `cache[:S_b]` of a larger one is itself contiguous — one buffer serves every
   length bucket S_b a package was built for;
 - every step attends over all S_b slots with a mask (slot j is visible to the query at position
-  p iff j <= p), written as a reduction so each row's arithmetic depends only on that row: the
-  rows of a T-row step are the rows T one-row steps would compute (checked by the tests, and
-  measured per package at build time).
+  p iff j <= p), written as a reduction, and the routed experts are gathered per row inside a
+  reduction, so each row's arithmetic depends only on that row;
+- the dense projections are `F.linear` (`linear="gemm"`: inductor's CPU micro-GEMM templates,
+  fast, and row-invariant where the build's check finds them so) or reductions over the input
+  features (`linear="rowwise"`: row-invariant by construction, slower); the build compiles
+  "gemm" and falls back to "rowwise" when a multi-row package's rows differ from one-row steps.
 
 Inputs: `ids` [1, T] int64, `pos` [1] int64 (position of ids[0, 0]), then K and V of every layer.
 Target outputs: logits [1, T, V], last_hidden [1, T, H] (pre final norm), taps [1, T, n·H]
@@ -27,6 +30,9 @@ from metrale.runtime.layers import MoE, apply_rope, rope_cos_sin
 from metrale.runtime.qwen3 import Qwen3ForCausalLM
 
 
+LINEARS = ("gemm", "rowwise")
+
+
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T written as a reduction over K: compiled, every output element
     is one loop over K whose order depends on K alone, so a row's result does not depend on how
@@ -34,11 +40,11 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.unsqueeze(-2) * weight).sum(-1)
 
 
-def moe_rowwise(moe, x: torch.Tensor) -> torch.Tensor:
+def moe_rowwise(moe, x: torch.Tensor, linear=rowwise_linear) -> torch.Tensor:
     """A packed `layers.MoE` on x [T, H], every product a reduction: each row gathers its top-k
     experts' weights (compiled, the gather is an indirect load inside the reduction: only the
     selected experts are read) and sums their outputs in slot order."""
-    probs = torch.softmax(rowwise_linear(x, moe.gate.weight).float(), dim=-1)  # [T, E]
+    probs = torch.softmax(linear(x, moe.gate.weight).float(), dim=-1)  # [T, E]
     weights, ids = torch.topk(probs, moe.top_k, dim=-1)  # [T, k]
     if moe.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -50,10 +56,10 @@ def moe_rowwise(moe, x: torch.Tensor) -> torch.Tensor:
     out = (y * weights.to(x.dtype).unsqueeze(-1)).sum(1)  # [T, H]
     if moe.shared_expert is not None:
         s = moe.shared_expert
-        g, u = rowwise_linear(x, s.gate_up_weight).chunk(2, dim=-1)
-        shared = rowwise_linear(F.silu(g) * u, s.down_proj.weight)
+        g, u = linear(x, s.gate_up_weight).chunk(2, dim=-1)
+        shared = linear(F.silu(g) * u, s.down_proj.weight)
         if moe.shared_expert_gate is not None:
-            shared = torch.sigmoid(rowwise_linear(x, moe.shared_expert_gate.weight)) * shared
+            shared = torch.sigmoid(linear(x, moe.shared_expert_gate.weight)) * shared
         out = out + shared
     return out
 
@@ -77,21 +83,23 @@ def static_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 class TargetStep(nn.Module):
     """The target's step over a static cache (see the module docstring)."""
 
-    def __init__(self, model: Qwen3ForCausalLM, taps: tuple[int, ...] = ()):
+    def __init__(self, model: Qwen3ForCausalLM, taps: tuple[int, ...] = (), linear: str = "gemm"):
         super().__init__()
+        if linear not in LINEARS:
+            raise ValueError(f"linear {linear!r}: expected one of {LINEARS}")
         self.model, self.taps = model, tuple(taps)
+        self.linear = F.linear if linear == "gemm" else rowwise_linear
         c = model.config
         cos, sin = rope_cos_sin(torch.arange(c.max_position_embeddings + 64), c.head_dim,
                                 c.rope_theta, model.dtype)
         self.register_buffer("cos", cos, persistent=False)  # [P, hd]
         self.register_buffer("sin", sin, persistent=False)
 
-    @staticmethod
-    def _ffn(mlp, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if isinstance(mlp, MoE):
-            return moe_rowwise(mlp, x)
-        gate, up = rowwise_linear(x, mlp.gate_up_weight).chunk(2, dim=-1)
-        return rowwise_linear(F.silu(gate) * up, mlp.down_proj.weight)
+            return moe_rowwise(mlp, x, self.linear)
+        gate, up = self.linear(x, mlp.gate_up_weight).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, mlp.down_proj.weight)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, *kv: torch.Tensor):
         m = self.model
@@ -106,20 +114,20 @@ class TargetStep(nn.Module):
         for i, layer in enumerate(body.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q, k, v = rowwise_linear(h, a.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q, k, v = self.linear(h, a.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q = apply_rope(a.q_norm(q.view(t, nh, hd)), cos, sin)  # [T, nh, hd]
             k = apply_rope(a.k_norm(k.view(t, nkv, hd)), cos, sin)  # [T, nkv, hd]
             k_cache, v_cache = kv[2 * i], kv[2 * i + 1]  # [S, nkv, hd]
             k_cache.index_copy_(0, positions, k)
             v_cache.index_copy_(0, positions, v.view(t, nkv, hd))
-            x = x + rowwise_linear(static_attention(q, k_cache, v_cache, positions), a.o_proj.weight)
+            x = x + self.linear(static_attention(q, k_cache, v_cache, positions), a.o_proj.weight)
             x = x + self._ffn(layer.mlp, layer.post_attention_layernorm(x))
             if i in self.taps and i != last:
                 tapped[i] = x
         normed = body.norm(x)
         if last in self.taps:
             tapped[last] = normed
-        logits = rowwise_linear(normed, m.lm_head.weight)
+        logits = self.linear(normed, m.lm_head.weight)
         outs = (logits[None], x[None])
         if self.taps:
             outs += (torch.cat([tapped[i] for i in self.taps], dim=-1)[None],)

@@ -42,6 +42,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # the same arithmetic, without the no-op casts
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return y * (1.0 + self.weight) if self.zero_centred else self.weight * y
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centred:
@@ -68,11 +71,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [B, nh, T, hd], k/v [B, nkv, S, hd], mask [T, S] bool (True = may attend) -> [B, nh, T, hd]."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if torch.onnx.is_in_onnx_export():  # the ONNX exporter has no grouped SDPA
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:
@@ -125,6 +130,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, zero_centred_norm)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, zero_centred_norm)
         self.register_buffer("qkv_weight", None, persistent=False)  # [(nh+2nkv)·hd, H], see pack()
+        self.register_buffer("qk_norm_weight", None, persistent=False)  # [nh+nkv, hd]
 
     def pack(self) -> None:
         """Fuse q/k/v into one GEMM for inference (plain float weights only; quantized
@@ -132,6 +138,9 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if all(type(p) is nn.Linear and p.bias is None for p in projs):
             self.qkv_weight = torch.cat([p.weight.detach() for p in projs], dim=0)
+            # q and k heads normed in one op: each head's multiplier, (1 + w) when zero-centred
+            mult = [n.weight.detach() + (1.0 if n.zero_centred else 0.0) for n in (self.q_norm, self.k_norm)]
+            self.qk_norm_weight = torch.cat([mult[0].expand(self.nh, -1), mult[1].expand(self.nkv, -1)])
 
     def project_q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         b, t, _ = x.shape
@@ -151,13 +160,22 @@ class Attention(nn.Module):
         from it. `rope` (cos, sin) [T, hd] when the caller has them for `positions` already."""
         b, t, _ = x.shape
         cos, sin = rope if rope is not None else rope_cos_sin(positions, self.hd, self.theta, x.dtype)
-        if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split(
-                [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-            q = apply_rope(self.q_norm(q.view(b, t, self.nh, self.hd)).transpose(1, 2), cos, sin)
+        if self.qkv_weight is not None and x.dtype == torch.float32:
+            qk, v = F.linear(x, self.qkv_weight).split(
+                [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
+            qk = qk.view(b, t, self.nh + self.nkv, self.hd)  # q heads, then k heads
+            qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + self.q_norm.eps) * self.qk_norm_weight
+            qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, nh+nkv, T, hd]
+            q, k = qk.split([self.nh, self.nkv], dim=1)
+            v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
         else:
-            q, k, v = self.project_q(x, cos, sin), self.k_proj(x), self.v_proj(x)
-        k, v = self.kv_from_projected(k, v, cos, sin)
+            if self.qkv_weight is not None:
+                q, k, v = F.linear(x, self.qkv_weight).split(
+                    [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+                q = apply_rope(self.q_norm(q.view(b, t, self.nh, self.hd)).transpose(1, 2), cos, sin)
+            else:
+                q, k, v = self.project_q(x, cos, sin), self.k_proj(x), self.v_proj(x)
+            k, v = self.kv_from_projected(k, v, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
         else:

@@ -1,0 +1,49 @@
+"""`metrale bench`: the JSON record per mode (tok/s, τ, speedup, bound, e, rows per token, time
+split), the costs it is bounded by, and the transformers reference row."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from metrale.bench_costs import interpolate, mode_bound
+from metrale.cli import app
+
+
+def test_bound_by_hand():
+    costs = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}
+    assert interpolate(costs, 2.5) == 1.75 and interpolate(costs, 0.9) == 1.0 and interpolate(costs, 9) == 2.5
+    # chunkwise: 3 rows per step cost c(3) = 2 ms, 1 ms of drafting; τ = 2.4 -> 2.4·1/(2+1) = 0.8
+    row = {"steps": 10, "verify_rows": 30, "draft_s": 0.010, "drafts_proposed": 70, "tau": 2.4,
+           "speedup": 0.72}
+    b = mode_bound(row, costs, exact=False)
+    assert b["bound"] == 0.8 and b["e"] == 0.3 and b["of_bound"] == 0.9
+    # exact: the same rows one forward each: 3 · c(1) = 3 ms
+    assert mode_bound(row, costs, exact=True)["bound"] == pytest.approx(2.4 / 4, abs=1e-3)
+    plain = {"steps": 10, "verify_rows": 10, "draft_s": 0.001, "drafts_proposed": 0, "tau": 1.0,
+             "speedup": 1.0}
+    assert mode_bound(plain, costs, exact=False)["bound"] == 1.0  # no drafter: no draft cost
+
+
+def test_bench_json(tiny_engine_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(app, ["bench", "--engine-dir", str(tiny_engine_dir), "--num-prompts", "2",
+                                   "--max-tokens", "8", "--repeats", "1", "--threads", "1",
+                                   "--modes", "mtp k=2,dflash γ=8", "--json", str(out)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["backend"] == "torch" and data["threads"] == 1
+    assert sorted(map(int, data["target_rows_ms"])) == list(range(1, 9))
+    modes = {r["mode"]: r for r in data["modes"]}
+    assert {"plain", "mtp k=2", "dflash γ=8", "transformers generate"} <= set(modes)
+    for name in ("plain", "mtp k=2", "dflash γ=8"):
+        r = modes[name]
+        for key in ("tokens_per_s", "tau", "speedup", "bound", "e", "verify_rows_per_token",
+                    "c_verify_ms", "c_draft_ms"):
+            assert r[key] >= 0, (name, key)
+        assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.01)
+    assert modes["plain"]["tau"] == 1.0 and modes["plain"]["bound"] == 1.0
+    assert modes["mtp k=2"]["tau"] > 1.0 and modes["mtp k=2"]["identical_to_plain"] == 2
+    # the reference decodes the same weights greedily: the same text as plain decoding
+    assert modes["transformers generate"]["identical_to_plain"] == 2
