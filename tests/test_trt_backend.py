@@ -28,8 +28,9 @@ from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.service import EngineGenerator
 from metrale.runtime.specconfig import SpeculativeConfig
 from metrale.runtime.trt_backend import (
-    Backend, EngineCache, TrtDrafter, TrtMTPHead, TrtTarget, _SlotPool, resolve_backend,
+    Backend, TrtDrafter, TrtMTPHead, TrtTarget, propose_graph_key, resolve_backend,
 )
+from metrale.runtime.trt_cache import EngineCache, SlotPool, position_limit
 from metrale.runtime.trt_runner import pick_engine_sm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
@@ -142,26 +143,30 @@ class AdapterRunner:
             for axis, label in self.gio.dynamic.get(name, {}).items():
                 lo, _, hi = self.profile[label]
                 assert lo <= feeds[name].shape[axis] <= hi, (name, feeds[name].shape, label)
-        for name in persistent:
-            assert feeds[name].shape[3] == self.profile["past"][2]  # the whole preallocated cache
+        for name in persistent:  # the whole preallocated cache, in one of the profile's sizes
+            assert feeds[name].shape[3] in (self.profile["past"][1], self.profile["past"][2])
         self.calls.append((graph_key, {n: tuple(feeds[n].shape) for n in self.gio.inputs}))
         with torch.no_grad():
             outs = self.step(*[feeds[n] for n in self.gio.inputs])
         return dict(zip(self.gio.outputs, outs))
 
 
-def standin_engine(e: LoadedEngine) -> LoadedEngine:
-    """The torch engine `e` behind the tensorrt backend's stand-ins."""
-    target = TrtTarget(AdapterRunner("target", e.target, TOKENS_PROFILE, ENGINE_TAPS), TOKENS_PROFILE,
-                       e.target.config, e.target.model.embed_tokens, ENGINE_TAPS)
-    mtp = TrtMTPHead(AdapterRunner("mtp", e.mtp, TOKENS_PROFILE), TOKENS_PROFILE, e.mtp.config.decoder)
+def standin_engine(e: LoadedEngine, target_profile=TOKENS_PROFILE, mtp_profile=TOKENS_PROFILE,
+                   draft_profile=DRAFT_PROFILE) -> LoadedEngine:
+    """The torch engine `e` behind the tensorrt backend's stand-ins (as `load_trt_engine` puts
+    them together: the target's context limited by every component's profile)."""
+    limit = position_limit(e.target.config.max_position_embeddings,
+                           [p["past"][2] for p in (target_profile, mtp_profile, draft_profile)])
+    target = TrtTarget(AdapterRunner("target", e.target, target_profile, ENGINE_TAPS), target_profile,
+                       e.target.config, e.target.model.embed_tokens, ENGINE_TAPS, limit)
+    mtp = TrtMTPHead(AdapterRunner("mtp", e.mtp, mtp_profile), mtp_profile, e.mtp.config.decoder)
     drafters = {}
     for name, d in e.drafters.items():
         books = None
         if d.config.version == 2:
             sel = d.candidate_selector
             books = (sel.predecessor_codebook.detach(), sel.successor_codebook.detach())
-        drafters[name] = TrtDrafter(AdapterRunner("dflash", d, DRAFT_PROFILE), DRAFT_PROFILE,
+        drafters[name] = TrtDrafter(AdapterRunner("dflash", d, draft_profile), draft_profile,
                                     d.config, books)
     return LoadedEngine(e.path, e.manifest, e.tokenizer, target, mtp, drafters)
 
@@ -182,7 +187,7 @@ def test_standin_target_matches_torch_target_across_chunks(tiny_engine, standins
     ref = tiny_engine.target(ids, ref_cache, taps=(0, 1, 3))
     cache = standins.target.new_cache(1, 64)
     got = standins.target(ids, cache, taps=(0, 1, 3))
-    assert cache.length == 12 and cache.max_len == 160
+    assert cache.length == 12 and cache.max_len == 64  # the profile's opt past, not its max
     assert [c[1]["input_ids"][1] for c in standins.target.runner.calls[-3:]] == [5, 5, 2]
     torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.last_hidden, ref.last_hidden, rtol=1e-4, atol=1e-4)
@@ -237,7 +242,7 @@ def test_drafter_queue_and_graph_keys(standins, tiny_prompts):
 
 
 def test_caches_come_from_a_pool_and_return_to_it():
-    pool = _SlotPool((2, 1, 1, 4, 2), torch.float32, torch.device("cpu"))
+    pool = SlotPool((2, 1, 1, 4, 2), torch.float32, torch.device("cpu"))
     a = pool.cache()
     b = pool.cache()  # alive at once: never the same buffer
     assert a.slot_id != b.slot_id and a.k.data_ptr() != b.k.data_ptr()

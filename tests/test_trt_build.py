@@ -109,6 +109,8 @@ def test_drafter_engines_per_tier(rtx, engine_factory, tmp_path, tier):
             # NVFP4 needs the plugin below SM100; FP8 is native from SM89.
             plugin = expected if (tier == "nvfp4" and sm == 89) else {}
             assert built["plugins"] == plugin
+            # the cubins the build compiles: these layers' ops in the graph's dtype (float32)
+            assert built["plugin_acts"] == {op: ["fp32"] for op in plugin}
         assert set(info["files"]) == {f"{name}/rank0.onnx"} | {f"{name}/rank0.sm{sm}.engine" for sm in SMS}
         assert info["tap_index"] == [0, 1, 2]
 
@@ -123,7 +125,8 @@ def test_target_and_nvfp4_mtp_engines(rtx, engine_factory, tmp_path):
     experts = _quantized(engine.mtp)
     assert experts == {"NvFp4W4A16Gemm": 27}  # 8 routed + 1 shared expert, 3 linears each
     assert mtp["engines"]["89"]["plugins"] == experts
-    assert mtp["engines"]["120"]["plugins"] == {}
+    assert mtp["engines"]["89"]["plugin_acts"] == {"NvFp4W4A16Gemm": ["fp32"]}
+    assert mtp["engines"]["120"]["plugins"] == {} == mtp["engines"]["120"]["plugin_acts"]
     for name in ("target", "mtp"):
         for sm in SMS:
             built = result["components"][name]["engines"][str(sm)]
@@ -161,17 +164,25 @@ def test_kernel_library_reads_aot_output(tmp_path):
 
     from metrale.plugins.trt_plugin import KernelImage, KernelLibrary
 
-    (tmp_path / "nvfp4_w4a16_gemm.sm89.cubin").write_bytes(b"cubin-bytes")
-    (tmp_path / "nvfp4_w4a16_gemm.sm89.json").write_text(json.dumps({
-        "kernel": "nvfp4_w4a16_gemm", "symbol": "nvfp4_w4a16_gemm_kernel", "sm": 89,
-        "cubin": "nvfp4_w4a16_gemm.sm89.cubin", "num_warps": 4, "shared": 8192,
-        "global_scratch_size": 0, "profile_scratch_size": 0,
-        "constexprs": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}}))
+    meta = {"kernel": "nvfp4_w4a16_gemm", "symbol": "nvfp4_w4a16_gemm_kernel", "sm": 89,
+            "act": "bf16", "cubin": "nvfp4_w4a16_gemm.sm89.bf16.cubin", "num_warps": 4,
+            "shared": 8192, "global_scratch_size": 0, "profile_scratch_size": 0,
+            "constexprs": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}}
+    (tmp_path / "nvfp4_w4a16_gemm.sm89.bf16.cubin").write_bytes(b"cubin-bytes")
+    (tmp_path / "nvfp4_w4a16_gemm.sm89.bf16.json").write_text(json.dumps(meta))
     lib = KernelLibrary.from_dir(tmp_path)
-    assert lib.images == {"nvfp4_w4a16_gemm.sm89": KernelImage(
+    assert lib.images == {"nvfp4_w4a16_gemm.sm89.bf16": KernelImage(
         b"cubin-bytes", "nvfp4_w4a16_gemm_kernel", 4, 8192, 16, 64)}
-    with pytest.raises(RuntimeError, match="no kernel 'fp8_w8a16_gemm.sm120'.*have: nvfp4_w4a16_gemm.sm89"):
-        lib.function("fp8_w8a16_gemm.sm120")
+    assert lib.missing(["nvfp4_w4a16_gemm.sm89.fp32", "nvfp4_w4a16_gemm.sm89.bf16"]) == [
+        "nvfp4_w4a16_gemm.sm89.fp32"]
+    with pytest.raises(RuntimeError, match="no kernel 'nvfp4_w4a16_gemm.sm89.fp32'.*have: "
+                                           r"nvfp4_w4a16_gemm\.sm89\.bf16"):
+        lib.function("nvfp4_w4a16_gemm.sm89.fp32")  # same op and SM, another dtype: refused
+    # a folder compiled before kernels were keyed by dtype is refused, naming the file
+    (tmp_path / "nvfp4_w4a16_gemm.sm89.bf16.json").write_text(
+        json.dumps({k: v for k, v in meta.items() if k != "act"}))
+    with pytest.raises(ValueError, match=r"nvfp4_w4a16_gemm\.sm89\.bf16\.json: no activation dtype"):
+        KernelLibrary.from_dir(tmp_path)
 
 
 def test_plugin_creators_registered_per_sm(rtx):
