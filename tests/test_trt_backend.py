@@ -419,3 +419,70 @@ def test_gpu_refuses_a_directory_without_engines(engine_factory):
 def test_engine_cache_reports_its_length_and_size():
     cache = EngineCache({"id": 7, "k": torch.zeros(1, 1, 2, 5, 4), "v": torch.zeros(1, 1, 2, 5, 4)})
     assert (cache.slot_id, cache.max_len, cache.length) == (7, 5, 0)
+
+
+# -- cache sizes, the context limit, graph keys ------------------------------------------------
+
+
+def test_cache_starts_at_the_opt_size_and_grows_keeping_its_positions():
+    from metrale.runtime.trt_cache import CacheSizes
+
+    sizes = CacheSizes(2, 1, 2, [8, 4], torch.float32, torch.device("cpu"))  # opt 4, max 8
+    c = sizes.cache()
+    assert c.max_len == 4 and c.slot_id == 0
+    c.write_new(0, torch.ones(2, 1, 1, 3, 2), torch.full((2, 1, 1, 3, 2), 2.0))
+    c.length = 3
+    c.reserve(4)  # fits: same buffer
+    assert c.max_len == 4
+    c.reserve(6)  # the next call writes positions 3..5: moves to the max size first
+    assert (c.max_len, c.slot_id, c.length) == (8, 1, 3)
+    assert c.k[0, 0, 0, :, 0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert c.v[1, 0, 0, :3, 1].tolist() == [2, 2, 2]
+    small, big = sizes.pools
+    assert [s["id"] for s in small.free] == [0]  # the small buffer went back at once
+    other = sizes.cache()
+    assert other.slot_id == 0 and other.max_len == 4  # and serves the next cache
+    with pytest.raises(ValueError, match=r"at most 8 positions \(the engine profile's largest past\); 9"):
+        c.reserve(9)
+    del c
+    assert [s["id"] for s in big.free] == [1]  # collected: its (grown) buffer returns
+
+
+def test_position_limit_takes_the_smallest_component_less_a_steps_rows():
+    assert position_limit(1024, [1024, 1024, 1024]) == 1024 - 17
+    assert position_limit(1024, [4096, 512]) == 512 - 17
+    assert position_limit(100, [4096]) == 100
+    assert position_limit(100, [10]) == 1
+
+
+@pytest.mark.parametrize("mode", ["mtp k=3", "dflash"])
+def test_a_shorter_head_or_drafter_profile_caps_the_context(tiny_engine, tiny_prompts, mode):
+    # the head's and drafter's caches hold at most 100 positions, the target's 160: the usable
+    # context is 100 - 17, so a request that runs to the limit never overflows a cache
+    short = {"tokens": (1, 2, 5), "context": (1, 2, 3), "block": (1, 8, 8), "past": (1, 64, 100)}
+    e = standin_engine(tiny_engine, mtp_profile=short, draft_profile=short)
+    assert e.target.config.max_position_embeddings == 100 - 17
+    prompt = tiny_prompts[0][:20]
+    gen = EngineGenerator(e, SpeculativeConfig.from_flags(**MODES[mode]))
+    ids = gen.decoder().generate(prompt, SamplingParams(temperature=0.0, max_tokens=500)).token_ids
+    assert len(ids) == 100 - 17 - len(prompt)  # the whole budget the capped context leaves
+    part = e.mtp if mode.startswith("mtp") else e.drafters["dflash"]
+    assert max(c["past_key"][3] for _, c in part.runner.calls) == 100  # grew to the max size
+
+
+def test_propose_graph_keys_cover_a_gamma_below_the_block():
+    assert propose_graph_key(3, 4, 8, 8) == ("propose", 3, 4, 8)
+    assert propose_graph_key(3, 2, 4, 8) == ("propose", 3, 2, 4)  # --dflash-gamma 4
+    assert propose_graph_key(3, 5, 4, 8) is None  # more context than a step brings: the prompt's
+    assert propose_graph_key(3, 3, 1, 8) is None  # a one-slot flush block
+    assert propose_graph_key(3, 2, 9, 8) is None  # beyond the profile's block
+
+
+def test_dflash_gamma_below_the_block_replays_graphs(standins, tiny_prompts):
+    runner = standins.drafters["dflash"].runner
+    runner.calls.clear()
+    flags = {**MODES["dflash"], "dflash_gamma": 4}
+    decode(standins, tiny_prompts[:1], flags)
+    proposes = [(k, c) for k, c in runner.calls if c["block_embeds"][1] == 4]
+    assert proposes and all(k == ("propose", k[1], c["context_features"][1], 4)
+                            for k, c in proposes[1:])  # every step after the first is graphed

@@ -194,3 +194,37 @@ def test_plugin_creators_registered_per_sm(rtx):
     for op in ("Fp8W8A16Gemm", "NvFp4W4A16Gemm"):
         assert registry.get_creator(op, "1", "") is not None
         assert again.creators[op].sm == 120 and first.creators[op].sm == 89
+
+
+def test_plugin_layers_report_the_activation_dtype_they_run_in(rtx):
+    # one graph, two NVFP4 GEMM nodes: x in bfloat16, and x cast to float32. The parsed, strongly
+    # typed network says which cubin each plugin layer launches: bf16 for one, fp32 for the other
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from metrale.plugins.trt_plugin import register_plugins
+
+    n, k = 16, 32
+    inits = [numpy_helper.from_array(np.zeros((n, k // 2), np.int8), "packed"),
+             numpy_helper.from_array(np.zeros((n, k // 16), np.int8), "scales"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "gs")]
+    gemm = lambda x, y, name: helper.make_node("NvFp4W4A16Gemm", [x, "packed", "scales", "gs"],  # noqa: E731
+                                               [y], name=name, domain="metrale")
+    graph = helper.make_graph(
+        [gemm("x", "y16", "bf16_gemm"), helper.make_node("Cast", ["x"], ["x32"], to=TensorProto.FLOAT),
+         gemm("x32", "y32", "fp32_gemm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, k])],
+        [helper.make_tensor_value_info("y16", TensorProto.BFLOAT16, [2, n]),
+         helper.make_tensor_value_info("y32", TensorProto.FLOAT, [2, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
+                                                    helper.make_opsetid("metrale", 1)])
+    trt = rtx.trt
+    plugins = register_plugins(trt, 89)  # noqa: F841 - held while the network uses them
+    logger = trt.Logger(trt.Logger.ERROR)
+    network = trt.Builder(logger).create_network(
+        1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    assert trt.OnnxParser(network, logger).parse(model.SerializeToString())
+    assert tb.plugin_activations(trt, network, model, "g") == {"NvFp4W4A16Gemm": ["bf16", "fp32"]}
+    model.graph.node.append(gemm("x32", "y_extra", "third"))  # a node the network lacks
+    with pytest.raises(tb.EngineBuildError, match="3 metrale GEMM nodes became 2 plugin layers"):
+        tb.plugin_activations(trt, network, model, "g")
