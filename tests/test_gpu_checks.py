@@ -1,0 +1,146 @@
+"""scripts/gpu_checks.sh and its helper: on this machine (no GPU) the whole run takes seconds,
+records every GPU step as skipped with the reason, keeps its log's tail and exits 0; the step
+logic (why a step is skipped, time caps, results written as each step ends, the speedup
+targets) is checked directly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_STEPS = ("kernels", "cubins", "build", "torch-cuda", "bench-torch-cuda", "targets",
+             "trt-build", "pytest-trt", "bench-tensorrt")
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "scripts" / "gpu_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _script()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the run does the real checks")
+def test_without_a_gpu_the_run_skips_every_gpu_step_in_seconds_and_exits_0(tmp_path):
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("METRALE_WHEELS", "PYTHON")}
+    env.update(PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", METRALE_GPU_WORK=str(tmp_path / "work"))
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert seconds < 60 and "Traceback" not in proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    status = {r["step"]: r["status"] for r in summary["steps"]}
+    assert summary["all_ok"] and status["env"] == "ok" and status["install"] == "skipped"
+    for step in GPU_STEPS:  # every one recorded, the benches included, each with its reason
+        assert status[step] == "skipped", summary
+        assert summary["skipped"][step].startswith("no CUDA device: torch"), summary["skipped"]
+    env_json = json.loads((out / "env.json").read_text())
+    assert env_json["cuda"] is False and env_json["metrale_ok"] is True
+    log = (out / "gpu_checks.log").read_text()
+    assert log.rstrip().splitlines()[-1].startswith("=== gpu checks done")  # the tail is kept
+    assert not (tmp_path / "work").exists()  # nothing ran that needed scratch
+
+
+ENV = {"cuda": True, "sm": 90, "cuda_reason": "NVIDIA H200", "metrale_ok": True,
+       "triton": "3.6.0", "cuda.bindings": "13.0.0", "build_flavor": None,
+       "build_flavor_reason": "no TensorRT flavour builds SM90: tensorrt is not installed"}
+
+
+def test_skip_reasons_name_what_is_missing():
+    reason = gc.gpu_skip_reason
+    assert reason(ENV, ("cuda", "metrale", "triton", "cuda.bindings")) is None
+    # an import failure is named as such, never reported as "no CUDA device"
+    broken = {**ENV, "metrale_ok": False, "metrale_error": "ImportError: libfoo.so: cannot open"}
+    assert reason(broken, ("cuda", "metrale")) == "metrale does not import: ImportError: libfoo.so: cannot open"
+    # a missing cuda-python skips the driver-API step, it does not fail it
+    assert reason({**ENV, "cuda.bindings": None}, ("cuda", "cuda.bindings")) == \
+        "cuda-python (cuda.bindings) is not installed"
+    assert reason({**ENV, "triton": "does not import: ImportError: x"}, ("triton",)) == \
+        "triton does not import: ImportError: x"
+    assert reason(ENV, ("cuda", "flavor")).startswith("no TensorRT flavour builds SM90")
+    assert reason({"cuda": False, "cuda_reason": "no CUDA device: torch 2.13.0+cpu is a CPU-only build"},
+                  ("cuda",)).endswith("CPU-only build")
+
+
+def test_each_step_is_in_the_summary_as_soon_as_it_ends(tmp_path):
+    rec = gc.Recorder(tmp_path, budget_s=60, min_step_s=0)
+    assert rec.run("first", 30, [sys.executable, "-c", "pass"], dict(os.environ))
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["step"], r["status"]) for r in on_disk["steps"]] == [("first", "ok")]
+    assert not rec.run("second", 30, [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ))
+    t0 = time.monotonic()
+    assert not rec.run("third", 1, [sys.executable, "-c", "import time; time.sleep(30)"],
+                       dict(os.environ))
+    assert time.monotonic() - t0 < 15  # killed at its cap
+    rows = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    assert [(r["step"], r["status"], r["note"]) for r in rows[1:]] == [
+        ("second", "failed", "exit status 3"), ("third", "failed", "timed out after 1 s")]
+    late = gc.Recorder(tmp_path, budget_s=10)  # less time left than a step needs: skipped
+    assert not late.run("fourth", 100, [sys.executable, "-c", "pass"], dict(os.environ))
+    assert late.steps[-1]["status"] == "skipped" and late.steps[-1]["note"].startswith("out of time")
+
+
+def _bench(speedups: dict, identical: int = 4) -> dict:
+    rows = [{"mode": "plain", "speedup": 1.0}]
+    for mode, s in speedups.items():
+        row = {"mode": mode, "speedup": s}
+        if "exact" in mode:
+            row["identical_to_plain"] = identical
+        rows.append(row)
+    return {"modes": rows}
+
+
+def test_speedup_targets():
+    good = _bench({"mtp k=1": 1.3, "mtp k=3": 1.6, "mtp k=3 exact": 1.2, "dflash γ=8": 1.35,
+                   "dflash γ=8 exact": 1.1, "dflash2 γ=8": 1.7})
+    ok, note = gc.speedup_targets(good, 4)
+    assert ok, note
+    assert "dflash2 1.70x (>= 1.5x: yes)" in note and "mtp 1.60x" in note and "dflash 1.35x" in note
+    ok, note = gc.speedup_targets(_bench({"mtp k=3": 1.6, "mtp k=3 exact": 1.2, "dflash γ=8": 1.2,
+                                          "dflash2 γ=8": 1.7}), 4)
+    assert not ok and "dflash 1.20x (>= 1.3x: NO)" in note
+    ok, note = gc.speedup_targets(_bench({"mtp k=3": 1.6, "mtp k=3 exact": 1.6, "dflash γ=8": 1.4,
+                                          "dflash2 γ=8": 1.7}, identical=3), 4)
+    assert not ok and "exact modes == plain: NO ['mtp k=3 exact']" in note
+    assert gc.speedup_targets({"modes": [{"mode": "plain"}]}, 4) == (
+        False, "the bench JSON has no per-mode speedup")
+
+
+def test_spec_modes_cover_every_mode_the_directory_runs(tiny_engine_dir):
+    modes = dict(gc.spec_modes(tiny_engine_dir))
+    assert list(modes) == ["mtp k=1", "mtp k=2", "mtp k=3", "mtp k=3 stop=cum:0.5",
+                           "dflash", "dflash gamma=4", "dflash ladder 1,3,7",
+                           "dflash2", "dflash2 gamma=4", "dflash2 ladder 1,3,7"]
+    assert modes["dflash2 gamma=4"] == ["--dflash", "--dflash-drafter", "dflash2",
+                                        "--dflash-gamma", "4"]
+
+
+def test_the_spec_check_compares_exact_verify_with_plain_through_the_cli(tiny_engine_dir, tmp_path,
+                                                                         monkeypatch):
+    # the same code path as on a GPU, with --device cuda swapped for cpu and two modes
+    from typer.testing import CliRunner
+
+    real = CliRunner.invoke
+    monkeypatch.setattr(CliRunner, "invoke", lambda self, app, args: real(
+        self, app, ["cpu" if a == "cuda" else a for a in args]))
+    monkeypatch.setattr(gc, "spec_modes", lambda d: [("mtp k=3", ["--speculative"]),
+                                                     ("dflash2", ["--dflash", "--dflash-drafter", "dflash2"])])
+    assert gc.cmd_spec(tiny_engine_dir, tmp_path / "spec.json", max_tokens=12, prompts=2) == 0
+    report = json.loads((tmp_path / "spec.json").read_text())
+    assert [m["mode"] for m in report["modes"]] == ["plain", "mtp k=3 exact", "dflash2 exact"]
+    assert report["failed"] == 0 and all(m["identical_to_plain"] == 2 for m in report["modes"][1:])
