@@ -181,14 +181,17 @@ class CubinKernel:
         raise RuntimeError(f"{self.name}: no cubin for argument types {got}; compiled: "
                            f"{[list(m['signature'].values()) for m in self.metas]}")
 
-    def launch(self, grid, args, kw) -> None:
+    def prepare(self, grid, args, kw) -> tuple[str, dict, tuple, tuple, tuple]:
+        """(kernel key, its metadata, argument values, their ctypes, 3-d grid) for one call, the
+        compiled constexprs checked against the call's (pure: no device needed)."""
         import ctypes
 
-        import torch
-
-        from metrale.plugins.trt_plugin import KernelImage, _check, _driver
+        from metrale.plugins.trt_plugin import KernelImage
 
         meta = self._meta_for(args)
+        if len(args) != len(meta["signature"]):
+            raise RuntimeError(f"{self.name}: {len(args)} arguments, the cubin takes "
+                               f"{len(meta['signature'])} ({', '.join(meta['signature'])})")
         wrong = {k: v for k, v in kw.items() if k in meta["constexprs"] and meta["constexprs"][k] != v}
         if wrong:
             raise RuntimeError(f"{self.name}: launched with {wrong}, compiled with "
@@ -201,12 +204,19 @@ class CubinKernel:
         values += [0, 0]  # global and profile scratch: none
         types += [ctypes.c_uint64, ctypes.c_uint64]
         key = KernelImage.key(meta["kernel"], self.sm, meta["act"])
+        return key, meta, tuple(values), tuple(types), (*grid, 1, 1)[:3]
+
+    def launch(self, grid, args, kw) -> None:
+        import torch
+
+        from metrale.plugins.trt_plugin import _check, _driver
+
+        key, meta, values, types, grid = self.prepare(grid, args, kw)
         fn = self.lib.function(key)
         drv = _driver()
-        grid = (*grid, 1, 1)[:3]
         stream = torch.cuda.current_stream().cuda_stream
         _check(drv, drv.cuLaunchKernel(fn, *grid, 32 * meta["num_warps"], 1, 1, meta["shared"],
-                                       stream, (tuple(values), tuple(types)), 0))
+                                       stream, (values, types), 0))
         self.launches.append(key)
 
 

@@ -144,3 +144,80 @@ def test_the_spec_check_compares_exact_verify_with_plain_through_the_cli(tiny_en
     report = json.loads((tmp_path / "spec.json").read_text())
     assert [m["mode"] for m in report["modes"]] == ["plain", "mtp k=3 exact", "dflash2 exact"]
     assert report["failed"] == 0 and all(m["identical_to_plain"] == 2 for m in report["modes"][1:])
+
+
+def _kernels_script():
+    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "scripts" / "gpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_op_launcher_call_maps_onto_its_compiled_cubin(monkeypatch):
+    # what the cubin check does on a GPU up to the driver call: the ops' own launchers, with a
+    # stand-in that picks the AOT cubin by the tensors' dtypes and checks arguments and
+    # constexprs against what `plugins.aot` compiles (metadata as `kernel_specs` declares it)
+    from types import SimpleNamespace
+
+    from metrale.plugins import aot, draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
+
+    gk = _kernels_script()
+    shims = {}
+    for act in ("fp32", "bf16"):
+        for spec in aot.kernel_specs(act):
+            meta = {"kernel": spec["name"].removesuffix("_kernel"), "act": act,
+                    "signature": spec["signature"], "constexprs": spec["blocks"]}
+            shims.setdefault(spec["name"], gk.CubinKernel(spec["name"], [], None, 90)).metas.append(meta)
+    prepared = []
+    for shim in shims.values():
+        shim.launch = lambda grid, args, kw, shim=shim: prepared.append(shim.prepare(grid, args, kw))
+    monkeypatch.setattr(aot, "load_kernels", lambda device="cuda": SimpleNamespace(**shims))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, generator=g)
+    w8 = torch.randn(16, 32, generator=g).to(torch.float8_e4m3fn)
+    fp8_gemm.fp8_w8a16_gemm_triton(x, w8, torch.rand(16))
+    packed = torch.randint(0, 255, (16, 16), dtype=torch.uint8)
+    nvfp4_gemm.nvfp4_w4a16_gemm_triton(x, packed, torch.rand(16, 2).to(torch.float8_e4m3fn),
+                                       torch.tensor(1e-3))
+    for dtype in (torch.float32, torch.bfloat16):  # (the GEMMs pick the fp32 dot on CPU)
+        h, inter, e = 32, 16, 2
+        nvfp4_moe.nvfp4_moe_w4a16_triton(
+            torch.randn(2, h).to(dtype), torch.tensor([[0, 1], [1, 0]]), torch.rand(2, 2).to(dtype),
+            torch.randint(0, 255, (e, 2 * inter, h // 2), dtype=torch.uint8),
+            torch.rand(e, 2 * inter, h // 16).to(torch.float8_e4m3fn), torch.rand(e),
+            torch.randint(0, 255, (e, h, inter // 2), dtype=torch.uint8),
+            torch.rand(e, h, inter // 16).to(torch.float8_e4m3fn), torch.rand(e))
+        dynamic_conv.dflash2_dynamic_conv_triton(torch.randn(1, 4, 8).to(dtype),
+                                                 torch.randn(1, 4, 2, 2).to(dtype), 2)
+        draft_stop.draft_stop_triton(torch.randn(2, 300).to(dtype), torch.tensor(0.1),
+                                     torch.tensor(False), torch.ones(2))
+    keys = [p[0] for p in prepared]
+    assert keys == ["fp8_w8a16_gemm.sm90.fp32", "nvfp4_w4a16_gemm.sm90.fp32",
+                    "nvfp4_moe_gate_up.sm90.fp32", "nvfp4_moe_down.sm90.fp32",
+                    "dflash2_dynamic_conv.sm90.fp32", "draft_stop.sm90.fp32",
+                    "nvfp4_moe_gate_up.sm90.bf16", "nvfp4_moe_down.sm90.bf16",
+                    "dflash2_dynamic_conv.sm90.bf16", "draft_stop.sm90.bf16"]
+    key, meta, values, types, grid = prepared[0]
+    assert len(values) == len(types) == len(meta["signature"]) + 2 and values[-2:] == (0, 0)
+    assert values[4:7] == (3, 16, 32) and grid == (1, 1, 1)  # M, N, K; one 16x64 tile
+    with pytest.raises(RuntimeError, match="launched with {'DOT_F32': True}, compiled with"):
+        xb = x.to(torch.bfloat16)
+        shims["fp8_w8a16_gemm_kernel"].prepare(
+            (1, 1), (xb, w8.view(torch.uint8), torch.rand(16), torch.empty(3, 16).to(xb), 3, 16, 32),
+            {"DOT_F32": True})  # a bf16 cubin is compiled with the tensor-core dot
+    with pytest.raises(RuntimeError, match=r"no cubin for argument types \['torch.float16'"):
+        fp8_gemm.fp8_w8a16_gemm_triton(x.half(), w8, torch.rand(16))  # no fp16 cubin compiled
+
+
+def test_kernel_results_are_written_after_every_case(tmp_path):
+    gk = _kernels_script()
+    path = tmp_path / "kernels.json"
+    results = gk.Results(path, sm=90)
+    assert json.loads(path.read_text()) == {"sm": 90, "passed": 0, "failed": 0, "cases": []}
+    results.run("good", lambda: 0.5)
+    assert json.loads(path.read_text())["passed"] == 1  # on disk before the next case starts
+    results.run("bad", lambda: 1 / 0)
+    data = json.loads(path.read_text())
+    assert (data["passed"], data["failed"]) == (1, 1) and "ZeroDivisionError" in data["cases"][1]["error"]
