@@ -196,13 +196,10 @@ def test_plugin_creators_registered_per_sm(rtx):
         assert again.creators[op].sm == 120 and first.creators[op].sm == 89
 
 
-def test_plugin_layers_report_the_activation_dtype_they_run_in(rtx):
-    # one graph, two NVFP4 GEMM nodes: x in bfloat16, and x cast to float32. The parsed, strongly
-    # typed network says which cubin each plugin layer launches: bf16 for one, fp32 for the other
+def _gemm_graph(extra_fp32_node: bool = True):
+    """One NVFP4 GEMM node on x in bfloat16 and (optionally) one on x cast to float32."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
-
-    from metrale.plugins.trt_plugin import register_plugins
 
     n, k = 16, 32
     inits = [numpy_helper.from_array(np.zeros((n, k // 2), np.int8), "packed"),
@@ -210,21 +207,62 @@ def test_plugin_layers_report_the_activation_dtype_they_run_in(rtx):
              numpy_helper.from_array(np.array(1.0, np.float32), "gs")]
     gemm = lambda x, y, name: helper.make_node("NvFp4W4A16Gemm", [x, "packed", "scales", "gs"],  # noqa: E731
                                                [y], name=name, domain="metrale")
-    graph = helper.make_graph(
-        [gemm("x", "y16", "bf16_gemm"), helper.make_node("Cast", ["x"], ["x32"], to=TensorProto.FLOAT),
-         gemm("x32", "y32", "fp32_gemm")], "g",
-        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, k])],
-        [helper.make_tensor_value_info("y16", TensorProto.BFLOAT16, [2, n]),
-         helper.make_tensor_value_info("y32", TensorProto.FLOAT, [2, n])], inits)
+    nodes = [gemm("x", "y16", "bf16_gemm")]
+    outputs = [helper.make_tensor_value_info("y16", TensorProto.BFLOAT16, [2, n])]
+    if extra_fp32_node:
+        nodes += [helper.make_node("Cast", ["x"], ["x32"], to=TensorProto.FLOAT),
+                  gemm("x32", "y32", "fp32_gemm")]
+        outputs.append(helper.make_tensor_value_info("y32", TensorProto.FLOAT, [2, n]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16,
+                                                                         [2, k])], outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
                                                     helper.make_opsetid("metrale", 1)])
+    return model, gemm
+
+
+def _parse(trt, model):
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    assert parser.parse(model.SerializeToString())
+    return builder, network, parser
+
+
+def test_plugin_layers_report_the_activation_dtype_they_run_in(rtx):
+    # x in bfloat16, and x cast to float32: the parsed, strongly typed network says which cubin
+    # each plugin layer launches — bf16 for one, fp32 for the other
+    from metrale.plugins.trt_plugin import register_plugins
+
+    model, gemm = _gemm_graph()
     trt = rtx.trt
     plugins = register_plugins(trt, 89)  # noqa: F841 - held while the network uses them
-    logger = trt.Logger(trt.Logger.ERROR)
-    network = trt.Builder(logger).create_network(
-        1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    assert trt.OnnxParser(network, logger).parse(model.SerializeToString())
+    _, network, _ = _parse(trt, model)
     assert tb.plugin_activations(trt, network, model, "g") == {"NvFp4W4A16Gemm": ["bf16", "fp32"]}
     model.graph.node.append(gemm("x32", "y_extra", "third"))  # a node the network lacks
     with pytest.raises(tb.EngineBuildError, match="3 metrale GEMM nodes became 2 plugin layers"):
         tb.plugin_activations(trt, network, model, "g")
+
+
+def test_plugin_objects_are_released_when_tensorrt_destroys_them(rtx):
+    # TensorRT holds the Python plugins by borrowed pointers and calls destroy() when it is done:
+    # the keeper then lets them go, so builds (and contexts) come and go without it growing
+    import gc
+
+    from metrale.builder.trt_env import rtx_compute_capabilities
+    from metrale.plugins.trt_plugin import register_plugins
+
+    trt = rtx.trt
+    plugins = register_plugins(trt, 89)
+    keeper = plugins.library.keep_alive
+    model, _ = _gemm_graph(extra_fp32_node=False)
+    for _ in range(2):
+        builder, network, parser = _parse(trt, model)
+        assert len(keeper) >= 1  # the node's plugin, held while the network lives
+        config = builder.create_builder_config()
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(rtx_compute_capabilities(trt)[89], 0)
+        assert builder.build_serialized_network(network, config) is not None
+        del builder, network, parser, config
+        gc.collect()
+        assert len(keeper) == 0

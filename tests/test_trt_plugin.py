@@ -195,3 +195,22 @@ def test_registered_plugins_close_unloads_kernels_and_destroys_the_communicator(
     reg = tp.RegisteredPlugins({}, lib, tc.Collectives(tc.NcclCommunicator(0, 1, bytes(128))))
     reg.close()
     assert [c[0] for c in drv.calls].count("unload") == 1 and nccl.destroyed == [0xC0]
+
+
+def test_collective_enqueue_skips_an_empty_input_and_sends_the_rest():
+    from metrale.builder.trt_env import load_trt
+
+    pytest.importorskip("tensorrt_rtx")
+    plugin_cls, _ = tc.collective_classes(load_trt("rtx").trt)
+    sent = []
+    comm = types.SimpleNamespace(size=2, rank=0, closed=False,
+                                 all_reduce=lambda *a: sent.append(("reduce", *a)),
+                                 all_gather=lambda *a: sent.append(("gather", *a)))
+    shared = tc.Collectives(comm)
+    reduce_, gather = plugin_cls("AllReduce", 2, 0, shared), plugin_cls("AllGather", 2, 0, shared)
+    reduce_.enqueue([desc((0, 4), "BF16")], None, [0x10], [0x20], None, 5)  # nothing to reduce
+    gather.enqueue([desc((1, 0, 8), "FLOAT")], None, [0x10], [0x20], None, 5)
+    assert sent == []  # every rank has the same shapes: all skip together
+    reduce_.enqueue([desc((3, 4), "BF16")], None, [0x10], [0x20], None, 5)
+    gather.enqueue([desc((1, 2, 8), "HALF")], None, [0x10], [0x20], None, 5)
+    assert sent == [("reduce", 0x10, 0x20, 12, 9, 5), ("gather", 0x10, 0x20, 16, 6, 5)]
