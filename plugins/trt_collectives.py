@@ -168,9 +168,10 @@ class Collectives:
             self.comm.close()
 
     def communicator(self, op: str, group_size: int, rank: int) -> NcclCommunicator:
-        if self.comm is None or self.comm.closed:
-            raise RuntimeError(f"TensorRT plugin {op}: no open NCCL communicator was given to "
-                               "register_plugins; a tensor-parallel engine runs with one per rank")
+        if self.comm is None or getattr(self.comm, "closed", False):
+            raise RuntimeError(f"TensorRT plugin {op}: no NCCL communicator is open (none was "
+                               "given to register_plugins, or it was closed); a tensor-parallel "
+                               "engine runs with one per rank")
         if (self.comm.size, self.comm.rank) != (group_size, rank):
             raise RuntimeError(f"TensorRT plugin {op}: the engine is rank {rank} of {group_size}, "
                                f"the communicator rank {self.comm.rank} of {self.comm.size}")

@@ -15,8 +15,9 @@ entries; slots at or after it are masked), and returns only the new K/V, which t
 at `position`. Caches (`EngineCache`) are torch CUDA tensors [L, 1, nkv, S, hd] in two sizes per
 component: S = the profile's opt past (the shape TensorRT tuned for) and S = its max. A cache
 starts at the smaller and moves to the larger (its valid positions copied) only when a call
-would write past it, so short requests attend over opt slots, not max. Attention costs grow
-with S, and every decode step of one cache has one shape. The target's
+would write past it, so short requests attend over opt slots, not max (attention costs grow
+with S); a sequence's steps change shape at most once, at the same position in plain and
+exact-verify decoding. The target's
 `config.max_position_embeddings` is capped (`position_limit`) at the smallest max past of all
 components (target, MTP head, drafters) less the rows one speculative step may write beyond
 the budget, so the decode loop outgrows no component's cache.

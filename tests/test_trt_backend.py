@@ -486,3 +486,17 @@ def test_dflash_gamma_below_the_block_replays_graphs(standins, tiny_prompts):
     proposes = [(k, c) for k, c in runner.calls if c["block_embeds"][1] == 4]
     assert proposes and all(k == ("propose", k[1], c["context_features"][1], 4)
                             for k, c in proposes[1:])  # every step after the first is graphed
+
+
+def test_closing_an_engine_releases_runners_before_the_plugins_they_use():
+    from types import SimpleNamespace
+
+    from metrale.runtime.trt_backend import close_trt_engine
+
+    order = []
+    part = lambda name: SimpleNamespace(runner=SimpleNamespace(close=lambda: order.append(name)))  # noqa: E731
+    target = part("target")
+    target.keep_alive = (SimpleNamespace(close=lambda: order.append("plugins")), object())
+    engine = SimpleNamespace(target=target, mtp=part("mtp"), drafters={"dflash": part("dflash")})
+    close_trt_engine(engine)
+    assert order == ["target", "mtp", "dflash", "plugins"]
