@@ -12,10 +12,12 @@ The run, in order, each step a subprocess under its own time cap and the whole u
 $METRALE_GPU_BUDGET_S (default 450 s; a step that would start with under 20 s left is skipped):
   wheels        $METRALE_WHEELS=DIR: its wheels installed offline into a scratch folder
   env           env.json (whatever happens: torch missing, no CUDA, metrale not importing)
-  install       only when metrale does not import: `pip install --no-deps -e .`
+  install       only when metrale does not import: `pip install --no-deps -e .`, else (no pip,
+                no setuptools) the package assembled from symlinks on PYTHONPATH
   kernels       kernels.json: the Triton kernels JIT-compiled for this GPU vs their references
   cubins        cubins.json: the AOT cubins for this SM launched through the driver API
-  build         the tiny engine directory (torch weights; no TensorRT)
+  build         the tiny engine directory (torch weights; no TensorRT), or the one built
+                elsewhere that $METRALE_GPU_ENGINES names (this machine may lack ModelOpt)
   torch-cuda    torch-cuda.json: every speculative mode on CUDA, exact verify == plain
   bench-torch-cuda  bench-torch-cuda.json: `metrale bench --device cuda`
   targets       DFlash2 >= 1.5x, DFlash >= 1.3x, best MTP >= 1.5x plain, exact modes == plain
@@ -90,7 +92,10 @@ def cmd_env(out: Path) -> int:
     for m in ("triton", "cuda.bindings", "tensorrt", "tensorrt_rtx", "modelopt", "onnx",
               "safetensors", "tokenizers", "typer"):
         info[m] = _version(m)
-    info["metrale_ok"], info["metrale_error"] = _imports("metrale.runtime.engine")
+    # the runtime, the CLI (typer, rich) and the builder (ModelOpt, onnx) may fail apart
+    for key, module in (("metrale", "metrale.runtime.engine"), ("cli", "metrale.cli"),
+                        ("builder", "metrale.builder.build")):
+        info[f"{key}_ok"], info[f"{key}_error"] = _imports(module)
     info["build_flavor"], info["build_flavor_reason"] = None, "no CUDA device"
     if info["cuda"] and info["metrale_ok"]:
         info["build_flavor"], info["build_flavor_reason"] = _flavor(info["sm"])
@@ -284,9 +289,10 @@ class Recorder:
 def gpu_skip_reason(env: dict, needs: tuple[str, ...]) -> str | None:
     """Why a step needing `needs` (cuda, metrale, triton, cuda.bindings, flavor) cannot run here,
     or None. The first missing need is named, with the environment's own reason."""
+    what = {"metrale": "metrale", "cli": "metrale's CLI", "builder": "metrale's builder"}
     for need in needs:
-        if need == "metrale" and not env.get("metrale_ok"):
-            return f"metrale does not import: {env.get('metrale_error') or 'unknown error'}"
+        if need in what and not env.get(f"{need}_ok"):
+            return f"{what[need]} does not import: {env.get(f'{need}_error') or 'unknown error'}"
         if need == "cuda" and not env.get("cuda"):
             return env.get("cuda_reason") or "no CUDA device"
         if need in ("triton", "cuda.bindings"):
@@ -297,6 +303,29 @@ def gpu_skip_reason(env: dict, needs: tuple[str, ...]) -> str | None:
         if need == "flavor" and not env.get("build_flavor"):
             return env.get("build_flavor_reason") or "no TensorRT flavour builds this SM"
     return None
+
+
+def link_package(root: Path, dest: Path) -> Path:
+    """The `metrale` package assembled from symlinks under `dest` as pyproject.toml maps the
+    source folders (`metrale.builder` = builder/, ...), for a Python where pip cannot install
+    it; put `dest` on PYTHONPATH."""
+    try:
+        import tomllib
+
+        dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    except (ImportError, KeyError, OSError):
+        dirs = {"metrale": "metrale", "metrale.builder": "builder", "metrale.runtime": "runtime",
+                "metrale.plugins": "plugins"}
+    pkg = dest / "metrale"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for src in (root / dirs["metrale"]).iterdir():
+        if src.suffix == ".py" and not (pkg / src.name).exists():
+            (pkg / src.name).symlink_to(src)
+    for name, folder in dirs.items():
+        link = dest / name.replace(".", "/")
+        if name != "metrale" and not link.exists():
+            link.symlink_to(root / folder, target_is_directory=True)
+    return dest
 
 
 def cmd_run(out: Path) -> int:
@@ -333,14 +362,19 @@ def cmd_run(out: Path) -> int:
         rec.record("all", "failed", note="the env step wrote no env.json (see the log)")
         return 1
     if not info["metrale_ok"]:
-        if rec.run("install", 240, [py, "-m", "pip", "install", "-q", "--no-deps",
-                                    "--no-build-isolation", "-e", ROOT], env):
-            rec.run("env (after install)", 120, [py, HERE, "env", out / "env.json"], env)
-            info = read_env() or info
+        if not rec.run("install", 240, [py, "-m", "pip", "install", "-q", "--no-deps",
+                                        "--no-build-isolation", "-e", ROOT], env):
+            work.mkdir(parents=True, exist_ok=True)
+            linked = link_package(ROOT, work / "pkg")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(linked), env.get("PYTHONPATH")) if p)
+            rec.record("install (symlinks)", "ok", note=f"{linked} on PYTHONPATH")
+        rec.run("env (after install)", 120, [py, HERE, "env", out / "env.json"], env)
+        info = read_env() or info
     else:
         rec.record("install", "skipped", note="metrale imports already")
 
-    tiny = work / "tiny"
+    prebuilt = os.environ.get("METRALE_GPU_ENGINES")
+    tiny = Path(prebuilt).resolve() if prebuilt else work / "tiny"
     bench_json = out / "bench-torch-cuda.json"
     bench = ["--num-prompts", "4", "--max-tokens", "48", "--repeats", "2"]
     trt_dir = work / f"tiny-trt-{info.get('sm')}"
@@ -349,26 +383,31 @@ def cmd_run(out: Path) -> int:
          [py, KERNELS, "kernels", out / "kernels.json"]),
         ("cubins", 120, ("cuda", "metrale", "triton", "cuda.bindings"), (),
          [py, KERNELS, "cubins", out / "cubins.json"]),
-        ("build", 120, ("cuda", "metrale"), (),
+        ("build", 120, ("cuda", "builder"), (),
          [py, "-m", "metrale", "build", "--engine-dir", tiny, "--trt-flavor", "none"]),
-        ("torch-cuda", 150, ("cuda", "metrale"), ("build",),
+        ("torch-cuda", 150, ("cuda", "cli"), ("build",),
          [py, HERE, "spec", tiny, out / "torch-cuda.json"]),
-        ("bench-torch-cuda", 150, ("cuda", "metrale"), ("build",),
+        ("bench-torch-cuda", 150, ("cuda", "cli"), ("build",),
          [py, "-m", "metrale", "bench", "--engine-dir", tiny, "--device", "cuda",
           "--json", bench_json, *bench]),
-        ("targets", 0, ("cuda", "metrale"), ("bench-torch-cuda",), None),
-        ("trt-build", 150, ("cuda", "metrale", "flavor"), (),
+        ("targets", 0, ("cuda", "cli"), ("bench-torch-cuda",), None),
+        ("trt-build", 150, ("cuda", "builder", "flavor"), (),
          [py, "-m", "metrale", "build", "--engine-dir", trt_dir, "--draft-weight-quantization",
           "nvfp4", "--trt-flavor", info.get("build_flavor") or "-", "--target-sm",
           str(info.get("sm"))]),
-        ("pytest-trt", 200, ("cuda", "metrale", "flavor"), ("trt-build",),
+        ("pytest-trt", 200, ("cuda", "builder", "flavor"), ("trt-build",),
          [py, "-m", "pytest", "tests/test_trt_backend.py", "-m", "gpu", "-q", "-rs"]),
-        ("bench-tensorrt", 120, ("cuda", "metrale", "flavor"), ("trt-build",),
+        ("bench-tensorrt", 120, ("cuda", "cli", "flavor"), ("trt-build",),
          [py, "-m", "metrale", "bench", "--engine-dir", trt_dir, "--backend", "tensorrt",
           "--json", out / "bench-tensorrt.json", *bench]),
     ]
     for name, cap, needs, after, cmd in steps:
         reason = gpu_skip_reason(info, needs)
+        if name == "build" and prebuilt and reason in (None, gpu_skip_reason(info, ("builder",))):
+            ok = (tiny / "config.json").is_file()
+            rec.record(name, "ok" if ok else "failed",
+                       note=f"{'using' if ok else 'no config.json in'} $METRALE_GPU_ENGINES {tiny}")
+            continue
         if reason is None:
             failed = [a for a in after if rec.status(a) != "ok"]
             if failed:

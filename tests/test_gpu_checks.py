@@ -56,7 +56,8 @@ def test_without_a_gpu_the_run_skips_every_gpu_step_in_seconds_and_exits_0(tmp_p
     assert not (tmp_path / "work").exists()  # nothing ran that needed scratch
 
 
-ENV = {"cuda": True, "sm": 90, "cuda_reason": "NVIDIA H200", "metrale_ok": True,
+ENV = {"cuda": True, "sm": 90, "cuda_reason": "NVIDIA H200", "metrale_ok": True, "cli_ok": True,
+       "builder_ok": True,
        "triton": "3.6.0", "cuda.bindings": "13.0.0", "build_flavor": None,
        "build_flavor_reason": "no TensorRT flavour builds SM90: tensorrt is not installed"}
 
@@ -67,6 +68,9 @@ def test_skip_reasons_name_what_is_missing():
     # an import failure is named as such, never reported as "no CUDA device"
     broken = {**ENV, "metrale_ok": False, "metrale_error": "ImportError: libfoo.so: cannot open"}
     assert reason(broken, ("cuda", "metrale")) == "metrale does not import: ImportError: libfoo.so: cannot open"
+    no_typer = {**ENV, "cli_ok": False, "cli_error": "ModuleNotFoundError: No module named 'typer'"}
+    assert reason(no_typer, ("cuda", "cli")).startswith("metrale's CLI does not import: ModuleNotFound")
+    assert reason(no_typer, ("cuda", "builder")) is None  # the builder imports: the build runs
     # a missing cuda-python skips the driver-API step, it does not fail it
     assert reason({**ENV, "cuda.bindings": None}, ("cuda", "cuda.bindings")) == \
         "cuda-python (cuda.bindings) is not installed"
@@ -93,6 +97,20 @@ def test_each_step_is_in_the_summary_as_soon_as_it_ends(tmp_path):
     late = gc.Recorder(tmp_path, budget_s=10)  # less time left than a step needs: skipped
     assert not late.run("fourth", 100, [sys.executable, "-c", "pass"], dict(os.environ))
     assert late.steps[-1]["status"] == "skipped" and late.steps[-1]["note"].startswith("out of time")
+
+
+def test_the_package_can_be_assembled_from_symlinks(tmp_path):
+    # where pip cannot install it: the source folders linked as pyproject.toml maps them
+    dest = gc.link_package(ROOT, tmp_path / "pkg")
+    env = dict(os.environ, PYTHONPATH=str(dest))
+    code = ("import metrale, metrale.runtime.trt_cache, metrale.plugins.aot, metrale.builder.recipe; "
+            "print(metrale.__file__, metrale.runtime.trt_cache.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pkg_file, cache_file = out.stdout.split()
+    assert pkg_file.startswith(str(dest))  # this package, not the installed one
+    assert Path(cache_file).resolve() == ROOT / "runtime" / "trt_cache.py"
 
 
 def _bench(speedups: dict, identical: int = 4) -> dict:
