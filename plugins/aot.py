@@ -21,7 +21,8 @@ sha256. `compile_jobs(out_dir, [(kernel, sm, act), ...])` compiles exactly the l
 combinations (what an engine directory's plugin layers use).
 
 Launch contract of every cubin: the kernel's non-constexpr arguments in signature order, then
-two u64 scratch pointers (global and profile scratch; 0 when their sizes are 0), block
+`scratch_args` u64 scratch pointers (global and profile scratch: two with the Triton releases
+that have both, fewer with older ones; 0 when their sizes are 0), block
 (32·num_warps, 1, 1), dynamic shared memory `shared` bytes, grid from `grid` (expressions over
 the arguments and the constexprs, `cdiv(a, b)` = ceil(a/b)). Floating-point fusion is off in
 every build (the option is passed explicitly, as its default changes between Triton releases).
@@ -208,8 +209,11 @@ def compile_jobs(out_dir: str | Path, jobs: list[tuple[str, int, str]]) -> list[
             "num_warps": md.num_warps,
             "block": [32 * md.num_warps, 1, 1],
             "shared": md.shared,
-            "global_scratch_size": md.global_scratch_size,
-            "profile_scratch_size": md.profile_scratch_size,
+            "global_scratch_size": getattr(md, "global_scratch_size", 0),
+            "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
+            # the trailing scratch pointers this Triton appends (2 since profile scratch came)
+            "scratch_args": sum(hasattr(md, a) for a in ("global_scratch_size",
+                                                         "profile_scratch_size")),
             "args": [a for a in fn.arg_names if signature[a] != "constexpr"],
             "signature": {a: t for a, t in signature.items() if t != "constexpr"},
             "constexprs": constexprs,

@@ -26,7 +26,8 @@ from x's TensorRT type) in the `KernelLibrary` given to `register_plugins`; the 
 from the engine directory's `plugins/` folder (`KernelLibrary.from_dir`, the
 `<kernel>.sm<NN>.<act>.cubin/.json` pairs of `plugins.aot`) before deserializing. A cubin of one
 dtype is never launched on another's data. Launch contract for every GEMM kernel (Triton's
-calling convention: the non-constexpr arguments in order, then two u64 scratch pointers):
+calling convention: the non-constexpr arguments in order, then the u64 scratch pointers the
+compiling Triton appended, `scratch_args`, two for current releases, all null):
     kernel(x, <weight inputs in node order>, y, M, N, K, scratch0, scratch1)
 with grid (ceil(M / block_m), ceil(N / block_n), 1) and 32·num_warps threads per block, where M
 is the product of x's leading dims. An empty output (M = 0 or N = 0) launches nothing (a zero
@@ -98,6 +99,7 @@ class KernelImage:
     shared: int  # dynamic shared memory in bytes
     block_m: int
     block_n: int
+    scratch_args: int = 2  # trailing u64 scratch pointers the compiling Triton appended
 
     @staticmethod
     def key(kernel: str, sm: int, act: str) -> str:
@@ -150,7 +152,8 @@ class KernelLibrary:
             images[KernelImage.key(meta["kernel"], meta["sm"], meta["act"])] = KernelImage(
                 cubin=(meta_path.parent / meta["cubin"]).read_bytes(), name=meta["symbol"],
                 num_warps=meta["num_warps"], shared=meta["shared"],
-                block_m=blocks.get("BLOCK_M", 1), block_n=blocks.get("BLOCK_N", 1))
+                block_m=blocks.get("BLOCK_M", 1), block_n=blocks.get("BLOCK_N", 1),
+                scratch_args=meta.get("scratch_args", 2))
         return cls(images)
 
     def missing(self, keys) -> list[str]:
@@ -252,9 +255,9 @@ def launch_gemm(lib: KernelLibrary, spec: GemmOpSpec, sm: int, input_desc, input
     fn = lib.function(key)
     image = lib.images[key]
     ptrs = [int(p) for p in inputs] + [int(outputs[0])]
-    args = (*ptrs, m, n, k, 0, 0)
+    args = (*ptrs, m, n, k, *([0] * image.scratch_args))
     types = (*([ctypes.c_void_p] * len(ptrs)), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-             ctypes.c_uint64, ctypes.c_uint64)
+             *([ctypes.c_uint64] * image.scratch_args))
     grid = (-(-m // image.block_m), -(-n // image.block_n), 1)
     drv = _driver()
     _check(drv, drv.cuLaunchKernel(fn, *grid, 32 * image.num_warps, 1, 1, image.shared, int(stream),

@@ -201,8 +201,9 @@ class CubinKernel:
         for a, t in zip(args, meta["signature"].values()):
             values.append(a.data_ptr() if t.startswith("*") else a)
             types.append(ctypes.c_void_p if t.startswith("*") else ctype[t])
-        values += [0, 0]  # global and profile scratch: none
-        types += [ctypes.c_uint64, ctypes.c_uint64]
+        scratch = meta.get("scratch_args", 2)  # global and profile scratch: none
+        values += [0] * scratch
+        types += [ctypes.c_uint64] * scratch
         key = KernelImage.key(meta["kernel"], self.sm, meta["act"])
         return key, meta, tuple(values), tuple(types), (*grid, 1, 1)[:3]
 

@@ -39,6 +39,7 @@ def check_outputs(out_dir, results, names, acts=("bf16",)):
         assert meta["constexprs"].items() >= spec["blocks"].items()
         assert meta["arch"] == ("sm_89" if meta["sm"] == 89 else f"sm_{meta['sm']}a")
         assert meta["shared"] >= 0 and meta["enable_fp_fusion"] is False
+        assert meta["scratch_args"] == 2  # this Triton appends global and profile scratch
     # One binary per target and dtype: no two SMs (or dtypes) share a cubin.
     for key in keys:
         assert len({m["sha256"] for m in results if m["kernel"] == key}) == len(SMS) * len(acts)
