@@ -411,7 +411,9 @@ def cmd_run(out: Path) -> int:
         if reason is None:
             failed = [a for a in after if rec.status(a) != "ok"]
             if failed:
-                reason = f"needs step {failed[0]}, which {rec.status(failed[0]) or 'did not run'}"
+                said = {"failed": "failed", "skipped": "was skipped"}.get(rec.status(failed[0]),
+                                                                         "did not run")
+                reason = f"needs step {failed[0]}, which {said}"
         if reason is not None:
             rec.record(name, "skipped", note=reason)
         elif name == "targets":
