@@ -157,22 +157,40 @@ def build_engines(w: EngineDirWriter, opts, progress) -> dict:
     for name, add in extra["components"].items():
         w.component(name, {**infos[name], **{k: v for k, v in add.items() if k != "files"},
                            "files": infos[name]["files"] + add["files"]})
-    # only the GEMM plugins launch Triton kernels (the collectives call NCCL)
-    if any(op in GEMM_OPS for c in extra["components"].values() for e in c["engines"].values()
-           for op in e["plugins"]):
-        extra["plugins"] = compile_cubins(w, extra["target_sm"], progress)
+    jobs = cubin_jobs(extra["components"], GEMM_OPS)
+    if jobs:
+        extra["plugins"] = compile_cubins(w, jobs, progress)
     return extra
 
 
-def compile_cubins(w: EngineDirWriter, sms: list[int], progress) -> list[dict]:
-    """The Triton kernels behind the engines' plugin layers, compiled to one cubin per SM."""
+def cubin_jobs(components: dict, gemm_ops: dict) -> list[tuple[str, int, str]]:
+    """(kernel function, sm, act) for every GEMM plugin layer of every engine: the op's kernel
+    for that engine's SM and each activation dtype its layers run in (`plugin_acts`), sorted,
+    once each. Only the GEMM plugins launch Triton kernels (the collectives call NCCL)."""
+    jobs = set()
+    for name, comp in components.items():
+        for sm, engine in comp["engines"].items():
+            acts = engine.get("plugin_acts") or {}
+            for op in engine.get("plugins") or {}:
+                if op not in gemm_ops:
+                    continue
+                if not acts.get(op):
+                    raise ConfigError(f"component {name}: the SM{sm} engine has {op} plugin "
+                                      "layers of no recorded activation dtype")
+                jobs.update((gemm_ops[op].kernel + "_kernel", int(sm), act) for act in acts[op])
+    return sorted(jobs)
+
+
+def compile_cubins(w: EngineDirWriter, jobs: list[tuple[str, int, str]], progress) -> list[dict]:
+    """The Triton kernels behind the engines' plugin layers: one cubin per kernel, SM and
+    activation dtype the engines use."""
     try:
-        from metrale.plugins.aot import compile_kernels_in_subprocess
+        from metrale.plugins.aot import compile_jobs_in_subprocess
     except ImportError as exc:  # pragma: no cover - the module imports triton lazily
         raise ConfigError(f"engines with plugin layers need the kernels extra: {exc}") from None
-    progress(f"compiling plugin kernels for SM {', '.join(map(str, sms))}")
-    # the engines are exported from fp32 modules: the plugins see fp32 activations
-    return compile_kernels_in_subprocess(w.path / "plugins", sms=tuple(sms), act="fp32")
+    progress("compiling plugin kernels: " + ", ".join(f"{k.removesuffix('_kernel')} SM{sm} {act}"
+                                                      for k, sm, act in jobs))
+    return compile_jobs_in_subprocess(w.path / "plugins", jobs)
 
 
 def mtp_memory(state: dict[str, torch.Tensor], ffn_kind: str) -> dict[str, int]:

@@ -6,13 +6,15 @@ then, with a TensorRT flavour (`trt_env`), lowers the graph for each SM of `--ta
 builds `<component>/rank0.sm<NN>.engine`. TensorRT-RTX builds with no GPU for the SMs in
 `trt.ComputeCapability`; full TensorRT builds for the local GPU's SM only. Quantized linears the
 SM has no native path for reach the TensorRT plugins of `plugins.trt_plugin` (registered for the
-SM before parsing); the manifest records which plugin ops each engine holds.
+SM before parsing); the manifest records which plugin ops each engine holds (`plugins`: op ->
+node count) and the activation dtypes its GEMM plugin layers run in (`plugin_acts`: op -> sorted
+fp32/fp16/bf16), from which the build compiles exactly the cubins the engines launch.
 
 A drafter built with `--draft-tp-size N > 1` gets one graph and one engine per rank and SM
 (`<drafter>/rank{r}.onnx`, `<drafter>/rank{r}.sm<NN>.engine`; `tp_export`), whose AllReduce /
 AllGather nodes become NCCL plugin layers (`plugins.trt_collectives`). Its manifest entry lists
 them per rank: `onnx_ranks` [rank order], and per SM `engines[sm] = {"plugins": {op: count},
-"ranks": [{"file", "seconds", "bytes"} per rank]}` — no single `file`, since one rank's engine
+"plugin_acts", "ranks": [{"file", "seconds", "bytes"} per rank]}` — no single `file`, since one rank's engine
 alone cannot run (every rank's plugin ops are the same and checked to be).
 
 Networks are strongly typed (the ONNX graph's dtypes are the engine's), with one optimization
@@ -37,7 +39,7 @@ from torch import nn
 from metrale.builder import onnx_export as ox
 from metrale.builder.trt_env import TrtFlavor, TrtModule, load_trt, rtx_compute_capabilities
 from metrale.runtime.errors import ConfigError, MetraleError
-from metrale.runtime.trt_runner import collecting_logger
+from metrale.runtime.trt_runner import shared_logger
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,30 @@ class BuiltEngine:
     seconds: float
     size: int
     plugin_ops: dict[str, int]  # metrale op type -> node count left for plugins
+    plugin_acts: dict[str, list[str]] = field(default_factory=dict)  # GEMM op -> x dtypes
+
+
+def plugin_activations(trt, network, model: onnx.ModelProto, what: str) -> dict[str, list[str]]:
+    """Per metrale GEMM op type in the parsed (strongly typed) `network`: the activation dtypes
+    (`fp32`, `fp16`, `bf16`, sorted) its plugin layers' x inputs have, i.e. which cubins they
+    launch. Every GEMM node of `model` must have become a plugin layer (checked by count)."""
+    from metrale.plugins.trt_plugin import GEMM_OPS, act_of
+
+    want = sum(1 for n in model.graph.node if n.domain == ox.DOMAIN and n.op_type in GEMM_OPS)
+    out: dict[str, set[str]] = {}
+    found = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type != trt.LayerType.PLUGIN_V3:
+            continue
+        layer.__class__ = trt.IPluginV3Layer  # get_layer returns the base class
+        op = layer.plugin.plugin_name
+        if op in GEMM_OPS:
+            found += 1
+            out.setdefault(op, set()).add(act_of(layer.get_input(0).dtype))
+    if found != want:
+        raise EngineBuildError(f"{what}: {want} metrale GEMM nodes became {found} plugin layers")
+    return {op: sorted(acts) for op, acts in sorted(out.items())}
 
 
 def check_sms(tm: TrtModule, sms: tuple[int, ...], explicit: bool) -> tuple[int, ...]:
@@ -89,12 +115,14 @@ def check_sms(tm: TrtModule, sms: tuple[int, ...], explicit: bool) -> tuple[int,
 
 def build_engine_bytes(tm: TrtModule, model: onnx.ModelProto, sm: int,
                        ranges: Mapping[str, tuple[int, int, int]], gio: ox.GraphIO,
-                       what: str) -> bytes:
-    """Parse the (SM-lowered) graph and build a serialized engine for `sm`."""
+                       what: str) -> tuple[bytes, dict[str, list[str]]]:
+    """Parse the (SM-lowered) graph and build a serialized engine for `sm`; returns it with the
+    GEMM plugin layers' activation dtypes (`plugin_activations`)."""
     from metrale.plugins.trt_plugin import register_plugins
 
     trt = tm.trt
-    logger = collecting_logger(trt)
+    logger = shared_logger(trt)  # TensorRT keeps the first logger: read this build's errors
+    mark = logger.mark()
     plugins = register_plugins(trt, sm)  # held until the build ends
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
@@ -102,7 +130,8 @@ def build_engine_bytes(tm: TrtModule, model: onnx.ModelProto, sm: int,
     if not parser.parse(model.SerializeToString()):
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         raise EngineBuildError(f"{what}: TensorRT {tm.flavor.value} could not parse the ONNX graph "
-                               f"for SM{sm}: {'; '.join(errors + logger.errors)}")
+                               f"for SM{sm}: {'; '.join(errors + logger.errors_since(mark))}")
+    acts = plugin_activations(trt, network, model, what)
     config = builder.create_builder_config()
     if tm.flavor is TrtFlavor.RTX:
         config.num_compute_capabilities = 1
@@ -121,8 +150,8 @@ def build_engine_bytes(tm: TrtModule, model: onnx.ModelProto, sm: int,
     del plugins
     if serialized is None:
         raise EngineBuildError(f"{what}: TensorRT {tm.flavor.value} could not build for SM{sm}: "
-                               f"{'; '.join(logger.errors) or 'no message'}")
-    return bytes(serialized)
+                               f"{'; '.join(logger.errors_since(mark)) or 'no message'}")
+    return bytes(serialized), acts
 
 
 def save_onnx(model: onnx.ModelProto, path: Path) -> None:
@@ -229,7 +258,8 @@ def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 12
     """Write every component's ONNX graph and engines under `root` (the staging directory).
 
     Returns {"trt_flavor", "trt_version", "target_sm" (built), "skipped_sm", "components":
-    {name: {"onnx", "io", "files", "engines": {sm: {file, seconds, bytes, plugins}}, ...}}}:
+    {name: {"onnx", "io", "files", "engines": {sm: {file, seconds, bytes, plugins, plugin_acts}},
+    ...}}}:
     the manifest additions (every path relative to `root`).
     """
     tm = load_trt(flavor)
@@ -274,7 +304,8 @@ def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 12
             built = build_one(tm, portable, sm, kind, module, gio, ranges, root, name)
             info["engines"][str(sm)] = {"file": built.path.relative_to(root).as_posix(),
                                         "seconds": round(built.seconds, 3), "bytes": built.size,
-                                        "plugins": built.plugin_ops}
+                                        "plugins": built.plugin_ops,
+                                        "plugin_acts": built.plugin_acts}
             files.append(built.path.relative_to(root).as_posix())
         info["files"] = files
         result["components"][name] = info
@@ -307,14 +338,14 @@ def _write_rank_engines(tm, sms, root: Path, name: str, ranks: list[nn.Module], 
         "profile": {k: list(v) for k, v in ranges.items() if k in gio.axis_labels()}, "engines": {},
     }
     for sm in sms:
-        entry: dict[str, Any] = {"plugins": None, "ranks": []}
+        entry: dict[str, Any] = {"plugins": None, "plugin_acts": None, "ranks": []}
         for r, (module, graph) in enumerate(zip(ranks, graphs)):
             progress(f"building {name} rank {r} engine for SM{sm} ({tm.flavor.value})")
             built = build_one(tm, graph, sm, "dflash", module, gio, ranges, root, name, rank=r)
             if entry["plugins"] not in (None, built.plugin_ops):
                 raise EngineBuildError(f"component {name}: SM{sm} rank {r} holds plugin ops "
                                        f"{built.plugin_ops}, rank 0 {entry['plugins']}")
-            entry["plugins"] = built.plugin_ops
+            entry["plugins"], entry["plugin_acts"] = built.plugin_ops, built.plugin_acts
             rel = built.path.relative_to(root).as_posix()
             entry["ranks"].append({"file": rel, "seconds": round(built.seconds, 3),
                                    "bytes": built.size})
@@ -328,8 +359,8 @@ def build_one(tm: TrtModule, portable: onnx.ModelProto, sm: int, kind: str, modu
               gio: ox.GraphIO, ranges, root: Path, name: str, rank: int = 0) -> BuiltEngine:
     t0 = time.time()
     lowered = ox.lower_for_sm(portable, sm)
-    data = build_engine_bytes(tm, lowered, sm, ranges, gio, f"component {name} (rank {rank})")
+    data, acts = build_engine_bytes(tm, lowered, sm, ranges, gio, f"component {name} (rank {rank})")
     path = root / name / f"rank{rank}.sm{sm}.engine"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-    return BuiltEngine(path, sm, time.time() - t0, len(data), ox.metrale_ops(lowered))
+    return BuiltEngine(path, sm, time.time() - t0, len(data), ox.metrale_ops(lowered), acts)

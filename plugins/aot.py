@@ -9,16 +9,20 @@ says which environment variable to set when it does not. The compiler below need
 mode: `compile_kernels_in_subprocess` (or `python -m metrale.plugins.aot OUT_DIR`) runs it in a
 process of its own, without `TRITON_INTERPRET`.
 
-`compile_kernels(out_dir, sms)` needs no GPU: `triton.compile(ASTSource(fn, signature,
+`compile_kernels(out_dir, sms, acts)` needs no GPU: `triton.compile(ASTSource(fn, signature,
 constexprs), target=GPUTarget("cuda", cc, 32))` emits a cubin for each SM (SM90/100/120 compile
-as their `a` variants: that exact architecture only). Per kernel and SM it writes
-`<kernel>.sm<NN>.cubin` and `<kernel>.sm<NN>.json`, <kernel> being the Triton function's name
-without its `_kernel` suffix (`nvfp4_w4a16_gemm.sm89.cubin`, symbol `nvfp4_w4a16_gemm_kernel`); the JSON is what a launcher (the TensorRT
-plugin) needs: the symbol name, block size, shared memory, the argument list, the grid rule and
-the cubin's sha256.
+as their `a` variants: that exact architecture only). A cubin is specialised to the activation
+dtype it was compiled for (`act`: fp32, fp16 or bf16; pointer types and the dot path differ), so
+per kernel, SM and act it writes `<kernel>.sm<NN>.<act>.cubin` and `.json`, <kernel> being the
+Triton function's name without its `_kernel` suffix (`nvfp4_w4a16_gemm.sm89.bf16.cubin`, symbol
+`nvfp4_w4a16_gemm_kernel`); the JSON is what a launcher (the TensorRT plugin) needs: the symbol
+name, the act, block size, shared memory, the argument list, the grid rule and the cubin's
+sha256. `compile_jobs(out_dir, [(kernel, sm, act), ...])` compiles exactly the listed
+combinations (what an engine directory's plugin layers use).
 
 Launch contract of every cubin: the kernel's non-constexpr arguments in signature order, then
-two u64 scratch pointers (global and profile scratch; 0 when their sizes are 0), block
+`scratch_args` u64 scratch pointers (global and profile scratch: two with the Triton releases
+that have both, fewer with older ones; 0 when their sizes are 0), block
 (32·num_warps, 1, 1), dynamic shared memory `shared` bytes, grid from `grid` (expressions over
 the arguments and the constexprs, `cdiv(a, b)` = ceil(a/b)). Floating-point fusion is off in
 every build (the option is passed explicitly, as its default changes between Triton releases).
@@ -40,6 +44,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 DEFAULT_SMS = (89, 90, 100, 120)
+ACTS = ("fp32", "fp16", "bf16")
 
 
 def import_triton():
@@ -134,89 +139,129 @@ def kernel_specs(act: str = "bf16") -> list[dict]:
     ]
 
 
+def kernel_jobs(sms: tuple[int, ...] = DEFAULT_SMS, acts: tuple[str, ...] = ("bf16",),
+                kernels: tuple[str, ...] | None = None) -> list[tuple[str, int, str]]:
+    """(kernel function name, sm, act) for every kernel (or those named), SM and act: kernels
+    outer, then SMs, then acts."""
+    names = [s["name"] for s in kernel_specs()]
+    unknown = sorted(set(kernels or ()) - set(names))
+    if unknown:
+        raise ValueError(f"unknown kernels {unknown}; known: {', '.join(names)}")
+    bad = sorted(set(acts) - set(ACTS))
+    if bad:
+        raise ValueError(f"activation dtypes {bad}: allowed {', '.join(ACTS)}")
+    return [(n, sm, act) for n in names if kernels is None or n in kernels
+            for sm in sms for act in acts]
+
+
 def compile_kernels(out_dir: str | Path, sms: tuple[int, ...] = DEFAULT_SMS,
-                    act: str = "bf16", kernels: tuple[str, ...] | None = None) -> list[dict]:
-    """Compile the kernels (all, or those named in `kernels`) for every SM in `sms`; write
-    `<kernel>.sm<NN>.cubin` and `.json` to `out_dir` and return the metadata dicts (one per
-    file pair, kernels outer, SMs inner)."""
+                    acts: tuple[str, ...] = ("bf16",),
+                    kernels: tuple[str, ...] | None = None) -> list[dict]:
+    """Compile the kernels (all, or those named in `kernels`) for every SM in `sms` and every
+    activation dtype in `acts`; see `compile_jobs`."""
+    return compile_jobs(out_dir, kernel_jobs(sms, acts, kernels))
+
+
+def compile_jobs(out_dir: str | Path, jobs: list[tuple[str, int, str]]) -> list[dict]:
+    """Compile each (kernel function name, sm, act); write `<kernel>.sm<NN>.<act>.cubin` and
+    `.json` to `out_dir` and return the metadata dicts in job order."""
+    specs = {act: {s["name"]: s for s in kernel_specs(act)} for act in ACTS}
+    bad = [j for j in jobs if j[2] not in specs or j[0] not in specs[j[2]]]
+    if bad:
+        raise ValueError(f"unknown kernel jobs {bad}; kernels: {', '.join(specs['bf16'])}; "
+                         f"acts: {', '.join(ACTS)}")
     triton = import_triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    specs = kernel_specs(act)
-    unknown = set(kernels or ()) - {s["name"] for s in specs}
-    if unknown:
-        raise ValueError(f"unknown kernels {sorted(unknown)}; known: "
-                         f"{', '.join(s['name'] for s in specs)}")
     module = load_kernels("cuda")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for spec in specs:
-        if kernels is not None and spec["name"] not in kernels:
-            continue
-        fn = getattr(module, spec["name"])
+    for name, sm, act in jobs:
+        spec = specs[act][name]
+        fn = getattr(module, name)
         constexprs = dict(spec["blocks"])
         signature = {**spec["signature"], **{k: "constexpr" for k in constexprs}}
         missing = set(fn.arg_names) ^ set(signature)
-        assert not missing, f"{spec['name']}: signature and kernel disagree on {sorted(missing)}"
+        assert not missing, f"{name}: signature and kernel disagree on {sorted(missing)}"
         signature = {a: signature[a] for a in fn.arg_names}  # kernel argument order
-        for sm in sms:
-            start = time.perf_counter()
-            compiled = triton.compile(
-                ASTSource(fn, signature, constexprs),
-                target=GPUTarget("cuda", sm, 32),
-                options={"num_warps": spec["num_warps"], "enable_fp_fusion": False},
-            )
-            seconds = time.perf_counter() - start
-            cubin = compiled.asm["cubin"]
-            md = compiled.metadata
-            stem = f"{spec['name'].removesuffix('_kernel')}.sm{sm}"
-            (out / f"{stem}.cubin").write_bytes(cubin)
-            meta = {
-                "kernel": spec["name"].removesuffix("_kernel"),  # the file key's prefix
-                "symbol": md.name,  # the function's name in the cubin
-                "sm": sm,
-                "arch": f"sm_{sm}" + ("a" if sm >= 90 else ""),
-                "cubin": f"{stem}.cubin",
-                "sha256": hashlib.sha256(cubin).hexdigest(),
-                "bytes": len(cubin),
-                "num_warps": md.num_warps,
-                "block": [32 * md.num_warps, 1, 1],
-                "shared": md.shared,
-                "global_scratch_size": md.global_scratch_size,
-                "profile_scratch_size": md.profile_scratch_size,
-                "args": [a for a in fn.arg_names if signature[a] != "constexpr"],
-                "signature": {a: t for a, t in signature.items() if t != "constexpr"},
-                "constexprs": constexprs,
-                "grid": spec["grid"],
-                "enable_fp_fusion": False,
-                "triton_version": triton.__version__,
-                "compile_seconds": round(seconds, 3),
-            }
-            if "note" in spec:
-                meta["note"] = spec["note"]
-            (out / f"{stem}.json").write_text(json.dumps(meta, indent=2) + "\n")
-            log.info("compiled %s for sm%d in %.2f s (%d bytes)", spec["name"], sm, seconds,
-                     len(cubin))
-            results.append(meta)
+        start = time.perf_counter()
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs),
+            target=GPUTarget("cuda", sm, 32),
+            options={"num_warps": spec["num_warps"], "enable_fp_fusion": False},
+        )
+        seconds = time.perf_counter() - start
+        cubin = compiled.asm["cubin"]
+        md = compiled.metadata
+        stem = f"{name.removesuffix('_kernel')}.sm{sm}.{act}"
+        (out / f"{stem}.cubin").write_bytes(cubin)
+        meta = {
+            "kernel": name.removesuffix("_kernel"),  # the file key's prefix
+            "symbol": md.name,  # the function's name in the cubin
+            "sm": sm,
+            "act": act,
+            "arch": f"sm_{sm}" + ("a" if sm >= 90 else ""),
+            "cubin": f"{stem}.cubin",
+            "sha256": hashlib.sha256(cubin).hexdigest(),
+            "bytes": len(cubin),
+            "num_warps": md.num_warps,
+            "block": [32 * md.num_warps, 1, 1],
+            "shared": md.shared,
+            "global_scratch_size": getattr(md, "global_scratch_size", 0),
+            "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
+            # the trailing scratch pointers this Triton appends (2 since profile scratch came)
+            "scratch_args": sum(hasattr(md, a) for a in ("global_scratch_size",
+                                                         "profile_scratch_size")),
+            "args": [a for a in fn.arg_names if signature[a] != "constexpr"],
+            "signature": {a: t for a, t in signature.items() if t != "constexpr"},
+            "constexprs": constexprs,
+            "grid": spec["grid"],
+            "enable_fp_fusion": False,
+            "triton_version": triton.__version__,
+            "compile_seconds": round(seconds, 3),
+        }
+        if "note" in spec:
+            meta["note"] = spec["note"]
+        (out / f"{stem}.json").write_text(json.dumps(meta, indent=2) + "\n")
+        log.info("compiled %s for sm%d (%s) in %.2f s (%d bytes)", name, sm, act, seconds,
+                 len(cubin))
+        results.append(meta)
     return results
 
 
-def compile_kernels_in_subprocess(out_dir: str | Path, sms: tuple[int, ...] = DEFAULT_SMS,
-                                  act: str = "bf16", kernels: tuple[str, ...] | None = None,
-                                  timeout: float = 600.0) -> list[dict]:
-    """`compile_kernels` in a fresh Python process without `TRITON_INTERPRET`, for callers whose
+def compile_jobs_in_subprocess(out_dir: str | Path, jobs: list[tuple[str, int, str]],
+                               timeout: float = 600.0) -> list[dict]:
+    """`compile_jobs` in a fresh Python process without `TRITON_INTERPRET`, for callers whose
     process imported triton in interpreter mode (or must not import it at all)."""
+    if not jobs:
+        return []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "metrale.plugins.aot", str(out_dir), "--act", act,
-           *[a for sm in sms for a in ("--sm", str(sm))],
-           *[a for name in kernels or () for a in ("--kernel", name)]]
+    cmd = [sys.executable, "-m", "metrale.plugins.aot", str(out_dir),
+           *[a for name, sm, act in jobs for a in ("--job", f"{name}:{sm}:{act}")]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling the Triton kernels failed ({' '.join(cmd)}):\n"
                            f"{proc.stderr[-4000:]}")
     return json.loads(proc.stdout)
+
+
+def compile_kernels_in_subprocess(out_dir: str | Path, sms: tuple[int, ...] = DEFAULT_SMS,
+                                  acts: tuple[str, ...] = ("bf16",),
+                                  kernels: tuple[str, ...] | None = None,
+                                  timeout: float = 600.0) -> list[dict]:
+    """`compile_kernels` in a fresh process (see `compile_jobs_in_subprocess`)."""
+    return compile_jobs_in_subprocess(out_dir, kernel_jobs(sms, acts, kernels), timeout)
+
+
+def _job(text: str) -> tuple[str, int, str]:
+    try:
+        name, sm, act = text.split(":")
+        return name, int(sm), act
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--job {text!r}: expected KERNEL:SM:ACT, e.g. nvfp4_w4a16_gemm_kernel:89:bf16") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -226,13 +271,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--sm", type=int, action="append",
                         help=f"target SM, repeatable (default: {' '.join(map(str, DEFAULT_SMS))})")
-    parser.add_argument("--act", default="bf16", choices=("bf16", "fp16", "fp32"),
-                        help="activation dtype the kernels are compiled for (default: bf16)")
+    parser.add_argument("--act", action="append", choices=ACTS,
+                        help="activation dtype the kernels are compiled for, repeatable "
+                             "(default: bf16)")
     parser.add_argument("--kernel", action="append",
                         help="compile only this kernel, repeatable (default: all)")
+    parser.add_argument("--job", action="append", type=_job, metavar="KERNEL:SM:ACT",
+                        help="compile exactly these combinations, repeatable (instead of "
+                             "--sm/--act/--kernel)")
     args = parser.parse_args(argv)
-    results = compile_kernels(args.out_dir, tuple(args.sm or DEFAULT_SMS), args.act,
-                              tuple(args.kernel) if args.kernel else None)
+    if args.job:
+        results = compile_jobs(args.out_dir, args.job)
+    else:
+        results = compile_kernels(args.out_dir, tuple(args.sm or DEFAULT_SMS),
+                                  tuple(args.act or ("bf16",)),
+                                  tuple(args.kernel) if args.kernel else None)
     sys.stdout.write(json.dumps(results) + "\n")
 
 

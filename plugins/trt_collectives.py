@@ -15,7 +15,11 @@ and size must be the engine's; NCCL's all-gather output is rank-major, which is 
 [group_size, ...] layout. No communicator, or one of another rank or size, is an error at the
 first launch, never a silent no-op. The communicator is created once per process, after
 `torch.distributed` joined the ranks (`NcclCommunicator.from_process_group`), from
-`libnccl.so.2` (the `nvidia-nccl-cu*` wheel that CUDA builds of torch depend on) via ctypes.
+`libnccl.so.2` (the `nvidia-nccl-cu*` wheel that CUDA builds of torch depend on) via ctypes, and
+destroyed exactly once: by `close()` (`Collectives.close`, `RegisteredPlugins.close`, or leaving
+its `with` block), or else when it is garbage-collected or the process exits.
+An empty input (zero elements) calls no collective: every rank sees the same shapes, so all
+skip it together.
 
 Invariant: this module imports no TensorRT flavour itself; `collective_classes(trt)` builds the
 classes for the module it is given, once per module.
@@ -27,10 +31,11 @@ import ctypes
 import functools
 import glob
 import os
+import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from metrale.plugins.trt_plugin import PluginDefaults
+from metrale.plugins.trt_plugin import Keeper, PluginDefaults
 
 COLLECTIVE_OPS = ("AllReduce", "AllGather")
 ACTIVATION_TYPES = ("FLOAT", "HALF", "BF16")
@@ -86,18 +91,35 @@ def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: NCCL error {code} ({lib.ncclGetErrorString(code).decode()})")
 
 
+def _destroy_comm(lib: ctypes.CDLL, comm: ctypes.c_void_p) -> None:
+    """ncclCommDestroy once (the finalizer of an `NcclCommunicator`; a local call in NCCL)."""
+    if comm:
+        handle, comm.value = comm.value, None
+        _check(lib, lib.ncclCommDestroy(handle), "ncclCommDestroy")
+
+
 class NcclCommunicator:
     """One rank's NCCL communicator over `size` ranks (one GPU per rank; GPU only)."""
 
     def __init__(self, rank: int, size: int, unique_id: bytes):
         if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
             raise ValueError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        if not 0 <= rank < size:
+            raise ValueError(f"NCCL rank {rank} of {size}: expected 0 <= rank < size")
         self.rank, self.size = rank, size
         self.lib = load_nccl()
         self.comm = ctypes.c_void_p()
         uid = _UniqueId.from_buffer_copy(unique_id)
         _check(self.lib, self.lib.ncclCommInitRank(ctypes.byref(self.comm), size, uid, rank),
                f"ncclCommInitRank(rank {rank} of {size})")
+        # destroyed once: by close(), or when collected / at exit if nobody closed it
+        self._finalizer = weakref.finalize(self, _destroy_comm, self.lib, self.comm)
+
+    def __enter__(self) -> "NcclCommunicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @staticmethod
     def new_unique_id() -> bytes:
@@ -123,10 +145,13 @@ class NcclCommunicator:
         _check(self.lib, self.lib.ncclAllGather(send, recv, count, dtype, self.comm, stream),
                "ncclAllGather")
 
+    @property
+    def closed(self) -> bool:
+        return not self.comm
+
     def close(self) -> None:
-        if self.comm:
-            _check(self.lib, self.lib.ncclCommDestroy(self.comm), "ncclCommDestroy")
-            self.comm = ctypes.c_void_p()
+        """Destroy the communicator (idempotent)."""
+        self._finalizer()
 
 
 @dataclass
@@ -135,12 +160,18 @@ class Collectives:
     plugin objects TensorRT holds by borrowed pointers (they must outlive the engines)."""
 
     comm: NcclCommunicator | None = None
-    keep_alive: list = field(default_factory=list, repr=False)
+    keep_alive: Keeper = field(default_factory=Keeper, repr=False)
+
+    def close(self) -> None:
+        """Destroy the communicator, if any (after the engines that use it are gone)."""
+        if self.comm is not None:
+            self.comm.close()
 
     def communicator(self, op: str, group_size: int, rank: int) -> NcclCommunicator:
-        if self.comm is None:
-            raise RuntimeError(f"TensorRT plugin {op}: no NCCL communicator was given to "
-                               "register_plugins; a tensor-parallel engine runs with one per rank")
+        if self.comm is None or getattr(self.comm, "closed", False):
+            raise RuntimeError(f"TensorRT plugin {op}: no NCCL communicator is open (none was "
+                               "given to register_plugins, or it was closed); a tensor-parallel "
+                               "engine runs with one per rank")
         if (self.comm.size, self.comm.rank) != (group_size, rank):
             raise RuntimeError(f"TensorRT plugin {op}: the engine is rank {rank} of {group_size}, "
                                f"the communicator rank {self.comm.rank} of {self.comm.size}")
@@ -183,9 +214,8 @@ def collective_classes(trt: ModuleType):
             self.timing_cache_id = ""
 
         def clone(self):
-            twin = MetraleCollectivePlugin(self.op, self.group_size, self.rank, self.shared)
-            self.shared.keep_alive.append(twin)
-            return twin
+            return self.shared.keep_alive.hold(
+                MetraleCollectivePlugin(self.op, self.group_size, self.rank, self.shared))
 
         # -- build --
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
@@ -210,6 +240,8 @@ def collective_classes(trt: ModuleType):
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
             comm = self.shared.communicator(self.op, self.group_size, self.rank)
             count = _volume(input_desc[0].dims)  # elements each rank sends
+            if count == 0:  # every rank has the same shapes: all skip together
+                return
             dtype = NCCL_TYPES[input_desc[0].type.name]
             send, recv = int(inputs[0]), int(outputs[0])
             if self.op == "AllReduce":
@@ -233,9 +265,8 @@ def collective_classes(trt: ModuleType):
             if set(got) != {"group_size", "rank"} or not 0 <= got["rank"] < got["group_size"]:
                 raise ValueError(f"{self.op} node {name}: expected INT attributes group_size >= 1 "
                                  f"and 0 <= rank < group_size, got {got}")
-            plugin = MetraleCollectivePlugin(self.op, got["group_size"], got["rank"], self.shared)
-            self.shared.keep_alive.append(plugin)
-            return plugin
+            return self.shared.keep_alive.hold(
+                MetraleCollectivePlugin(self.op, got["group_size"], got["rank"], self.shared))
 
     return MetraleCollectivePlugin, MetraleCollectiveCreator
 

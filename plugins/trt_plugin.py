@@ -19,16 +19,25 @@ Math: exactly the PyTorch references `plugins.fp8_gemm` / `plugins.nvfp4_gemm`.
 
 Build time (CPU-only works): the plugin answers shapes, types and formats; it never runs.
 Run time (GPU only): `enqueue` launches the op's kernel, compiled ahead of time to a cubin for the
-engine's SM, through the CUDA driver API (`cuda.bindings.driver`, imported on first launch). The
-kernel is looked up by name (`KernelImage.key(op, sm)`, e.g. `nvfp4_w4a16_gemm.sm89`) in the
-`KernelLibrary` given to `register_plugins`; the runtime fills it from the engine directory's
-`plugins/` folder (`KernelLibrary.from_dir`, the `<kernel>.sm<NN>.cubin/.json` pairs of
-`plugins.aot`) before deserializing. Launch contract for every GEMM kernel (Triton's
-calling convention: the non-constexpr arguments in order, then two u64 scratch pointers):
+engine's SM and the node's activation dtype, through the CUDA driver API (`cuda.bindings.driver`,
+imported on first launch). The kernel is looked up by op, SM and dtype
+(`KernelImage.key(kernel, sm, act)`, e.g. `nvfp4_w4a16_gemm.sm89.bf16`; act is fp32, fp16 or bf16
+from x's TensorRT type) in the `KernelLibrary` given to `register_plugins`; the runtime fills it
+from the engine directory's `plugins/` folder (`KernelLibrary.from_dir`, the
+`<kernel>.sm<NN>.<act>.cubin/.json` pairs of `plugins.aot`) before deserializing. A cubin of one
+dtype is never launched on another's data. Launch contract for every GEMM kernel (Triton's
+calling convention: the non-constexpr arguments in order, then the u64 scratch pointers the
+compiling Triton appended, `scratch_args`, two for current releases, all null):
     kernel(x, <weight inputs in node order>, y, M, N, K, scratch0, scratch1)
 with grid (ceil(M / block_m), ceil(N / block_n), 1) and 32·num_warps threads per block, where M
-is the product of x's leading dims. A missing kernel is an error at the first launch, never a
-silent no-op.
+is the product of x's leading dims. An empty output (M = 0 or N = 0) launches nothing (a zero
+grid is an invalid launch). A missing kernel is an error at the first launch, never a silent
+no-op. Modules are loaded, and CUfunction handles cached, per CUDA context (a handle is valid
+only in the context that loaded it); `KernelLibrary.close` unloads them.
+
+Lifetimes: TensorRT holds the Python plugin objects by borrowed pointers, so each is held in a
+`Keeper` from its creation (or clone) until TensorRT calls its `destroy()`, which drops it: the
+set holds exactly the plugins TensorRT still owns, however many contexts come and go.
 
 `register_plugins` also registers the tensor-parallel collectives (`AllReduce`, `AllGather` over
 NCCL; `plugins.trt_collectives`), so one call covers every metrale node an engine may hold.
@@ -67,11 +76,22 @@ GEMM_OPS = {
     "NvFp4W4A16Gemm": GemmOpSpec("NvFp4W4A16Gemm", "nvfp4_w4a16_gemm", ("INT8", "INT8", "FLOAT")),
 }
 ACTIVATION_TYPES = ("FLOAT", "HALF", "BF16")
+# TensorRT DataType member name -> the activation dtype a cubin is compiled for (`plugins.aot`)
+ACT_OF_TYPE = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16"}
+
+
+def act_of(trt_type) -> str:
+    """`fp32`/`fp16`/`bf16` for a TensorRT DataType (or its member name)."""
+    name = getattr(trt_type, "name", str(trt_type))
+    if name not in ACT_OF_TYPE:
+        raise RuntimeError(f"TensorRT plugin: activation type {name} has no kernel; allowed: "
+                           f"{', '.join(ACT_OF_TYPE)}")
+    return ACT_OF_TYPE[name]
 
 
 @dataclass(frozen=True)
 class KernelImage:
-    """A kernel compiled ahead of time for one SM (what `plugins/` stores per op and SM)."""
+    """A kernel compiled ahead of time for one SM and activation dtype (what `plugins/` stores)."""
 
     cubin: bytes
     name: str  # the kernel's symbol in the cubin
@@ -79,55 +99,116 @@ class KernelImage:
     shared: int  # dynamic shared memory in bytes
     block_m: int
     block_n: int
+    scratch_args: int = 2  # trailing u64 scratch pointers the compiling Triton appended
 
     @staticmethod
-    def key(kernel: str, sm: int) -> str:
-        return f"{kernel}.sm{sm}"
+    def key(kernel: str, sm: int, act: str) -> str:
+        return f"{kernel}.sm{sm}.{act}"
+
+
+class Keeper:
+    """Python plugin objects TensorRT holds by borrowed pointers (a collected one would be a
+    use-after-free): each is held from its creation until TensorRT calls its `destroy()`."""
+
+    def __init__(self):
+        self._held: dict[int, object] = {}
+
+    def hold(self, obj):
+        obj._keeper, obj._keep_key = self, id(obj)
+        self._held[obj._keep_key] = obj
+        return obj
+
+    def release(self, obj) -> None:  # builtin-free: may run while the interpreter shuts down
+        self._held.pop(obj.__dict__.get("_keep_key"), None)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 @dataclass
 class KernelLibrary:
-    """Kernel images by `KernelImage.key`, plus the driver handles loaded from them (lazily)."""
+    """Kernel images by `KernelImage.key`, plus the driver modules and functions loaded from them
+    (lazily, per CUDA context)."""
 
     images: dict[str, KernelImage] = field(default_factory=dict)
-    _functions: dict[str, object] = field(default_factory=dict, repr=False)
-    # Python plugin objects handed to TensorRT: its C++ side does not own them, so they must
-    # outlive every network/engine that uses them (a collected one is a use-after-free).
-    keep_alive: list = field(default_factory=list, repr=False)
+    keep_alive: Keeper = field(default_factory=Keeper, repr=False)
+    # (CUcontext handle, key) -> (CUmodule, CUfunction)
+    _loaded: dict[tuple[int, str], tuple] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_dir(cls, folder: Path) -> "KernelLibrary":
-        """Read every `<kernel>.sm<NN>.json` + `.cubin` pair that `plugins.aot` wrote."""
+        """Read every `<kernel>.sm<NN>.<act>.json` + `.cubin` pair that `plugins.aot` wrote."""
         images = {}
         for meta_path in sorted(Path(folder).glob("*.sm*.json")):
             meta = json.loads(meta_path.read_text())
+            if "act" not in meta:
+                raise ValueError(f"{meta_path}: no activation dtype ('act'); the kernels were "
+                                 "compiled before cubins were keyed by dtype: rebuild the engine "
+                                 "directory")
             if meta.get("global_scratch_size", 0) or meta.get("profile_scratch_size", 0):
                 raise ValueError(f"{meta_path}: kernels needing scratch memory are not launched "
                                  "by the TensorRT plugin (it passes null scratch pointers)")
             blocks = meta.get("constexprs", {})
-            images[KernelImage.key(meta["kernel"], meta["sm"])] = KernelImage(
+            images[KernelImage.key(meta["kernel"], meta["sm"], meta["act"])] = KernelImage(
                 cubin=(meta_path.parent / meta["cubin"]).read_bytes(), name=meta["symbol"],
                 num_warps=meta["num_warps"], shared=meta["shared"],
-                block_m=blocks.get("BLOCK_M", 1), block_n=blocks.get("BLOCK_N", 1))
+                block_m=blocks.get("BLOCK_M", 1), block_n=blocks.get("BLOCK_N", 1),
+                scratch_args=meta.get("scratch_args", 2))
         return cls(images)
 
+    def missing(self, keys) -> list[str]:
+        """The keys (of `KernelImage.key`) this library has no image for, sorted."""
+        return sorted(set(keys) - set(self.images))
+
     def function(self, key: str):
-        """The CUfunction for `key`, loading its module on first use (GPU only)."""
-        if key not in self._functions:
-            image = self.images.get(key)
-            if image is None:
-                raise RuntimeError(
-                    f"TensorRT plugin: no kernel {key!r} in the engine's plugins folder "
-                    f"(have: {', '.join(sorted(self.images)) or 'none'}); rebuild the engine "
-                    "directory with the plugins' kernels compiled for this SM")
-            drv = _driver()
+        """The CUfunction for `key` in the current CUDA context, loading its module on first use
+        there (GPU only)."""
+        image = self.images.get(key)
+        if image is None:
+            raise RuntimeError(
+                f"TensorRT plugin: no kernel {key!r} in the engine's plugins folder "
+                f"(have: {', '.join(sorted(self.images)) or 'none'}); rebuild the engine "
+                "directory with the plugins' kernels compiled for this SM and dtype")
+        drv = _driver()
+        ctx = _handle(_check(drv, drv.cuCtxGetCurrent()))
+        if not ctx:
+            raise RuntimeError("TensorRT plugin: no CUDA context is current on this thread")
+        loaded = self._loaded.get((ctx, key))
+        if loaded is None:
             module = _check(drv, drv.cuModuleLoadData(image.cubin))
             fn = _check(drv, drv.cuModuleGetFunction(module, image.name.encode()))
             if image.shared > 48 * 1024:  # above the default carve-out needs an opt-in
                 attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 _check(drv, drv.cuFuncSetAttribute(fn, attr, image.shared))
-            self._functions[key] = fn
-        return self._functions[key]
+            loaded = self._loaded[(ctx, key)] = (module, fn)
+        return loaded[1]
+
+    def close(self) -> None:
+        """Unload every module loaded so far (after the engines using them are gone)."""
+        if not self._loaded:
+            return
+        drv = _driver()
+        for (ctx, key), (module, _) in list(self._loaded.items()):
+            err = drv.cuModuleUnload(module)[0]
+            if err != drv.CUresult.CUDA_SUCCESS:
+                log.warning("unloading the %s kernel module failed: %s", key, err)
+        self._loaded.clear()
+
+
+def plugin_kernel_keys(engines, sm: int) -> set[str]:
+    """The `KernelImage.key`s the GEMM plugin layers of manifest engine entries (`plugins`: op ->
+    count, `plugin_acts`: op -> activation dtypes) built for `sm` launch."""
+    keys = set()
+    for entry in engines:
+        acts = entry.get("plugin_acts") or {}
+        for op in entry.get("plugins") or {}:
+            if op not in GEMM_OPS:
+                continue
+            if not acts.get(op):
+                raise ValueError(f"an SM{sm} engine has {op} plugin layers but no recorded "
+                                 "activation dtype (built before plugin_acts): rebuild it")
+            keys.update(KernelImage.key(GEMM_OPS[op].kernel, sm, act) for act in acts[op])
+    return keys
 
 
 def _driver():
@@ -146,6 +227,14 @@ def _check(drv, result):
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+def _handle(obj) -> int:
+    """The address behind a cuda-python handle object (CUcontext, ...), 0 for a null one."""
+    if obj is None:
+        return 0
+    get = getattr(obj, "getPtr", None)
+    return int(get()) if get is not None else int(obj)
+
+
 def _volume(dims, upto: int) -> int:
     n = 1
     for d in list(dims)[:upto]:
@@ -156,34 +245,39 @@ def _volume(dims, upto: int) -> int:
 def launch_gemm(lib: KernelLibrary, spec: GemmOpSpec, sm: int, input_desc, inputs, outputs,
                 stream: int) -> None:
     """Launch the op's kernel on `stream` (GPU only): the launch contract of the module doc."""
-    key = KernelImage.key(spec.kernel, sm)
-    fn = lib.function(key)
-    image = lib.images[key]
+    key = KernelImage.key(spec.kernel, sm, act_of(input_desc[0].type))
     x_dims = input_desc[0].dims  # [..., K]
     k = int(x_dims[len(x_dims) - 1])
     m = _volume(x_dims, len(x_dims) - 1)
     n = int(input_desc[1].dims[0])
+    if m == 0 or n == 0:  # an empty output: nothing to compute, and a zero grid is invalid
+        return
+    fn = lib.function(key)
+    image = lib.images[key]
     ptrs = [int(p) for p in inputs] + [int(outputs[0])]
-    args = (*ptrs, m, n, k, 0, 0)
+    args = (*ptrs, m, n, k, *([0] * image.scratch_args))
     types = (*([ctypes.c_void_p] * len(ptrs)), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-             ctypes.c_uint64, ctypes.c_uint64)
+             *([ctypes.c_uint64] * image.scratch_args))
     grid = (-(-m // image.block_m), -(-n // image.block_n), 1)
     drv = _driver()
-    _check(drv, drv.cuLaunchKernel(fn, *grid, 32 * image.num_warps, 1, 1, image.shared, stream,
+    _check(drv, drv.cuLaunchKernel(fn, *grid, 32 * image.num_warps, 1, 1, image.shared, int(stream),
                                    (args, types), 0))
 
 
 class PluginDefaults:
     """The IPluginV3 methods every metrale plugin answers the same way (a plain mixin, listed
-    before TensorRT's interfaces so its methods win): no extra capability objects, nothing to
-    free, outputs typed like the first input, no workspace, no tactics, and one clone per
-    execution context."""
+    before TensorRT's interfaces so its methods win): no extra capability objects, released by
+    its `Keeper` when TensorRT destroys it, outputs typed like the first input, no workspace,
+    no tactics, and one clone per execution context."""
 
     def get_capability_interface(self, _type):
         return self
 
-    def destroy(self):
-        pass
+    def destroy(self):  # TensorRT is done with this object: its keeper lets it go
+        # no builtins here: TensorRT may call this while the interpreter shuts down
+        keeper = self.__dict__.get("_keeper")
+        if keeper is not None:
+            keeper.release(self)
 
     def get_output_data_types(self, input_types):
         return [input_types[0]]
@@ -229,9 +323,7 @@ def plugin_classes(trt: ModuleType):
 
         # -- core / lifetime --
         def clone(self):
-            twin = MetraleGemmPlugin(self.spec, self.sm, self.library)
-            self.library.keep_alive.append(twin)  # TensorRT holds it by a borrowed pointer
-            return twin
+            return self.library.keep_alive.hold(MetraleGemmPlugin(self.spec, self.sm, self.library))
 
         # -- build --
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
@@ -272,9 +364,7 @@ def plugin_classes(trt: ModuleType):
             for f in fc:  # a deserialized engine carries the SM it was built for
                 if f.name == "sm":
                     sm = int(f.data[0])
-            plugin = MetraleGemmPlugin(self.spec, sm, self.library)
-            self.library.keep_alive.append(plugin)  # TensorRT holds it by a borrowed pointer
-            return plugin
+            return self.library.keep_alive.hold(MetraleGemmPlugin(self.spec, sm, self.library))
 
     return MetraleGemmPlugin, MetraleGemmCreator
 
@@ -292,6 +382,13 @@ class RegisteredPlugins:
     creators: dict[str, object]
     library: KernelLibrary
     collectives: object = None  # plugins.trt_collectives.Collectives
+
+    def close(self) -> None:
+        """Unload the kernels' modules and destroy the NCCL communicator (after the engines that
+        use them are gone)."""
+        self.library.close()
+        if self.collectives is not None:
+            self.collectives.close()
 
 
 def register_plugins(trt: ModuleType, sm: int, library: KernelLibrary | None = None,

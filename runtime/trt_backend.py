@@ -12,9 +12,15 @@ decode loop and the proposers make, with the same signatures and outputs (`decod
 The graphs' interface is `builder.onnx_export`'s: each step takes the whole preallocated KV cache
 as `past_key`/`past_value` with `position` (the first new position = the number of valid past
 entries; slots at or after it are masked), and returns only the new K/V, which the caller writes
-at `position`. Caches (`EngineCache`) are torch CUDA tensors [L, 1, nkv, S, hd] with S the
-engine profile's largest past, so every decode step has one shape; the target's
-`config.max_position_embeddings` is capped at S so the decode loop never outgrows a cache.
+at `position`. Caches (`EngineCache`) are torch CUDA tensors [L, 1, nkv, S, hd] in two sizes per
+component: S = the profile's opt past (the shape TensorRT tuned for) and S = its max. A cache
+starts at the smaller and moves to the larger (its valid positions copied) only when a call
+would write past it, so short requests attend over opt slots, not max (attention costs grow
+with S); a sequence's steps change shape at most once, at the same position in plain and
+exact-verify decoding. The target's
+`config.max_position_embeddings` is capped (`position_limit`) at the smallest max past of all
+components (target, MTP head, drafters) less the rows one speculative step may write beyond
+the budget, so the decode loop outgrows no component's cache.
 
 The drafter engine adds context and proposes in one call (new context features C ≥ 1, then the
 block): `add_context` only queues features on the cache, and `propose` sends them with the block.
@@ -22,8 +28,9 @@ Context K/V of a position depend on that position alone, so where the queue outg
 profile's context range the surplus is sent ahead with a one-slot dummy block.
 
 CUDA graphs (`trt_runner`): the target and head steps with one new token, and each propose of a
-whole block whose context count C fits in a block, are captured per cache buffer and replayed.
-Cache buffers come from a per-component pool and return to it when their cache is collected, so
+block of γ ≤ block_size slots (the drafter's block, or `--dflash-gamma` below it) whose context
+count C ≤ γ, are captured per cache buffer and replayed. Cache buffers come from a per-component,
+per-size pool and return to it when their cache is collected (or moves to the larger size), so
 consecutive requests reuse buffers and their graphs; two caches alive at once never share one.
 
 Precision: the engines compute in the dtype they were built with (the ONNX graphs' dtype,
@@ -35,7 +42,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import weakref
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,6 +55,7 @@ from metrale.runtime.engine import LoadedEngine
 from metrale.runtime.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, EngineDirError
 from metrale.runtime.qwen3 import TargetOutput
+from metrale.runtime.trt_cache import CacheSizes, EngineCache, position_limit
 from metrale.runtime.trt_runner import EngineRunner, gpu_sm, import_trt, pick_engine_sm
 
 log = logging.getLogger(__name__)
@@ -103,65 +110,21 @@ def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
 # -- caches ----------------------------------------------------------------------------------
 
 
-class EngineCache:
-    """One sequence's K/V for one component: `k`, `v` [L, 1, nkv, S, hd] on the GPU; `length`
-    valid positions; `pending` (drafters) context features [1, C, n·Ht] not yet in `k`/`v`."""
-
-    def __init__(self, slot: dict):
-        self.k, self.v, self.slot_id = slot["k"], slot["v"], slot["id"]
-        self.length = 0
-        self.pending: torch.Tensor | None = None
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def write_new(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new k/v [L, 1, nkv, T, hd] at positions start.."""
-        end = start + k.shape[3]
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; {end} requested")
-        self.k[:, :, :, start:end] = k
-        self.v[:, :, :, start:end] = v
-
-
-class _SlotPool:
-    """Preallocated K/V buffers of one shape; a buffer returns when its cache is collected."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.free: list[dict] = []
-        self.count = 0
-
-    def cache(self) -> EngineCache:
-        if self.free:
-            slot = self.free.pop()
-        else:
-            # zeros, not empty: masked slots are still multiplied by a zero weight, and an
-            # uninitialized NaN there would survive it
-            slot = {"id": self.count, "k": torch.zeros(self.shape, dtype=self.dtype, device=self.device),
-                    "v": torch.zeros(self.shape, dtype=self.dtype, device=self.device)}
-            self.count += 1
-        cache = EngineCache(slot)
-        weakref.finalize(cache, self.free.append, slot)
-        return cache
-
-
 class _Component:
-    """What the three stand-ins share: the runner, the profile ranges and the cache pool."""
+    """What the three stand-ins share: the runner, the profile ranges and the cache sizes."""
 
     def __init__(self, runner: EngineRunner, profile: dict, layers: int, cfg: DecoderConfig):
         self.runner, self.profile = runner, profile
         self.max_new = int(profile.get("tokens", profile.get("context", (1, 1, 1)))[2])
-        past = int(profile["past"][2])
+        _, opt, top = (int(v) for v in profile["past"])
         self.kv_dtype = runner.dtypes["past_key"]
-        self.pool = _SlotPool((layers, 1, cfg.num_key_value_heads, past, cfg.head_dim),
-                              self.kv_dtype, runner.device)
+        self.sizes = CacheSizes(layers, cfg.num_key_value_heads, cfg.head_dim, [opt, top],
+                                 self.kv_dtype, runner.device)
 
     def _cache(self, batch: int) -> EngineCache:
         if batch != 1:
             raise ValueError(f"the tensorrt backend decodes one sequence per cache, got batch {batch}")
-        return self.pool.cache()
+        return self.sizes.cache()
 
     def _position(self, pos: int) -> torch.Tensor:
         return torch.full((1,), pos, dtype=torch.int64, device=self.runner.device)
@@ -176,10 +139,14 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 class TrtTarget(_Component):
     def __init__(self, runner: EngineRunner, profile: dict, cfg: DecoderConfig,
-                 embed: nn.Embedding, engine_taps: tuple[int, ...]):
+                 embed: nn.Embedding, engine_taps: tuple[int, ...], max_positions: int | None = None):
+        """`max_positions`: the usable context (`position_limit` over every component's
+        profile; default: this engine's own)."""
         super().__init__(runner, profile, cfg.num_hidden_layers, cfg)
-        past = int(profile["past"][2])
-        self.config = replace(cfg, max_position_embeddings=min(cfg.max_position_embeddings, past))
+        if max_positions is None:
+            max_positions = position_limit(cfg.max_position_embeddings, [int(profile["past"][2])])
+        self.config = replace(cfg, max_position_embeddings=min(cfg.max_position_embeddings,
+                                                               max_positions))
         self.model = SimpleNamespace(embed_tokens=embed)
         self.engine_taps = engine_taps
 
@@ -198,6 +165,7 @@ class TrtTarget(_Component):
                 raise ValueError("a target step after position 0 needs the cache of the positions before it")
             cache = self.new_cache(1, ids.shape[1])
         start = cache.length if start is None else start
+        cache.reserve(start + ids.shape[1])  # before any call: graph keys name the final buffer
         parts = []
         for lo in range(0, ids.shape[1], self.max_new):  # the profile's most new tokens per call
             chunk = ids[:, lo:lo + self.max_new]  # [1, t]
@@ -242,6 +210,7 @@ class TrtMTPHead(_Component):
                  start: int | None = None):
         """Entries start.. : embeds, hidden [1, T, H] -> (logits [1, T, V], h [1, T, H] pre-norm)."""
         start = cache.length if start is None else start
+        cache.reserve(start + embeds.shape[1])
         logits, hs = [], []
         for lo in range(0, embeds.shape[1], self.max_new):
             e, h = embeds[:, lo:lo + self.max_new], hidden[:, lo:lo + self.max_new]
@@ -256,6 +225,16 @@ class TrtMTPHead(_Component):
         return _cat(logits), _cat(hs)
 
     forward = __call__
+
+
+def propose_graph_key(slot_id: int, context: int, gamma: int, block_size: int):
+    """The CUDA-graph key of a drafter call, or None (eager): a block of γ ≤ block_size slots
+    (`--dflash-gamma` may lower γ) with at most γ new context positions — what every step after
+    the first brings (accepted drafts + the bonus token), so the keys per buffer stay ≤ γ. A
+    longer context (the prompt's) or a one-slot flush block runs eagerly."""
+    if 1 < gamma <= block_size and 1 <= context <= gamma:
+        return ("propose", slot_id, context, gamma)
+    return None
 
 
 class TrtDrafter(_Component):
@@ -290,10 +269,12 @@ class TrtDrafter(_Component):
 
     def _run(self, context: torch.Tensor, block: torch.Tensor, cache: EngineCache) -> dict:
         c, g = context.shape[1], block.shape[1]
+        cache.reserve(cache.length + c)
         feeds = {"context_features": context, "past_key": cache.k, "past_value": cache.v,
                  "position": self._position(cache.length), "block_embeds": block}
-        key = ("propose", cache.slot_id, c, g) if g == self.config.block_size and c <= g else None
-        out = self.runner.run(feeds, graph_key=key, persistent=KV)
+        out = self.runner.run(feeds, graph_key=propose_graph_key(cache.slot_id, c, g,
+                                                                 self.config.block_size),
+                              persistent=KV)
         cache.write_new(cache.length, out["new_key"], out["new_value"])
         cache.length += c
         return out
@@ -332,7 +313,7 @@ def _tensors(path: Path, names: tuple[str, ...], where: str) -> list[torch.Tenso
 def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cuda",
                     graphs: bool = True) -> LoadedEngine:
     """Verify the directory and load every component's engine for this GPU's SM."""
-    from metrale.plugins.trt_plugin import KernelLibrary, register_plugins
+    from metrale.plugins.trt_plugin import KernelLibrary, plugin_kernel_keys, register_plugins
     from metrale.runtime.tokenizer import Tokenizer
 
     resolve_backend("tensorrt", str(device))
@@ -353,11 +334,17 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
     with torch.cuda.device(dev):
         stream = torch.cuda.Stream(dev)
         plugins = None
-        if any(c["engines"][str(sm)].get("plugins") for c in comps.values()):
+        entries = [c["engines"][str(sm)] for c in comps.values()]
+        if any(e.get("plugins") for e in entries):
             try:
                 library = KernelLibrary.from_dir(path / "plugins")
+                missing = library.missing(plugin_kernel_keys(entries, sm))
             except (OSError, ValueError, KeyError) as exc:
                 raise EngineDirError(f"engine directory {path}: plugins/ cannot be read ({exc})") from None
+            if missing:  # refused now, not at the first launch mid-request
+                raise EngineDirError(f"engine directory {path}: plugins/ has no kernel "
+                                     f"{', '.join(missing)} for the SM{sm} engines' plugin layers; "
+                                     "rebuild the directory")
             plugins = register_plugins(trt, sm, library)  # before deserializing plugin layers
 
         def runner(name: str) -> EngineRunner:
@@ -369,12 +356,15 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
             return json.loads((path / name / "config.json").read_text())
 
         tcfg = DecoderConfig.from_hf(config("target"), "target/config.json")
+        # the usable context: every component's cache must hold it (plus one step's rows)
+        limit = position_limit(tcfg.max_position_embeddings,
+                               [int(c["profile"]["past"][2]) for c in comps.values()])
         tgt = runner("target")
         (weight,) = _tensors(path / "target" / "rank0.safetensors", ("model.embed_tokens.weight",),
                              f"engine directory {path}")
         embed = nn.Embedding.from_pretrained(weight.to(dev, tgt.dtypes["last_hidden"]), freeze=True)
         engine_taps = tuple(comps["target"].get("taps", ()))
-        target = TrtTarget(tgt, comps["target"]["profile"], tcfg, embed, engine_taps)
+        target = TrtTarget(tgt, comps["target"]["profile"], tcfg, embed, engine_taps, limit)
         loaded = LoadedEngine(path, manifest, Tokenizer.from_dir(path / "tokenizer"), target,
                               dtype=embed.weight.dtype, device=dev,
                               packed=True)  # the plans hold their own weights: nothing to pack
@@ -420,6 +410,18 @@ def load_trt_generator(engine_dir: str | Path, spec, *, device: str = "cuda"):
         raise ConfigError(f"--draft-tp-size {tp}: the tensorrt backend runs one-rank engines; "
                           "use --backend torch for tensor-parallel drafters")
     return EngineGenerator(load_trt_engine(engine_dir, device=device), spec)
+
+
+def close_trt_engine(engine: LoadedEngine) -> None:
+    """Release a loaded engine's GPU resources in order: every runner (graphs, contexts,
+    engines) first, then the plugins' kernel modules and NCCL communicator they used."""
+    parts = [engine.target, engine.mtp, *engine.drafters.values()]
+    for part in parts:
+        if part is not None:
+            part.runner.close()
+    plugins, _ = getattr(engine.target, "keep_alive", (None, None))
+    if plugins is not None:
+        plugins.close()
 
 
 def runner_stats(engine: LoadedEngine) -> dict:

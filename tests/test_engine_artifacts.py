@@ -35,11 +35,16 @@ def test_engines_onnx_and_cubins_are_recorded(built):
     # kernels are compiled to cubins for the SM and shipped in plugins/
     q = m.components["dflash"]["quantization"]["quantization"]
     assert m.components["dflash"]["engines"]["89"]["plugins"] == {"NvFp4W4A16Gemm": len(q["quantized_modules"])}
-    assert "plugins/nvfp4_w4a16_gemm.sm89.cubin" in m.files
-    assert m.plugins  # the cubins' metadata
+    # the engines are exported in float32: the plugin layers run fp32 activations, and exactly
+    # that cubin (kernel, SM, dtype) is compiled — no other kernel, dtype or SM
+    assert m.components["dflash"]["engines"]["89"]["plugin_acts"] == {"NvFp4W4A16Gemm": ["fp32"]}
+    assert sorted(f for f in m.files if f.startswith("plugins/")) == [
+        "plugins/nvfp4_w4a16_gemm.sm89.fp32.cubin", "plugins/nvfp4_w4a16_gemm.sm89.fp32.json"]
+    assert [(p["kernel"], p["sm"], p["act"]) for p in m.plugins] == [("nvfp4_w4a16_gemm", 89, "fp32")]
 
 
-@pytest.mark.parametrize("victim", ["dflash/rank0.sm89.engine", "plugins/nvfp4_w4a16_gemm.sm89.cubin"])
+@pytest.mark.parametrize("victim", ["dflash/rank0.sm89.engine",
+                                    "plugins/nvfp4_w4a16_gemm.sm89.fp32.cubin"])
 def test_altered_engine_or_cubin_is_refused(built, tmp_path, victim):
     copy = tmp_path / "copy"
     shutil.copytree(built, copy)

@@ -28,8 +28,9 @@ from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.service import EngineGenerator
 from metrale.runtime.specconfig import SpeculativeConfig
 from metrale.runtime.trt_backend import (
-    Backend, EngineCache, TrtDrafter, TrtMTPHead, TrtTarget, _SlotPool, resolve_backend,
+    Backend, TrtDrafter, TrtMTPHead, TrtTarget, propose_graph_key, resolve_backend,
 )
+from metrale.runtime.trt_cache import EngineCache, SlotPool, position_limit
 from metrale.runtime.trt_runner import pick_engine_sm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
@@ -142,26 +143,30 @@ class AdapterRunner:
             for axis, label in self.gio.dynamic.get(name, {}).items():
                 lo, _, hi = self.profile[label]
                 assert lo <= feeds[name].shape[axis] <= hi, (name, feeds[name].shape, label)
-        for name in persistent:
-            assert feeds[name].shape[3] == self.profile["past"][2]  # the whole preallocated cache
+        for name in persistent:  # the whole preallocated cache, in one of the profile's sizes
+            assert feeds[name].shape[3] in (self.profile["past"][1], self.profile["past"][2])
         self.calls.append((graph_key, {n: tuple(feeds[n].shape) for n in self.gio.inputs}))
         with torch.no_grad():
             outs = self.step(*[feeds[n] for n in self.gio.inputs])
         return dict(zip(self.gio.outputs, outs))
 
 
-def standin_engine(e: LoadedEngine) -> LoadedEngine:
-    """The torch engine `e` behind the tensorrt backend's stand-ins."""
-    target = TrtTarget(AdapterRunner("target", e.target, TOKENS_PROFILE, ENGINE_TAPS), TOKENS_PROFILE,
-                       e.target.config, e.target.model.embed_tokens, ENGINE_TAPS)
-    mtp = TrtMTPHead(AdapterRunner("mtp", e.mtp, TOKENS_PROFILE), TOKENS_PROFILE, e.mtp.config.decoder)
+def standin_engine(e: LoadedEngine, target_profile=TOKENS_PROFILE, mtp_profile=TOKENS_PROFILE,
+                   draft_profile=DRAFT_PROFILE) -> LoadedEngine:
+    """The torch engine `e` behind the tensorrt backend's stand-ins (as `load_trt_engine` puts
+    them together: the target's context limited by every component's profile)."""
+    limit = position_limit(e.target.config.max_position_embeddings,
+                           [p["past"][2] for p in (target_profile, mtp_profile, draft_profile)])
+    target = TrtTarget(AdapterRunner("target", e.target, target_profile, ENGINE_TAPS), target_profile,
+                       e.target.config, e.target.model.embed_tokens, ENGINE_TAPS, limit)
+    mtp = TrtMTPHead(AdapterRunner("mtp", e.mtp, mtp_profile), mtp_profile, e.mtp.config.decoder)
     drafters = {}
     for name, d in e.drafters.items():
         books = None
         if d.config.version == 2:
             sel = d.candidate_selector
             books = (sel.predecessor_codebook.detach(), sel.successor_codebook.detach())
-        drafters[name] = TrtDrafter(AdapterRunner("dflash", d, DRAFT_PROFILE), DRAFT_PROFILE,
+        drafters[name] = TrtDrafter(AdapterRunner("dflash", d, draft_profile), draft_profile,
                                     d.config, books)
     return LoadedEngine(e.path, e.manifest, e.tokenizer, target, mtp, drafters)
 
@@ -182,7 +187,7 @@ def test_standin_target_matches_torch_target_across_chunks(tiny_engine, standins
     ref = tiny_engine.target(ids, ref_cache, taps=(0, 1, 3))
     cache = standins.target.new_cache(1, 64)
     got = standins.target(ids, cache, taps=(0, 1, 3))
-    assert cache.length == 12 and cache.max_len == 160
+    assert cache.length == 12 and cache.max_len == 64  # the profile's opt past, not its max
     assert [c[1]["input_ids"][1] for c in standins.target.runner.calls[-3:]] == [5, 5, 2]
     torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.last_hidden, ref.last_hidden, rtol=1e-4, atol=1e-4)
@@ -237,7 +242,7 @@ def test_drafter_queue_and_graph_keys(standins, tiny_prompts):
 
 
 def test_caches_come_from_a_pool_and_return_to_it():
-    pool = _SlotPool((2, 1, 1, 4, 2), torch.float32, torch.device("cpu"))
+    pool = SlotPool((2, 1, 1, 4, 2), torch.float32, torch.device("cpu"))
     a = pool.cache()
     b = pool.cache()  # alive at once: never the same buffer
     assert a.slot_id != b.slot_id and a.k.data_ptr() != b.k.data_ptr()
@@ -414,3 +419,84 @@ def test_gpu_refuses_a_directory_without_engines(engine_factory):
 def test_engine_cache_reports_its_length_and_size():
     cache = EngineCache({"id": 7, "k": torch.zeros(1, 1, 2, 5, 4), "v": torch.zeros(1, 1, 2, 5, 4)})
     assert (cache.slot_id, cache.max_len, cache.length) == (7, 5, 0)
+
+
+# -- cache sizes, the context limit, graph keys ------------------------------------------------
+
+
+def test_cache_starts_at_the_opt_size_and_grows_keeping_its_positions():
+    from metrale.runtime.trt_cache import CacheSizes
+
+    sizes = CacheSizes(2, 1, 2, [8, 4], torch.float32, torch.device("cpu"))  # opt 4, max 8
+    c = sizes.cache()
+    assert c.max_len == 4 and c.slot_id == 0
+    c.write_new(0, torch.ones(2, 1, 1, 3, 2), torch.full((2, 1, 1, 3, 2), 2.0))
+    c.length = 3
+    c.reserve(4)  # fits: same buffer
+    assert c.max_len == 4
+    c.reserve(6)  # the next call writes positions 3..5: moves to the max size first
+    assert (c.max_len, c.slot_id, c.length) == (8, 1, 3)
+    assert c.k[0, 0, 0, :, 0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert c.v[1, 0, 0, :3, 1].tolist() == [2, 2, 2]
+    small, big = sizes.pools
+    assert [s["id"] for s in small.free] == [0]  # the small buffer went back at once
+    other = sizes.cache()
+    assert other.slot_id == 0 and other.max_len == 4  # and serves the next cache
+    with pytest.raises(ValueError, match=r"at most 8 positions \(the engine profile's largest past\); 9"):
+        c.reserve(9)
+    del c
+    assert [s["id"] for s in big.free] == [1]  # collected: its (grown) buffer returns
+
+
+def test_position_limit_takes_the_smallest_component_less_a_steps_rows():
+    assert position_limit(1024, [1024, 1024, 1024]) == 1024 - 17
+    assert position_limit(1024, [4096, 512]) == 512 - 17
+    assert position_limit(100, [4096]) == 100
+    assert position_limit(100, [10]) == 1
+
+
+@pytest.mark.parametrize("mode", ["mtp k=3", "dflash"])
+def test_a_shorter_head_or_drafter_profile_caps_the_context(tiny_engine, tiny_prompts, mode):
+    # the head's and drafter's caches hold at most 100 positions, the target's 160: the usable
+    # context is 100 - 17, so a request that runs to the limit never overflows a cache
+    short = {"tokens": (1, 2, 5), "context": (1, 2, 3), "block": (1, 8, 8), "past": (1, 64, 100)}
+    e = standin_engine(tiny_engine, mtp_profile=short, draft_profile=short)
+    assert e.target.config.max_position_embeddings == 100 - 17
+    prompt = tiny_prompts[0][:20]
+    gen = EngineGenerator(e, SpeculativeConfig.from_flags(**MODES[mode]))
+    ids = gen.decoder().generate(prompt, SamplingParams(temperature=0.0, max_tokens=500)).token_ids
+    assert len(ids) == 100 - 17 - len(prompt)  # the whole budget the capped context leaves
+    part = e.mtp if mode.startswith("mtp") else e.drafters["dflash"]
+    assert max(c["past_key"][3] for _, c in part.runner.calls) == 100  # grew to the max size
+
+
+def test_propose_graph_keys_cover_a_gamma_below_the_block():
+    assert propose_graph_key(3, 4, 8, 8) == ("propose", 3, 4, 8)
+    assert propose_graph_key(3, 2, 4, 8) == ("propose", 3, 2, 4)  # --dflash-gamma 4
+    assert propose_graph_key(3, 5, 4, 8) is None  # more context than a step brings: the prompt's
+    assert propose_graph_key(3, 3, 1, 8) is None  # a one-slot flush block
+    assert propose_graph_key(3, 2, 9, 8) is None  # beyond the profile's block
+
+
+def test_dflash_gamma_below_the_block_replays_graphs(standins, tiny_prompts):
+    runner = standins.drafters["dflash"].runner
+    runner.calls.clear()
+    flags = {**MODES["dflash"], "dflash_gamma": 4}
+    decode(standins, tiny_prompts[:1], flags)
+    proposes = [(k, c) for k, c in runner.calls if c["block_embeds"][1] == 4]
+    assert proposes and all(k == ("propose", k[1], c["context_features"][1], 4)
+                            for k, c in proposes[1:])  # every step after the first is graphed
+
+
+def test_closing_an_engine_releases_runners_before_the_plugins_they_use():
+    from types import SimpleNamespace
+
+    from metrale.runtime.trt_backend import close_trt_engine
+
+    order = []
+    part = lambda name: SimpleNamespace(runner=SimpleNamespace(close=lambda: order.append(name)))  # noqa: E731
+    target = part("target")
+    target.keep_alive = (SimpleNamespace(close=lambda: order.append("plugins")), object())
+    engine = SimpleNamespace(target=target, mtp=part("mtp"), drafters={"dflash": part("dflash")})
+    close_trt_engine(engine)
+    assert order == ["target", "mtp", "dflash", "plugins"]

@@ -109,6 +109,8 @@ def test_drafter_engines_per_tier(rtx, engine_factory, tmp_path, tier):
             # NVFP4 needs the plugin below SM100; FP8 is native from SM89.
             plugin = expected if (tier == "nvfp4" and sm == 89) else {}
             assert built["plugins"] == plugin
+            # the cubins the build compiles: these layers' ops in the graph's dtype (float32)
+            assert built["plugin_acts"] == {op: ["fp32"] for op in plugin}
         assert set(info["files"]) == {f"{name}/rank0.onnx"} | {f"{name}/rank0.sm{sm}.engine" for sm in SMS}
         assert info["tap_index"] == [0, 1, 2]
 
@@ -123,7 +125,8 @@ def test_target_and_nvfp4_mtp_engines(rtx, engine_factory, tmp_path):
     experts = _quantized(engine.mtp)
     assert experts == {"NvFp4W4A16Gemm": 27}  # 8 routed + 1 shared expert, 3 linears each
     assert mtp["engines"]["89"]["plugins"] == experts
-    assert mtp["engines"]["120"]["plugins"] == {}
+    assert mtp["engines"]["89"]["plugin_acts"] == {"NvFp4W4A16Gemm": ["fp32"]}
+    assert mtp["engines"]["120"]["plugins"] == {} == mtp["engines"]["120"]["plugin_acts"]
     for name in ("target", "mtp"):
         for sm in SMS:
             built = result["components"][name]["engines"][str(sm)]
@@ -161,17 +164,25 @@ def test_kernel_library_reads_aot_output(tmp_path):
 
     from metrale.plugins.trt_plugin import KernelImage, KernelLibrary
 
-    (tmp_path / "nvfp4_w4a16_gemm.sm89.cubin").write_bytes(b"cubin-bytes")
-    (tmp_path / "nvfp4_w4a16_gemm.sm89.json").write_text(json.dumps({
-        "kernel": "nvfp4_w4a16_gemm", "symbol": "nvfp4_w4a16_gemm_kernel", "sm": 89,
-        "cubin": "nvfp4_w4a16_gemm.sm89.cubin", "num_warps": 4, "shared": 8192,
-        "global_scratch_size": 0, "profile_scratch_size": 0,
-        "constexprs": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}}))
+    meta = {"kernel": "nvfp4_w4a16_gemm", "symbol": "nvfp4_w4a16_gemm_kernel", "sm": 89,
+            "act": "bf16", "cubin": "nvfp4_w4a16_gemm.sm89.bf16.cubin", "num_warps": 4,
+            "shared": 8192, "global_scratch_size": 0, "profile_scratch_size": 0,
+            "constexprs": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}}
+    (tmp_path / "nvfp4_w4a16_gemm.sm89.bf16.cubin").write_bytes(b"cubin-bytes")
+    (tmp_path / "nvfp4_w4a16_gemm.sm89.bf16.json").write_text(json.dumps(meta))
     lib = KernelLibrary.from_dir(tmp_path)
-    assert lib.images == {"nvfp4_w4a16_gemm.sm89": KernelImage(
+    assert lib.images == {"nvfp4_w4a16_gemm.sm89.bf16": KernelImage(
         b"cubin-bytes", "nvfp4_w4a16_gemm_kernel", 4, 8192, 16, 64)}
-    with pytest.raises(RuntimeError, match="no kernel 'fp8_w8a16_gemm.sm120'.*have: nvfp4_w4a16_gemm.sm89"):
-        lib.function("fp8_w8a16_gemm.sm120")
+    assert lib.missing(["nvfp4_w4a16_gemm.sm89.fp32", "nvfp4_w4a16_gemm.sm89.bf16"]) == [
+        "nvfp4_w4a16_gemm.sm89.fp32"]
+    with pytest.raises(RuntimeError, match="no kernel 'nvfp4_w4a16_gemm.sm89.fp32'.*have: "
+                                           r"nvfp4_w4a16_gemm\.sm89\.bf16"):
+        lib.function("nvfp4_w4a16_gemm.sm89.fp32")  # same op and SM, another dtype: refused
+    # a folder compiled before kernels were keyed by dtype is refused, naming the file
+    (tmp_path / "nvfp4_w4a16_gemm.sm89.bf16.json").write_text(
+        json.dumps({k: v for k, v in meta.items() if k != "act"}))
+    with pytest.raises(ValueError, match=r"nvfp4_w4a16_gemm\.sm89\.bf16\.json: no activation dtype"):
+        KernelLibrary.from_dir(tmp_path)
 
 
 def test_plugin_creators_registered_per_sm(rtx):
@@ -183,3 +194,75 @@ def test_plugin_creators_registered_per_sm(rtx):
     for op in ("Fp8W8A16Gemm", "NvFp4W4A16Gemm"):
         assert registry.get_creator(op, "1", "") is not None
         assert again.creators[op].sm == 120 and first.creators[op].sm == 89
+
+
+def _gemm_graph(extra_fp32_node: bool = True):
+    """One NVFP4 GEMM node on x in bfloat16 and (optionally) one on x cast to float32."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k = 16, 32
+    inits = [numpy_helper.from_array(np.zeros((n, k // 2), np.int8), "packed"),
+             numpy_helper.from_array(np.zeros((n, k // 16), np.int8), "scales"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "gs")]
+    gemm = lambda x, y, name: helper.make_node("NvFp4W4A16Gemm", [x, "packed", "scales", "gs"],  # noqa: E731
+                                               [y], name=name, domain="metrale")
+    nodes = [gemm("x", "y16", "bf16_gemm")]
+    outputs = [helper.make_tensor_value_info("y16", TensorProto.BFLOAT16, [2, n])]
+    if extra_fp32_node:
+        nodes += [helper.make_node("Cast", ["x"], ["x32"], to=TensorProto.FLOAT),
+                  gemm("x32", "y32", "fp32_gemm")]
+        outputs.append(helper.make_tensor_value_info("y32", TensorProto.FLOAT, [2, n]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16,
+                                                                         [2, k])], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
+                                                    helper.make_opsetid("metrale", 1)])
+    return model, gemm
+
+
+def _parse(trt, model):
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    assert parser.parse(model.SerializeToString())
+    return builder, network, parser
+
+
+def test_plugin_layers_report_the_activation_dtype_they_run_in(rtx):
+    # x in bfloat16, and x cast to float32: the parsed, strongly typed network says which cubin
+    # each plugin layer launches — bf16 for one, fp32 for the other
+    from metrale.plugins.trt_plugin import register_plugins
+
+    model, gemm = _gemm_graph()
+    trt = rtx.trt
+    plugins = register_plugins(trt, 89)  # noqa: F841 - held while the network uses them
+    _, network, _ = _parse(trt, model)
+    assert tb.plugin_activations(trt, network, model, "g") == {"NvFp4W4A16Gemm": ["bf16", "fp32"]}
+    model.graph.node.append(gemm("x32", "y_extra", "third"))  # a node the network lacks
+    with pytest.raises(tb.EngineBuildError, match="3 metrale GEMM nodes became 2 plugin layers"):
+        tb.plugin_activations(trt, network, model, "g")
+
+
+def test_plugin_objects_are_released_when_tensorrt_destroys_them(rtx):
+    # TensorRT holds the Python plugins by borrowed pointers and calls destroy() when it is done:
+    # the keeper then lets them go, so builds (and contexts) come and go without it growing
+    import gc
+
+    from metrale.builder.trt_env import rtx_compute_capabilities
+    from metrale.plugins.trt_plugin import register_plugins
+
+    trt = rtx.trt
+    plugins = register_plugins(trt, 89)
+    keeper = plugins.library.keep_alive
+    model, _ = _gemm_graph(extra_fp32_node=False)
+    for _ in range(2):
+        builder, network, parser = _parse(trt, model)
+        assert len(keeper) >= 1  # the node's plugin, held while the network lives
+        config = builder.create_builder_config()
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(rtx_compute_capabilities(trt)[89], 0)
+        assert builder.build_serialized_network(network, config) is not None
+        del builder, network, parser, config
+        gc.collect()
+        assert len(keeper) == 0
