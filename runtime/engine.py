@@ -101,7 +101,8 @@ class LoadedEngine:
         results, see `qlinear`), target q/k/v and gate/up fused, routed experts stacked."""
         if not self.packed:
             for model in self.models().values():
-                pack_for_inference(model)
+                if isinstance(model, nn.Module):  # engine-backed faces hold their own weights
+                    pack_for_inference(model)
             self.packed = True
         return self
 
@@ -109,6 +110,8 @@ class LoadedEngine:
         """Bytes held per model: parameters and every buffer, packed copies included."""
         out = {}
         for name, model in self.models().items():
+            if not isinstance(model, nn.Module):
+                continue
             seen = {t.data_ptr(): t.numel() * t.element_size()
                     for t in (*model.parameters(), *model.buffers())}
             out[name] = sum(seen.values())

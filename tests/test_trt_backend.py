@@ -73,13 +73,16 @@ def _app():
     (("torch", "cuda:1"), (Backend.TORCH, "cuda:1")),  # the torch backend checks its own device
     (("tensorrt", None), (Backend.TENSORRT, "cuda")),
     (("tensorrt", "cuda:0"), (Backend.TENSORRT, "cuda:0")),
+    (("auto", None), (Backend.AUTO, "cpu")),
+    (("aoti", None), (Backend.AOTI, "cpu")),
 ])
 def test_backend_and_device_defaults(args, expected):
     assert resolve_backend(*args, cuda_available=True) == expected
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(backend="tpu", device=None), "--backend 'tpu': allowed values are torch, tensorrt"),
+    (dict(backend="tpu", device=None), "--backend 'tpu': allowed values are auto, torch, aoti, tensorrt"),
+    (dict(backend="aoti", device="cuda"), "--backend aoti runs the engine's CPU packages; --device cuda"),
     (dict(backend="tensorrt", device="cpu"), "needs --device cuda or cuda:N, got --device cpu"),
     (dict(backend="tensorrt", device=None, dtype="bfloat16"), "--dtype bfloat16"),
     (dict(backend="tensorrt", device=None, nproc=2), "--nproc 2"),
