@@ -85,7 +85,8 @@ class LoadedEngine:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     packed: bool = False
-    backend: str = "torch"  # what runs the target: torch (eager) or aoti (CPU packages)
+    backend: str = "torch"  # what runs the target: torch (eager), aoti (CPU packages), cuda-graphs
+    backend_note: str = ""  # why auto runs eager torch where it would have run something else
 
     @property
     def model_id(self) -> str:
@@ -147,8 +148,9 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                 tp: TensorParallel | None = None, backend: str = "torch") -> LoadedEngine:
     """Verify and load. `components` limits which optional parts are loaded (target always);
     `tp` makes every drafter this rank's tensor-parallel shard. `backend` "aoti" runs the target
-    on the directory's CPU packages (refused when it has none that fit this process), "auto"
-    does so when it can and runs eager torch otherwise."""
+    on the directory's CPU packages (refused when it has none that fit this process); "auto"
+    does so on a CPU when it can, replays the target's steps as CUDA graphs on a CUDA device
+    (`cuda_graphs`), and runs eager torch otherwise (`backend_note` says why)."""
     path = Path(engine_dir)
     manifest = load_manifest(path, verify=True)
     device = torch.device(device)
@@ -157,7 +159,7 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     target = _build(Qwen3ForCausalLM, DecoderConfig.from_hf(cfg, "target/config.json"), dtype, device)
     fill_engine_state(target, tensors, source)
     engine = LoadedEngine(path, manifest, tokenizer, target, dtype=dtype, device=device)
-    if backend in ("aoti", "auto"):
+    if backend == "aoti" or (backend == "auto" and device.type != "cuda"):
         _use_cpu_packages(engine, manifest.components["target"], backend)
     for name, info in manifest.components.items():
         kind = info.get("kind")
@@ -176,6 +178,8 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
             engine.drafters[name] = fill_engine_state(drafter, tensors, source)
         else:
             raise EngineDirError(f"engine directory {path}: component {name} has unknown kind {kind!r}")
+    if backend == "auto" and device.type == "cuda":
+        _use_cuda_graphs(engine)  # after the drafters: their taps are captured with the steps
     return engine
 
 
@@ -202,3 +206,31 @@ def _use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
     if backend == "aoti":
         raise EngineDirError(f"--backend aoti: {where}: {why}")
     log.info("%s: running eager torch (%s)", where, why)
+
+
+def graph_taps(engine: LoadedEngine) -> tuple[int, ...]:
+    """Every target layer a loaded drafter reads, in first-seen order."""
+    return tuple(dict.fromkeys(i for d in engine.drafters.values() for i in d.config.target_layer_ids))
+
+
+def _use_cuda_graphs(engine: LoadedEngine, graphs=None) -> None:
+    """Swap the target's decode face for its steps captured as CUDA graphs (see `cuda_graphs`);
+    on any failure keep eager torch, logging and recording why (`engine.backend_note`).
+    `graphs` replaces the CUDA capture (tests pass `cuda_graphs.EagerGraphs`)."""
+    from metrale.runtime.cuda_graphs import load_graph_target
+
+    model, why = engine.target, None
+    try:
+        pack_for_inference(model)
+        target = load_graph_target(model, graph_taps(engine), graphs=graphs)
+    except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager target
+        why = f"{type(exc).__name__}: {exc}"
+    if why is not None:  # out of the handler: the traceback's frames (and their buffers) are gone
+        engine.target, engine.backend = model, "torch"
+        engine.backend_note = f"CUDA graphs failed, running eager torch: {why}"
+        log.warning("engine directory %s: %s", engine.path, engine.backend_note)
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return
+    engine.target, engine.backend = target, target.runner.graphs.name
+    engine.backend_note = ""

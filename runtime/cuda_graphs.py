@@ -1,0 +1,265 @@
+"""The `cuda-graphs` backend: the target's decode and verify steps replayed as CUDA graphs.
+
+What `--backend auto` runs on a CUDA device (`--backend torch` there stays plain eager). The
+step is `cpu_steps.TargetStep` over the packed target with `linear="gemm"`, run as eager torch
+modules on the GPU and captured, as gpt-fast does with its decode step, once per row count of
+`ROWS` and slot bucket of `slot_buckets(...)` into a `torch.cuda.CUDAGraph`:
+
+- `GraphRunner` owns every input the graphs read: one static ids tensor [1, T] per row count,
+  one position tensor [1], and one static KV set (per layer K and V [S_max, nkv, hd]) whose
+  prefixes `[:S]` are the slot buckets' caches (a prefix of a slot-major buffer is contiguous,
+  see `cpu_steps`), so every bucket shares the same memory. Each graph is warmed up on a side
+  stream before its capture (as PyTorch's docs require); all graphs share one memory pool,
+  which is safe because they replay one after another on one stream and every output is cloned
+  before the next replay.
+- `run(ids, pos, *kv)` of a (rows, slots) package copies ids and pos into the static inputs,
+  refuses kv tensors that are not the bucket's static ones (`ForeignCache`), replays, and
+  returns clones of the outputs. The packages plug into `cpu_engine.CompiledTarget` as
+  `Package.run` callables: padding, chunking of long prompts and the per-request slot bucket
+  are its own; its `new_cache` asks `GraphRunner.new_cache` for the bucket's static views.
+- One sequence at a time, as the decode loop runs (the server decodes one request at a time):
+  handing out a cache retires the one handed out before it, whose later use is refused instead
+  of silently sharing the buffers. A handed-out cache starts zeroed.
+
+Exact verify (one row per forward) replays the one-row graph exactly as plain decoding does, so
+greedy output is plain decoding's token for token; chunkwise verify replays a multi-row graph,
+whose rows may differ from one-row steps in the last bits (cuBLAS picks kernels by M).
+
+`graphs` abstracts capture and replay: `CudaGraphs` on a GPU; `EagerGraphs` runs the captured
+function again at each replay, writing into the captured outputs as a replay does, so the
+runner's bookkeeping is testable without a GPU. Nothing but tests passes `EagerGraphs`.
+`load_graph_target` raises on any failure; `engine._use_cuda_graphs` falls back to eager torch
+and records why.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from metrale.runtime.cpu_engine import CompiledTarget, Package, StaticKVCache
+
+log = logging.getLogger(__name__)
+
+ROWS = (1, 8, 32)  # one-row decode steps; verify steps (up to 8 rows); prompt chunks
+BASE_SLOTS = (256, 1088)  # slot buckets a request picks from (as the CPU packages')
+WARMUP = 3  # eager runs on a side stream before each capture
+
+
+class ForeignCache(ValueError):
+    """kv tensors a graph cannot read: not the runner's static buffers, or a retired cache's."""
+
+
+def slot_buckets(max_positions: int, rows: int = ROWS[-1]) -> tuple[int, ...]:
+    """The base buckets below the top one, ×4 steps above them while under half the top, then
+    the top: `max_positions` plus room for a padded step and the decode loop's margin (64
+    slots, at least `rows` + 17)."""
+    top = max_positions + max(64, rows + 17)
+    out = [s for s in BASE_SLOTS if s < top]
+    s = out[-1] * 4 if out else top
+    while 2 * s <= top:
+        out.append(s)
+        s *= 4
+    return tuple(out) + (top,)
+
+
+class CudaGraphs:
+    """Capture and replay with `torch.cuda.CUDAGraph`, all graphs in one memory pool."""
+
+    name = "cuda-graphs"
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available")
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def warmup(self, fn) -> None:
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+
+    def capture(self, fn):
+        """-> (graph, outputs): the outputs are the graph's static output tensors."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):
+            outs = fn()
+        torch.cuda.synchronize(self.device)
+        return graph, outs
+
+    def replay(self, graph) -> None:
+        graph.replay()
+
+
+class _Recorded:
+    def __init__(self, fn, outs):
+        self.fn, self.outs = fn, outs
+
+
+class EagerGraphs:
+    """A stand-in with `CudaGraphs`' face for machines without CUDA (tests only): `capture`
+    runs the function once and keeps it with its outputs; `replay` runs it again and copies its
+    results into those outputs, which is what a replay leaves in a graph's static outputs."""
+
+    name = "eager-graphs"
+
+    def __init__(self, device: torch.device | None = None):
+        self.captured = 0
+        self.replays = 0
+
+    def warmup(self, fn) -> None:
+        for _ in range(WARMUP):
+            fn()
+
+    def capture(self, fn):
+        self.captured += 1
+        outs = tuple(fn())
+        return _Recorded(fn, outs), outs
+
+    def replay(self, graph: _Recorded) -> None:
+        self.replays += 1
+        for out, now in zip(graph.outs, graph.fn()):
+            out.copy_(now)
+
+
+class GraphKVCache(StaticKVCache):
+    """A cache over a runner's static KV views; `retired` once a later cache is handed out."""
+
+    def __init__(self, kv: list[torch.Tensor], slots: int, device: torch.device):
+        self.kv, self.length = kv, 0
+        self.slots, self._device = slots, device
+        self.retired = False
+
+    @property
+    def max_len(self) -> int:
+        return self.slots
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+
+class GraphRunner:
+    """Static inputs, static KV, one captured graph per (rows, slots); see the module docstring."""
+
+    def __init__(self, step: torch.nn.Module, *, layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, rows: tuple[int, ...] = ROWS,
+                 slots: tuple[int, ...] = BASE_SLOTS, graphs=None):
+        self.step, self.device = step, torch.device(device)
+        self.graphs = graphs if graphs is not None else CudaGraphs(self.device)
+        self.rows, self.slots = tuple(sorted(set(rows))), tuple(sorted(set(slots)))
+        if 1 not in self.rows:
+            raise ValueError(f"rows {self.rows}: the one-row decode step is needed")
+        with torch.inference_mode():
+            shape = (self.slots[-1], kv_heads, head_dim)
+            self.kv = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2 * layers)]
+            self.views = {s: [t[:s] for t in self.kv] for s in self.slots}
+            self.ids = {r: torch.zeros(1, r, dtype=torch.long, device=self.device) for r in self.rows}
+            self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.captured: dict[tuple[int, int], tuple[object, tuple[torch.Tensor, ...]]] = {}
+        self.replays = 0
+        self._current = None  # weakref to the cache handed out last
+
+    def capture_all(self) -> "GraphRunner":
+        """Warm up and capture every (rows, slots) graph; raises on the first failure."""
+        with torch.inference_mode():
+            for s in self.slots:
+                for r in self.rows:
+                    fn = self._step_fn(r, s)
+                    self.graphs.warmup(fn)
+                    graph, outs = self.graphs.capture(fn)
+                    self.captured[(r, s)] = (graph, tuple(outs))
+            for t in self.kv:  # warm-up and capture wrote K/V of dummy tokens
+                t.zero_()
+        log.info("%s: captured %d target step graphs (rows %s, slots %s)", self.graphs.name,
+                 len(self.captured), self.rows, self.slots)
+        return self
+
+    def _step_fn(self, rows: int, slots: int):
+        ids, pos, kv, step = self.ids[rows], self.pos, self.views[slots], self.step
+        return lambda: step(ids, pos, *kv)
+
+    def new_cache(self, slots: int) -> GraphKVCache:
+        """The bucket's static views, zeroed, as a fresh cache; the previous cache is retired."""
+        if slots not in self.views:
+            raise ValueError(f"no CUDA graphs over {slots} slots (buckets: {self.slots})")
+        old = self._current() if self._current is not None else None
+        if old is not None:
+            old.retired, old.kv = True, []
+        with torch.inference_mode():
+            for t in self.views[slots]:
+                t.zero_()
+        cache = GraphKVCache(list(self.views[slots]), slots, self.device)
+        self._current = weakref.ref(cache)
+        return cache
+
+    def package(self, rows: int, slots: int) -> Package:
+        return Package(rows, slots, lambda ids, pos, *kv: self.run(rows, slots, ids, pos, *kv))
+
+    def packages(self) -> list[Package]:
+        return [self.package(r, s) for (r, s) in sorted(self.captured)]
+
+    def run(self, rows: int, slots: int, ids: torch.Tensor, pos: torch.Tensor,
+            *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        graph, outs = self.captured[(rows, slots)]
+        mine = self.views[slots]
+        if len(kv) != len(mine) or any(a is not b for a, b in zip(kv, mine)):
+            what = ("a retired cache: a later new_cache took the buffers (this target decodes "
+                    "one sequence at a time)") if not kv else \
+                f"{len(kv)} tensors that are not them (a cache not made by this target's new_cache)"
+            raise ForeignCache(f"the CUDA-graph target reads only its own static KV buffers of "
+                               f"{slots} slots; got {what}")
+        if tuple(ids.shape) != (1, rows):
+            raise ValueError(f"ids {tuple(ids.shape)}: the {rows}-row graph takes [1, {rows}]")
+        with torch.inference_mode():
+            self.ids[rows].copy_(ids, non_blocking=True)
+            self.pos.copy_(pos.reshape(1), non_blocking=True)
+            self.graphs.replay(graph)
+            self.replays += 1
+            return tuple(o.clone() for o in outs)
+
+    def stats(self) -> dict:
+        return {"graphs": len(self.captured), "replays": self.replays, "rows": list(self.rows),
+                "slots": list(self.slots), "kind": self.graphs.name}
+
+
+class GraphTarget(CompiledTarget):
+    """`CompiledTarget` over a `GraphRunner`'s packages, its caches the runner's static views."""
+
+    def __init__(self, model, runner: GraphRunner, taps: tuple[int, ...]):
+        super().__init__(model, runner.packages(), taps)
+        self.runner = runner
+
+    def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        if batch != 1:
+            raise ValueError("the cuda-graphs backend decodes one sequence per cache")
+        need = max_len + self.max_rows
+        fits = [s for s in self.slot_buckets if s >= need]
+        if not fits:
+            raise ValueError(f"a sequence of {max_len} positions needs {need} slots; the CUDA "
+                             f"graphs hold at most {self.slot_buckets[-1]}")
+        return self.runner.new_cache(fits[0])
+
+
+def load_graph_target(model, taps: tuple[int, ...], *, rows: tuple[int, ...] = ROWS,
+                      slots: tuple[int, ...] | None = None, graphs=None) -> GraphTarget:
+    """Capture the packed `model`'s steps (see the module docstring); raises on any failure."""
+    from metrale.runtime.cpu_steps import TargetStep
+
+    c = model.config
+    device = model.model.embed_tokens.weight.device
+    step = TargetStep(model, taps, "gemm").to(device).eval()
+    runner = GraphRunner(step, layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads,
+                         head_dim=c.head_dim, dtype=model.dtype, device=device, rows=rows,
+                         slots=slots or slot_buckets(c.max_position_embeddings, max(rows)),
+                         graphs=graphs)
+    return GraphTarget(model, runner.capture_all(), taps)
