@@ -188,7 +188,8 @@ def bench(
                          "speedup": round(ref["tokens_per_s"] / plain_tps, 3),
                          "identical_to_plain": same})
         result = {"engine_dir": str(engine_dir), "prompts": len(prompts), "max_tokens": max_tokens,
-                  "backend": getattr(engine, "backend", backend_kind.value), "device": device, "dtype": dtype,
+                  "backend": getattr(engine, "backend", backend_kind.value),
+                  "backend_note": getattr(engine, "backend_note", ""), "device": device, "dtype": dtype,
                   "cost_model_ms": costs, "target_rows_ms": row_costs, "repeats": repeats,
                   "threads": torch_threads(),
                   "quantization": engine.manifest.build.get("draft_weight_quantization"),
@@ -211,6 +212,8 @@ def bench(
                       f"{split['draft']:.0%}/{split['verify']:.0%}/{split['host']:.0%}",
                       str(r.get("identical_to_plain", "")))
         out.print(t)
+        if result["backend_note"]:
+            out.print(result["backend_note"])
         out.print(f"backend {result['backend']}; target forward by rows (ms): "
                   + ", ".join(f"{r}:{c:.3f}" for r, c in row_costs.items()))
         if costs:

@@ -55,6 +55,8 @@ def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 
         def step(r=r):
             target(rows[:, :r], cache, start=base, taps=taps)
             cache.length = base
+            if device.type == "cuda":  # the step's kernels, not only their launches
+                torch.cuda.synchronize(device)
         costs[r] = round(median_ms(step, calls), 4)
     return costs
 

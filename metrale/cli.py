@@ -259,7 +259,8 @@ def generate(
                 "finish_reason": result.finish_reason, "accepted_per_step": [s.accepted for s in result.steps],
                 "drafted_per_step": [s.drafted for s in result.steps], "steps": m.steps, "tau": m.tau,
                 "tokens_per_s": round(result.tokens_per_s, 2), "seconds": round(result.seconds, 4),
-                "mode": spec.mode.value}) + "\n")
+                "mode": spec.mode.value, "backend": getattr(gen.engine, "backend", backend),
+                "backend_note": getattr(gen.engine, "backend_note", "")}) + "\n")
         else:
             sys.stdout.write(text + "\n")
 

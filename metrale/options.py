@@ -18,7 +18,9 @@ EngineDir = Annotated[Path, typer.Option("--engine-dir", help="An engine directo
 Device = Annotated[Optional[str], typer.Option(
     help="Torch device: cpu or cuda[:N]. Default: cpu, or cuda with --backend tensorrt.")]
 BACKEND_HELP = ("What runs the models. auto (default): aoti on a CPU when the engine directory has "
-                "CPU packages built for this machine, torch otherwise. torch: the engine directory's "
+                "CPU packages built for this machine; on a CUDA device the target's decode and verify "
+                "steps replayed as CUDA graphs (eager torch if capturing fails); torch otherwise. "
+                "torch: the engine directory's "
                 "safetensors in eager PyTorch, on CPU or GPU. aoti: the target's AOTInductor packages "
                 "(built with --cpu-engines aoti; CPU only; the drafters and the MTP head run in eager "
                 "PyTorch). tensorrt: its TensorRT engines for this GPU's SM, with CUDA graphs for the "

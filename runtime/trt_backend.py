@@ -64,7 +64,7 @@ KV = ("past_key", "past_value")
 
 
 class Backend(str, enum.Enum):
-    AUTO = "auto"  # aoti on a CPU when the engine directory has fitting packages, else torch
+    AUTO = "auto"  # aoti on a CPU with fitting packages, CUDA graphs on a GPU, else torch
     TORCH = "torch"
     AOTI = "aoti"
     TENSORRT = "tensorrt"
