@@ -3,10 +3,13 @@
     python scripts/gpu_checks.py run OUT_DIR           the whole run (below)
     python scripts/gpu_checks.py env OUT.json          the GPU, its SM, package versions, the
                                                        TensorRT flavour that builds for the SM
-    python scripts/gpu_checks.py spec ENGINE_DIR OUT.json
-                                                       `metrale generate --device cuda` (the torch
-                                                       backend) in every speculative mode with
-                                                       --exact-verify: token ids equal plain's
+    python scripts/gpu_checks.py spec ENGINE_DIR OUT.json [BACKEND]
+                                                       `metrale generate --device cuda` (--backend
+                                                       auto: the target's steps as CUDA graphs) in
+                                                       every speculative mode with --exact-verify:
+                                                       token ids equal plain's, every run on
+                                                       BACKEND (default cuda-graphs); plain eager
+                                                       (--backend torch) recorded beside them
 
 The run, in order, each step a subprocess under its own time cap and the whole under
 $METRALE_GPU_BUDGET_S (default 450 s; a step that would start with under 20 s left is skipped):
@@ -18,8 +21,9 @@ $METRALE_GPU_BUDGET_S (default 450 s; a step that would start with under 20 s le
   cubins        cubins.json: the AOT cubins for this SM launched through the driver API
   build         the tiny engine directory (torch weights; no TensorRT), or the one built
                 elsewhere that $METRALE_GPU_ENGINES names (this machine may lack ModelOpt)
-  torch-cuda    torch-cuda.json: every speculative mode on CUDA, exact verify == plain
-  bench-torch-cuda  bench-torch-cuda.json: `metrale bench --device cuda`
+  torch-cuda    torch-cuda.json: every speculative mode on CUDA graphs, exact verify == plain,
+                and the backend that ran (a fall-back to eager torch fails the step, with why)
+  bench-torch-cuda  bench-torch-cuda.json: `metrale bench --device cuda` (CUDA graphs)
   targets       DFlash2 >= 1.5x, DFlash >= 1.3x, best MTP >= 1.5x plain, exact modes == plain
   trt-build, pytest-trt, bench-tensorrt   only where a TensorRT flavour builds this SM
 Each step's outcome (ok, failed, skipped) goes to summary.json the moment it ends, with why a
@@ -144,7 +148,8 @@ def spec_modes(engine_dir: Path) -> list[tuple[str, list[str]]]:
     return modes
 
 
-def cmd_spec(engine_dir: Path, out: Path, max_tokens: int = 32, prompts: int = 3) -> int:
+def cmd_spec(engine_dir: Path, out: Path, max_tokens: int = 32, prompts: int = 3,
+             expect_backend: str = "cuda-graphs") -> int:
     from typer.testing import CliRunner
 
     from metrale.cli import app
@@ -161,30 +166,60 @@ def cmd_spec(engine_dir: Path, out: Path, max_tokens: int = 32, prompts: int = 3
                                f"{r.output[-2000:]}")
         return json.loads(r.output.strip().splitlines()[-1])
 
-    report = {"engine_dir": str(engine_dir), "max_tokens": max_tokens, "modes": []}
+    def on_backend(rows: list[dict]) -> tuple[bool, str]:
+        """Did every run go through `expect_backend`? If not, which ran and why."""
+        ran = sorted({r.get("backend", "?") for r in rows})
+        if ran == [expect_backend]:
+            return True, ""
+        notes = sorted({r.get("backend_note") for r in rows if r.get("backend_note")})
+        return False, f"ran on {', '.join(ran)}, not {expect_backend}" + (
+            f": {'; '.join(notes)}" if notes else "")
+
+    report = {"engine_dir": str(engine_dir), "max_tokens": max_tokens,
+              "expect_backend": expect_backend, "modes": []}
 
     def save():
         report["failed"] = sum(not m["ok"] for m in report["modes"])
         out.write_text(json.dumps(report, indent=2) + "\n")
 
+    t0 = time.perf_counter()
     plain = [generate(t, []) for t in texts]
-    report["modes"].append({"mode": "plain", "ok": True,
-                            "tokens_per_s": [p["tokens_per_s"] for p in plain]})
+    ok, why = on_backend(plain)
+    report["backend"] = plain[0].get("backend")
+    report["modes"].append({"mode": "plain", "ok": ok, "backend": report["backend"],
+                            **({"error": why} if why else {}),
+                            "tokens_per_s": [p["tokens_per_s"] for p in plain],
+                            "seconds": round(time.perf_counter() - t0, 2)})
+    save()
+    t0 = time.perf_counter()
+    try:  # the eager backend beside the graphs: recorded, not required equal (other arithmetic)
+        eager = [generate(t, ["--backend", "torch"]) for t in texts]
+        same = [e["token_ids"] == p["token_ids"] for e, p in zip(eager, plain)]
+        entry = {"mode": "plain --backend torch", "ok": True, "backend": eager[0].get("backend"),
+                 "identical_to_plain_info": sum(same), "prompts": len(texts),
+                 "tokens_per_s": [e["tokens_per_s"] for e in eager]}
+    except Exception as exc:  # noqa: BLE001 - every run is reported
+        entry = {"mode": "plain --backend torch", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    entry["seconds"] = round(time.perf_counter() - t0, 2)
+    report["modes"].append(entry)
     save()
     for name, flags in spec_modes(engine_dir):
         t0 = time.perf_counter()
         try:
             rows = [generate(t, [*flags, "--exact-verify"]) for t in texts]
             same = [r["token_ids"] == p["token_ids"] for r, p in zip(rows, plain)]
-            entry = {"mode": name + " exact", "ok": all(same), "identical_to_plain": sum(same),
-                     "prompts": len(texts), "tau": [r["tau"] for r in rows],
+            ok, why = on_backend(rows)
+            entry = {"mode": name + " exact", "ok": all(same) and ok, "identical_to_plain": sum(same),
+                     "prompts": len(texts), "backend": rows[0].get("backend"),
+                     **({"error": why} if why else {}), "tau": [r["tau"] for r in rows],
                      "tokens_per_s": [r["tokens_per_s"] for r in rows]}
         except Exception as exc:  # noqa: BLE001 - every mode is reported
             entry = {"mode": name + " exact", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         entry["seconds"] = round(time.perf_counter() - t0, 2)
         report["modes"].append(entry)
         save()
-        print(("ok  " if entry["ok"] else "FAIL") + f"  {entry['mode']}", flush=True)
+        print(("ok  " if entry["ok"] else "FAIL") + f"  {entry['mode']}" +
+              (f" ({entry['error']})" if "error" in entry else ""), flush=True)
     return 1 if report["failed"] else 0
 
 
@@ -194,7 +229,7 @@ def speedup_targets(bench: dict, prompts: int) -> tuple[bool, str]:
     rows = bench.get("modes") or []
     if not rows or any("speedup" not in r for r in rows):
         return False, "the bench JSON has no per-mode speedup"
-    parts, ok = [], True
+    parts, ok = [f"backend {bench.get('backend', '?')}"], True
     for family, least in TARGETS:
         best = max((r["speedup"] for r in rows if r["mode"].split()[0] == family), default=None)
         if best is None:
@@ -251,10 +286,14 @@ class Recorder:
             if name in ("kernels", "cubins"):
                 data = {k: data.get(k) for k in ("sm", "passed", "failed")}
             elif name == "torch-cuda":
-                data = {m["mode"]: m.get("identical_to_plain", m.get("error")) for m in data["modes"]}
+                data = {"backend": data.get("backend"),
+                        **{m["mode"]: m.get("error", m.get("identical_to_plain",
+                                                          m.get("identical_to_plain_info")))
+                           for m in data["modes"]}}
             elif name.startswith("bench"):
-                data = {m["mode"]: {k: m.get(k) for k in ("tokens_per_s", "tau", "speedup")}
-                        for m in data.get("modes", [])}
+                data = {"backend": data.get("backend"), "backend_note": data.get("backend_note"),
+                        **{m["mode"]: {k: m.get(k) for k in ("tokens_per_s", "tau", "speedup")}
+                           for m in data.get("modes", [])}}
             summary[name] = data
         tmp = self.out / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
@@ -440,8 +479,8 @@ def main(argv: list[str]) -> int:
         return cmd_run(Path(argv[1]).resolve())
     if len(argv) == 2 and argv[0] == "env":
         return cmd_env(Path(argv[1]))
-    if len(argv) == 3 and argv[0] == "spec":
-        return cmd_spec(Path(argv[1]), Path(argv[2]))
+    if len(argv) in (3, 4) and argv[0] == "spec":
+        return cmd_spec(Path(argv[1]), Path(argv[2]), expect_backend=(argv[3:] or ["cuda-graphs"])[0])
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -126,8 +126,9 @@ def _bench(speedups: dict, identical: int = 4) -> dict:
 def test_speedup_targets():
     good = _bench({"mtp k=1": 1.3, "mtp k=3": 1.6, "mtp k=3 exact": 1.2, "dflash γ=8": 1.35,
                    "dflash γ=8 exact": 1.1, "dflash2 γ=8": 1.7})
-    ok, note = gc.speedup_targets(good, 4)
+    ok, note = gc.speedup_targets({**good, "backend": "cuda-graphs"}, 4)
     assert ok, note
+    assert note.startswith("backend cuda-graphs; ")
     assert "dflash2 1.70x (>= 1.5x: yes)" in note and "mtp 1.60x" in note and "dflash 1.35x" in note
     ok, note = gc.speedup_targets(_bench({"mtp k=3": 1.6, "mtp k=3 exact": 1.2, "dflash γ=8": 1.2,
                                           "dflash2 γ=8": 1.7}), 4)
@@ -158,10 +159,22 @@ def test_the_spec_check_compares_exact_verify_with_plain_through_the_cli(tiny_en
         self, app, ["cpu" if a == "cuda" else a for a in args]))
     monkeypatch.setattr(gc, "spec_modes", lambda d: [("mtp k=3", ["--speculative"]),
                                                      ("dflash2", ["--dflash", "--dflash-drafter", "dflash2"])])
-    assert gc.cmd_spec(tiny_engine_dir, tmp_path / "spec.json", max_tokens=12, prompts=2) == 0
+    # on a CPU without packages auto runs eager torch; on the GPU the check expects cuda-graphs
+    assert gc.cmd_spec(tiny_engine_dir, tmp_path / "spec.json", max_tokens=12, prompts=2,
+                       expect_backend="torch") == 0
     report = json.loads((tmp_path / "spec.json").read_text())
-    assert [m["mode"] for m in report["modes"]] == ["plain", "mtp k=3 exact", "dflash2 exact"]
-    assert report["failed"] == 0 and all(m["identical_to_plain"] == 2 for m in report["modes"][1:])
+    assert [m["mode"] for m in report["modes"]] == ["plain", "plain --backend torch",
+                                                    "mtp k=3 exact", "dflash2 exact"]
+    assert report["failed"] == 0 and all(m["identical_to_plain"] == 2 for m in report["modes"][2:])
+    assert report["backend"] == "torch" and all(m["backend"] == "torch" for m in report["modes"])
+    assert report["modes"][1]["identical_to_plain_info"] == 2
+    # a run that did not go through the expected backend fails, saying which ran
+    monkeypatch.setattr(gc, "spec_modes", lambda d: [("mtp k=1", ["--speculative", "--num-drafts", "1"])])
+    assert gc.cmd_spec(tiny_engine_dir, tmp_path / "graphs.json", max_tokens=4, prompts=1) == 1
+    report = json.loads((tmp_path / "graphs.json").read_text())
+    assert report["expect_backend"] == "cuda-graphs" and report["failed"] == 2
+    assert report["modes"][0]["error"] == "ran on torch, not cuda-graphs"
+    assert report["modes"][2]["identical_to_plain"] == 1 and not report["modes"][2]["ok"]
 
 
 def _kernels_script():
