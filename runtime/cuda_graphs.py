@@ -43,7 +43,7 @@ from metrale.runtime.cpu_engine import CompiledTarget, Package, StaticKVCache
 
 log = logging.getLogger(__name__)
 
-ROWS = (1, 8, 32)  # one-row decode steps; verify steps (up to 8 rows); prompt chunks
+ROWS = (1, 8, 16)  # one-row decode steps; verify steps of up to 8 / 16 rows, prompt chunks
 BASE_SLOTS = (256, 1088)  # slot buckets a request picks from (as the CPU packages')
 WARMUP = 3  # eager runs on a side stream before each capture
 

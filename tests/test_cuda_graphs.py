@@ -37,14 +37,14 @@ def test_slot_buckets_cover_the_context():
     assert slot_buckets(100) == (164,)
     assert slot_buckets(32768) == (256, 1088, 4352, 32832)
     for n in (100, 1024, 4096, 32768):  # the decode loop's largest cache plus a padded prompt chunk
-        assert slot_buckets(n)[-1] >= n + 17 + 32
+        assert slot_buckets(n)[-1] >= n + 17 + 16
 
 
 def test_every_row_count_and_bucket_is_captured_over_shared_static_kv(graph_target):
     runner = graph_target.runner
-    assert set(runner.captured) == {(r, s) for s in (64, 128) for r in (1, 8, 32)}
+    assert set(runner.captured) == {(r, s) for s in (64, 128) for r in (1, 8, 16)}
     assert runner.graphs.captured == 6
-    assert graph_target.slot_buckets == [64, 128] and graph_target.max_rows == 32
+    assert graph_target.slot_buckets == [64, 128] and graph_target.max_rows == 16
     assert all(t.shape[0] == 128 and not t.any() for t in runner.kv)  # zeroed after capture
     small = runner.views[64]
     assert all(v.data_ptr() == t.data_ptr() and v.is_contiguous() for v, t in zip(small, runner.kv))
@@ -52,15 +52,15 @@ def test_every_row_count_and_bucket_is_captured_over_shared_static_kv(graph_targ
 
 def test_new_cache_hands_out_the_bucket_views_zeroed(graph_target):
     runner = graph_target.runner
-    cache = graph_target.new_cache(1, 20)  # 20 + 32 rows of a padded chunk fit 64 slots
+    cache = graph_target.new_cache(1, 20)  # 20 + 16 rows of a padded chunk fit 64 slots
     assert cache.max_len == 64 and cache.length == 0
     assert all(a is b for a, b in zip(cache.kv, runner.views[64]))
     with torch.inference_mode():
         graph_target(_ids(5), cache)
     assert runner.kv[0][:5].abs().sum() > 0
-    assert graph_target.new_cache(1, 40).max_len == 128  # 40 + 32 > 64
+    assert graph_target.new_cache(1, 50).max_len == 128  # 50 + 16 > 64
     assert not runner.kv[0].any()  # the new cache starts zeroed
-    with pytest.raises(ValueError, match="needs 160 slots"):
+    with pytest.raises(ValueError, match="needs 144 slots"):
         graph_target.new_cache(1, 128)
     with pytest.raises(ValueError, match="one sequence per cache"):
         graph_target.new_cache(2, 8)
@@ -69,17 +69,17 @@ def test_new_cache_hands_out_the_bucket_views_zeroed(graph_target):
 def test_outputs_match_the_eager_steps_bit_for_bit_and_are_clones(graph_target, packed):
     """The same steps run as plain packages (no runner): identical bits, whichever rows."""
     step = TargetStep(packed, TAPS, "gemm").eval()
-    eager = CompiledTarget(packed, [Package(r, s, step) for s in (64, 128) for r in (1, 8, 32)], TAPS)
+    eager = CompiledTarget(packed, [Package(r, s, step) for s in (64, 128) for r in (1, 8, 16)], TAPS)
     ids = _ids(40, seed=1)
     replays = graph_target.runner.replays
     a, b = graph_target.new_cache(1, 60), eager.new_cache(1, 60)
     with torch.inference_mode():
-        for lo, hi in ((0, 35), (35, 36), (36, 40)):  # two prompt chunks, a decode step, a verify
+        for lo, hi in ((0, 35), (35, 36), (36, 40)):  # padded prompt chunks, a decode step, a verify
             got = graph_target(ids[:, lo:hi], a, taps=TAPS)
             want = eager(ids[:, lo:hi], b, taps=TAPS)
             for field in ("logits", "last_hidden", "taps"):
                 assert torch.equal(getattr(got, field), getattr(want, field)), field
-        assert graph_target.runner.replays == replays + 4
+        assert graph_target.runner.replays == replays + 5  # 35 rows: 16 + 16 + 3
         # outputs are the caller's: the next replay leaves them as they were
         kept = got.logits.clone()
         graph_target(ids[:, 40 - 1:40], a, start=39)
