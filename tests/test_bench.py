@@ -33,7 +33,7 @@ def test_bench_json(tiny_engine_dir, tmp_path):
                              catch_exceptions=False)
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
-    assert data["backend"] == "torch" and data["threads"] == 1
+    assert data["backend"] == "torch" and data["backend_note"] == "" and data["threads"] == 1
     assert sorted(map(int, data["target_rows_ms"])) == list(range(1, 9))
     modes = {r["mode"]: r for r in data["modes"]}
     assert {"plain", "mtp k=2", "dflash γ=8", "transformers generate"} <= set(modes)

@@ -74,6 +74,7 @@ def test_generate_json_and_inspect(tiny_engine_dir):
     assert len(row["token_ids"]) == 12 or row["finish_reason"] == "stop"
     assert sum(row["accepted_per_step"]) + len(row["accepted_per_step"]) + 1 == len(row["token_ids"])
     assert row["tau"] >= 1.0 and row["tokens_per_s"] > 0
+    assert row["backend"] == "torch" and row["backend_note"] == ""  # auto, no CPU packages
     r = invoke("inspect", "--engine-dir", str(tiny_engine_dir), "--json")
     assert json.loads(r.output)["components"]["dflash"]["kind"] == "dflash"
     assert "dflash2" in plain_text(invoke("inspect", "--engine-dir", str(tiny_engine_dir)).output)
