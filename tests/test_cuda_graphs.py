@@ -232,3 +232,51 @@ def test_cuda_graphs_on_gpu_decode_like_plain_greedy_in_every_mode(tiny_engine_d
         spec = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags, exact_verify=True))
         assert [spec.generate(ids, params).token_ids for ids in tiny_prompts] == want, flags
     assert engine.target.runner.replays > replays
+
+
+def test_cuda_capture_follows_the_documented_sequence(monkeypatch):
+    """`CudaGraphs` against a recording stand-in of `torch.cuda`: warm-up on a side stream that
+    waits for the current one (and is waited for), capture inside `torch.cuda.graph` with the
+    shared pool, replay through the graph; the real `torch.cuda.graph` takes `pool`."""
+    import contextlib
+    import inspect
+
+    from metrale.runtime.cuda_graphs import WARMUP, CudaGraphs
+
+    assert "pool" in inspect.signature(torch.cuda.graph.__init__).parameters
+    calls = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(f"{self.name} waits {other.name}")
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    @contextlib.contextmanager
+    def ctx(what):
+        calls.append(f"enter {what}")
+        yield
+        calls.append(f"exit {what}")
+
+    main = Stream("main")
+    for name, value in {"is_available": lambda: True, "graph_pool_handle": lambda: "pool-0",
+                        "Stream": Stream, "current_stream": lambda: main, "CUDAGraph": Graph,
+                        "stream": lambda s: ctx(f"stream {s.name}"), "device": lambda d: ctx("device"),
+                        "graph": lambda g, pool=None: ctx(f"capture pool={pool}"),
+                        "synchronize": lambda *a: calls.append("sync")}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    graphs = CudaGraphs(torch.device("cuda"))
+    graphs.warmup(lambda: calls.append("step"))
+    assert calls == ["enter device", "side waits main", "enter stream side", *["step"] * WARMUP,
+                     "exit stream side", "main waits side", "sync", "exit device"]
+    calls.clear()
+    graph, outs = graphs.capture(lambda: calls.append("step") or ("logits",))
+    assert calls == ["enter device", "enter capture pool=pool-0", "step", "exit capture pool=pool-0",
+                     "exit device", "sync"] and outs == ("logits",)
+    graphs.replay(graph)
+    assert calls[-1] == "replay"
