@@ -199,6 +199,8 @@ def _use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
             if backend == "aoti":
                 raise
             why = str(exc)
+        except (RuntimeError, OSError) as exc:  # the package's code would not load here
+            why = f"its CPU packages do not load in this process ({exc})"
     if backend == "aoti":
         raise EngineDirError(f"--backend aoti: {where}: {why}")
     log.info("%s: running eager torch (%s)", where, why)
