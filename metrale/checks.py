@@ -23,7 +23,7 @@ from metrale.runtime.errors import ConfigError
 def int_range(flag: str, value: int, lowest: int, highest: int | None = None) -> int:
     """`value` if lowest <= value <= highest, else a refusal naming the flag."""
     if value < lowest or (highest is not None and value > highest):
-        allowed = f"at least {lowest}" if highest is None else f"from {lowest} to {highest}"
+        allowed = f"of at least {lowest}" if highest is None else f"from {lowest} to {highest}"
         raise ConfigError(f"{flag} {value}: expected an integer {allowed}")
     return value
 
@@ -114,18 +114,23 @@ def writable_dir(flag: str, folder: Path, shown: str) -> None:
     os.rmdir(probe)
 
 
-def output_dir(flag: str, value: Path) -> Path:
-    """An output directory: not empty text, not a filesystem root, creatable where it goes."""
+def output_dir(flag: str, value: str | Path) -> Path:
+    """An output directory: not empty text, not a filesystem root nor the current directory,
+    creatable where it goes."""
     shown = os.fspath(value)
     if not shown.strip():
         raise ConfigError(f"{flag} {shown!r}: expected a directory path")
     final = Path(os.path.abspath(shown))
     if final == final.parent:
         raise ConfigError(f"{flag} {shown!r}: a filesystem root cannot be an engine directory")
+    cwd = Path.cwd()
+    if final == cwd or final in cwd.parents:
+        raise ConfigError(f"{flag} {shown!r}: is the current directory or holds it; a build "
+                          "replaces its output directory, so name a folder inside it")
     if final.exists() and not final.is_dir():
         raise ConfigError(f"{flag} {shown!r}: exists and is not a directory")
     writable_dir(flag, final.parent, shown)
-    return value
+    return Path(value)
 
 
 def output_file(flag: str, value: Path) -> Path:

@@ -34,6 +34,10 @@ def say_error(message: str) -> None:
     err.print(Text("error: ", style="bold red") + Text(message), highlight=False, soft_wrap=True)
 
 
+def say_warning(message: str) -> None:
+    err.print(Text("warning: ", style="bold yellow") + Text(message), highlight=False, soft_wrap=True)
+
+
 @contextlib.contextmanager
 def user_errors():
     """MetraleError -> its message, exit 2; an OS error (a file, a folder, a port) -> its
@@ -75,7 +79,7 @@ MTP_NVFP4_HELP = (
 @app.command()
 def build(
     recipe: Annotated[Optional[Path], typer.Option(help="Build recipe (TOML). Default: the embedded tiny recipe.")] = None,
-    engine_dir: Annotated[Optional[Path], typer.Option("--engine-dir", help="Output directory. Default: the recipe's engine_dir.")] = None,
+    engine_dir: Annotated[Optional[str], typer.Option("--engine-dir", metavar="PATH", help="Output directory. Default: the recipe's engine_dir.")] = None,
     draft_weight_quantization: Annotated[Optional[str], typer.Option(
         metavar="declared|fp8|fp8-aux|nvfp4", help=DWQ_HELP + " [default: fp8]")] = None,
     mtp_quantization: Annotated[Optional[str], typer.Option(metavar="bf16|fp8", help="Precision of the MTP head's weights. [default: bf16]")] = None,
@@ -92,7 +96,7 @@ def build(
         overrides = _build_overrides(draft_weight_quantization, mtp_quantization,
                                      mtp_experts_nvfp4, draft_tp_size, trt_flavor, target_sm)
         if engine_dir is not None:
-            checks.output_dir("--engine-dir", engine_dir)
+            engine_dir = checks.output_dir("--engine-dir", engine_dir)
         r = load_recipe(recipe or DEFAULT_RECIPE)
         _check_build_flags(r.build, overrides, r.mtp is not None)
         r = r.with_build(**overrides)
@@ -336,26 +340,48 @@ def generate(
             sys.stdout.write(text + "\n")
 
 
+API_KEY_HELP = ("Require `Authorization: Bearer KEY` on every /v1/* request (/health and /metrics "
+                "stay open). Read from METRALE_API_KEY when the flag is not given.")
+
+
 @app.command()
 @o.with_spec_flags(lambda: user_errors())
 def serve(
     engine_dir: o.EngineDir,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(envvar="METRALE_API_KEY", show_envvar=False,
+                                                   metavar="KEY", help=API_KEY_HELP)] = None,
+    max_request_bytes: Annotated[Optional[int], typer.Option(
+        metavar="N", help="Largest request body accepted (413 beyond). Default: 1 MiB plus 64 "
+        "bytes per token of the model's context window.")] = None,
+    max_queue: Annotated[int, typer.Option(
+        metavar="N", help="Generation requests admitted at once, running or waiting for the "
+        "model; beyond it a request gets 503 with Retry-After.")] = 64,
+    max_connections: Annotated[int, typer.Option(
+        metavar="N", help="Open connections served at once; beyond it 503.")] = 256,
     device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "torch",
     nproc: Nproc = None, spec=None,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     with user_errors():
+        from metrale.runtime.http_guard import ServerLimits
         from metrale.runtime.server import serve as run_server
 
+        checks.host(host)
+        checks.port(port)
+        limits = ServerLimits(max_request_bytes=max_request_bytes, max_queue=max_queue,
+                              max_connections=max_connections, api_key=api_key)
+        if api_key is None and not checks.is_loopback(host):
+            say_warning(f"--host {host} accepts connections from other machines and no --api-key "
+                        "(or METRALE_API_KEY) is set: anyone who can reach it can use the model")
         gen = _load_leader(nproc, "serve", engine_dir, device, dtype, spec, backend)
         if gen is None:
             return
-        err.print(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}"
-                  + (f", {gen.world.size} ranks" if gen.world.size > 1 else ""))
+        err.print(Text(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}"
+                       + (f", {gen.world.size} ranks" if gen.world.size > 1 else "")))
         try:
-            run_server(gen, host=host, port=port)
+            run_server(gen, host=host, port=port, limits=limits)
         finally:
             gen.shutdown()
         gen.world.close()
