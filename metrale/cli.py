@@ -186,14 +186,14 @@ def _print_build(report) -> None:
 @app.command()
 def inspect(engine_dir: o.EngineDir,
             as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False):
-    """Show an engine directory's manifest (verifying every checksum)."""
+    """Show an engine directory's manifest (verifying every checksum and what loading checks)."""
     with user_errors():
         from rich.table import Table
 
-        from metrale.runtime.engine_dir import load_manifest
+        from metrale.runtime.engine_check import check_engine_dir
         from metrale.runtime.manifest_view import COMPONENT_COLUMNS, component_rows, manifest_rows
 
-        m = load_manifest(engine_dir)
+        m = check_engine_dir(engine_dir)
         if as_json:
             sys.stdout.write(m.to_json())
             return

@@ -17,7 +17,6 @@ The target and the MTP head are single-rank (rank0 files) and every rank loads t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +26,8 @@ from torch import nn
 
 from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
 from metrale.runtime.dflash import DFlashDrafter
-from metrale.runtime.engine_dir import Manifest, load_manifest
+from metrale.runtime.engine_check import check_engine_dir, component_config, read_json
+from metrale.runtime.engine_dir import Manifest
 from metrale.runtime.errors import EngineDirError
 from metrale.runtime.loader import strict_fill
 from metrale.runtime.mtp import MTPHead
@@ -62,10 +62,13 @@ def fill_engine_state(module: nn.Module, tensors: dict[str, torch.Tensor], sourc
 
 
 def _component_files(engine_dir: Path, name: str, rank: int = 0):
-    folder = engine_dir / name
-    cfg = json.loads((folder / "config.json").read_text())
-    tensors = load_file(str(folder / f"rank{rank}.safetensors"))
-    return cfg, tensors, f"engine directory {engine_dir}: {name}/rank{rank}.safetensors"
+    rel = f"{name}/rank{rank}.safetensors"
+    cfg = read_json(engine_dir / name / "config.json", str(engine_dir), f"{name}/config.json")
+    try:
+        tensors = load_file(str(engine_dir / rel))
+    except Exception as exc:  # SafetensorError, OSError: checked before, but files can change
+        raise EngineDirError(f"engine directory {engine_dir}: {rel} cannot be read ({exc})") from None
+    return cfg, tensors, f"engine directory {engine_dir}: {rel}"
 
 
 @dataclass
@@ -116,7 +119,7 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     """Verify and load. `components` limits which optional parts are loaded (target always);
     `tp` makes every drafter this rank's tensor-parallel shard."""
     path = Path(engine_dir)
-    manifest = load_manifest(path, verify=True)
+    manifest = check_engine_dir(path)
     device = torch.device(device)
     tokenizer = Tokenizer.from_dir(path / "tokenizer")
     cfg, tensors, source = _component_files(path, "target", 0)
@@ -133,8 +136,7 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                              naming=info.get("naming", "qwen3_next"))
             engine.mtp = fill_engine_state(_build(MTPHead, mcfg, dtype, device), tensors, source)
         elif kind == "dflash":
-            cfg = json.loads((path / name / "config.json").read_text())
-            dcfg = DFlashConfig.from_hf(cfg, f"{name}/config.json")
+            dcfg = component_config(path, str(path), name, "dflash")
             tensors, source = _drafter_tensors(path, name, info, dcfg, tp)
             drafter = DFlashDrafter(dcfg, tp).to(dtype=dtype, device=device)
             engine.drafters[name] = fill_engine_state(drafter, tensors, source)
