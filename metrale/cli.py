@@ -283,8 +283,6 @@ def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: 
 
     checks.device(device)
     o.torch_dtype(dtype)
-    if nproc is not None:
-        checks.int_range("--nproc", nproc, 1)
     backend, device = resolve_backend(backend, device, dtype, nproc)
     _relaunch(nproc, command)
     gen = _load(engine_dir, device, dtype, spec, backend.value)

@@ -266,16 +266,20 @@ class DFlashConfig:
         block = r.get("block_size", int)
         if block < 2:
             raise CheckpointError(f"{source}: block_size must be at least 2, got {block}")
+        groups = d.count("conv_groups", 0) if version == 2 else 0
+        if version == 2 and decoder.hidden_size % groups:
+            raise CheckpointError(f"{source}: hidden_size {decoder.hidden_size} is not divisible "
+                                  f"by dflash_config.conv_groups {groups}")
         return cls(
             decoder=decoder,
             block_size=block,
             target_layer_ids=layer_ids,
             mask_token_id=d.get("mask_token_id", int),
-            target_hidden_size=r.get("target_hidden_size", int, decoder.hidden_size),
+            target_hidden_size=r.count("target_hidden_size", decoder.hidden_size),
             version=version,
-            conv_groups=d.get("conv_groups", int, 0) if version == 2 else 0,
-            selector_dim=d.get("selector_dim", int, 0) if version == 2 else 0,
-            num_candidates=d.get("num_candidates", int, 16),
+            conv_groups=groups,
+            selector_dim=d.count("selector_dim", 0) if version == 2 else 0,
+            num_candidates=d.count("num_candidates", 16),
         )
 
 

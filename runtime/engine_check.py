@@ -4,9 +4,10 @@ Contract: `check_engine_dir(path)` verifies the manifest and every checksum (`lo
 then what loading relies on: a `target` component, every component's kind known
 (`COMPONENT_KINDS`), a drafter's `tp_size` a count with that many rank files, every rank file
 listed by its component and readable as safetensors, every component config parsing as its
-kind's config, every folder on disk claimed by a component (or reserved), and the tokenizer
-loading. `metrale inspect` and `load_engine` both call it, so inspect passes exactly the
-directories that load. Every refusal is an `EngineDirError` naming the directory and the file.
+kind's config, every folder on disk claimed by a component (or reserved), then loading itself as
+a dry run on the meta device (tokenizer, every model built and filled by name, shape and dtype
+from the files' headers, no weights read). `metrale inspect` and `load_engine` both call it, so
+inspect passes exactly the directories that load. Every refusal is an `EngineDirError` naming the directory and the file.
 """
 
 from __future__ import annotations
@@ -97,10 +98,14 @@ def check_engine_dir(engine_dir: str | os.PathLike[str], verify: bool = True) ->
     folders = {rel.split("/", 1)[0] for rel in manifest.files if "/" in rel}
     for folder in sorted(folders - set(comps) - RESERVED_NAMES):
         raise _fail(shown, f"folder {folder}/ belongs to no component of the manifest")
-    from metrale.runtime.tokenizer import Tokenizer
+    import torch
 
-    try:
-        Tokenizer.from_dir(root / "tokenizer")
+    from metrale.runtime.engine import build_models
+
+    try:  # loading, dry: every model built on the meta device from the files' headers
+        build_models(root, manifest, torch.float32, torch.device("meta"))
     except CheckpointError as exc:
-        raise EngineDirError(f"engine directory {shown}: {exc}; {_REBUILD}") from None
+        text = str(exc)
+        where = "" if text.startswith("engine directory") else f"engine directory {shown}: "
+        raise EngineDirError(f"{where}{text}; {_REBUILD}") from None
     return manifest

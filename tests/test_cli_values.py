@@ -42,7 +42,7 @@ def refused(r, *needles: str) -> str:
     (["generate", "--prompt", "x", "--temperature", "nan"], ["--temperature", "nan"]),
     (["generate", "--prompt", "x", "--top-p", "0"], ["--top-p", "0"]),
     (["generate", "--prompt", "x", "--max-tokens", "0"], ["--max-tokens 0", "at least 1"]),
-    (["generate", "--prompt", "x", "--nproc", "0"], ["--nproc 0"]),
+    (["generate", "--prompt", "x", "--nproc", "0"], ["--nproc", "at least 1"]),
     (["generate", "--prompt", "x", "--dtype", "int8"], ["--dtype", "int8"]),
     (["generate", "--prompt", "x", "--speculative", "--num-drafts", "100000"],
      ["--num-drafts", "100000", "at most 32"]),
