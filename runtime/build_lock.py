@@ -2,13 +2,14 @@
 
 Contract:
 - `DirLock(final)` is held by the one process writing `final`: an advisory `flock` on
-  `.<name>.lock` beside it, taken without waiting; a second writer is refused with an
+  `.<name>.metrale-lock` beside it, taken without waiting; a second writer is refused with an
   `EngineDirError` naming the directory and the holder's pid. The kernel drops the lock when its
   holder dies however it dies (kill -9 included), so a lock never outlives its writer; the file
   is unlinked on release (re-checked by inode, so a writer never holds a lock on an unlinked
   file while another holds the live one).
-- `remove_stale(parent)` deletes the `.staging-<name>-*` and `.replaced-<name>-*` folders in
-  `parent` whose directory `<name>` has no live writer: what a killed build left behind.
+- `remove_stale(parent)` deletes the `.staging-<name>-*` and `.replaced-<name>-*` folders and
+  the lock files in `parent` whose directory `<name>` has no live writer: what a killed build
+  left behind.
 - `signals_as_interrupts()` turns SIGTERM and SIGHUP into `KeyboardInterrupt` for the block it
   guards (main thread only), so they unwind and clean up exactly as Ctrl-C does.
 """
@@ -32,10 +33,12 @@ log = logging.getLogger(__name__)
 
 # tempfile.mkdtemp's suffix: 8 characters of [a-z0-9_]
 _LEFTOVER = re.compile(r"\.(?:staging|replaced)-(?P<name>.+)-[a-z0-9_]{8}")
+LOCK_SUFFIX = ".metrale-lock"
+_LOCK = re.compile(r"\.(?P<name>.+)" + re.escape(LOCK_SUFFIX))
 
 
 def lock_path(final: Path) -> Path:
-    return final.parent / f".{final.name}.lock"
+    return final.parent / f".{final.name}{LOCK_SUFFIX}"
 
 
 class DirLock:
@@ -95,6 +98,13 @@ def remove_stale(parent: Path, own: str | None = None) -> list[Path]:
     except OSError:
         return removed
     for entry in entries:
+        m = _LOCK.fullmatch(entry.name)
+        if m and m["name"] != own and entry.is_file():  # a dead writer's lock file
+            lock = DirLock(parent / m["name"], m["name"])
+            if lock.try_acquire():
+                lock.release()  # unlinks it
+                removed.append(entry)
+            continue
         m = _LEFTOVER.fullmatch(entry.name)
         if not m or not entry.is_dir() or entry.is_symlink():
             continue
