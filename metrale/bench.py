@@ -190,6 +190,12 @@ def bench(
         else:
             engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device)
         prompts = [engine.tokenizer.encode(t) for t in texts]
+        context = engine.target.config.max_position_embeddings
+        for i, ids in enumerate(prompts):
+            if not ids or len(ids) + max_tokens > context:
+                raise ConfigError(f"--prompts: prompt {i} takes {len(ids)} tokens; with --max-tokens "
+                                  f"{max_tokens} it must take 1 to {context - max_tokens} (the "
+                                  f"context holds {context})")
         t0 = time.time()
         costs = None
         if engine.drafters:

@@ -158,3 +158,14 @@ def test_fuzzed_integer_flags(tmp_path_factory, flag, value):
                      max_size=20))
 def test_fuzzed_text_flags(tmp_path_factory, flag, value):
     fuzz_one(tmp_path_factory.getbasetemp(), *flag, value)
+
+
+def test_non_loopback_bind_without_a_key_warns(tmp_path, monkeypatch):
+    monkeypatch.delenv("METRALE_API_KEY", raising=False)
+    args = ["serve", "--engine-dir", str(tmp_path / "missing"), "--host", "0.0.0.0"]
+    r = run(*args)
+    assert r.exit_code == 2 and "warning: --host 0.0.0.0 accepts connections" in r.output
+    assert "warning" not in run(*args, "--api-key", "k").output
+    monkeypatch.setenv("METRALE_API_KEY", "k")
+    assert "warning" not in run(*args).output
+    assert "warning" not in run("serve", "--engine-dir", str(tmp_path / "missing")).output
