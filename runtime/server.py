@@ -38,6 +38,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metrale.runtime.api_request import (  # noqa: F401  (re-exported: the server's contract)
@@ -238,10 +239,20 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
                                "queued); retry shortly", code="server_busy", kind="server_error",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
             admitted[0] += 1
+            held = True  # until the last byte: a stream releases its place when it ends
+
+            def release() -> None:
+                nonlocal held
+                if held:
+                    held = False
+                    admitted[0] -= 1
+
+            response = None
             try:
-                response = await generate(request, raw, chat, rid)
+                response = await generate(request, raw, chat, rid, release)
             finally:
-                admitted[0] -= 1
+                if not isinstance(response, StreamingResponse):
+                    release()
         except APIError as e:
             requests[endpoint, "client_error" if e.status < 500 else "server_error"] += 1
             e.headers = {**(e.headers or {}), "X-Request-Id": rid}
@@ -263,7 +274,8 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
             if message["type"] == "http.disconnect":
                 cancel.set()
 
-    async def generate(request: Request, raw: bytes, chat: bool, rid: str) -> Response:
+    async def generate(request: Request, raw: bytes, chat: bool, rid: str,
+                       release: Callable[[], None]) -> Response:
         req = await asyncio.to_thread(lambda: parse_request(generator, decode_body(raw), chat))
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
@@ -322,8 +334,13 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
                 event = await anext(events)
             yield "data: [DONE]\n\n"
 
+        def finished() -> None:  # runs after the stream, also when the client left first
+            cancel.set()
+            release()
+
         return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(finished))
 
     async def complete(events, first, req: GenerationRequest, rid: str, obj: str, created: int,
                        chat: bool) -> Response:

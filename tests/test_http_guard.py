@@ -203,3 +203,22 @@ def test_long_prompt_is_tokenized_off_the_event_loop(open_base, gen):
     assert time.monotonic() - t0 < 0.5
     worker.join(30)
     assert result["r"].status_code == 400  # longer than the 256-token context
+
+
+def admitted(url: str) -> int:
+    lines = requests.get(url + "/metrics", timeout=5).text.splitlines()
+    return int(next(x for x in lines if x.startswith("metrale_server_requests_admitted ")).split()[1])
+
+
+def test_a_stream_holds_its_queue_place_until_it_ends(open_base, gen):
+    with requests.post(open_base + "/v1/completions", stream=True, timeout=5,
+                       json={"prompt": "slow", "max_tokens": 200, "stream": True}) as resp:
+        assert next(resp.iter_lines()).startswith(b"data: ")
+        assert admitted(open_base) == 1
+    deadline = time.monotonic() + 3
+    while admitted(open_base):  # the client left mid-stream: its place is given back
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    resp = requests.post(open_base + "/v1/completions", json={"prompt": ONCE, "stream": True},
+                         timeout=5)
+    assert resp.text.endswith("data: [DONE]\n\n") and admitted(open_base) == 0
