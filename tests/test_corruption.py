@@ -49,9 +49,10 @@ def edit_config(folder: Path, **changes) -> None:
 
 def edit_tensor(folder: Path, name: str, fn) -> None:
     f = folder / "model.safetensors"
-    tensors = load_file(str(f))
+    tensors = {k: t.clone() for k, t in load_file(str(f)).items()}  # off the file's memory map
     tensors[name] = fn(tensors[name])
-    save_file(tensors, str(f))
+    save_file(tensors, str(folder / "edited.tmp"))
+    (folder / "edited.tmp").replace(f)
 
 
 @pytest.mark.parametrize("corrupt, words", [
