@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -41,7 +43,8 @@ def say_warning(message: str) -> None:
 @contextlib.contextmanager
 def user_errors():
     """MetraleError -> its message, exit 2; an OS error (a file, a folder, a port) -> its
-    message naming the path, exit 1; Ctrl-C -> exit 130. Never a traceback."""
+    message naming the path, exit 1; Ctrl-C -> exit 130; anything else is a bug, reported in one
+    line (exit 1; METRALE_DEBUG=1 re-raises it). Never a traceback."""
     try:
         yield
     except MetraleError as exc:
@@ -54,6 +57,13 @@ def user_errors():
     except KeyboardInterrupt:
         say_error("interrupted")
         raise typer.Exit(130) from None
+    except Exception as exc:  # a bug: still one line, with the traceback in the log on request
+        if os.environ.get("METRALE_DEBUG"):
+            raise
+        logging.getLogger("metrale").debug("internal error", exc_info=exc)
+        say_error(f"internal error ({type(exc).__name__}: {exc}); this is a bug in metrale — "
+                  "METRALE_DEBUG=1 shows the traceback")
+        raise typer.Exit(1) from None
 
 
 DWQ_HELP = (
@@ -220,8 +230,6 @@ Nproc = Annotated[Optional[int], typer.Option("--nproc", metavar="N", help=NPROC
 def _relaunch(nproc: Optional[int], command: str) -> None:
     """Replace this process with torchrun running the same command line when --nproc asks for
     more than one process; refuse a count that contradicts a torchrun launch."""
-    import os
-
     from metrale.runtime.errors import ConfigError
     from metrale.runtime.tp import torchrun_argv
 
