@@ -168,7 +168,7 @@ def bench(
         checks.int_range("--max-tokens", max_tokens, 1)
         checks.int_range("--repeats", repeats, 1)
         if threads is not None:
-            checks.int_range("--threads", threads, 1)
+            checks.int_range("--threads", threads, 1, 1024)
         if json_file is not None:
             checks.output_file("--json", json_file)
         wanted = _wanted_modes(modes)

@@ -237,6 +237,10 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
         return
     if nproc < 1:
         raise ConfigError(f"--nproc: expected a process count of at least 1, got {nproc}")
+    most = max(os.cpu_count() or 1, 8)  # one machine (torchrun --standalone): one rank per core
+    if nproc > most:
+        raise ConfigError(f"--nproc: expected a process count of at most {most} (ranks run on "
+                          f"this machine), got {nproc}")
     world = os.environ.get("WORLD_SIZE")
     if world is not None:
         if int(world) != nproc:
