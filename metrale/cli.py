@@ -54,9 +54,12 @@ def user_errors():
         where = f"{exc.filename}: " if exc.filename else ""
         say_error(f"{where}{exc.strerror or exc}")
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        say_error("interrupted")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP turned into it by a build
+        import signal
+
+        name = str(exc) if str(exc) in ("SIGTERM", "SIGHUP") else "SIGINT"
+        say_error(f"interrupted ({name})")
+        raise typer.Exit(128 + signal.Signals[name].value) from None
     except Exception as exc:  # a bug: still one line, with the traceback in the log on request
         if os.environ.get("METRALE_DEBUG"):
             raise
