@@ -335,6 +335,8 @@ def generate(
         text_in = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = gen.tokenizer.encode(text_in)
         try:
+            if not ids:
+                raise MetraleError(f"--prompt {prompt!r}: encodes to no tokens")
             checks.max_tokens_fit(max_tokens, gen.max_context, len(ids))
             result = gen.generate(ids, params)
         finally:
