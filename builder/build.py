@@ -32,8 +32,9 @@ from metrale.builder import shard
 from metrale.builder.recipe import BuildOptions, Recipe
 from metrale.runtime.configs import DFlashConfig, read_config
 from metrale.runtime.engine_dir import EngineDirWriter, Manifest, checkpoint_digest
-from metrale.runtime.errors import ConfigError
+from metrale.runtime.errors import CheckpointError, ConfigError
 from metrale.runtime.loader import load_dflash, load_mtp, load_target, read_safetensors, rename
+from metrale.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
 
     progress("loading checkpoints")
     target = load_target(recipe.target.checkpoint)
+    check_tokenizer(recipe.target.checkpoint, target.config.vocab_size)
     lm_head = target.lm_head.weight.detach()
     head = None
     if recipe.mtp is not None:
@@ -208,6 +210,23 @@ def _write_component(w: EngineDirWriter, name: str, checkpoint: Path, states: li
     for f, state in zip(files, states):
         w.save_safetensors(f, state, metadata={"format": "pt"})
     w.component(name, {**info, "config": f"{name}/config.json", "files": files})
+
+
+def check_tokenizer(checkpoint: Path, vocab_size: int) -> None:
+    """Load the target's tokenizer as serving will, and refuse one the model cannot serve:
+    no tokens, ids beyond the model's vocabulary, a chat template that does not compile."""
+    tok = Tokenizer.from_dir(checkpoint)
+    where = f"target checkpoint {checkpoint}: tokenizer.json"
+    if tok.vocab_size < 1:
+        raise CheckpointError(f"{where} holds no tokens")
+    if tok.vocab_size > vocab_size:
+        raise CheckpointError(f"{where} has {tok.vocab_size} tokens; the model's vocab_size is "
+                              f"{vocab_size}, so some ids would have no embedding")
+    if tok.chat_template is not None:
+        try:
+            tok.apply_chat_template([{"role": "user", "content": "x"}])
+        except ConfigError:  # the template refused these messages (raise_exception): it compiles
+            pass
 
 
 def _copy_tokenizer(w: EngineDirWriter, checkpoint: Path) -> None:

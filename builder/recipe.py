@@ -50,8 +50,9 @@ def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key} = {value!r} is not allowed; expected one of {', '.join(allowed)}")
 
 
-def parse_draft_tp_size(text: str) -> int | str:
-    """`auto` or a rank count of at least 1, as the CLI writes `--draft-tp-size`."""
+def parse_draft_tp_size(text: str, name: str = "draft_tp_size") -> int | str:
+    """`auto` or a rank count of at least 1, as the CLI writes `--draft-tp-size`; `name` is
+    what errors call the value (the flag, when it came from one)."""
     if text == "auto":
         return "auto"
     try:
@@ -59,18 +60,17 @@ def parse_draft_tp_size(text: str) -> int | str:
     except ValueError:
         n = 0
     if n < 1:
-        raise ConfigError(
-            f"draft_tp_size: expected `auto` or a rank count of at least 1, got {text!r}")
+        raise ConfigError(f"{name}: expected `auto` or a rank count of at least 1, got {text!r}")
     return n
 
 
-def parse_target_sm(text: str) -> tuple[int, ...]:
+def parse_target_sm(text: str, name: str = "target_sm") -> tuple[int, ...]:
     """A comma-separated SM list as the CLI writes `--target-sm`: "89,120" -> (89, 120)."""
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ConfigError(
-            f"target_sm: expected comma-separated SM numbers such as 89,120, got {text!r}"
+            f"{name}: expected comma-separated SM numbers such as 89,120, got {text!r}"
         ) from None
 
 

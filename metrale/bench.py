@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.text import Text
 
+from metrale import checks
 from metrale import options as o
 from metrale.cli import app, out, user_errors
 
@@ -120,6 +122,36 @@ def run_mode(engine, flags: dict, prompts: list[list[int]], max_tokens: int, rep
     return row, outputs
 
 
+def _wanted_modes(modes: str | None) -> list[str] | None:
+    """`--modes`: comma-separated, non-empty substrings (matched against the engine's modes)."""
+    if modes is None:
+        return None
+    wanted = [w.strip() for w in modes.split(",")]
+    if not all(wanted):
+        from metrale.runtime.errors import ConfigError
+
+        raise ConfigError(f"--modes {modes!r}: expected comma-separated, non-empty parts of mode "
+                          "names, such as mtp,dflash")
+    return wanted
+
+
+def _mode_names(engine_dir: Path) -> list[str]:
+    """The names `mode_table` gives an engine directory, read from its manifest and drafter
+    configs without loading a model; [] when they cannot be read (loading then says why)."""
+    from types import SimpleNamespace
+
+    try:
+        manifest = json.loads((Path(engine_dir) / "config.json").read_text(encoding="utf-8"))
+        kinds = {n: c.get("kind") for n, c in manifest["components"].items()}
+        drafters = {n: SimpleNamespace(config=SimpleNamespace(block_size=int(json.loads(
+            (Path(engine_dir) / n / "config.json").read_text(encoding="utf-8"))["block_size"])))
+            for n, k in kinds.items() if k == "dflash"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return []
+    stub = SimpleNamespace(mtp=object() if "mtp" in kinds.values() else None, drafters=drafters)
+    return [name for name, _ in mode_table(stub, "0:1")]
+
+
 def torch_threads() -> int:
     import torch
 
@@ -148,13 +180,23 @@ def bench(
         from metrale.runtime.errors import ConfigError
         from metrale.runtime.trt_backend import Backend, load_trt_engine, resolve_backend
 
+        checks.int_range("--num-prompts", num_prompts, 1)
+        checks.int_range("--max-tokens", max_tokens, 1)
+        checks.int_range("--repeats", repeats, 1)
+        if threads is not None:
+            checks.int_range("--threads", threads, 1, 1024)
+        if json_file is not None:
+            checks.output_file("--json", json_file)
+        wanted = _wanted_modes(modes)
+        checks.device(device)
+        o.torch_dtype(dtype)
         backend_kind, device = resolve_backend(backend, device, dtype)
-
-        path = prompts_file or DEFAULT_PROMPTS
-        try:
-            texts = json.loads(Path(path).read_text())[:num_prompts]
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--prompts {path}: not a readable JSON list of strings ({exc})") from None
+        texts = checks.prompt_texts("--prompts", prompts_file or DEFAULT_PROMPTS)[:num_prompts]
+        names = _mode_names(engine_dir)
+        if wanted and names and not any(w in name for w in wanted for name in names):
+            raise ConfigError(f"--modes {modes!r}: no mode of this engine directory matches; "
+                              f"its modes: {', '.join(names)}")
+        checks.max_tokens_fit(max_tokens, checks.context_length(engine_dir))
         if threads is not None:
             import torch
 
@@ -165,6 +207,12 @@ def bench(
             engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device,
                                  backend=backend_kind.value)
         prompts = [engine.tokenizer.encode(t) for t in texts]
+        context = engine.target.config.max_position_embeddings
+        for i, ids in enumerate(prompts):
+            if not ids or len(ids) + max_tokens > context:
+                raise ConfigError(f"--prompts: prompt {i} takes {len(ids)} tokens; with --max-tokens "
+                                  f"{max_tokens} it must take 1 to {context - max_tokens} (the "
+                                  f"context holds {context})")
         t0 = time.time()
         costs = None
         if engine.drafters:
@@ -198,7 +246,7 @@ def bench(
             from metrale.runtime.trt_backend import runner_stats
 
             result["trt_runners"] = runner_stats(engine)
-        t = Table(title=f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens)")
+        t = Table(title=Text(f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens)"))
         for col in ("mode", "tok/s", "τ", "speedup", "bound", "e", "rows/tok", "draft/verify/host", "=plain"):
             t.add_column(col, justify="right" if col != "mode" else "left")
         for r in rows:
@@ -217,6 +265,6 @@ def bench(
         out.print(f"backend {result['backend']}; target forward by rows (ms): "
                   + ", ".join(f"{r}:{c:.3f}" for r, c in row_costs.items()))
         if costs:
-            out.print(f"measured cost model (ms per step by draft count): {costs}")
+            out.print(Text(f"measured cost model (ms per step by draft count): {costs}"))
         if json_file:
             Path(json_file).write_text(json.dumps(result, indent=2) + "\n")

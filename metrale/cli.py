@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
+from metrale import checks
 from metrale import options as o
 from metrale.runtime.errors import MetraleError
 
@@ -27,13 +31,42 @@ err = Console(stderr=True)
 out = Console()
 
 
+def say_error(message: str) -> None:
+    """One line on stderr, the message printed literally (no markup, no highlighting)."""
+    err.print(Text("error: ", style="bold red") + Text(message), highlight=False, soft_wrap=True)
+
+
+def say_warning(message: str) -> None:
+    err.print(Text("warning: ", style="bold yellow") + Text(message), highlight=False, soft_wrap=True)
+
+
 @contextlib.contextmanager
 def user_errors():
+    """MetraleError -> its message, exit 2; an OS error (a file, a folder, a port) -> its
+    message naming the path, exit 1; Ctrl-C -> exit 130; anything else is a bug, reported in one
+    line (exit 1; METRALE_DEBUG=1 re-raises it). Never a traceback."""
     try:
         yield
     except MetraleError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        say_error(str(exc))
         raise typer.Exit(2) from None
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        say_error(f"{where}{exc.strerror or exc}")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP turned into it by a build
+        import signal
+
+        name = str(exc) if str(exc) in ("SIGTERM", "SIGHUP") else "SIGINT"
+        say_error(f"interrupted ({name})")
+        raise typer.Exit(128 + signal.Signals[name].value) from None
+    except Exception as exc:  # a bug: still one line, with the traceback in the log on request
+        if os.environ.get("METRALE_DEBUG"):
+            raise
+        logging.getLogger("metrale").debug("internal error", exc_info=exc)
+        say_error(f"internal error ({type(exc).__name__}: {exc}); this is a bug in metrale — "
+                  "METRALE_DEBUG=1 shows the traceback")
+        raise typer.Exit(1) from None
 
 
 DWQ_HELP = (
@@ -59,7 +92,7 @@ MTP_NVFP4_HELP = (
 @app.command()
 def build(
     recipe: Annotated[Optional[Path], typer.Option(help="Build recipe (TOML). Default: the embedded tiny recipe.")] = None,
-    engine_dir: Annotated[Optional[Path], typer.Option("--engine-dir", help="Output directory. Default: the recipe's engine_dir.")] = None,
+    engine_dir: Annotated[Optional[str], typer.Option("--engine-dir", metavar="PATH", help="Output directory. Default: the recipe's engine_dir.")] = None,
     draft_weight_quantization: Annotated[Optional[str], typer.Option(
         metavar="declared|fp8|fp8-aux|nvfp4", help=DWQ_HELP + " [default: fp8]")] = None,
     mtp_quantization: Annotated[Optional[str], typer.Option(metavar="bf16|fp8", help="Precision of the MTP head's weights. [default: bf16]")] = None,
@@ -72,18 +105,59 @@ def build(
     """Build an engine directory from a recipe's Hugging Face checkpoints."""
     with user_errors():
         from metrale.builder.build import build_engine
-        from metrale.builder.recipe import DEFAULT_RECIPE, load_recipe, parse_draft_tp_size, parse_target_sm
+        from metrale.builder.recipe import DEFAULT_RECIPE, load_recipe
 
+        overrides = _build_overrides(draft_weight_quantization, mtp_quantization,
+                                     mtp_experts_nvfp4, draft_tp_size, trt_flavor, target_sm,
+                                     cpu_engines)
+        if engine_dir is not None:
+            engine_dir = checks.output_dir("--engine-dir", engine_dir)
         r = load_recipe(recipe or DEFAULT_RECIPE)
-        r = r.with_build(
-            draft_weight_quantization=draft_weight_quantization, mtp_quantization=mtp_quantization,
-            mtp_experts_nvfp4=mtp_experts_nvfp4,
-            draft_tp_size=None if draft_tp_size is None else parse_draft_tp_size(draft_tp_size),
-            trt_flavor=trt_flavor, target_sm=None if target_sm is None else parse_target_sm(target_sm),
-            cpu_engines=cpu_engines)
+        _check_build_flags(r.build, overrides, r.mtp is not None)
+        r = r.with_build(**overrides)
+        if engine_dir is None:
+            checks.output_dir(f"the recipe's engine_dir (in {recipe or DEFAULT_RECIPE})", r.engine_dir)
         with _build_progress() as advance:
             report = build_engine(r, engine_dir, progress=advance)
         _print_build(report)
+
+
+def _build_overrides(dwq, mtpq, nvfp4, tp, flavor, sms, cpu=None) -> dict:
+    """The build flags given, checked and worded as flags (the recipe's checks speak keys)."""
+    from metrale.builder import recipe as rc
+
+    def one_of(flag: str, value, allowed) -> None:
+        if value is not None and value not in allowed:
+            raise MetraleError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")
+
+    one_of("--draft-weight-quantization", dwq, rc.DRAFT_WEIGHT_QUANTIZATIONS)
+    one_of("--mtp-quantization", mtpq, rc.MTP_QUANTIZATIONS)
+    one_of("--trt-flavor", flavor, rc.TRT_FLAVORS)
+    one_of("--cpu-engines", cpu, rc.CPU_ENGINES)
+    return {"draft_weight_quantization": dwq, "mtp_quantization": mtpq, "mtp_experts_nvfp4": nvfp4,
+            "trt_flavor": flavor, "cpu_engines": cpu,
+            "draft_tp_size": None if tp is None else rc.parse_draft_tp_size(tp, "--draft-tp-size"),
+            "target_sm": None if sms is None else rc.parse_target_sm(sms, "--target-sm")}
+
+
+def _check_build_flags(base, overrides: dict, has_mtp: bool) -> None:
+    """Cross-flag refusals in the words of the flags typed (recipe values named as such)."""
+    from metrale.builder.recipe import MIN_TARGET_SM
+
+    nvfp4 = overrides["mtp_experts_nvfp4"]
+    mtpq = overrides["mtp_quantization"] or base.mtp_quantization
+    if nvfp4 and mtpq != "bf16":
+        given = (f"--mtp-quantization {mtpq}" if overrides["mtp_quantization"]
+                 else f"the recipe's mtp_quantization {mtpq!r}")
+        raise MetraleError(f"--mtp-experts-nvfp4 needs --mtp-quantization bf16 (the experts are "
+                           f"requantized from BF16), got {given}")
+    if nvfp4 and not has_mtp:
+        raise MetraleError("--mtp-experts-nvfp4 needs an MTP head, and the recipe has no [mtp]")
+    sms = overrides["target_sm"]
+    if sms is not None:
+        if any(s < MIN_TARGET_SM for s in sms) or len(set(sms)) != len(sms):
+            raise MetraleError(f"--target-sm {','.join(map(str, sms))}: expected distinct SM "
+                               f"numbers of at least {MIN_TARGET_SM}, such as 89,120")
 
 
 @contextlib.contextmanager
@@ -109,47 +183,47 @@ def _print_build(report) -> None:
     from metrale.runtime.manifest_view import quant_cell
 
     m = report.manifest
-    t = Table(title=f"metrale build → {report.engine_dir}  ({report.seconds:.1f} s)")
+    t = Table(title=Text(f"metrale build → {report.engine_dir}  ({report.seconds:.1f} s)"))
     for col in ("component", "kind", "quantization", "weight bytes"):
         t.add_column(col)
     for name, info in m.components.items():
-        t.add_row(name, info.get("kind", ""), quant_cell(info.get("quantization")),
-                  human_size(info.get("weight_bytes", 0)) if info.get("weight_bytes") else "")
+        t.add_row(*map(Text, (name, str(info.get("kind", "")), quant_cell(info.get("quantization")),
+                              human_size(info.get("weight_bytes", 0)) if info.get("weight_bytes") else "")))
     out.print(t)
     if report.memory_estimate:
         est = Table(title="memory estimate: weight bytes per tier")
         est.add_column("component")
         est.add_column("tier → weight bytes")
         for name, per in report.memory_estimate.items():
-            est.add_row(name, "   ".join(f"{k} {human_size(v)}" for k, v in per.items()))
+            est.add_row(Text(name), Text("   ".join(f"{k} {human_size(v)}" for k, v in per.items())))
         out.print(est)
 
 
 @app.command()
 def inspect(engine_dir: o.EngineDir,
             as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False):
-    """Show an engine directory's manifest (verifying every checksum)."""
+    """Show an engine directory's manifest (verifying every checksum and what loading checks)."""
     with user_errors():
         from rich.table import Table
 
-        from metrale.runtime.engine_dir import load_manifest
+        from metrale.runtime.engine_check import check_engine_dir
         from metrale.runtime.manifest_view import COMPONENT_COLUMNS, component_rows, manifest_rows
 
-        m = load_manifest(engine_dir)
+        m = check_engine_dir(engine_dir)
         if as_json:
             sys.stdout.write(m.to_json())
             return
-        t = Table(title=str(engine_dir), show_header=False)
+        t = Table(title=Text(str(engine_dir)), show_header=False)
         t.add_column("key", style="bold")
         t.add_column("value")
         for k, v in manifest_rows(m):
-            t.add_row(k, v)
+            t.add_row(Text(k), Text(v))
         out.print(t)
         c = Table(title="components")
         for col in COMPONENT_COLUMNS:
             c.add_column(col)
         for row in component_rows(m):
-            c.add_row(*row)
+            c.add_row(*map(Text, row))
         out.print(c)
 
 
@@ -162,8 +236,6 @@ Nproc = Annotated[Optional[int], typer.Option("--nproc", metavar="N", help=NPROC
 def _relaunch(nproc: Optional[int], command: str) -> None:
     """Replace this process with torchrun running the same command line when --nproc asks for
     more than one process; refuse a count that contradicts a torchrun launch."""
-    import os
-
     from metrale.runtime.errors import ConfigError
     from metrale.runtime.tp import torchrun_argv
 
@@ -171,6 +243,10 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
         return
     if nproc < 1:
         raise ConfigError(f"--nproc: expected a process count of at least 1, got {nproc}")
+    most = max(os.cpu_count() or 1, 8)  # one machine (torchrun --standalone): one rank per core
+    if nproc > most:
+        raise ConfigError(f"--nproc: expected a process count of at most {most} (ranks run on "
+                          f"this machine), got {nproc}")
     world = os.environ.get("WORLD_SIZE")
     if world is not None:
         if int(world) != nproc:
@@ -196,6 +272,17 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
     os.execv(cmd[0], cmd)  # torchrun takes this process's place: signals reach it directly
 
 
+def sampling_params(temperature: float, top_p: float, seed: Optional[int], max_tokens: int):
+    """`SamplingParams` from the flags; its refusals reworded to name the flag."""
+    from metrale.runtime.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    except MetraleError as exc:
+        field, _, rest = str(exc).partition(": ")
+        raise MetraleError(f"--{field.replace('_', '-')}: {rest}") from None
+
+
 def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"):
     if backend == "tensorrt":
         from metrale.runtime.trt_backend import load_trt_generator
@@ -212,6 +299,8 @@ def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: 
     generator on the leader rank, None elsewhere."""
     from metrale.runtime.trt_backend import resolve_backend
 
+    checks.device(device)
+    o.torch_dtype(dtype)
     backend, device = resolve_backend(backend, device, dtype, nproc)
     _relaunch(nproc, command)
     gen = _load(engine_dir, device, dtype, spec, backend.value)
@@ -238,15 +327,20 @@ def generate(
 ):
     """Generate text for one prompt."""
     with user_errors():
-        from metrale.runtime.sampling import SamplingParams
-
-        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
+        checks.text("--prompt", prompt)
+        checks.int_range("--max-tokens", max_tokens, 1)
+        params = sampling_params(temperature, top_p, seed, max_tokens)
+        context = checks.context_length(engine_dir)
+        checks.max_tokens_fit(max_tokens, context)
         gen = _load_leader(nproc, "generate", engine_dir, device, dtype, spec, backend)
         if gen is None:
             return
         text_in = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = gen.tokenizer.encode(text_in)
         try:
+            if not ids:
+                raise MetraleError(f"--prompt {prompt!r}: encodes to no tokens")
+            checks.max_tokens_fit(max_tokens, gen.max_context, len(ids))
             result = gen.generate(ids, params)
         finally:
             gen.shutdown()
@@ -265,26 +359,48 @@ def generate(
             sys.stdout.write(text + "\n")
 
 
+API_KEY_HELP = ("Require `Authorization: Bearer KEY` on every /v1/* request (/health and /metrics "
+                "stay open). Read from METRALE_API_KEY when the flag is not given.")
+
+
 @app.command()
 @o.with_spec_flags(lambda: user_errors())
 def serve(
     engine_dir: o.EngineDir,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(envvar="METRALE_API_KEY", show_envvar=False,
+                                                   metavar="KEY", help=API_KEY_HELP)] = None,
+    max_request_bytes: Annotated[Optional[int], typer.Option(
+        metavar="N", help="Largest request body accepted (413 beyond). Default: 1 MiB plus 64 "
+        "bytes per token of the model's context window.")] = None,
+    max_queue: Annotated[int, typer.Option(
+        metavar="N", help="Generation requests admitted at once, running or waiting for the "
+        "model; beyond it a request gets 503 with Retry-After.")] = 64,
+    max_connections: Annotated[int, typer.Option(
+        metavar="N", help="Open connections served at once; beyond it 503.")] = 256,
     device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     with user_errors():
+        from metrale.runtime.http_guard import ServerLimits
         from metrale.runtime.server import serve as run_server
 
+        checks.host(host)
+        checks.port(port)
+        limits = ServerLimits(max_request_bytes=max_request_bytes, max_queue=max_queue,
+                              max_connections=max_connections, api_key=api_key)
+        if api_key is None and not checks.is_loopback(host):
+            say_warning(f"--host {host} accepts connections from other machines and no --api-key "
+                        "(or METRALE_API_KEY) is set: anyone who can reach it can use the model")
         gen = _load_leader(nproc, "serve", engine_dir, device, dtype, spec, backend)
         if gen is None:
             return
-        err.print(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}"
-                  + (f", {gen.world.size} ranks" if gen.world.size > 1 else ""))
+        err.print(Text(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}"
+                       + (f", {gen.world.size} ranks" if gen.world.size > 1 else "")))
         try:
-            run_server(gen, host=host, port=port)
+            run_server(gen, host=host, port=port, limits=limits)
         finally:
             gen.shutdown()
         gen.world.close()

@@ -138,12 +138,15 @@ class Decoder:
             drafts = drafts[: room - 1]
         t1 = time.perf_counter()
         device = self.target.model.embed_tokens.weight.device
-        tokens = torch.cat([torch.tensor([pending]), drafts.cpu()]).to(device)[None]  # [1, k+1]
+        k = drafts.numel()
+        tokens = (torch.tensor([[pending]], device=device) if k == 0 else
+                  torch.cat([torch.tensor([pending]), drafts.cpu()]).to(device)[None])  # [1, k+1]
         base = cache.length
         out = self._verify_rows(tokens, cache, params.greedy, drafts)
         rows = out.logits[0]  # [r, V], r = k+1 (or fewer under exact greedy verify)
-        k = drafts.numel()
-        if params.greedy:
+        if params.greedy and k == 0:  # a plain step: the target's argmax, nothing to verify
+            accepted, emitted = 0, rows[-1:].argmax(dim=-1)
+        elif params.greedy:
             padded = rows if rows.shape[0] == k + 1 else torch.cat(
                 [rows, rows.new_zeros(k + 1 - rows.shape[0], rows.shape[1])])
             accepted, emitted = verify_greedy(drafts.to(device), padded)

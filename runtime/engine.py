@@ -17,8 +17,9 @@ The target and the MTP head are single-rank (rank0 files) and every rank loads t
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +29,9 @@ from torch import nn
 
 from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
 from metrale.runtime.dflash import DFlashDrafter
-from metrale.runtime.engine_dir import Manifest, load_manifest
-from metrale.runtime.errors import EngineDirError
+from metrale.runtime.engine_check import check_engine_dir, component_config, read_json
+from metrale.runtime.engine_dir import Manifest
+from metrale.runtime.errors import CheckpointError, EngineDirError
 from metrale.runtime.layers import pack_for_inference
 from metrale.runtime.loader import strict_fill
 from metrale.runtime.mtp import MTPHead
@@ -65,11 +67,32 @@ def fill_engine_state(module: nn.Module, tensors: dict[str, torch.Tensor], sourc
     return module.eval()
 
 
-def _component_files(engine_dir: Path, name: str, rank: int = 0):
-    folder = engine_dir / name
-    cfg = json.loads((folder / "config.json").read_text())
-    tensors = load_file(str(folder / f"rank{rank}.safetensors"))
-    return cfg, tensors, f"engine directory {engine_dir}: {name}/rank{rank}.safetensors"
+def _meta_tensors(path: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as meta tensors: names, shapes, dtypes; no data read."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        out = {}
+        for name in handle.keys():
+            part = handle.get_slice(name)
+            out[name] = torch.empty(part.get_shape(), dtype=_DTYPES[part.get_dtype()], device="meta")
+        return out
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _component_files(engine_dir: Path, name: str, rank: int = 0, meta: bool = False):
+    rel = f"{name}/rank{rank}.safetensors"
+    cfg = read_json(engine_dir / name / "config.json", str(engine_dir), f"{name}/config.json")
+    try:
+        tensors = _meta_tensors(str(engine_dir / rel)) if meta else load_file(str(engine_dir / rel))
+    except Exception as exc:  # SafetensorError, OSError, a dtype torch lacks: not usable
+        raise EngineDirError(f"engine directory {engine_dir}: {rel} cannot be read ({exc})") from None
+    return cfg, tensors, f"engine directory {engine_dir}: {rel}"
 
 
 @dataclass
@@ -120,27 +143,28 @@ class LoadedEngine:
 
 
 def _build(module_cls, cfg, dtype, device):
-    return module_cls(cfg).to(dtype=dtype, device=device)
+    with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():
+        return module_cls(cfg).to(dtype=dtype, device=device)
 
 
 def _drafter_tensors(path: Path, name: str, info: dict, cfg: DFlashConfig,
-                     tp: TensorParallel | None):
+                     tp: TensorParallel | None, meta: bool = False):
     """The drafter's tensors for this process: its rank's file, or all rank files merged."""
     built = info.get("tp_size", 1)
     if type(built) is not int or built < 1:
         raise EngineDirError(f"engine directory {path}: drafter {name} has tp_size {built!r}; "
                              "expected an integer >= 1")
     if tp is None and built == 1:
-        return _component_files(path, name, 0)[1:]
+        return _component_files(path, name, 0, meta)[1:]
     if tp is None:
-        shards = [_component_files(path, name, r)[1] for r in range(built)]
+        shards = [_component_files(path, name, r, meta)[1] for r in range(built)]
         return merge_drafter_state(shards, cfg), f"engine directory {path}: {name}/rank*.safetensors"
     if built != tp.size:
         raise EngineDirError(
             f"engine directory {path}: drafter {name} was built with --draft-tp-size {built}, so "
             f"it runs on {'1 rank' if built == 1 else f'1 or {built} ranks'}, not {tp.size}; "
             f"rebuild with --draft-tp-size {tp.size}")
-    return _component_files(path, name, tp.rank)[1:]
+    return _component_files(path, name, tp.rank, meta)[1:]
 
 
 def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -152,11 +176,19 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
     does so on a CPU when it can, replays the target's steps as CUDA graphs on a CUDA device
     (`cuda_graphs`), and runs eager torch otherwise (`backend_note` says why)."""
     path = Path(engine_dir)
-    manifest = load_manifest(path, verify=True)
-    device = torch.device(device)
+    manifest = check_engine_dir(path)
+    return build_models(path, manifest, dtype, torch.device(device), components, tp, backend)
+
+
+def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: torch.device,
+                 components: tuple[str, ...] | None = None, tp: TensorParallel | None = None,
+                 backend: str = "torch") -> LoadedEngine:
+    """Every component's model filled from its rank files. On the meta device only the files'
+    headers are read: a dry run of loading (names, shapes, dtypes) that builds no weights."""
+    meta = device.type == "meta"
     tokenizer = Tokenizer.from_dir(path / "tokenizer")
-    cfg, tensors, source = _component_files(path, "target", 0)
-    target = _build(Qwen3ForCausalLM, DecoderConfig.from_hf(cfg, "target/config.json"), dtype, device)
+    cfg, tensors, source = _component_files(path, "target", 0, meta)
+    target = _build(Qwen3ForCausalLM, _decoder(cfg, path, "target"), dtype, device)
     fill_engine_state(target, tensors, source)
     engine = LoadedEngine(path, manifest, tokenizer, target, dtype=dtype, device=device)
     if backend == "aoti" or (backend == "auto" and device.type != "cuda"):
@@ -166,15 +198,14 @@ def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
         if name == "target" or (components is not None and name not in components):
             continue
         if kind == "mtp":
-            cfg, tensors, source = _component_files(path, name, 0)
-            mcfg = MTPConfig(decoder=DecoderConfig.from_hf(cfg, f"{name}/config.json"),
-                             naming=info.get("naming", "qwen3_next"))
+            cfg, tensors, source = _component_files(path, name, 0, meta)
+            mcfg = MTPConfig(decoder=_decoder(cfg, path, name), naming=info.get("naming", "qwen3_next"))
             engine.mtp = fill_engine_state(_build(MTPHead, mcfg, dtype, device), tensors, source)
         elif kind == "dflash":
-            cfg = json.loads((path / name / "config.json").read_text())
-            dcfg = DFlashConfig.from_hf(cfg, f"{name}/config.json")
-            tensors, source = _drafter_tensors(path, name, info, dcfg, tp)
-            drafter = DFlashDrafter(dcfg, tp).to(dtype=dtype, device=device)
+            dcfg = component_config(path, str(path), name, "dflash")
+            tensors, source = _drafter_tensors(path, name, info, dcfg, tp, meta)
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                drafter = DFlashDrafter(dcfg, tp).to(dtype=dtype, device=device)
             engine.drafters[name] = fill_engine_state(drafter, tensors, source)
         else:
             raise EngineDirError(f"engine directory {path}: component {name} has unknown kind {kind!r}")
@@ -203,9 +234,20 @@ def _use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
             if backend == "aoti":
                 raise
             why = str(exc)
+        except (RuntimeError, OSError) as exc:  # the package's code would not load here
+            why = f"its CPU packages do not load in this process ({exc})"
     if backend == "aoti":
         raise EngineDirError(f"--backend aoti: {where}: {why}")
+    if "cpu" in info and engine.device.type == "cpu":  # packages there, but not runnable here
+        engine.backend_note = f"CPU packages not used, running eager torch: {why}"
     log.info("%s: running eager torch (%s)", where, why)
+
+
+def _decoder(cfg: dict, path: Path, name: str) -> DecoderConfig:
+    try:
+        return DecoderConfig.from_hf(cfg, f"engine directory {path}: {name}/config.json")
+    except CheckpointError as exc:
+        raise EngineDirError(f"{exc}; rebuild it with metrale build") from None
 
 
 def graph_taps(engine: LoadedEngine) -> tuple[int, ...]:

@@ -17,7 +17,9 @@ Invariants:
   digest) is refused by `load_manifest`, naming the file.
 - A directory is only ever written by `EngineDirWriter`: everything goes into a hidden staging
   folder beside the final one, and that folder is renamed into place only once complete and
-  hashed. An exception leaves neither a final directory nor a staging folder behind.
+  hashed. An exception (Ctrl-C, SIGTERM and SIGHUP included) leaves neither a final directory
+  nor a staging folder behind; one writer at a time per directory (`build_lock`), and what a
+  killed writer left is removed by the next writer in the same parent.
 - A manifest with a newer `format_version` than `FORMAT_VERSION` is refused, never guessed at.
 """
 
@@ -36,6 +38,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, Mapping
 
 from metrale import __version__
+from metrale.runtime.build_lock import DirLock, remove_stale, signals_as_interrupts
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
 log = logging.getLogger(__name__)
@@ -339,9 +342,20 @@ class EngineDirWriter:
 
     def __enter__(self) -> EngineDirWriter:
         self._check_replaceable()
-        self._final.parent.mkdir(parents=True, exist_ok=True)
-        prefix = f".staging-{self._final.name}-"
-        self._staging = Path(tempfile.mkdtemp(prefix=prefix, dir=self._final.parent))
+        parent = self._final.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        self._lock = DirLock(self._final, self.shown)
+        self._lock.acquire()  # one writer per directory; refused while another lives
+        self._signals = signals_as_interrupts()
+        try:
+            remove_stale(parent, own=self._final.name)  # what killed builds left behind
+            self._check_replaceable()
+            prefix = f".staging-{self._final.name}-"
+            self._staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+            self._signals.__enter__()  # SIGTERM/SIGHUP unwind through __exit__ like Ctrl-C
+        except BaseException:
+            self._lock.release()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -353,6 +367,8 @@ class EngineDirWriter:
         finally:
             # Whatever happened, the staging folder goes; on success it was renamed away.
             shutil.rmtree(staging, ignore_errors=True)
+            self._lock.release()
+            self._signals.__exit__(None, None, None)
         return False
 
     def _target(self, rel: str | PurePath) -> Path:

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from torch import nn
 
 from metrale.runtime.configs import (
-    DecoderConfig, DFlashConfig, MTPConfig, read_config, target_config,
+    DFLASH_ARCHITECTURES, DecoderConfig, DFlashConfig, MTPConfig, check_token_ids, read_config,
+    target_config,
 )
 from metrale.runtime.dflash import DFlashDrafter
 from metrale.runtime.errors import CheckpointError
@@ -46,18 +47,48 @@ RENAMES: dict[str, list[tuple[str, str | None]]] = {
 }
 
 
+# Tensors whose values are used as they are (never requantized): half or full precision only.
+_FULL_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
+_PLAIN_ROLES = re.compile(r"(^|\.)(embed_tokens|lm_head|head|[a-z_]*norm|gate)\.weight$|bias$")
+
+
+def check_tensor(name: str, t: torch.Tensor, where: str) -> None:
+    """Refuse a tensor no metrale model can hold: not floating point, a low-precision dtype in
+    a role that is never requantized (embeddings, LM heads, norms, routers, biases), or values
+    that are NaN or infinite."""
+    if not t.dtype.is_floating_point:
+        raise CheckpointError(f"{where}: tensor {name} is {t.dtype}; weights must be floating "
+                              "point (float32, float16, bfloat16, or FP8 for quantized linears)")
+    if _PLAIN_ROLES.search(name) and t.dtype not in _FULL_PRECISION:
+        raise CheckpointError(f"{where}: tensor {name} is {t.dtype}; this role needs float32, "
+                              "float16 or bfloat16")
+    if t.numel() and not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
+        raise CheckpointError(f"{where}: tensor {name} holds NaN or infinite values")
+
+
 def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's *.safetensors files, each checked (`check_tensor`);
+    an unreadable file is refused naming it."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"checkpoint {folder}: no *.safetensors file found")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                if name in tensors:
-                    raise CheckpointError(f"checkpoint {folder}: tensor {name} appears twice ({f.name})")
-                tensors[name] = handle.get_tensor(name)
+        where, names = f"checkpoint {folder}: {f.name}", []
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in tensors:
+                        raise CheckpointError(f"checkpoint {folder}: tensor {name} appears twice ({f.name})")
+                    tensors[name] = handle.get_tensor(name)
+                    names.append(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # SafetensorError, OSError, a dtype torch lacks: all unreadable
+            raise CheckpointError(f"{where} cannot be read as safetensors ({exc})") from None
+        for name in names:
+            check_tensor(name, tensors[name], where)
     return tensors
 
 
@@ -141,9 +172,19 @@ def mtp_layout(tensors: dict[str, torch.Tensor], source: str) -> tuple[str, int]
 
 def mtp_config(folder: str | Path, naming: str, layer_index: int) -> MTPConfig:
     raw = dict(read_config(folder))
-    if "n_shared_experts" in raw and "shared_expert_intermediate_size" not in raw:
-        raw["shared_expert_intermediate_size"] = raw["n_shared_experts"] * raw.get("moe_intermediate_size", 0)
-    decoder = DecoderConfig.from_hf(raw, f"{Path(folder) / 'config.json'}")
+    source = f"{Path(folder) / 'config.json'}"
+    archs = raw.get("architectures")
+    if isinstance(archs, list) and any(a in DFLASH_ARCHITECTURES for a in archs):
+        raise CheckpointError(f"{source}: architectures {archs!r} name a DFlash drafter, not a "
+                              "model with an MTP head")
+    shared, inter = raw.get("n_shared_experts"), raw.get("moe_intermediate_size", 0)
+    if shared is not None and "shared_expert_intermediate_size" not in raw:
+        if type(shared) is not int or type(inter) is not int or shared < 0:
+            raise CheckpointError(f"{source}: keys `n_shared_experts` and `moe_intermediate_size` "
+                                  f"must be counts, got {shared!r} and {inter!r}")
+        raw["shared_expert_intermediate_size"] = shared * inter
+    decoder = DecoderConfig.from_hf(raw, source)
+    check_token_ids(raw, source, decoder.vocab_size)
     return MTPConfig(decoder=decoder, naming=naming, layer_index=layer_index)
 
 

@@ -21,6 +21,8 @@ from metrale.runtime.errors import ConfigError
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_MAX_TOKENS = 256
+# Below this, logits / temperature overflows float32 (denormal temperatures): refused, not guessed.
+MIN_TEMPERATURE = 1e-3
 
 
 def _is_number(v: object) -> bool:
@@ -41,8 +43,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if not _is_number(t) or not (math.isfinite(t) and t >= 0):
-            raise ConfigError(f"temperature: got {t!r}; expected a finite number >= 0 (0 = greedy)")
+        if not _is_number(t) or not (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise ConfigError(f"temperature: got {t!r}; expected 0 (greedy) or a finite number "
+                              f">= {MIN_TEMPERATURE}")
         p = self.top_p
         if not _is_number(p) or not 0.0 < p <= 1.0:
             raise ConfigError(f"top_p: got {p!r}; expected a number with 0 < top_p <= 1")
@@ -86,6 +89,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [..., V]: mass of the tokens ranked above
     # A token is kept while the tokens above it have not yet reached top_p; the top token always is.
     keep_sorted = mass_before < params.top_p
+    keep_sorted[..., 0] = True  # also when top_p rounds to 0 in float32
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # [..., V] bool
     probs = probs * keep
     return probs / probs.sum(dim=-1, keepdim=True)

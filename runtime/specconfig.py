@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from metrale.runtime.errors import ConfigError
 
-DEFAULT_NUM_DRAFTS = 3
+DEFAULT_NUM_DRAFTS, MAX_NUM_DRAFTS = 3, 32  # a chain past 32 drafts is never all accepted
 DEFAULT_REPROBE_INTERVAL = 16
 AUTO = "auto"  # `--dflash-adaptive-k auto`: the table `metrale calibrate` stored
 DEFAULT_DRAFT_TP_SIZE = 1
@@ -290,9 +290,9 @@ class DraftTpSize:
         return "auto" if self.ranks is None else str(self.ranks)
 
 
-def _int_flag(flag: str, value: object, minimum: int) -> int:
-    if type(value) is not int or value < minimum:
-        raise ConfigError(f"{flag}: got {_q(value)}; expected an integer of at least {minimum}")
+def _int_flag(flag: str, value: object, minimum: int, most: int | None = None) -> int:
+    if type(value) is not int or value < minimum or (most is not None and value > most):
+        raise ConfigError(f"{flag}: got {_q(value)}; expected an integer of at least {minimum}" + (f" and at most {most}" if most else ""))  # noqa: E501
     return value
 
 
@@ -329,7 +329,7 @@ class SpeculativeConfig:
         if mtp:
             if self.num_drafts is None:
                 object.__setattr__(self, "num_drafts", DEFAULT_NUM_DRAFTS)
-            _int_flag("--num-drafts", self.num_drafts, 1)
+            _int_flag("--num-drafts", self.num_drafts, 1, MAX_NUM_DRAFTS)
         if self.exact_verify and self.mode is SpecMode.OFF:
             raise ConfigError("--exact-verify requires --speculative or --dflash")
         dflash_only = {

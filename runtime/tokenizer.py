@@ -121,15 +121,18 @@ class Tokenizer:
             raise CheckpointError(f"{tok_file}: not a valid tokenizers file ({e})") from e
         try:
             config = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
         if not isinstance(config, dict):
             raise CheckpointError(
                 f"{cfg_file}: must hold a JSON object, got {type(config).__name__}"
             )
         jinja_file = root / "chat_template.jinja"
         if config.get("chat_template") is None and jinja_file.is_file():
-            config["chat_template"] = jinja_file.read_text(encoding="utf-8")
+            try:
+                config["chat_template"] = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{jinja_file}: cannot be read as text ({e})") from None
         return cls(backend, config, source=str(cfg_file))
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:

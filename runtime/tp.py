@@ -125,7 +125,7 @@ def merge_tensor(name: str, shards: list[torch.Tensor], cut: Cut | None) -> torc
     """The one-rank tensor from its shards in rank order (the inverse of `cut_tensor`)."""
     if cut is None or cut.dim >= shards[0].dim():
         for r, s in enumerate(shards[1:], 1):
-            if s.shape != shards[0].shape or not torch.equal(_bytes(s), _bytes(shards[0])):
+            if s.shape != shards[0].shape or not (s.is_meta or torch.equal(_bytes(s), _bytes(shards[0]))):
                 raise EngineDirError(f"{name}: replicated tensor differs between rank 0 and rank {r}")
         return shards[0]
     per_rank = [s.chunk(cut.blocks, dim=cut.dim) for s in shards]  # [rank][block]

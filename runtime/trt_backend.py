@@ -52,7 +52,6 @@ from torch import nn
 from metrale.runtime.configs import DecoderConfig, DFlashConfig
 from metrale.runtime.dflash import CandidateSelector, Proposal
 from metrale.runtime.engine import LoadedEngine
-from metrale.runtime.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, EngineDirError
 from metrale.runtime.qwen3 import TargetOutput
 from metrale.runtime.trt_cache import CacheSizes, EngineCache, position_limit
@@ -316,9 +315,11 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
     from metrale.plugins.trt_plugin import KernelLibrary, plugin_kernel_keys, register_plugins
     from metrale.runtime.tokenizer import Tokenizer
 
+    from metrale.runtime.engine_check import check_engine_dir
+
     resolve_backend("tensorrt", str(device))
     path = Path(engine_dir)
-    manifest = load_manifest(path, verify=True)
+    manifest = check_engine_dir(path)
     dev = torch.device(device)
     dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     comps = manifest.components

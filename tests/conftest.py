@@ -82,8 +82,9 @@ def tiny_prompts(tiny_recipe, tiny_engine) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app):
-    """Run an ASGI app with uvicorn on a free 127.0.0.1 port in a thread; yields its base URL."""
+def serve_in_thread(app, limits=None):
+    """Run an ASGI app with uvicorn on a free 127.0.0.1 port in a thread; yields its base URL.
+    With `limits` (a ServerLimits), uvicorn runs as `metrale serve` configures it."""
     import socket
     import threading
     import time
@@ -93,7 +94,13 @@ def serve_in_thread(app):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    if limits is None:
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+    else:
+        from metrale.runtime.server import uvicorn_config
+
+        config = uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

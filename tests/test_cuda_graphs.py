@@ -203,10 +203,15 @@ def test_real_capture_on_a_cpu_device_falls_back(tiny_engine_dir):
 
 
 def test_auto_on_a_cpu_does_not_try_cuda_graphs(tiny_engine_dir):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.cpu_engine import build_fingerprint
+    from metrale.runtime.engine import _use_cpu_packages, load_engine
 
     engine = load_engine(tiny_engine_dir, backend="auto")
-    assert engine.backend == "torch" and engine.backend_note == ""
+    assert engine.backend == "torch" and engine.backend_note == ""  # no CPU packages: nothing to note
+    # packages built for another machine: eager torch, and the note says why
+    info = {"cpu": {**build_fingerprint(torch.float32, 1), "isa": "AVX512_NOT_HERE", "packages": []}}
+    _use_cpu_packages(engine, info, "auto")
+    assert engine.backend == "torch" and "built for isa 'AVX512_NOT_HERE'" in engine.backend_note
 
 
 # -- on a GPU ----------------------------------------------------------------------------------

@@ -14,7 +14,13 @@ from openai import OpenAI
 
 
 @pytest.fixture(scope="module")
-def server(tiny_engine_dir):
+def server(server_proc):
+    return server_proc[0]
+
+
+@pytest.fixture(scope="module")
+def server_proc(tiny_engine_dir):
+    """`metrale serve` on the tiny engine: (base URL, pid)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -32,7 +38,7 @@ def server(tiny_engine_dir):
                 break
         except requests.ConnectionError:
             time.sleep(0.2)
-    yield base
+    yield base, proc.pid
     proc.terminate()
     proc.wait(10)
 
@@ -57,3 +63,42 @@ def test_openai_client_against_metrale_serve(server, tiny_engine, tiny_prompts):
     assert requests.get(server + "/health", timeout=5).ok
     metrics = requests.get(server + "/metrics", timeout=5).text
     assert "metrale_spec_decode" in metrics and "position=" in metrics
+
+
+def rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_32_concurrent_clients_get_their_solo_answers(server, tiny_engine, tiny_prompts):
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = tiny_engine.tokenizer
+    prompts = [tok.decode(p[: 3 + i]) for p in tiny_prompts for i in range(8)]  # 32 prompts
+
+    def ask(prompt: str) -> str:
+        resp = requests.post(server + "/v1/completions", timeout=120,
+                             json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["text"]
+
+    solo = [ask(p) for p in prompts]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == solo and len(set(solo)) > 1
+
+
+def test_memory_goes_back_after_large_requests(server_proc):
+    base, pid = server_proc
+    requests.post(base + "/v1/completions", json={"prompt": "def main(", "max_tokens": 2})
+    before = rss_mb(pid)
+    line = "def main(): return x + y  # ünïcödé 日本\n"
+    prompt = line * (600_000 // len(line))  # ~0.7 MB of JSON: near the 1 MiB + 64 KiB limit
+    for i in range(6):
+        resp = requests.post(base + "/v1/completions", timeout=60,
+                             json={"prompt": prompt[i:], "max_tokens": 2})
+        assert resp.status_code == 400  # far longer than the 1024-token context
+    assert rss_mb(pid) - before < 50
+    assert requests.post(base + "/v1/completions", data=b"x" * (2 << 20), timeout=10).status_code == 413

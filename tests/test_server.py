@@ -240,6 +240,14 @@ def error_of(resp, status):
         ("/v1/completions", {"model": MODEL}, 400, "prompt", "`prompt` is required"),
         ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "`n` must be 1"),
         ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", ">= 0"),
+        ("/v1/completions", {"prompt": "x", "temperature": 5e-324}, 400, "temperature", "at least"),
+        ("/v1/completions", {"prompt": "x", "temperature": 10 ** 400}, 400, "temperature", "finite"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None,
+         "not valid JSON"),
+        ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None, "too deeply"),
+        ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, None, "lone surrogate"),
+        ("/v1/completions", b'{"prompt": "\xff"}', 400, None, "not UTF-8"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, 400, "stop", "at most 16"),
         ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
         ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "an integer"),
         ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", "an integer"),
@@ -274,22 +282,28 @@ def test_unknown_route_gets_error_shape(base):
     assert err["code"] == "not_found"
 
 
-def test_generator_exception_is_a_500_not_a_crash(base):
+def test_generator_exception_is_a_500_not_a_crash(base, caplog):
     for stream in (False, True):
         resp = requests.post(base + "/v1/completions", timeout=5,
                              json={"prompt": "please explode", "stream": stream})
         err = error_of(resp, 500)
-        assert err["type"] == "server_error" and "kaboom" in err["message"]
+        rid = resp.headers["X-Request-Id"]
+        # the body names the request id, never the exception; the log has both
+        assert err["type"] == "server_error" and rid in err["message"]
+        assert "kaboom" not in resp.text and "RuntimeError" not in resp.text
+        assert any(rid in r.getMessage() and r.exc_info and "kaboom" in str(r.exc_info[1])
+                   for r in caplog.records)
     resp = requests.post(base + "/v1/completions", timeout=5,
                          json={"prompt": "explode later"})
-    assert "kaboom later" in error_of(resp, 500)["message"]
+    assert "request id" in error_of(resp, 500)["message"] and "kaboom" not in resp.text
     # Once a stream has started, the failure arrives as a final error event.
     resp = requests.post(base + "/v1/completions", timeout=5,
                          json={"prompt": "explode later", "stream": True})
     assert resp.status_code == 200
     events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
     assert events[-1] == "[DONE]"
-    assert "kaboom later" in json.loads(events[-2])["error"]["message"]
+    message = json.loads(events[-2])["error"]["message"]
+    assert resp.headers["X-Request-Id"] in message and "kaboom" not in resp.text
     assert requests.get(base + "/health", timeout=5).json() == {"status": "ok"}
 
 

@@ -1,0 +1,111 @@
+"""Everything about an engine directory that can be checked without building a model.
+
+Contract: `check_engine_dir(path)` verifies the manifest and every checksum (`load_manifest`),
+then what loading relies on: a `target` component, every component's kind known
+(`COMPONENT_KINDS`), a drafter's `tp_size` a count with that many rank files, every rank file
+listed by its component and readable as safetensors, every component config parsing as its
+kind's config, every folder on disk claimed by a component (or reserved), then loading itself as
+a dry run on the meta device (tokenizer, every model built and filled by name, shape and dtype
+from the files' headers, no weights read). `metrale inspect` and `load_engine` both call it, so
+inspect passes exactly the directories that load. Every refusal is an `EngineDirError` naming the directory and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from metrale.runtime.configs import MTP_NAMINGS, DecoderConfig, DFlashConfig
+from metrale.runtime.engine_dir import RESERVED_NAMES, Manifest, load_manifest
+from metrale.runtime.errors import CheckpointError, EngineDirError
+
+COMPONENT_KINDS = ("target", "mtp", "dflash")
+_REBUILD = "rebuild it with metrale build"
+
+
+def _fail(shown: str, what: str) -> EngineDirError:
+    return EngineDirError(f"engine directory {shown}: {what}; {_REBUILD}")
+
+
+def read_json(path: Path, shown: str, rel: str) -> dict[str, Any]:
+    """A JSON object from `rel`, or an error naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _fail(shown, f"{rel} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise _fail(shown, f"{rel} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def check_safetensors(path: Path, shown: str, rel: str) -> None:
+    """The file's header parses and its tensors lie inside the file (contents not read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                handle.get_slice(name).get_shape()
+    except Exception as exc:  # SafetensorError and OSError: the file is not usable
+        raise _fail(shown, f"{rel} cannot be read as safetensors ({exc})") from None
+
+
+def component_config(root: Path, shown: str, name: str, kind: str):
+    """The component's parsed config (DecoderConfig or DFlashConfig), refusals naming it."""
+    rel = f"{name}/config.json"
+    cfg = read_json(root / rel, shown, rel)
+    try:
+        if kind == "dflash":
+            return DFlashConfig.from_hf(cfg, f"engine directory {shown}: {rel}")
+        return DecoderConfig.from_hf(cfg, f"engine directory {shown}: {rel}")
+    except CheckpointError as exc:
+        raise EngineDirError(f"{exc}; {_REBUILD}") from None
+
+
+def check_engine_dir(engine_dir: str | os.PathLike[str], verify: bool = True) -> Manifest:
+    root, shown = Path(engine_dir), os.fspath(engine_dir)
+    manifest = load_manifest(root, verify=verify)
+    comps = manifest.components
+    if "target" not in comps:
+        raise _fail(shown, "the manifest has no target component")
+    for name, info in comps.items():
+        kind = info.get("kind")
+        if kind not in COMPONENT_KINDS or (kind == "target") != (name == "target"):
+            raise _fail(shown, f"component {name} has kind {kind!r}; expected "
+                        f"{'target' if name == 'target' else 'mtp or dflash'}")
+        tp = info.get("tp_size", 1)
+        if type(tp) is not int or tp < 1 or (tp > 1 and kind != "dflash"):
+            raise _fail(shown, f"component {name} has tp_size {tp!r}; expected an integer >= 1 "
+                        "(above 1 for drafters only)")
+        if kind == "mtp" and info.get("naming", "qwen3_next") not in MTP_NAMINGS:
+            raise _fail(shown, f"component {name} has naming {info.get('naming')!r}; expected one "
+                        f"of {', '.join(MTP_NAMINGS)}")
+        files = info.get("files")
+        wanted = [f"{name}/rank{r}.safetensors" for r in range(tp)]
+        if not (isinstance(files, list) and all(f in files for f in wanted)):
+            raise _fail(shown, f"component {name} must list its files {wanted}, got {files!r}")
+        for rel in files:
+            if not isinstance(rel, str) or rel not in manifest.files:
+                raise _fail(shown, f"component {name} lists {rel!r}, which the manifest's files "
+                            "do not hold")
+        if f"{name}/config.json" not in manifest.files:
+            raise _fail(shown, f"component {name} has no {name}/config.json")
+        component_config(root, shown, name, kind)
+        for rel in wanted:
+            check_safetensors(root / rel, shown, rel)
+    folders = {rel.split("/", 1)[0] for rel in manifest.files if "/" in rel}
+    for folder in sorted(folders - set(comps) - RESERVED_NAMES):
+        raise _fail(shown, f"folder {folder}/ belongs to no component of the manifest")
+    import torch
+
+    from metrale.runtime.engine import build_models
+
+    try:  # loading, dry: every model built on the meta device from the files' headers
+        build_models(root, manifest, torch.float32, torch.device("meta"))
+    except CheckpointError as exc:
+        text = str(exc)
+        where = "" if text.startswith("engine directory") else f"engine directory {shown}: "
+        raise EngineDirError(f"{where}{text}; {_REBUILD}") from None
+    return manifest

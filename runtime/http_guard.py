@@ -1,0 +1,216 @@
+"""What stands between the network and the API: limits, timeouts and the API key.
+
+Contract:
+- `ServerLimits` holds every knob, validated when built; `request_bytes(context)` sizes the
+  body limit to the context window unless one is given.
+- `Guard` is an ASGI middleware. For `/v1/*` it checks `Authorization: Bearer <key>` when a
+  key is set (401 otherwise, compared in constant time). For every request with a body it reads
+  the whole body before the app runs: a `Content-Length` over the limit is refused at once
+  (413), a body that grows past it while streaming in is cut off (413), one that does not
+  arrive within `body_timeout_s` gets 408. The app then sees the body replayed, and after it
+  the connection's own messages (so a disconnect still reaches the app).
+- `protocol_class(limits)` is uvicorn's h11 protocol with a header deadline: a connection that
+  has not sent a complete request head `header_timeout_s` after it opened (or after its last
+  response) is closed, however slowly it trickles bytes in.
+- `release_memory()` hands freed heap pages back to the OS (glibc `malloc_trim`), so the
+  resident size falls back after a large request.
+Every refusal is OpenAI's error object; none of them stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import functools
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from metrale.runtime.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+BASE_REQUEST_BYTES = 1 << 20  # JSON framing, chat messages, stop strings
+BYTES_PER_CONTEXT_TOKEN = 64  # generous: a token id list or escaped text of a full context
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """How much the server accepts, and how long it waits. `max_request_bytes` None: sized to
+    the context window (`request_bytes`)."""
+
+    max_request_bytes: int | None = None
+    max_queue: int = 64  # generation requests admitted at once (one runs, the rest wait): 503 beyond
+    max_connections: int = 256  # open connections and tasks (uvicorn's limit_concurrency): 503 beyond
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, flag in (("max_queue", "--max-queue"), ("max_connections", "--max-connections")):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ConfigError(f"{flag} {v!r}: expected an integer of at least 1")
+        m = self.max_request_bytes
+        if m is not None and (type(m) is not int or m < 1024):
+            raise ConfigError(f"--max-request-bytes {m!r}: expected an integer of at least 1024")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v < 3600:
+                raise ConfigError(f"{name} {v!r}: expected seconds in (0, 3600)")
+        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
+                                         or any(c.isspace() for c in self.api_key)):
+            raise ConfigError("--api-key: expected a non-empty key of printable characters "
+                              "without spaces")
+
+    def request_bytes(self, context: int) -> int:
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return BASE_REQUEST_BYTES + BYTES_PER_CONTEXT_TOKEN * context
+
+
+def error_body(message: str, code: str, kind: str = "invalid_request_error") -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code}}).encode()
+
+
+async def send_error(send: Send, status: int, message: str, code: str,
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = error_body(message, code)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+class Guard:
+    """ASGI middleware: API key on /v1/*, then the body read whole under limit and deadline."""
+
+    def __init__(self, app: Callable, limits: ServerLimits, max_bytes: int) -> None:
+        self.app, self.limits, self.max_bytes = app, limits, max_bytes
+        key = limits.api_key
+        self._expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self._expected is not None and scope["path"].startswith("/v1/"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                return await send_error(send, 401, "invalid or missing API key: send the header "
+                                        "`Authorization: Bearer <key>`", "invalid_api_key",
+                                        ((b"www-authenticate", b"Bearer"),))
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        try:
+            body = await self._read_body(headers, receive)
+        except _Refused as e:
+            return await send_error(send, e.status, e.message, e.code,
+                                    ((b"connection", b"close"),))
+        return await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise _Refused(400, "Content-Length is not a byte count", "invalid_request")
+            if int(declared) > self.max_bytes:
+                raise _Refused(413, f"request body of {int(declared)} bytes exceeds this server's "
+                               f"limit of {self.max_bytes} bytes", "request_too_large")
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _Refused(400, "client disconnected", "client_disconnected")
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise _Refused(413, f"request body exceeds this server's limit of "
+                                       f"{self.max_bytes} bytes", "request_too_large")
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise _Refused(408, f"request body did not arrive within "
+                           f"{self.limits.body_timeout_s:g} s", "request_timeout") from None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def protocol_class(limits: ServerLimits) -> type:
+    """uvicorn's h11 protocol, closing connections that do not send a request head in time."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(limits.header_timeout_s, self._head_overdue)
+
+        def _head_overdue(self) -> None:
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # no complete request head in time
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+    return HeaderDeadlineProtocol
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+def release_memory() -> None:
+    """Return freed heap memory to the OS where the C library can (glibc); else nothing."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
