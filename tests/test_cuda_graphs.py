@@ -127,15 +127,17 @@ def test_engine_records_what_runs_the_target(stand_in_engine):
     assert "target" in stand_in_engine.pack().resident_bytes()
 
 
-def test_stand_in_decodes_like_the_eager_target(stand_in_engine, tiny_engine, tiny_prompts):
+def test_stand_in_decodes_like_the_eager_target(stand_in_engine, tiny_engine_dir, tiny_prompts):
     """Greedy plain decoding through the runner gives the eager backend's tokens."""
     from metrale.runtime.decode import Decoder
+    from metrale.runtime.engine import load_engine
     from metrale.runtime.sampling import SamplingParams
 
+    eager = load_engine(tiny_engine_dir, backend="torch")  # not the shared fixture's engine
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    eos = tiny_engine.tokenizer.eos_token_ids
+    eos = eager.tokenizer.eos_token_ids
     for ids in tiny_prompts[:3]:
-        want = Decoder(tiny_engine.target, eos).generate(ids, params).token_ids
+        want = Decoder(eager.target, eos).generate(ids, params).token_ids
         got = Decoder(stand_in_engine.target, eos).generate(ids, params).token_ids
         assert got == want
 
