@@ -136,8 +136,8 @@ class LoadedEngine:
         for name, model in self.models().items():
             if not isinstance(model, nn.Module):
                 continue
-            seen = {t.data_ptr(): t.numel() * t.element_size()
-                    for t in (*model.parameters(), *model.buffers())}
+            seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*model.parameters(), *model.buffers())}  # views counted once
             out[name] = sum(seen.values())
         return out
 

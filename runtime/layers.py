@@ -22,6 +22,16 @@ def float_weight(linear: nn.Module) -> torch.Tensor:
     return dense() if dense is not None else linear.weight.detach()
 
 
+def share_storage(linears, fused: torch.Tensor) -> None:
+    """Point each linear's weight at its rows of `fused` (their concatenation, in order), so a
+    packed model holds one copy of the weights and its unpacked modules still compute."""
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start:start + rows]
+        start += rows
+
+
 def pack_for_inference(module: nn.Module) -> nn.Module:
     """Call `pack()` on every submodule that has one: fused projections and stacked experts for
     the decode loop. Training and export use the unpacked modules."""
@@ -138,6 +148,7 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if all(type(p) is nn.Linear and p.bias is None for p in projs):
             self.qkv_weight = torch.cat([p.weight.detach() for p in projs], dim=0)
+            share_storage(projs, self.qkv_weight)
             # q and k heads normed in one op: each head's multiplier, (1 + w) when zero-centred
             mult = [n.weight.detach() + (1.0 if n.zero_centred else 0.0) for n in (self.q_norm, self.k_norm)]
             self.qk_norm_weight = torch.cat([mult[0].expand(self.nh, -1), mult[1].expand(self.nkv, -1)])
@@ -199,6 +210,7 @@ class MLP(nn.Module):
         if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
             self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(),
                                              self.up_proj.weight.detach()], dim=0)
+            share_storage((self.gate_proj, self.up_proj), self.gate_up_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
@@ -238,12 +250,20 @@ class MoE(nn.Module):
         of expert e are rows [e·2I, e·2I+I) and [e·2I+I, (e+1)·2I) of one [E·2I, H] matrix, the
         down projections one [E, I, H] batch. Quantized experts are dequantized here, once."""
         dtype = self.gate.weight.dtype
+        inter = self.experts[0].gate_proj.out_features if self.experts else 0
         gate_up, down = [], []
         for expert in self.experts:
             gate_up += [float_weight(expert.gate_proj), float_weight(expert.up_proj)]
             down.append(float_weight(expert.down_proj).t())
         self.experts_gate_up = torch.cat(gate_up, dim=0).to(dtype)  # [E·2I, H]
         self.experts_down = torch.stack(down).to(dtype).contiguous()  # [E, I, H]
+        plain = [e for e in self.experts if all(type(lin) is nn.Linear for lin in
+                                                 (e.gate_proj, e.up_proj, e.down_proj))]
+        if len(plain) == len(self.experts) and self.experts_gate_up.dtype == self.gate.weight.dtype:
+            for i, expert in enumerate(self.experts):  # one copy of the weights, two views
+                share_storage((expert.gate_proj, expert.up_proj),
+                              self.experts_gate_up[2 * i * inter:2 * (i + 1) * inter])
+                expert.down_proj.weight.data = self.experts_down[i].t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -84,8 +84,16 @@ def test_packed_inference_path_matches_transformers(tmp_path, moe):
     pack_for_inference(model)
     assert set(model.state_dict()) == keys
     assert model.model.layers[0].self_attn.qkv_weight is not None
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
     if moe:
-        assert model.model.layers[0].mlp.experts_gate_up.shape == (4 * 2 * 24, 32)
+        mlp = model.model.layers[0].mlp
+        assert mlp.experts_gate_up.shape == (4 * 2 * 24, 32)
+        # one copy of the expert weights: the modules' weights are views of the stacked ones
+        assert mlp.experts[3].up_proj.weight.untyped_storage().data_ptr() == \
+            mlp.experts_gate_up.untyped_storage().data_ptr()
+        assert mlp.experts[3].down_proj.weight.untyped_storage().data_ptr() == \
+            mlp.experts_down.untyped_storage().data_ptr()
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = ref(ids).logits
