@@ -92,7 +92,8 @@ class Qwen3ForCausalLM(nn.Module):
         c = self.config
         if table is None or table[0].shape[0] < start + t:
             length = max(c.max_position_embeddings, start + t)
-            positions = torch.arange(length, device=device)
-            table = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+            with torch.inference_mode(False):  # a table made while decoding must serve training too
+                positions = torch.arange(length, device=device)
+                table = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
             self._rope_tables[key] = table
         return table[0][start:start + t], table[1][start:start + t]
