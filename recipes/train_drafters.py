@@ -23,7 +23,7 @@ from metrale.runtime.mtp import MTPHead
 
 PROMPT, GEN = 32, 96
 BLOCK = 8
-DRAFTER_STEPS = 800
+DRAFTER_STEPS = 2400
 TAPS = (0, 1, 3)
 
 
