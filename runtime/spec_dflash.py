@@ -4,7 +4,10 @@ Each step runs one block propose `[pending, MASK×(γ−1)]` and verifies its fi
 k comes from, in order of precedence: `--dflash-adaptive-k` (the cost model, capped by the
 ladder's rung when there is one), `--dflash-draft-ladder` (the sequence's rung), or γ−1.
 k = 0 (adaptive k only) is a plain step: no propose, but the drafter's context is still fed
-with the target's taps of the kept row, so a later re-probe drafts from complete context.
+with the target's taps of the kept row, so a later re-probe drafts from complete context. The
+feeding is deferred: kept rows' taps wait in `unfed` and enter the drafter's cache in one
+`add_context` just before the next propose, so every draft sees the whole context while a
+suspended stream pays nothing per plain step (as the tensorrt backend's pending features do).
 Adaptive k is a single-stream policy; the loop here decodes one stream at a time, so it always
 applies (a batched scheduler would fall back to the ladder or γ, as the flag's help says).
 """
@@ -35,6 +38,13 @@ class DFlashProposer:
         w = self.embed.weight
         self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)
         self.drafter.add_context(out.taps, self.cache)
+        self.unfed: list[torch.Tensor] = []  # [1, rows, n·Ht] taps of kept rows, oldest first
+
+    def _feed(self) -> None:
+        if self.unfed:
+            rows = self.unfed[0] if len(self.unfed) == 1 else torch.cat(self.unfed, dim=1)
+            self.drafter.add_context(rows, self.cache)
+            self.unfed = []
 
     def draft_count(self) -> int:
         if self.controller is not None:
@@ -48,12 +58,13 @@ class DFlashProposer:
         self.last_k = k
         if k == 0:
             return torch.empty(0, dtype=torch.long), 0
+        self._feed()  # the drafter's cache now ends at the anchor's position
         anchor = torch.tensor([pending], device=self.embed.weight.device)
         proposal = self.drafter.propose(anchor, self.embed, self.cache, self.settings.gamma)
         return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
-        self.drafter.add_context(out.taps[:, :rows], self.cache)
+        self.unfed.append(out.taps[:, :rows])
         if self.controller is not None:
             self.controller.observe(self.last_k, rows - 1)
         elif self.ladder is not None:

@@ -1,0 +1,63 @@
+"""The DFlash proposer feeds the drafter's context lazily: kept rows' taps wait until the next
+propose and then enter in one `add_context`, so a suspended stream pays nothing per plain step
+while every draft still sees the whole context."""
+
+import torch
+
+from metrale.runtime.qwen3 import TargetOutput
+from metrale.runtime.spec_dflash import DFlashProposer
+from metrale.runtime.specconfig import SpeculativeConfig, resolve_dflash
+
+
+def _proposer(engine, adaptive_k=None):
+    drafter = engine.drafters["dflash"]
+    spec = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k=adaptive_k)
+    return DFlashProposer(drafter, engine.target.model.embed_tokens,
+                          resolve_dflash(spec, drafter.config.block_size), 128)
+
+
+def _out(taps: torch.Tensor) -> TargetOutput:
+    return TargetOutput(logits=torch.zeros(1, taps.shape[1], 4), last_hidden=taps[..., :4], taps=taps)
+
+
+def test_context_waits_for_the_next_propose_and_matches_eager_feeding(tiny_engine):
+    gen = torch.Generator().manual_seed(0)
+    width = tiny_engine.drafters["dflash"].config.num_context_features * 128
+    feats = torch.randn(1, 12, width, generator=gen)
+    lazy, eager = _proposer(tiny_engine), _proposer(tiny_engine)
+    with torch.inference_mode():
+        for p in (lazy, eager):
+            p.prefill(None, _out(feats[:, :6]), pending=5)
+        for a, b in ((6, 7), (7, 9), (9, 12)):  # three steps keep 1, 2 and 3 rows
+            lazy.accept(_out(feats[:, a:b + 2]), b - a, torch.zeros(b - a, dtype=torch.long))
+            eager.drafter.add_context(feats[:, a:b], eager.cache)  # what feeding at once does
+        assert lazy.cache.length == 6 and len(lazy.unfed) == 3  # nothing fed yet
+        drafts, _ = lazy.propose(pending=5, max_drafts=7)
+        assert lazy.cache.length == 12 == eager.cache.length and lazy.unfed == []
+        n = lazy.cache.length
+        assert torch.allclose(lazy.cache.k[:, :, :, :n], eager.cache.k[:, :, :, :n], atol=1e-5)
+        assert torch.equal(drafts, eager.propose(pending=5, max_drafts=7)[0])
+
+
+def test_a_suspended_stream_feeds_nothing_per_plain_step(tiny_engine, tiny_prompts, monkeypatch):
+    """Adaptive k with a table that makes plain steps pay: between re-probes the drafter's
+    cache stands still, and the output is plain decoding's."""
+    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.service import EngineGenerator
+
+    costly = "0:1,1:50,2:50,3:50,4:50,5:50,6:50,7:50"
+    spec = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k=costly, dflash_reprobe_interval=8,
+                                        exact_verify=True)
+    gen = EngineGenerator(tiny_engine, spec)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    decoder = gen.decoder()
+    fed = []
+    proposer = decoder.proposer
+    real = proposer.drafter.add_context
+    monkeypatch.setattr(proposer.drafter, "add_context",
+                        lambda f, c: (fed.append(f.shape[1]), real(f, c))[1])
+    res = decoder.generate(tiny_prompts[0], params)
+    assert res.token_ids == EngineGenerator(tiny_engine).generate(tiny_prompts[0], params).token_ids
+    plain_steps = sum(1 for s in res.steps if s.drafted == 0)
+    assert plain_steps > 10
+    assert len(fed) <= 1 + (len(res.steps) - plain_steps)  # prefill + one feed per propose
