@@ -211,21 +211,26 @@ def admitted(url: str) -> int:
 
 
 def test_a_stream_holds_its_queue_place_until_it_ends(open_base, gen):
-    with requests.post(open_base + "/v1/completions", stream=True, timeout=5,
-                       json={"prompt": "slow", "max_tokens": 200, "stream": True}) as resp:
-        assert next(resp.iter_lines()).startswith(b"data: ")
-        deadline = time.monotonic() + 1
-        while admitted(open_base) != 1:  # counted from admission to the stream's last byte
+    """A stream is counted from admission until its last byte, then its place is given back."""
+    gen.gate.clear()
+    got = {}
+
+    def stream():
+        got["r"] = requests.post(open_base + "/v1/completions", timeout=10,
+                                 json={"prompt": "gated " + ONCE, "max_tokens": 2, "stream": True})
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 5
+        while admitted(open_base) != 1:  # admitted, held at the gate before its first token
             assert time.monotonic() < deadline
             time.sleep(0.02)
+    finally:
+        gen.gate.set()
+    worker.join(10)
+    assert got["r"].text.endswith("data: [DONE]\n\n")
     deadline = time.monotonic() + 3
-    while admitted(open_base):  # the client left mid-stream: its place is given back
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    resp = requests.post(open_base + "/v1/completions", json={"prompt": ONCE, "stream": True},
-                         timeout=5)
-    assert resp.text.endswith("data: [DONE]\n\n")
-    deadline = time.monotonic() + 3
-    while admitted(open_base):  # the place is given back once the stream's worker has ended
+    while admitted(open_base):  # the place is given back once the stream has ended
         assert time.monotonic() < deadline
         time.sleep(0.02)
