@@ -16,6 +16,17 @@ import torch
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Speculative modes (flags of SpeculativeConfig.from_flags) that every backend claiming
+# row-invariant verify must decode to plain greedy text.
+CHUNKWISE_MODES = [
+    {"speculative": True, "num_drafts": 3},
+    {"speculative": True, "num_drafts": 3, "draft_confidence_stop": "cum:0.5"},
+    {"dflash": True},
+    {"dflash": True, "dflash_gamma": 4},
+    {"dflash": True, "dflash_draft_ladder": "1,3,7"},
+    {"dflash": True, "dflash_drafter": "dflash2"},
+]
 RECIPE = Path(os.environ.get("METRALE_TEST_RECIPE", ROOT / "recipes" / "tiny.toml"))
 
 

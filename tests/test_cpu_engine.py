@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import CHUNKWISE_MODES
 
 from metrale.runtime.cpu_steps import TargetStep
 from metrale.runtime.errors import EngineDirError
@@ -92,13 +93,7 @@ def test_aoti_decodes_like_the_eager_target(aoti_engine, tiny_engine, tiny_promp
         assert got == want
 
 
-SPEC_MODES = [
-    {"speculative": True, "num_drafts": 3},
-    {"speculative": True, "num_drafts": 3, "draft_confidence_stop": "cum:0.5"},
-    {"dflash": True},
-    {"dflash": True, "dflash_gamma": 4},
-    {"dflash": True, "dflash_draft_ladder": "1,3,7"},
-    {"dflash": True, "dflash_drafter": "dflash2"},
+SPEC_MODES = CHUNKWISE_MODES + [
     {"dflash": True, "dflash_drafter": "dflash2", "dflash_adaptive_k": "0:1,1:1.2,2:1.3,3:1.4,4:1.5,5:1.6,6:1.7,7:1.8"},
 ]
 

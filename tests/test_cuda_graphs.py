@@ -6,6 +6,7 @@ The `gpu` tests capture real CUDA graphs and are skipped without a GPU."""
 
 import pytest
 import torch
+from conftest import CHUNKWISE_MODES
 
 from metrale.runtime.cpu_engine import CompiledTarget, Package, StaticKVCache
 from metrale.runtime.cpu_steps import TargetStep
@@ -142,14 +143,7 @@ def test_stand_in_decodes_like_the_eager_target(stand_in_engine, tiny_engine_dir
         assert got == want
 
 
-SPEC_MODES = [
-    {"speculative": True, "num_drafts": 3},
-    {"speculative": True, "num_drafts": 3, "draft_confidence_stop": "cum:0.5"},
-    {"dflash": True},
-    {"dflash": True, "dflash_gamma": 4},
-    {"dflash": True, "dflash_draft_ladder": "1,3,7"},
-    {"dflash": True, "dflash_drafter": "dflash2"},
-]
+SPEC_MODES = CHUNKWISE_MODES
 
 
 @pytest.mark.parametrize("flags", SPEC_MODES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))

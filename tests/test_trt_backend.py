@@ -23,15 +23,14 @@ import torch
 from typer.testing import CliRunner
 
 from metrale.runtime.engine import LoadedEngine
-from metrale.runtime.errors import ConfigError, EngineDirError
+from metrale.runtime.errors import EngineDirError
 from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.service import EngineGenerator
 from metrale.runtime.specconfig import SpeculativeConfig
 from metrale.runtime.trt_backend import (
-    Backend, TrtDrafter, TrtMTPHead, TrtTarget, propose_graph_key, resolve_backend,
+    TrtDrafter, TrtMTPHead, TrtTarget, propose_graph_key,
 )
 from metrale.runtime.trt_cache import EngineCache, SlotPool, position_limit
-from metrale.runtime.trt_runner import pick_engine_sm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
 MODES = {
@@ -46,83 +45,12 @@ def plain_text(s: str) -> str:
     return re.sub(r"[\s│╭╮╰╯─]+", " ", re.sub(r"\x1b\[[0-9;]*m", "", s))
 
 
-# -- flags -----------------------------------------------------------------------------------
-
-
-def test_tensorrt_refused_without_cuda_names_the_flag():
-    with pytest.raises(ConfigError, match=r"--backend tensorrt .*CUDA is not available"):
-        resolve_backend("tensorrt", None, cuda_available=False)
-    if not torch.cuda.is_available():  # this machine: the real check, and through the CLI
-        with pytest.raises(ConfigError, match="--backend tensorrt"):
-            resolve_backend("tensorrt", "cuda")
-        # the engine directory does not exist: the refusal comes before anything is read
-        for cmd in (["generate", "--prompt", "x"], ["serve"], ["bench"]):
-            r = CliRunner().invoke(_app(), [*cmd, "--engine-dir", "/nonexistent", "--backend", "tensorrt"])
-            assert r.exit_code == 2 and "Traceback" not in r.output
-            assert "--backend tensorrt" in plain_text(r.output) and "nonexistent" not in r.output
-
-
 def _app():
     from metrale.cli import app
 
     return app
 
 
-@pytest.mark.parametrize("args, expected", [
-    (("torch", None), (Backend.TORCH, "cpu")),
-    (("torch", "cuda:1"), (Backend.TORCH, "cuda:1")),  # the torch backend checks its own device
-    (("tensorrt", None), (Backend.TENSORRT, "cuda")),
-    (("tensorrt", "cuda:0"), (Backend.TENSORRT, "cuda:0")),
-    (("auto", None), (Backend.AUTO, "cpu")),
-    (("aoti", None), (Backend.AOTI, "cpu")),
-])
-def test_backend_and_device_defaults(args, expected):
-    assert resolve_backend(*args, cuda_available=True) == expected
-
-
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(backend="tpu", device=None), "--backend 'tpu': allowed values are auto, torch, aoti, tensorrt"),
-    (dict(backend="aoti", device="cuda"), "--backend aoti runs the engine's CPU packages; --device cuda"),
-    (dict(backend="tensorrt", device="cpu"), "needs --device cuda or cuda:N, got --device cpu"),
-    (dict(backend="tensorrt", device=None, dtype="bfloat16"), "--dtype bfloat16"),
-    (dict(backend="tensorrt", device=None, nproc=2), "--nproc 2"),
-])
-def test_backend_refusals_name_the_flag(kwargs, needle):
-    with pytest.raises(ConfigError) as exc:
-        resolve_backend(**kwargs, cuda_available=True)
-    assert needle in str(exc.value)
-
-
-# -- which SM's engines ----------------------------------------------------------------------
-
-
-def test_sm_choice_takes_the_gpus_own_sm():
-    engines = {"target": {"89": {}, "120": {}}, "mtp": {"120": {}, "89": {}}}
-    assert pick_engine_sm(engines, 89, "e") == 89
-    assert pick_engine_sm(engines, 120, "e") == 120
-    assert pick_engine_sm({"target": [90]}, 90, "e") == 90
-
-
-def test_sm_choice_refuses_an_sm_not_built_naming_dir_and_sms():
-    engines = {"target": {"89": {}, "120": {}}, "dflash": {"89": {}, "120": {}}}
-    with pytest.raises(EngineDirError) as exc:
-        pick_engine_sm(engines, 90, "engines/tiny")  # an H100/H200 against RTX-built engines
-    msg = str(exc.value)
-    assert "engines/tiny" in msg and "SM90" in msg and "89, 120" in msg and "--target-sm 90" in msg
-    with pytest.raises(EngineDirError, match="SM86"):  # no nearest-SM fallback: exact or nothing
-        pick_engine_sm(engines, 86, "e")
-
-
-def test_sm_choice_refuses_a_component_missing_the_sm_and_a_dir_without_engines():
-    with pytest.raises(EngineDirError, match="component mtp has engines for SM 120"):
-        pick_engine_sm({"target": {"89": {}, "120": {}}, "mtp": {"120": {}}}, 89, "e")
-    with pytest.raises(EngineDirError, match="holds no TensorRT engines.*--trt-flavor none"):
-        pick_engine_sm({"target": {}, "mtp": {}}, 89, "e")
-
-
-# -- the stand-ins, on CPU, over the graphs the engines are built from ----------------------
-
-# small on purpose: prompts span several target calls, the drafter's queue outgrows `context`
 TOKENS_PROFILE = {"tokens": (1, 2, 5), "past": (1, 64, 160)}
 DRAFT_PROFILE = {"context": (1, 2, 3), "block": (1, 8, 8), "past": (1, 64, 160)}
 ENGINE_TAPS = (3, 0, 1)  # another order than the drafters' (0, 1, 3): selection must reorder
