@@ -13,8 +13,9 @@ nothing reaches the final path unless every step succeeded):
    `EngineDirWriter`, which renames the staging directory into place only when complete.
 5. With a TensorRT flavour, ONNX graphs and engines per component and SM (`trt_build`); a
    sharded drafter gets one graph and one engine per rank and SM (`tp_export`).
-6. With `--cpu-engines aoti` (the default), the target's steps as AOTInductor packages for this
-   CPU (`cpu_build`), checked row by row against one-row steps and against the eager model.
+6. With `--cpu-engines aoti` (the default), the decode loop's steps (target, MTP head, drafters)
+   as AOTInductor packages for this CPU (`cpu_build`), checked against the eager models and,
+   for the target, row by row against one-row steps.
 """
 
 from __future__ import annotations
@@ -125,9 +126,9 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
             from metrale.builder.cpu_build import build_cpu_packages
 
             taps = tuple(dict.fromkeys(i for d in drafters.values() for i in d.config.target_layer_ids))
-            info = w.components["target"]
-            cpu = build_cpu_packages(w, taps, sources["target"]["sha256"], progress)
-            w.component("target", {**info, "cpu": cpu,
+            for name, cpu in build_cpu_packages(w, dict(w.components), taps, progress).items():
+                info = w.components[name]
+                w.component(name, {**info, "cpu": cpu,
                                    "files": info["files"] + [p["file"] for p in cpu["packages"]]})
         w.set(sources=sources, tp_size=tp, memory_estimate=memory,
               plugins=engines.get("plugins", []),

@@ -1,20 +1,25 @@
-"""CPU engines: the target's steps compiled ahead of time into AOTInductor packages.
+"""CPU engines: the decode loop's steps compiled ahead of time into AOTInductor packages.
 
-For every slot bucket S and row count T of `PACKAGE_ROWS`, `cpu_steps.TargetStep` over the
-staged target (loaded back exactly as serve loads it, then packed) is exported with
-`torch.export` at static shapes and compiled with `torch._inductor.aoti_compile_and_package`:
+Per component (see `cpu_steps`): the target's step for every row count of `TARGET_ROWS`, the
+MTP head's for `MTP_ROWS`, and one feed-and-propose step per DFlash/DFlash2 drafter (tensor-
+parallel drafters keep running eagerly). Each is built over the staged model (loaded back
+exactly as serve loads it, then packed), exported with `torch.export` with the caches' slot
+count as the one dynamic dimension, and compiled with `torch._inductor.aoti_compile_and_package`:
 inductor `freezing` (weights are constants, so its CPU code is specialised to them) and
-max-autotune with its C++ micro-GEMM templates for the projections. Packages compile in parallel
-worker processes, one thread each. After compiling, the build checks what the runtime relies
-on: for random prompts, each row of the widest package is bit-identical to the one-row package
-at the same position, and the logits match the eager model within 1e-4. Where the GEMM
-templates' rows differ between row counts, the packages are compiled again with every
-projection written as a reduction (`linear="rowwise"`, row-invariant by construction); a
-failure then refuses the build, naming the package.
+max-autotune with its C++ micro-GEMM templates for the projections. Packages compile in
+parallel worker processes, one thread each.
 
-Compiled packages are cached by content (the target's weights digest, the package shape, the
-fingerprint of torch/ISA/dtype and this module's and `cpu_steps`' source), so rebuilding an
-unchanged engine copies them instead of compiling again.
+After compiling, the build checks what the runtime relies on, on random prompts: each row of
+every multi-row target package is bit-identical to the one-row package at the same position;
+the target's and the MTP head's outputs match the eager models within 1e-4; the drafters'
+proposals from the packages equal the eager drafters' (the share that does is recorded; below
+0.9 the build is refused). Where the target's GEMM templates give rows that differ between row
+counts, its packages are compiled again with every projection written as a reduction
+(`linear="rowwise"`, row-invariant by construction); a failure then refuses the build.
+
+Compiled packages are cached by content (the component's staged weights, the package's
+shape, the torch/ISA/dtype fingerprint and the source of the modules it is compiled from), so
+rebuilding an unchanged engine copies them instead of compiling again.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -32,9 +38,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PACKAGE_ROWS = (1, 8)  # one-row decode steps; verify steps and prompt chunks (padded)
-SLOT_BUCKETS = (256, 1088)  # a request runs in the smallest bucket its length fits (cpu_engine)
+TARGET_ROWS = (1, 2, 4, 8)  # decode steps; verifies of 1, 3 and up to 7 drafts; prompt chunks
+MTP_ROWS = (1, 4)  # chain steps; the accepted rows of a step and prompt chunks
+FEED_ROWS = 8  # context rows a propose feeds at once
 THREADS = 1
+INDUCTOR = {"gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
+            "rowwise": {"freezing": True}}
 
 
 def cache_dir() -> Path:
@@ -43,143 +52,204 @@ def cache_dir() -> Path:
     return Path(base) / "aoti"
 
 
+def max_slots(target_config) -> int:
+    """The most cache slots a request may use: its context, a drafter's chain or block past it
+    and a padded step, rounded up (see `cpu_engine.slots_for`)."""
+    from metrale.runtime.cpu_engine import SLOT_ALIGN
+
+    need = target_config.max_position_embeddings + 192
+    return -(-need // SLOT_ALIGN) * SLOT_ALIGN
+
+
+@dataclass(frozen=True)
+class Job:
+    """One package: component `name` of `kind` ("target", "mtp:<naming>", "dflash"), `rows`
+    (target, MTP) or the feed rows (drafter), written to `rel` in the engine directory."""
+
+    name: str
+    kind: str
+    rows: int
+    rel: str
+    linear: str = "gemm"
+
+
 def _sources_digest() -> str:
     import metrale.runtime.cpu_steps as steps
+    import metrale.runtime.dflash as dflash
     import metrale.runtime.layers as layers
 
     h = hashlib.sha256()
-    for mod in (steps, layers):
+    for mod in (steps, layers, dflash):
         h.update(Path(mod.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
 
 
-def _load_target(root: Path, dtype: torch.dtype):
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _load(root: Path, kinds: dict[str, str], dtype: torch.dtype):
     from metrale.builder.trt_build import load_staged
     from metrale.runtime.layers import pack_for_inference
 
-    target = load_staged(root, {"target": "target"}, dtype=dtype).target
-    return pack_for_inference(target).eval()
+    staged = load_staged(root, kinds, dtype=dtype)
+    for model in (staged.target, staged.mtp, *staged.drafters.values()):
+        if model is not None:
+            pack_for_inference(model).eval()
+    return staged
 
 
-def _example(target, rows: int, slots: int):
-    c = target.config
-    ids = torch.zeros(1, rows, dtype=torch.long)
-    kv = [torch.zeros(slots, c.num_key_value_heads, c.head_dim, dtype=target.dtype)
-          for _ in range(2 * c.num_hidden_layers)]
-    return ids, torch.tensor([0]), kv
+def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, example_slots: int = 128):
+    """The step module of `job` and example inputs with their dynamic shapes (the slot count)."""
+    from metrale.runtime.cpu_steps import DFlashStep, MTPStep, TargetStep
+
+    target = staged.target
+    dtype = target.dtype
+    positions = slots + 64
+    S = torch.export.Dim("slots", min=16, max=slots)
+    kv = lambda layers, d: [torch.zeros(example_slots, d.num_key_value_heads, d.head_dim, dtype=dtype)  # noqa: E731
+                            for _ in range(2 * layers)]
+    pos = torch.tensor([0])
+    if job.kind == "target":
+        c = target.config
+        step = TargetStep(target, taps, job.linear, positions)
+        args = (torch.zeros(1, job.rows, dtype=torch.long), pos, *kv(c.num_hidden_layers, c))
+        dyn = (None, None, tuple({0: S} for _ in range(2 * c.num_hidden_layers)))
+    elif job.kind.startswith("mtp"):
+        d = staged.mtp.config.decoder
+        step = MTPStep(staged.mtp, positions)
+        hid = torch.zeros(1, job.rows, d.hidden_size, dtype=dtype)
+        args = (hid, hid.clone(), pos, *kv(1, d))
+        dyn = (None, None, None, {0: S}, {0: S})
+    else:
+        drafter = staged.drafters[job.name]
+        cfg, d = drafter.config, drafter.config.decoder
+        step = DFlashStep(drafter, target.model.embed_tokens, job.rows, positions)
+        feats = torch.zeros(1, job.rows, cfg.num_context_features * cfg.target_hidden_size, dtype=dtype)
+        block = torch.zeros(1, cfg.block_size, dtype=torch.long)
+        args = (feats, torch.tensor([job.rows]), pos, block, torch.tensor([cfg.block_size]),
+                *kv(d.num_hidden_layers, d))
+        dyn = (None, None, None, None, None, tuple({0: S} for _ in range(2 * d.num_hidden_layers)))
+    return step.eval(), args, dyn
 
 
-INDUCTOR = {"gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
-            "rowwise": {"freezing": True}}
-
-
-def _compile_one(root: str, rows: int, slots: int, taps: tuple[int, ...], out: str,
-                 dtype_name: str, linear: str) -> float:
+def _compile_one(root: str, job: Job, kinds: dict[str, str], taps: tuple[int, ...], slots: int,
+                 out: str, dtype_name: str) -> float:
     """Worker: export and compile one package to `out`; returns the seconds it took."""
     import torch._inductor
 
-    from metrale.runtime.cpu_steps import TargetStep
-
     torch.set_num_threads(THREADS)
     t0 = time.time()
-    target = _load_target(Path(root), getattr(torch, dtype_name))
-    step = TargetStep(target, taps, linear).eval()
-    ids, pos, kv = _example(target, rows, slots)
+    staged = _load(Path(root), kinds, getattr(torch, dtype_name))
+    step, args, dyn = step_and_example(job, staged, taps, slots)
     with torch.inference_mode():
-        ep = torch.export.export(step, (ids, pos, *kv))
-    torch._inductor.aoti_compile_and_package(ep, package_path=out, inductor_configs=INDUCTOR[linear])
+        ep = torch.export.export(step, args, dynamic_shapes=dyn)
+    torch._inductor.aoti_compile_and_package(ep, package_path=out, inductor_configs=INDUCTOR[job.linear])
     return time.time() - t0
 
 
-def build_cpu_packages(w, taps: tuple[int, ...], target_digest: str, progress,
-                       dtype: torch.dtype = torch.float32, workers: int = 2) -> dict:
-    """Compile (or take from the cache) every package into `target/cpu/` of the staging
-    directory `w.path`; returns the manifest's `cpu` entry for the target component."""
+def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], progress,
+                       dtype: torch.dtype = torch.float32, workers: int = 2) -> dict[str, dict]:
+    """Compile (or take from the cache) every package into `<component>/cpu/` of the staging
+    directory `w.path`; returns each component's manifest `cpu` entry. `components` maps the
+    names written so far to their manifest entries (kind, naming, tp_size)."""
+    from metrale.builder.cpu_check import check_packages
     from metrale.runtime.cpu_engine import build_fingerprint
     from metrale.runtime.errors import EngineDirError
 
+    root = Path(w.path)
+    kinds = {}
+    for name, info in components.items():
+        kind = info["kind"]
+        if name == "target":
+            continue
+        if kind == "dflash" and info.get("tp_size", 1) != 1:
+            log.info("drafter %s is tensor-parallel: it runs eagerly on the aoti backend", name)
+            continue
+        kinds[name] = f"mtp:{info.get('naming', 'qwen3_next')}" if kind == "mtp" else kind
     fingerprint = build_fingerprint(dtype, THREADS)
+    staged = _load(root, {"target": "target"}, dtype)
+    slots = max_slots(staged.target.config)
     t0 = time.time()
-    for linear in ("gemm", "rowwise"):
-        entries = _compile_all(w.path, taps, target_digest, fingerprint, dtype, workers, linear, progress)
-        progress("checking the CPU packages against one-row steps and the eager model")
-        check = check_packages(w.path, entries, taps, dtype)
-        if check["rows_bit_identical"]:
-            break
-        log.info("CPU packages (%s projections): rows differ from one-row steps; compiling "
-                 "row-wise projections", linear)
-    else:
-        raise EngineDirError("CPU packages: the rows of a multi-row step differ from one-row steps "
-                             "even with row-wise projections; build with --cpu-engines none")
-    if check["max_abs_diff_vs_eager"] > 1e-4:
-        raise EngineDirError(f"CPU packages: logits differ from the eager target by "
-                             f"{check['max_abs_diff_vs_eager']:.2e} (> 1e-4)")
-    return {"packages": entries, "taps": list(taps), **fingerprint, "linear": linear,
-            "build_s": round(time.time() - t0, 1), "check": check}
+    jobs = [Job("target", "target", r, f"target/cpu/t{r}.pt2") for r in TARGET_ROWS]
+    for name, kind in kinds.items():
+        if kind.startswith("mtp"):
+            jobs += [Job(name, kind, r, f"{name}/cpu/t{r}.pt2") for r in MTP_ROWS]
+        elif kind == "dflash":
+            jobs.append(Job(name, kind, FEED_ROWS, f"{name}/cpu/propose.pt2"))
+    compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
+    progress("checking the CPU packages against one-row steps and the eager models")
+    check = check_packages(root, jobs, kinds, taps, slots, dtype)
+    if not check["target"]["rows_bit_identical"]:
+        log.info("CPU packages (gemm projections): target rows differ from one-row steps; "
+                 "compiling row-wise projections")
+        jobs = [Job(j.name, j.kind, j.rows, j.rel, "rowwise") if j.kind == "target" else j for j in jobs]
+        compiled.update(_compile_all(root, [j for j in jobs if j.kind == "target"], kinds, taps, slots,
+                                     fingerprint, dtype, workers, progress))
+        check = check_packages(root, jobs, kinds, taps, slots, dtype)
+        if not check["target"]["rows_bit_identical"]:
+            raise EngineDirError("CPU packages: the rows of a multi-row target step differ from "
+                                 "one-row steps even with row-wise projections; build with "
+                                 "--cpu-engines none")
+    for name, c in check.items():
+        if c.get("max_abs_diff_vs_eager", 0.0) > 1e-4:
+            raise EngineDirError(f"CPU packages: {name}'s outputs differ from the eager model by "
+                                 f"{c['max_abs_diff_vs_eager']:.2e} (> 1e-4)")
+        if c.get("drafts_equal", 1.0) < 0.9:
+            raise EngineDirError(f"CPU packages: {name}'s package proposes the eager drafter's "
+                                 f"drafts only {c['drafts_equal']:.0%} of the time (< 90%)")
+    out = {}
+    for name in ["target", *kinds]:
+        mine = [j for j in jobs if j.name == name]
+        entries = [{"file": j.rel, "compile_s": compiled[j.rel],
+                    **({"feed": j.rows, "block": staged_block(root, name)} if j.kind == "dflash"
+                       else {"rows": j.rows})} for j in mine]
+        out[name] = {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
+                     "check": check[name], **({"taps": list(taps)} if name == "target" else {})}
+    out["target"]["build_s"] = round(time.time() - t0, 1)
+    return out
 
 
-def _compile_all(root: Path, taps, target_digest: str, fingerprint: dict, dtype, workers: int,
-                 linear: str, progress) -> list[dict]:
-    key_base = hashlib.sha256(repr((target_digest, taps, sorted(fingerprint.items()), linear,
-                                    _sources_digest())).encode()).hexdigest()[:24]
-    jobs, entries = [], []
-    for slots in SLOT_BUCKETS:
-        for rows in PACKAGE_ROWS:
-            rel = f"target/cpu/t{rows}.s{slots}.pt2"
-            cached = cache_dir() / f"{key_base}-t{rows}.s{slots}.pt2"
-            entries.append({"file": rel, "rows": rows, "slots": slots})
-            dest = root / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if cached.is_file():
-                shutil.copyfile(cached, dest)
-                entries[-1]["compile_s"] = 0.0
-            else:
-                jobs.append((len(entries) - 1, rows, slots, dest, cached))
-    if not jobs:
-        return entries
-    progress(f"compiling {len(jobs)} CPU packages (AOTInductor, {min(workers, len(jobs))} at a time)")
+def staged_block(root: Path, name: str) -> int:
+    from metrale.runtime.configs import DFlashConfig, read_config
+
+    return DFlashConfig.from_hf(read_config(root / name), f"{name}/config.json").block_size
+
+
+def _compile_all(root: Path, jobs: list[Job], kinds, taps, slots: int, fingerprint: dict, dtype,
+                 workers: int, progress) -> dict[str, float]:
+    """Compile (or copy from the cache) each job's package; returns seconds per file."""
+    base = repr((sorted(fingerprint.items()), taps, slots, _sources_digest()))
+    weights = {name: _file_digest(root / name / "rank0.safetensors") for name in {"target", *kinds}}
+    todo, seconds = [], {}
+    for job in jobs:
+        key = hashlib.sha256(repr((base, job, weights["target"], weights[job.name])).encode()).hexdigest()[:32]
+        cached = cache_dir() / f"{key}.pt2"
+        dest = root / job.rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if cached.is_file():
+            shutil.copyfile(cached, dest)
+            seconds[job.rel] = 0.0
+        else:
+            todo.append((job, dest, cached))
+    if not todo:
+        return seconds
+    progress(f"compiling {len(todo)} CPU packages (AOTInductor, {min(workers, len(todo))} at a time)")
     dtype_name = str(dtype).removeprefix("torch.")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
-        futures = [(i, dest, cached, pool.submit(_compile_one, str(root), rows, slots, taps,
-                                                str(dest), dtype_name, linear))
-                   for i, rows, slots, dest, cached in jobs]
-        for i, dest, cached, fut in futures:
-            entries[i]["compile_s"] = round(fut.result(), 1)
+    relevant = lambda job: {"target": "target", **({job.name: kinds[job.name]} if job.name != "target" else {})}  # noqa: E731
+    with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=get_context("spawn")) as pool:
+        futures = [(job, dest, cached, pool.submit(_compile_one, str(root), job, relevant(job), taps, slots,
+                                                   str(dest), dtype_name))
+                   for job, dest, cached in todo]
+        for job, dest, cached, fut in futures:
+            seconds[job.rel] = round(fut.result(), 1)
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_suffix(f".tmp{os.getpid()}")
             shutil.copyfile(dest, tmp)
             os.replace(tmp, cached)  # a concurrent build may cache the same bytes: last wins
-    return entries
-
-
-def check_packages(root: Path, entries: list[dict], taps: tuple[int, ...], dtype) -> dict:
-    """Per slot bucket, on a random prompt: are the widest package's rows bit-identical to
-    one-row steps at the same positions, and how far are the logits from the eager model."""
-    import torch._inductor
-
-    from metrale.runtime.cpu_engine import CompiledTarget, Package
-
-    target = _load_target(root, dtype)
-    packages = [Package(e["rows"], e["slots"], torch._inductor.aoti_load_package(str(root / e["file"])))
-                for e in entries]
-    worst, same = 0.0, True
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for slots in sorted({p.slots for p in packages}):
-            mine = [p for p in packages if p.slots == slots]
-            wide = CompiledTarget(target, mine, taps)
-            narrow = CompiledTarget(target, [p for p in mine if p.rows == 1], taps)
-            ids = torch.randint(0, target.config.vocab_size, (1, 19), generator=gen)
-            a, b = wide.new_cache(1, 24), narrow.new_cache(1, 24)
-            wide(ids[:, :11], a)
-            narrow(ids[:, :11], b)
-            rows_wide = wide(ids[:, 11:], a, taps=taps)
-            rows_one = [narrow(ids[:, i:i + 1], b, taps=taps) for i in range(11, 19)]
-            for field in ("logits", "last_hidden", "taps"):
-                if getattr(rows_wide, field) is not None:
-                    one = torch.cat([getattr(r, field) for r in rows_one], dim=1)
-                    same = same and torch.equal(getattr(rows_wide, field), one)
-            eager = target(ids, target.new_cache(1, 24)).logits
-            worst = max(worst, (wide(ids, wide.new_cache(1, 24)).logits - eager).abs().max().item())
-    return {"rows_bit_identical": same, "max_abs_diff_vs_eager": worst}
+    return seconds

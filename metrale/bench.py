@@ -175,7 +175,7 @@ def bench(
     with user_errors():
         from rich.table import Table
 
-        from metrale.bench_costs import mode_bound, target_row_costs, transformers_reference
+        from metrale.bench_costs import host_ms, mode_bound, target_row_costs, transformers_reference
         from metrale.runtime.engine import load_engine
         from metrale.runtime.errors import ConfigError
         from metrale.runtime.trt_backend import Backend, load_trt_engine, resolve_backend
@@ -226,8 +226,9 @@ def bench(
             row, outputs = run_mode(engine, flags, prompts, max_tokens, repeats, plain_tokens)
             if name == "plain":
                 plain_tokens, plain_tps = outputs, row["tokens_per_s"]
+                host = host_ms(row, row_costs)
             row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3)
-            row.update(mode_bound(row, row_costs, exact=bool(flags.get("exact_verify"))))
+            row.update(mode_bound(row, row_costs, exact=bool(flags.get("exact_verify")), host=host))
             rows.append({"mode": name, "flags": flags, **row})
         ref = transformers_reference(engine, prompts, max_tokens, repeats) if reference else None
         if ref is not None:

@@ -7,8 +7,12 @@ Terms (all times are medians over repeated calls, in milliseconds):
 - c_verify: what a mode's verification costs per step — c(r̄) for its mean verify rows r̄ per
   step when chunkwise (one forward; c interpolated between row counts), r̄·c(1) when exact.
 - c_draft: the mode's own drafter time per step.
-- bound = τ · c_plain / (c_verify + c_draft): the speedup over plain decoding if nothing but
-  model time were spent; e = speedup / τ, the fraction of each accepted token's saving kept.
+- h: the host work of one decode step (the loop, token decisions, bookkeeping), measured as
+  plain decoding's time per step in the same run minus c_plain; every step pays it once.
+- bound = τ · (c_plain + h) / (c_verify + c_draft + h): the speedup over plain decoding if a
+  speculative step cost its verify and drafter time plus the same host work as a plain step
+  (a mode near its bound wastes nothing else); e = speedup / τ, the fraction of each
+  accepted token's saving kept. c_draft is measured in the loop, its own host work included.
 
 The transformers reference decodes the same target weights with transformers' eager greedy
 `generate` (no speculation), timed as (t(N tokens) − t(1 token)) / (N − 1) so prefill is left
@@ -68,15 +72,20 @@ def interpolate(costs: dict[int, float], rows: float) -> float:
     return costs[lo] + frac * (costs[hi] - costs[lo])
 
 
-def mode_bound(row: dict, costs: dict[int, float], exact: bool) -> dict:
+def host_ms(plain_row: dict, costs: dict[int, float]) -> float:
+    """h: plain decoding's time per step in the run beyond the model's c(1)."""
+    return max(0.0, 1000 * plain_row["seconds"] / max(1, plain_row["steps"]) - costs[1])
+
+
+def mode_bound(row: dict, costs: dict[int, float], exact: bool, host: float = 0.0) -> dict:
     """bound, e and the per-step costs for one bench row (see the module docstring)."""
     steps = max(1, row["steps"])
     rows_per_step = row["verify_rows"] / steps
     c_verify = rows_per_step * costs[1] if exact else interpolate(costs, rows_per_step)
     c_draft = 1000 * row["draft_s"] / steps if row["drafts_proposed"] else 0.0  # plain: no drafter
     tau = row["tau"] or 1.0
-    bound = tau * costs[1] / (c_verify + c_draft)
-    return {"c_verify_ms": round(c_verify, 4), "c_draft_ms": round(c_draft, 4),
+    bound = tau * (costs[1] + host) / (c_verify + c_draft + host)
+    return {"c_verify_ms": round(c_verify, 4), "c_draft_ms": round(c_draft, 4), "host_ms": round(host, 4),
             "bound": round(bound, 3), "e": round(row["speedup"] / tau, 3),
             "of_bound": round(row["speedup"] / bound, 3)}
 

@@ -146,8 +146,15 @@ class AdaptiveKController:
     by the ladder's rung (when a ladder is given) and by `max_k` (γ − 1). When the chosen k is
     0 the step decodes plainly; after `reprobe_interval` plain steps in a row `next_k` returns
     the best k > 0 once, so the estimator gets a fresh measurement (a suspended sequence would
-    otherwise never learn that its acceptance rose).
+    otherwise never learn that its acceptance rose). A probe that leaves the stream suspended
+    doubles the interval (up to `MAX_BACKOFF` times the base; a resumed stream starts again
+    from the base), so a stream whose acceptance stays low pays for ever fewer probes. Where
+    the cost model says no k > 0 could beat a plain step even with every draft accepted
+    ((k+1)/cost(k) <= 1/cost(0) for every allowed k), a probe could not change the decision
+    and none is run: the stream decodes plainly throughout.
     """
+
+    MAX_BACKOFF = 64
 
     def __init__(
         self,
@@ -167,19 +174,31 @@ class AdaptiveKController:
         self.estimator = estimator if estimator is not None else AcceptanceEstimator()
         self.prior = prior
         self.plain_steps = 0  # consecutive steps that chose k = 0
+        self.interval = reprobe_interval  # the current re-probe interval (see backoff above)
+        self.probed = False  # the last k came from a probe
 
     def cap(self) -> int:
         return min(self.max_k, self.ladder.current) if self.ladder else self.max_k
+
+    def can_pay(self, cap: int) -> bool:
+        """Could some 0 < k <= cap beat a plain step at full acceptance (k+1 tokens)?"""
+        if self.cost.first != 0:
+            return True
+        plain = 1.0 / self.cost.cost(0)
+        return any((k + 1) / self.cost.cost(k) > plain for k in self.cost.counts if 0 < k <= cap)
 
     def next_k(self) -> int:
         cap = self.cap()
         acc = self.estimator.rates(cap, prior=self.prior)
         k = choose_k(self.cost, acc, cap)
+        probed, self.probed = self.probed, False
         if k > 0:
-            self.plain_steps = 0
+            self.plain_steps, self.interval = 0, self.reprobe_interval
             return k
-        if self.plain_steps >= self.reprobe_interval:
-            self.plain_steps = 0
+        if probed:  # the probe left the stream suspended: wait longer for the next one
+            self.interval = min(2 * self.interval, self.MAX_BACKOFF * self.reprobe_interval)
+        if self.plain_steps >= self.interval and self.can_pay(cap):
+            self.plain_steps, self.probed = 0, True
             positive = CostModel(first=1, ms=self.cost.ms[1:])  # the same costs without 0:
             return choose_k(positive, acc, cap)
         self.plain_steps += 1

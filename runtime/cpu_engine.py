@@ -1,19 +1,25 @@
-"""The `aoti` backend: the target's steps as AOTInductor packages compiled by `metrale build`.
+"""The `aoti` backend: the decode loop's steps as AOTInductor packages compiled by `metrale build`.
 
-An engine directory built with CPU engines holds, under `target/cpu/`, one package per (rows T,
-slots S) pair (`t{T}.s{S}.pt2`) and the manifest's `cpu` entry of the target component::
+An engine directory built with CPU engines holds, under `<component>/cpu/`, the packages of
+`cpu_steps`' modules, and each component's manifest entry a `cpu` entry::
 
-    {"packages": [{"file": "target/cpu/t1.s256.pt2", "rows": 1, "slots": 256}, ...],
-     "taps": [0, 1, 3], "torch": "2.13.0", "isa": "AVX2", "dtype": "float32", "threads": 1}
+    target: {"packages": [{"file": "target/cpu/t1.pt2", "rows": 1}, ... rows 2, 4, 8],
+             "taps": [0, 1, 3], "max_slots": 1152, "torch": "2.13.0", "isa": "AVX2",
+             "machine": "x86_64", "dtype": "float32", "threads": 1, "check": {...}}
+    mtp:    {"packages": [{"file": "mtp/cpu/t1.pt2", "rows": 1}, {... "rows": 4}], ...}
+    dflash: {"packages": [{"file": "dflash/cpu/propose.pt2", "feed": 8, "block": 8}], ...}
+
+Every package takes its K/V caches with a dynamic slot count S (at most `max_slots`): a request
+sizes its caches once, to its own length rounded up to 64 slots, and every step runs over them.
 
 `CompiledTarget` has the target model's decode face (`__call__(ids, cache, start, taps)` ->
-`TargetOutput`, `new_cache`, `config`, `model.embed_tokens`), so the decode loop and the
-proposers run on it unchanged. Per step it runs the smallest package with at least the step's
-rows (rows past the step's are padding: their K/V land in slots the next step overwrites before
-any query sees them) over the request's slot bucket, which is fixed for the whole request: a
-row's bits then depend on its position and context only, never on how many rows its step had
-(see `cpu_steps`), so chunkwise verify emits plain greedy decoding's tokens exactly.
-Prompts longer than the widest package are fed in chunks of its rows.
+`TargetOutput`, `new_cache`, `config`, `model.embed_tokens`), `CompiledMTP` the MTP head's and
+`CompiledDFlash` the drafter's (`new_cache`, `add_context`, `propose`), so the decode loop and
+the proposers run on them unchanged. A target step runs the smallest package with at least
+its rows (rows past the step's are padding: their K/V land in slots the next step overwrites
+before any query sees them); a row's bits then depend on its position and context only, never
+on how many rows its step had (see `cpu_steps`), so chunkwise verify emits plain greedy
+decoding's tokens exactly. Prompts longer than the widest package are fed in chunks of its rows.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from metrale.runtime.qwen3 import Qwen3ForCausalLM, TargetOutput
 
 log = logging.getLogger(__name__)
 
+SLOT_ALIGN = 64  # a request's cache slots are its length rounded up to this
+
 
 def cpu_isa() -> str:
     """The vector ISA torch's CPU kernels dispatch to here (what compiled code was tuned for)."""
@@ -43,13 +51,14 @@ def build_fingerprint(dtype: torch.dtype, threads: int) -> dict:
 
 
 class StaticKVCache:
-    """One sequence's target K/V as the packages take them: per layer K and V [S, nkv, hd],
-    slot-major so a prefix is contiguous. `length` counts the valid positions."""
+    """One sequence's K/V as the packages take them: per layer K and V [S, nkv, hd], slot-major.
+    `length` counts the valid positions."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype, device="cpu"):
         shape = (slots, kv_heads, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * layers)]
         self.length = 0
+        self.pending: list[torch.Tensor] = []  # drafter context rows not yet fed (CompiledDFlash)
 
     @property
     def max_len(self) -> int:
@@ -63,77 +72,185 @@ class StaticKVCache:
 @dataclass(frozen=True)
 class Package:
     rows: int
-    slots: int
-    run: object  # the loaded AOTInductor callable
+    run: object  # the loaded AOTInductor model
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        # the loader's flat entry point: no pytree specs parsed per call
+        return self.run.loader.boxed_run(list(inputs))
+
+
+def slots_for(length: int, max_slots: int, what: str) -> int:
+    slots = -(-length // SLOT_ALIGN) * SLOT_ALIGN
+    if slots > max_slots:
+        raise ValueError(f"{what}: a sequence of {length} positions needs {slots} cache slots; the "
+                         f"CPU packages hold at most {max_slots}")
+    return slots
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [1, n, ...] -> [1, rows, ...] with zero rows after the n real ones."""
+    n = x.shape[1]
+    return x if n == rows else torch.cat([x, x.new_zeros(1, rows - n, *x.shape[2:])], dim=1)
+
+
+class _Rows:
+    """Packages of one step by row count: `pick(n)` is the smallest with at least n rows."""
+
+    def __init__(self, packages: list[Package], where: str):
+        if not packages or 1 not in {p.rows for p in packages}:
+            raise EngineDirError(f"{where}: no one-row CPU package")
+        self.packages = sorted(packages, key=lambda p: p.rows)
+        self.max_rows = self.packages[-1].rows
+
+    def pick(self, n: int) -> Package:
+        return next(p for p in self.packages if p.rows >= n)
 
 
 class CompiledTarget:
     """The target's decode face over AOTInductor packages (see the module docstring)."""
 
-    def __init__(self, model: Qwen3ForCausalLM, packages: list[Package], taps: tuple[int, ...]):
-        if not packages:
-            raise EngineDirError("the target has no CPU packages")
+    def __init__(self, model: Qwen3ForCausalLM, packages: list[Package], taps: tuple[int, ...],
+                 max_slots: int):
+        self.rows = _Rows(packages, "target")
         self.model_ref = model  # embedding (drafters embed with it), config, dtype
         self.config = model.config
         self.model = model.model
         self.lm_head = model.lm_head
         self.taps = tuple(taps)
-        self.packages = sorted(packages, key=lambda p: (p.slots, p.rows))
-        self.slot_buckets = sorted({p.slots for p in packages})
-        self.max_rows = max(p.rows for p in packages)
+        self.max_slots = max_slots
+        self.packages = self.rows.packages
+        self.max_rows = self.rows.max_rows
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model_ref.dtype
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
-        """A cache of the smallest slot bucket that holds `max_len` positions plus one padded step."""
+        """A cache of `max_len` positions plus one padded step, rounded up to 64 slots."""
         if batch != 1:
             raise ValueError("the aoti backend decodes one sequence per cache")
-        need = max_len + self.max_rows
-        fits = [s for s in self.slot_buckets if s >= need]
-        if not fits:
-            raise ValueError(f"a sequence of {max_len} positions needs {need} slots; the CPU "
-                             f"packages hold at most {self.slot_buckets[-1]}")
         c = self.config
-        return StaticKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, fits[0],
+        slots = slots_for(max_len + self.max_rows, self.max_slots, "target")
+        return StaticKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, slots,
                              self.dtype, self.model.embed_tokens.weight.device)
 
-    def _package(self, rows: int, slots: int) -> Package:
-        for p in self.packages:
-            if p.slots == slots and p.rows >= rows:
-                return p
-        raise AssertionError(f"no package for {rows} rows over {slots} slots")  # checked at load
+    def _package(self, rows: int, cache: StaticKVCache):
+        return self.rows.pick(rows)
 
     def __call__(self, ids: torch.Tensor, cache: StaticKVCache, start: int | None = None,
                  taps: tuple[int, ...] = ()) -> TargetOutput:
         """ids [1, T] at positions start.. (default cache.length); cache.length becomes start+T."""
         start = cache.length if start is None else start
         t = ids.shape[1]
-        slots = cache.max_len
         logits, hidden, tapped = [], [], []
         for c0 in range(0, t, self.max_rows):
             chunk = ids[:, c0:c0 + self.max_rows]  # [1, n]
             n = chunk.shape[1]
-            pkg = self._package(n, slots)
-            if start + c0 + pkg.rows > slots:
-                raise ValueError(f"positions up to {start + c0 + pkg.rows} exceed the cache's {slots} slots")
-            if pkg.rows > n:
-                chunk = torch.cat([chunk, chunk.new_zeros(1, pkg.rows - n)], dim=1)
-            outs = pkg.run(chunk, torch.tensor([start + c0]), *cache.kv)
+            pkg = self._package(n, cache)
+            if start + c0 + pkg.rows > cache.max_len:
+                raise ValueError(f"positions up to {start + c0 + pkg.rows} exceed the cache's "
+                                 f"{cache.max_len} slots")
+            outs = pkg(_pad_rows(chunk, pkg.rows), torch.tensor([start + c0]), *cache.kv)
             logits.append(outs[0][:, :n])
             hidden.append(outs[1][:, :n])
             if self.taps:
                 tapped.append(outs[2][:, :n])
         cache.length = start + t
+        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # noqa: E731
         tap = None
         if taps:
-            h = self.config.hidden_size
-            every = torch.cat(tapped, dim=1) if len(tapped) > 1 else tapped[0]  # [1, T, n·H]
-            cols = [every[..., self.taps.index(i) * h:(self.taps.index(i) + 1) * h] for i in taps]
-            tap = cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
-        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # noqa: E731
+            every = cat(tapped)  # [1, T, n·H] in the packages' tap order
+            if tuple(taps) == self.taps:
+                tap = every
+            else:
+                h = self.config.hidden_size
+                cols = [every[..., self.taps.index(i) * h:(self.taps.index(i) + 1) * h] for i in taps]
+                tap = cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
         return TargetOutput(logits=cat(logits), last_hidden=cat(hidden), taps=tap)
+
+
+class CompiledMTP:
+    """The MTP head's face (`mtp.MTPHead`: `new_cache`, `__call__`) over its packages."""
+
+    def __init__(self, head, packages: list[Package], max_slots: int):
+        self.rows = _Rows(packages, "mtp")
+        self.config = head.config
+        self.max_slots = max_slots
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> StaticKVCache:
+        d = self.config.decoder
+        slots = slots_for(max_len + self.rows.max_rows, self.max_slots, "mtp")
+        return StaticKVCache(1, d.num_key_value_heads, d.head_dim, slots, dtype, device)
+
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: StaticKVCache,
+                 start: int | None = None):
+        """Entries start.. of embeds/hidden [1, T, H] -> (logits [1, T, V], h [1, T, H])."""
+        start = cache.length if start is None else start
+        t, step = embeds.shape[1], self.rows.max_rows
+        logits, hs = [], []
+        for c0 in range(0, t, step):
+            n = min(step, t - c0)
+            pkg = self.rows.pick(n)
+            outs = pkg(_pad_rows(embeds[:, c0:c0 + n], pkg.rows), _pad_rows(hidden[:, c0:c0 + n], pkg.rows),
+                       torch.tensor([start + c0]), *cache.kv)
+            logits.append(outs[0][:, :n])
+            hs.append(outs[1][:, :n])
+        cache.length = start + t
+        if len(logits) == 1:
+            return logits[0], hs[0]
+        return torch.cat(logits, dim=1), torch.cat(hs, dim=1)
+
+
+class CompiledDFlash:
+    """The DFlash/DFlash2 drafter's face (`new_cache`, `add_context`, `propose`) over its one
+    package, which feeds up to `feed` context rows and proposes a block in one call: context
+    added with `add_context` waits in the cache's `pending` rows and enters the drafter's cache
+    with the next propose (in chunks of `feed` rows, all but the last proposing nothing)."""
+
+    def __init__(self, drafter, package: Package, feed: int, max_slots: int):
+        self.config = drafter.config
+        self.tp = None
+        self.package, self.feed, self.max_slots = package, feed, max_slots
+        self.block = drafter.config.block_size
+        self._mask = torch.full((1, self.block), drafter.config.mask_token_id, dtype=torch.long)
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> StaticKVCache:
+        d = self.config.decoder
+        slots = slots_for(max_len + self.feed, self.max_slots, "dflash")
+        return StaticKVCache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim, slots, dtype, device)
+
+    def add_context(self, features: torch.Tensor, cache: StaticKVCache) -> None:
+        cache.pending.append(features)
+
+    def _run(self, rows: torch.Tensor, cache: StaticKVCache, anchor: int, gamma: int) -> torch.Tensor:
+        n = rows.shape[1]
+        if cache.length + self.feed > cache.max_len:
+            raise ValueError(f"drafter context up to {cache.length + self.feed} exceeds the cache's "
+                             f"{cache.max_len} slots")
+        block = self._mask.clone()
+        block[0, 0] = anchor
+        drafts = self.package(_pad_rows(rows, self.feed), torch.tensor([n]), torch.tensor([cache.length]),
+                              block, torch.tensor([gamma]), *cache.kv)[0]
+        cache.length += n
+        return drafts
+
+    def propose(self, anchor: torch.Tensor, embed, cache: StaticKVCache, gamma: int):
+        """anchor [1] at position cache.length + pending rows -> γ−1 greedy drafts."""
+        from metrale.runtime.dflash import Proposal
+
+        if not 1 < gamma <= self.block:
+            raise ValueError(f"γ = {gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")
+        rows = cache.pending[0] if len(cache.pending) == 1 else (
+            torch.cat(cache.pending, dim=1) if cache.pending else None)
+        cache.pending = []
+        if rows is None:
+            rows = torch.zeros(1, 0, self.config.num_context_features * self.config.target_hidden_size)
+        tok = int(anchor.reshape(-1)[0])
+        while rows.shape[1] > self.feed:  # older context first: fed, its block unused
+            self._run(rows[:, :self.feed], cache, tok, gamma)
+            rows = rows[:, self.feed:]
+        drafts = self._run(rows, cache, tok, gamma)
+        return Proposal(tokens=drafts[:gamma - 1][None], logits=None)
 
 
 def check_fingerprint(info: dict, dtype: torch.dtype, where: str) -> None:
@@ -146,18 +263,30 @@ def check_fingerprint(info: dict, dtype: torch.dtype, where: str) -> None:
                 f"has {here[key]!r}; rebuild the engine here or use --backend torch")
 
 
-def load_compiled_target(engine_dir: Path, info: dict, model: Qwen3ForCausalLM) -> CompiledTarget:
-    """The target's packages listed in its manifest entry (`info["cpu"]`), loaded."""
+def _load_packages(engine_dir: Path, cpu: dict, dtype: torch.dtype, where: str) -> list[tuple[dict, Package]]:
     import torch._inductor
 
-    cpu = info["cpu"]
-    where = f"engine directory {engine_dir}: target"
-    check_fingerprint(cpu, model.dtype, where)
-    packages = []
+    check_fingerprint(cpu, dtype, where)
+    out = []
     for entry in cpu["packages"]:
         run = torch._inductor.aoti_load_package(str(Path(engine_dir) / entry["file"]))
-        packages.append(Package(int(entry["rows"]), int(entry["slots"]), run))
-    for slots in {p.slots for p in packages}:
-        if 1 not in {p.rows for p in packages if p.slots == slots}:
-            raise EngineDirError(f"{where}: no one-row package for {slots} slots")
-    return CompiledTarget(model, packages, tuple(cpu.get("taps", ())))
+        out.append((entry, Package(int(entry.get("rows", 1)), run)))
+    return out
+
+
+def load_compiled(engine_dir: Path, name: str, info: dict, model, dtype: torch.dtype):
+    """The compiled face of component `name` from its manifest entry's `cpu` packages."""
+    cpu = info["cpu"]
+    where = f"engine directory {engine_dir}: {name}"
+    loaded = _load_packages(engine_dir, cpu, dtype, where)
+    max_slots = int(cpu["max_slots"])
+    kind = info.get("kind", name)
+    if kind == "target":
+        return CompiledTarget(model, [p for _, p in loaded], tuple(cpu.get("taps", ())), max_slots)
+    if kind == "mtp":
+        return CompiledMTP(model, [p for _, p in loaded], max_slots)
+    entry, pkg = loaded[0]
+    if int(entry["block"]) != model.config.block_size:
+        raise EngineDirError(f"{where}: the CPU package proposes blocks of {entry['block']}, the "
+                             f"drafter's block size is {model.config.block_size}")
+    return CompiledDFlash(model, pkg, int(entry["feed"]), max_slots)

@@ -1,23 +1,36 @@
 """Static-shape step modules: what `metrale build` compiles into AOTInductor packages for CPUs.
 
-Each module wraps the runtime's own (packed, see `layers.pack_for_inference`) model and reads
-its weights and submodules; only the attention is written anew, over a *static* KV cache:
+Each module is built from the runtime's own loaded model and reads its weights (quantized
+linears dequantized once into the activation dtype, `layers.float_weight`) and norm modules;
+only the attention is written anew, over a *static* KV cache:
 
 - a layer's cache is one contiguous tensor per K and V, [S, nkv, hd] (slot-major), passed in as
-  an input and written in place (`index_copy_` at the step's positions), so the caller owns it
-  and a prefix `cache[:S_b]` of a larger one is itself contiguous — one buffer serves every
-  length bucket S_b a package was built for;
-- every step attends over all S_b slots with a mask (slot j is visible to the query at position
+  an input and written in place (`index_copy_` at the step's positions), so the caller owns it.
+  S is the packages' one dynamic dimension: a request's cache is sized to its length once, and
+  every step of the request runs over that S;
+- every step attends over all S slots with a mask (slot j is visible to the query at position
   p iff j <= p), written as a reduction, and the routed experts are gathered per row inside a
   reduction, so each row's arithmetic depends only on that row;
 - the dense projections are `F.linear` (`linear="gemm"`: inductor's CPU micro-GEMM templates,
   fast, and row-invariant where the build's check finds them so) or reductions over the input
   features (`linear="rowwise"`: row-invariant by construction, slower); the build compiles
-  "gemm" and falls back to "rowwise" when a multi-row package's rows differ from one-row steps.
+  "gemm" and falls back to "rowwise" for the target when a multi-row package's rows differ
+  from one-row steps. Drafter packages only move drafts, never emitted tokens: always "gemm".
 
-Inputs: `ids` [1, T] int64, `pos` [1] int64 (position of ids[0, 0]), then K and V of every layer.
-Target outputs: logits [1, T, V], last_hidden [1, T, H] (pre final norm), taps [1, T, n·H]
+Target (`TargetStep`): `ids` [1, T] int64, `pos` [1] int64 (position of ids[0, 0]), then K and V
+of every layer -> logits [1, T, V], last_hidden [1, T, H] (pre final norm), taps [1, T, n·H]
 (transformers' hidden_states[l+1] for each tap id l, as `qwen3` defines them).
+
+MTP head (`MTPStep`): `embeds`, `hidden` [1, T, H], `pos` [1], K, V -> logits [1, T, V], h [1, T, H],
+the head's forward (`mtp.MTPHead`) over its one-layer cache.
+
+DFlash drafter (`DFlashStep`), one call feeds context and proposes: `feats` [1, F, n·Ht] (the
+next F accepted positions' taps, the first `n_feed` of them real), `n_feed` [1], `start` [1]
+(the cache length before feeding), `block` [1, Γ] (anchor then masks; the first `gamma` slots
+real), `gamma` [1], then K and V of every layer -> drafts [Γ−1] int64. The fed rows' K/V land at
+slots start.. (rows past n_feed too: their slots lie past the anchor, masked, and are written
+again by the next feed); the block sits at positions start+n_feed.., sees every context slot
+before it and its first `gamma` slots, and is never written to the cache.
 """
 
 from __future__ import annotations
@@ -26,9 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.runtime.layers import MoE, apply_rope, rope_cos_sin
-from metrale.runtime.qwen3 import Qwen3ForCausalLM
-
+from metrale.runtime.layers import MoE, apply_rope, float_weight, rope_cos_sin
 
 LINEARS = ("gemm", "rowwise")
 
@@ -40,95 +51,276 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.unsqueeze(-2) * weight).sum(-1)
 
 
-def moe_rowwise(moe, x: torch.Tensor, linear=rowwise_linear) -> torch.Tensor:
-    """A packed `layers.MoE` on x [T, H], every product a reduction: each row gathers its top-k
-    experts' weights (compiled, the gather is an indirect load inside the reduction: only the
-    selected experts are read) and sums their outputs in slot order."""
-    probs = torch.softmax(linear(x, moe.gate.weight).float(), dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, moe.top_k, dim=-1)  # [T, k]
-    if moe.norm_topk:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    e, inter, hidden = moe.experts_down.shape
-    gate_up = moe.experts_gate_up.view(e, 2 * inter, hidden)[ids]  # [T, k, 2I, H]
-    gate, up = (x[:, None, None, :] * gate_up).sum(-1).chunk(2, dim=-1)  # [T, k, I] each
-    down = moe.experts_down.transpose(1, 2)[ids]  # [T, k, H, I]
-    y = ((F.silu(gate) * up).unsqueeze(-2) * down).sum(-1)  # [T, k, H]
-    out = (y * weights.to(x.dtype).unsqueeze(-1)).sum(1)  # [T, H]
-    if moe.shared_expert is not None:
-        s = moe.shared_expert
-        g, u = linear(x, s.gate_up_weight).chunk(2, dim=-1)
-        shared = linear(F.silu(g) * u, s.down_proj.weight)
-        if moe.shared_expert_gate is not None:
-            shared = torch.sigmoid(linear(x, moe.shared_expert_gate.weight)) * shared
-        out = out + shared
-    return out
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [T, nh, hd] (normed, roped); k/v [S, nkv, hd]; visible [T, S] bool -> [T, nh·hd], the
+    softmax over the slots written as reductions (head h reads KV head h // (nh / nkv))."""
+    t, nh, hd = q.shape
+    s, nkv, _ = k.shape
+    qg = q.view(t, nkv, nh // nkv, hd)
+    scores = (qg.unsqueeze(1) * k.view(1, s, nkv, 1, hd)).sum(-1) * hd ** -0.5  # [T, S, nkv, g]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)  # over the slots
+    out = (probs.unsqueeze(-1) * v.view(1, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
+    return out.reshape(t, nh * hd)
 
 
 def static_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
-    """q [T, nh, hd] (normed, roped); k/v_cache [S, nkv, hd] already holding this step's keys;
-    positions [T] -> [T, nh·hd]. Softmax over all S slots, masked to slots <= the row's position."""
-    t, nh, hd = q.shape
-    s, nkv, _ = k_cache.shape
-    g = nh // nkv
-    qg = q.view(t, nkv, g, hd)  # head h reads KV head h // g
-    scores = (qg.unsqueeze(1) * k_cache.view(1, s, nkv, 1, hd)).sum(-1) * hd ** -0.5  # [T, S, nkv, g]
-    visible = torch.arange(s, device=q.device)[None, :] <= positions[:, None]  # [T, S]
-    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)  # over the slots
-    out = (probs.unsqueeze(-1) * v_cache.view(1, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
-    return out.reshape(t, nh * hd)
+    """Causal attention over a cache already holding this step's keys: slot j is visible to the
+    row at position p iff j <= p."""
+    visible = torch.arange(k_cache.shape[0], device=q.device)[None, :] <= positions[:, None]
+    return masked_attention(q, k_cache, v_cache, visible)
+
+
+def _weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    return float_weight(linear).to(dtype).contiguous()
+
+
+class StepFFN(nn.Module):
+    """A SwiGLU MLP or a routed MoE (with its optional gated shared expert) as reductions and
+    GEMMs over dense weights: each MoE row gathers its top-k experts' weights (compiled, the
+    gather is an indirect load inside the reduction: only the selected experts are read) and
+    sums their outputs in slot order."""
+
+    def __init__(self, mlp: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.moe = isinstance(mlp, MoE)
+        dense = mlp.shared_expert if self.moe else mlp
+        if self.moe:
+            self.top_k, self.norm_topk = mlp.top_k, mlp.norm_topk
+            if mlp.experts_gate_up is None:
+                mlp.pack()
+            e, inter, hidden = mlp.experts_down.shape
+            self.register_buffer("router", _weight(mlp.gate, dtype))
+            self.register_buffer("experts_gate_up", mlp.experts_gate_up.to(dtype).view(e, 2 * inter, hidden))
+            self.register_buffer("experts_down_t", mlp.experts_down.to(dtype).transpose(1, 2).contiguous())
+            gate = mlp.shared_expert_gate
+            self.register_buffer("shared_gate", None if gate is None else _weight(gate, dtype))
+        self.register_buffer("gate_up", None if dense is None else torch.cat(
+            [_weight(dense.gate_proj, dtype), _weight(dense.up_proj, dtype)]))
+        self.register_buffer("down", None if dense is None else _weight(dense.down_proj, dtype))
+
+    def _swiglu(self, x, linear):
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down)
+
+    def forward(self, x: torch.Tensor, linear) -> torch.Tensor:
+        if not self.moe:
+            return self._swiglu(x, linear)
+        probs = torch.softmax(linear(x, self.router).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        gate, up = (x[:, None, None, :] * self.experts_gate_up[ids]).sum(-1).chunk(2, dim=-1)  # [T, k, I]
+        y = ((F.silu(gate) * up).unsqueeze(-2) * self.experts_down_t[ids]).sum(-1)  # [T, k, H]
+        out = (y * weights.to(x.dtype).unsqueeze(-1)).sum(1)  # [T, H]
+        if self.gate_up is not None:
+            shared = self._swiglu(x, linear)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(linear(x, self.shared_gate)) * shared
+            out = out + shared
+        return out
+
+
+class StepAttention(nn.Module):
+    """Projections and per-head norms of a (Qwen3-style) attention, for static-cache steps."""
+
+    def __init__(self, attn: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.nh, self.nkv, self.hd = attn.nh, attn.nkv, attn.hd
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.register_buffer("qkv", torch.cat([_weight(p, dtype) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]))
+        self.register_buffer("o", _weight(attn.o_proj, dtype))
+
+    def qkv_roped(self, h: torch.Tensor, cos, sin, linear):
+        """h [T, H] -> q [T, nh, hd], k [T, nkv, hd] (normed, roped) and v [T, nkv, hd]."""
+        t = h.shape[0]
+        q, k, v = linear(h, self.qkv).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = apply_rope(self.q_norm(q.view(t, self.nh, self.hd)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(t, self.nkv, self.hd)), cos, sin)
+        return q, k, v.view(t, self.nkv, self.hd)
+
+    def cached(self, h, positions, cos, sin, k_cache, v_cache, linear) -> torch.Tensor:
+        """Causal attention of rows at `positions`, writing their K/V into the static cache."""
+        q, k, v = self.qkv_roped(h, cos, sin, linear)
+        k_cache.index_copy_(0, positions, k)
+        v_cache.index_copy_(0, positions, v)
+        return linear(static_attention(q, k_cache, v_cache, positions), self.o)
+
+
+class StepLayer(nn.Module):
+    """A pre-norm decoder layer (target or MTP head) over its static cache."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.attn = StepAttention(layer.self_attn, dtype)
+        self.ffn = StepFFN(layer.mlp, dtype)
+
+    def forward(self, x, positions, cos, sin, k_cache, v_cache, linear):
+        h = self.input_layernorm(x)
+        x = x + self.attn.cached(h, positions, cos, sin, k_cache, v_cache, linear)
+        return x + self.ffn(self.post_attention_layernorm(x), linear)
+
+
+def _rope_table(cfg, positions: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_cos_sin(torch.arange(positions), cfg.head_dim, cfg.rope_theta, dtype)
+
+
+def _linear_fn(linear: str):
+    if linear not in LINEARS:
+        raise ValueError(f"linear {linear!r}: expected one of {LINEARS}")
+    return F.linear if linear == "gemm" else rowwise_linear
 
 
 class TargetStep(nn.Module):
     """The target's step over a static cache (see the module docstring)."""
 
-    def __init__(self, model: Qwen3ForCausalLM, taps: tuple[int, ...] = (), linear: str = "gemm"):
+    def __init__(self, model, taps: tuple[int, ...] = (), linear: str = "gemm", positions: int | None = None):
         super().__init__()
-        if linear not in LINEARS:
-            raise ValueError(f"linear {linear!r}: expected one of {LINEARS}")
-        self.model, self.taps = model, tuple(taps)
-        self.linear = F.linear if linear == "gemm" else rowwise_linear
+        self.linear = _linear_fn(linear)
+        self.taps = tuple(taps)
         c = model.config
-        cos, sin = rope_cos_sin(torch.arange(c.max_position_embeddings + 64), c.head_dim,
-                                c.rope_theta, model.dtype)
+        dtype = model.dtype
+        self.embed_tokens, self.norm = model.model.embed_tokens, model.model.norm
+        self.layers = nn.ModuleList(StepLayer(layer, dtype) for layer in model.model.layers)
+        self.register_buffer("lm_head", _weight(model.lm_head, dtype))
+        cos, sin = _rope_table(c, positions or c.max_position_embeddings + 64, dtype)
         self.register_buffer("cos", cos, persistent=False)  # [P, hd]
         self.register_buffer("sin", sin, persistent=False)
 
-    def _ffn(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(mlp, MoE):
-            return moe_rowwise(mlp, x, self.linear)
-        gate, up = self.linear(x, mlp.gate_up_weight).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, mlp.down_proj.weight)
-
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, *kv: torch.Tensor):
-        m = self.model
-        body, cfg = m.model, m.config
         t = ids.shape[1]
         positions = pos + torch.arange(t, device=ids.device)  # [T]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, hd]
-        x = body.embed_tokens(ids)[0]  # [T, H]
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        last = len(body.layers) - 1
+        x = self.embed_tokens(ids)[0]  # [T, H]
+        last = len(self.layers) - 1
         tapped = {}
-        for i, layer in enumerate(body.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = self.linear(h, a.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = apply_rope(a.q_norm(q.view(t, nh, hd)), cos, sin)  # [T, nh, hd]
-            k = apply_rope(a.k_norm(k.view(t, nkv, hd)), cos, sin)  # [T, nkv, hd]
-            k_cache, v_cache = kv[2 * i], kv[2 * i + 1]  # [S, nkv, hd]
-            k_cache.index_copy_(0, positions, k)
-            v_cache.index_copy_(0, positions, v.view(t, nkv, hd))
-            x = x + self.linear(static_attention(q, k_cache, v_cache, positions), a.o_proj.weight)
-            x = x + self._ffn(layer.mlp, layer.post_attention_layernorm(x))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, cos, sin, kv[2 * i], kv[2 * i + 1], self.linear)
             if i in self.taps and i != last:
                 tapped[i] = x
-        normed = body.norm(x)
+        normed = self.norm(x)
         if last in self.taps:
             tapped[last] = normed
-        logits = self.linear(normed, m.lm_head.weight)
-        outs = (logits[None], x[None])
+        outs = (self.linear(normed, self.lm_head)[None], x[None])
         if self.taps:
             outs += (torch.cat([tapped[i] for i in self.taps], dim=-1)[None],)
         return outs
+
+
+class MTPStep(nn.Module):
+    """The MTP head's entries over its one-layer static cache (see the module docstring)."""
+
+    def __init__(self, head, positions: int):
+        super().__init__()
+        d = head.config.decoder
+        dtype = head.pre_fc_norm_embedding.weight.dtype
+        self.norm_e, self.norm_h, self.norm = head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.norm
+        self.register_buffer("fc", _weight(head.fc, dtype))
+        self.layer = StepLayer(head.layer, dtype)
+        self.register_buffer("lm_head", _weight(head.lm_head, dtype))
+        cos, sin = _rope_table(d, positions, dtype)  # the target's context and a padded step
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, embeds, hidden, pos, k_cache, v_cache):
+        t = embeds.shape[1]
+        positions = pos + torch.arange(t, device=embeds.device)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        x = F.linear(torch.cat([self.norm_e(embeds[0]), self.norm_h(hidden[0])], dim=-1), self.fc)
+        h = self.layer(x, positions, cos, sin, k_cache, v_cache, F.linear)
+        return F.linear(self.norm(h), self.lm_head)[None], h[None]
+
+
+class DFlashStep(nn.Module):
+    """Feed context and propose one block (see the module docstring)."""
+
+    def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int):
+        super().__init__()
+        cfg = drafter.config
+        d = cfg.decoder
+        dtype = drafter.norm.weight.dtype
+        self.version, self.block, self.feed_rows = cfg.version, cfg.block_size, feed_rows
+        self.register_buffer("embed", embed.weight.detach().to(dtype))
+        self.register_buffer("fc", _weight(drafter.fc, dtype))
+        stacked = drafter.context_kv_proj  # the engine's own context K/V weights, when it has them
+        self.register_buffer("ctx_kv", _weight(stacked, dtype) if stacked is not None else
+                             drafter.stacked_context_kv_weight().detach().to(dtype))  # [L·2·nkv·hd, H]
+        self.hidden_norm, self.norm = drafter.hidden_norm, drafter.norm
+        self.attn = nn.ModuleList(StepAttention(layer.self_attn, dtype) for layer in drafter.layers)
+        self.ln1 = nn.ModuleList(layer.input_layernorm for layer in drafter.layers)
+        self.ln2 = nn.ModuleList(layer.post_attention_layernorm for layer in drafter.layers)
+        self.ffn = nn.ModuleList(StepFFN(layer.mlp, dtype) for layer in drafter.layers)
+        if cfg.version == 2:
+            convs = [(layer.attention_conv, layer.mlp_conv) for layer in drafter.layers]
+            self.groups = cfg.conv_groups
+            self.register_buffer("conv_base", torch.stack([torch.stack([a.base_kernel, m.base_kernel])
+                                                           for a, m in convs]).to(dtype))  # [L, 2, G, 2]
+            self.register_buffer("conv_proj", torch.stack([torch.stack([_weight(a.kernel_projection, dtype),
+                                                                        _weight(m.kernel_projection, dtype)])
+                                                           for a, m in convs]))  # [L, 2, 2G, H]
+            sel = drafter.candidate_selector
+            self.num_candidates = sel.num_candidates
+            self.register_buffer("pred_cb", sel.predecessor_codebook.detach().to(dtype))
+            self.register_buffer("succ_cb", sel.successor_codebook.detach().to(dtype))
+            self.register_buffer("sel_proj", _weight(sel.hidden_projection, dtype))
+        self.register_buffer("lm_head", _weight(drafter.lm_head, dtype))
+        cos, sin = _rope_table(d, positions, dtype)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _conv(self, x: torch.Tensor, layer: int, which: int) -> torch.Tensor:
+        """The two-tap grouped dynamic conv (`dflash.DynamicConv`) over the block's slots [Γ, H]."""
+        t, h = x.shape
+        g = self.groups
+        kernel = self.conv_base[layer, which] + F.linear(x, self.conv_proj[layer, which]).view(t, g, 2)
+        xg = x.view(t, g, h // g)
+        prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:-1]  # x[t-1], 0 at slot 0
+        return (kernel[..., 0:1] * xg + kernel[..., 1:2] * prev).reshape(t, h)
+
+    def _select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """DFlash2's candidate selector, left to right (`dflash.CandidateSelector`)."""
+        cand_logits, cand_ids = logits.topk(self.num_candidates, dim=-1)  # [n, K]
+        z0 = F.linear(hidden, self.sel_proj)  # [n, D]
+        prev, out = anchor.view(1), []
+        for j in range(hidden.shape[0]):
+            z = z0[j] + F.embedding(prev, self.pred_cb)[0]  # [D]
+            s = cand_logits[j].float() + (F.embedding(cand_ids[j], self.succ_cb) * z).sum(-1).float()
+            prev = cand_ids[j].gather(0, s.argmax().view(1))  # [1]
+            out.append(prev)
+        return torch.cat(out)
+
+    def forward(self, feats, n_feed, start, block, gamma, *kv):
+        f, g = feats.shape[1], block.shape[1]
+        dev = feats.device
+        fed_pos = start + torch.arange(f, device=dev)  # [F]
+        anchor_pos = start + n_feed  # [1]
+        c = self.hidden_norm(F.linear(feats[0], self.fc))  # [F, H]
+        cf, sf = self.cos[fed_pos][:, None], self.sin[fed_pos][:, None]
+        a0 = self.attn[0]
+        ctx = F.linear(c, self.ctx_kv).view(f, len(self.attn), 2, a0.nkv, a0.hd)  # every layer's K/V
+        blk_pos = anchor_pos + torch.arange(g, device=dev)  # [Γ]
+        cb, sb = self.cos[blk_pos][:, None], self.sin[blk_pos][:, None]
+        slots = kv[0].shape[0]
+        visible = torch.cat([(torch.arange(slots, device=dev) < anchor_pos).expand(g, slots),
+                             (torch.arange(g, device=dev) < gamma).expand(g, g)], dim=1)  # [Γ, S+Γ]
+        x = F.embedding(block[0], self.embed)  # [Γ, H]
+        for i, attn in enumerate(self.attn):
+            k_cache, v_cache = kv[2 * i], kv[2 * i + 1]
+            k, v = apply_rope(attn.k_norm(ctx[:, i, 0]), cf, sf), ctx[:, i, 1]  # the fed context's
+            k_cache.index_copy_(0, fed_pos, k)
+            v_cache.index_copy_(0, fed_pos, v)
+            if self.version == 2:
+                x = x + self._conv(x, i, 0)
+            q, kb, vb = attn.qkv_roped(self.ln1[i](x), cb, sb, F.linear)
+            out = masked_attention(q, torch.cat([k_cache, kb]), torch.cat([v_cache, vb]), visible)
+            x = x + F.linear(out, attn.o)
+            if self.version == 2:
+                x = x + self._conv(x, i, 1)
+            x = x + self.ffn[i](self.ln2[i](x), F.linear)
+        hidden = self.norm(x)[1:]  # [Γ−1, H]: the draft slots
+        logits = F.linear(hidden, self.lm_head)
+        if self.version == 2:
+            return self._select(hidden, logits, block[0, 0])
+        return logits.argmax(-1)

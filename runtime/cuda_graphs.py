@@ -15,7 +15,7 @@ modules on the GPU and captured, as gpt-fast does with its decode step, once per
 - `run(ids, pos, *kv)` of a (rows, slots) package copies ids and pos into the static inputs,
   refuses kv tensors that are not the bucket's static ones (`ForeignCache`), replays, and
   returns clones of the outputs. The packages plug into `cpu_engine.CompiledTarget` as
-  `Package.run` callables: padding, chunking of long prompts and the per-request slot bucket
+  `GraphPackage` callables: padding, chunking of long prompts and the per-request slot bucket
   are its own; its `new_cache` asks `GraphRunner.new_cache` for the bucket's static views.
 - One sequence at a time, as the decode loop runs (the server decodes one request at a time):
   handing out a cache retires the one handed out before it, whose later use is refused instead
@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.cpu_engine import CompiledTarget, Package, StaticKVCache
+from metrale.runtime.cpu_engine import CompiledTarget, StaticKVCache
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +203,10 @@ class GraphRunner:
         self._current = weakref.ref(cache)
         return cache
 
-    def package(self, rows: int, slots: int) -> Package:
-        return Package(rows, slots, lambda ids, pos, *kv: self.run(rows, slots, ids, pos, *kv))
+    def package(self, rows: int, slots: int) -> "GraphPackage":
+        return GraphPackage(rows, slots, lambda *inputs: self.run(rows, slots, *inputs))
 
-    def packages(self) -> list[Package]:
+    def packages(self) -> list["GraphPackage"]:
         return [self.package(r, s) for (r, s) in sorted(self.captured)]
 
     def run(self, rows: int, slots: int, ids: torch.Tensor, pos: torch.Tensor,
@@ -232,12 +233,32 @@ class GraphRunner:
                 "slots": list(self.slots), "kind": self.graphs.name}
 
 
+@dataclass(frozen=True)
+class GraphPackage:
+    """One captured (rows, slots) step as `CompiledTarget` calls a package."""
+
+    rows: int
+    slots: int
+    fn: object
+
+    def __call__(self, *inputs: torch.Tensor):
+        return self.fn(*inputs)
+
+
 class GraphTarget(CompiledTarget):
-    """`CompiledTarget` over a `GraphRunner`'s packages, its caches the runner's static views."""
+    """`CompiledTarget` over a `GraphRunner`'s packages, its caches the runner's static views:
+    a request's cache is the smallest slot bucket it fits, and each step replays the graph of
+    its rows over that bucket."""
 
     def __init__(self, model, runner: GraphRunner, taps: tuple[int, ...]):
-        super().__init__(model, runner.packages(), taps)
+        packages = runner.packages()
+        super().__init__(model, packages, taps, max_slots=runner.slots[-1])
         self.runner = runner
+        self.slot_buckets = list(runner.slots)
+        self.by_shape = {(p.rows, p.slots): p for p in packages}
+
+    def _package(self, rows: int, cache: StaticKVCache):
+        return self.by_shape[(self.rows.pick(rows).rows, cache.max_len)]
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         if batch != 1:

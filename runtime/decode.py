@@ -70,6 +70,7 @@ class Decoder:
                  exact_verify: bool = False, max_context: int | None = None):
         self.target, self.eos_ids, self.proposer = target, eos_ids, proposer
         self.exact_verify = exact_verify
+        self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
         self.max_context = max_context or target.config.max_position_embeddings
         self.last_result: DecodeResult | None = None
 
@@ -112,6 +113,9 @@ class Decoder:
         out = self.target(prompt, cache, taps=self._taps())
         pending = int(sample(out.logits[0, -1], params, gen))
         if self.proposer is not None:
+            # the drafter's caches hold this request's positions and a chain or block past them
+            if hasattr(self.proposer, "max_len"):
+                self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
             self.proposer.prefill(prompt, out, pending)
         result.prefill_s = time.perf_counter() - t0
         emitted_total = 0
@@ -153,12 +157,13 @@ class Decoder:
         else:
             accepted, emitted = verify_sampling(drafts.to(device), probs_from_logits(rows, params), gen)
         cache.length = base + accepted + 1  # pending + accepted drafts stay; the rest is stale
-        if self.proposer is not None:
-            self.proposer.accept(out, accepted + 1, emitted)
         t2 = time.perf_counter()
+        if self.proposer is not None:  # the drafter's own bookkeeping is drafter time
+            self.proposer.accept(out, accepted + 1, emitted)
+        t3 = time.perf_counter()
         result.metrics.record_step(proposed=max(proposed, k), verified=k, accepted=accepted,
                                    emitted=accepted + 1, verify_rows=rows.shape[0],
-                                   draft_s=t1 - t0, verify_s=t2 - t1)
+                                   draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
         result.steps.append(StepTrace(drafted=k, accepted=accepted, emitted=accepted + 1))
         return [int(t) for t in emitted.tolist()]
 

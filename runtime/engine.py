@@ -32,7 +32,7 @@ from metrale.runtime.dflash import DFlashDrafter
 from metrale.runtime.engine_check import check_engine_dir, component_config, read_json
 from metrale.runtime.engine_dir import Manifest
 from metrale.runtime.errors import CheckpointError, EngineDirError
-from metrale.runtime.layers import pack_for_inference
+from metrale.runtime.layers import Attention, pack_for_inference
 from metrale.runtime.loader import strict_fill
 from metrale.runtime.mtp import MTPHead
 from metrale.runtime.qwen3 import Qwen3ForCausalLM
@@ -122,13 +122,31 @@ class LoadedEngine:
 
     def pack(self) -> "LoadedEngine":
         """Ready the models for the decode loop, once: quantized weights dequantized (bit-identical
-        results, see `qlinear`), target q/k/v and gate/up fused, routed experts stacked."""
+        results, see `qlinear`), target q/k/v and gate/up fused, routed experts stacked; where
+        the eager target's rows can be made batch-invariant (`rows_invariant`), its attention
+        runs over whole caches."""
         if not self.packed:
             for model in self.models().values():
                 if isinstance(model, nn.Module):  # engine-backed faces hold their own weights
                     pack_for_inference(model)
+            if self.backend == "torch" and self.eager_rows_invariant:
+                for module in self.target.modules():
+                    if isinstance(module, Attention):
+                        module.row_invariant = True
             self.packed = True
         return self
+
+    @property
+    def eager_rows_invariant(self) -> bool:
+        """bfloat16 on a CPU: torch's GEMMs give each row the bits a one-row GEMM gives it (in
+        float32 they do not: MKL picks other kernels below four rows), so with attention over
+        whole caches every row of a verify forward equals the one-row step at its position."""
+        return self.dtype == torch.bfloat16 and self.device.type == "cpu"
+
+    @property
+    def rows_invariant(self) -> bool:
+        """Does chunkwise verify emit plain greedy decoding's tokens (rows batch-invariant)?"""
+        return self.backend == "aoti" or (self.backend == "torch" and self.eager_rows_invariant)
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes held per model: parameters and every buffer, packed copies included."""
@@ -211,12 +229,39 @@ def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: tor
             raise EngineDirError(f"engine directory {path}: component {name} has unknown kind {kind!r}")
     if backend == "auto" and device.type == "cuda":
         _use_cuda_graphs(engine)  # after the drafters: their taps are captured with the steps
+    if engine.backend == "aoti":
+        _use_cpu_drafters(engine, backend)
     return engine
+
+
+def _use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
+    """Swap the MTP head and each one-rank drafter for its AOTInductor packages where the
+    engine directory has them (a tensor-parallel drafter keeps running eagerly)."""
+    from metrale.runtime.cpu_engine import load_compiled
+
+    for name, info in engine.manifest.components.items():
+        if name == "target" or "cpu" not in info:
+            continue
+        model = engine.mtp if info.get("kind") == "mtp" else engine.drafters.get(name)
+        if model is None or getattr(model, "tp", None) is not None:
+            continue
+        try:
+            compiled = load_compiled(engine.path, name, info, pack_for_inference(model), engine.dtype)
+        except (EngineDirError, RuntimeError, OSError) as exc:
+            if backend == "aoti":
+                raise EngineDirError(f"--backend aoti: engine directory {engine.path}: {name}: {exc}") from None
+            engine.backend_note = f"{name} runs eagerly: its CPU packages do not load ({exc})"
+            log.info("engine directory %s: %s", engine.path, engine.backend_note)
+            continue
+        if info.get("kind") == "mtp":
+            engine.mtp = compiled
+        else:
+            engine.drafters[name] = compiled
 
 
 def _use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
     """Swap the target's decode face for its AOTInductor packages (see `cpu_engine`)."""
-    from metrale.runtime.cpu_engine import load_compiled_target
+    from metrale.runtime.cpu_engine import load_compiled
 
     where = f"engine directory {engine.path}"
     why = None
@@ -227,7 +272,7 @@ def _use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
     if why is None:
         try:
             pack_for_inference(engine.target)
-            engine.target = load_compiled_target(engine.path, info, engine.target)
+            engine.target = load_compiled(engine.path, "target", info, engine.target, engine.dtype)
             engine.backend = "aoti"
             return
         except EngineDirError as exc:

@@ -90,6 +90,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def fixed_length_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           positions: torch.Tensor) -> torch.Tensor:
+    """q [B, nh, T, hd]; k/v [B, nkv, S, hd]: a whole cache, slot j visible to the row at
+    position p iff j <= p -> [B, nh, T, hd]. Written as reductions over all S slots, so a row's
+    bits depend on its position and the cache, never on how many rows the call has (SDPA's
+    kernels block the queries and keys by the call's shapes)."""
+    b, nh, t, hd = q.shape
+    nkv, s = k.shape[1], k.shape[2]
+    qg = q.view(b, nkv, nh // nkv, t, 1, hd)
+    scores = (qg * k.view(b, nkv, 1, 1, s, hd)).sum(-1) * hd ** -0.5  # [B, nkv, g, T, S]
+    visible = torch.arange(s, device=q.device)[None, :] <= positions[:, None]  # [T, S]
+    probs = scores.masked_fill(~visible, float("-inf")).float().softmax(-1).to(q.dtype)
+    out = (probs.unsqueeze(-1) * v.view(b, nkv, 1, 1, s, hd)).sum(-2)  # [B, nkv, g, T, hd]
+    return out.view(b, nh, t, hd)
+
+
 def causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:
     """[T, start+T] bool: query i (absolute position start+i) sees keys 0..start+i."""
     rows = torch.arange(t, device=device)[:, None] + start
@@ -126,7 +142,12 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Qwen3 attention: per-head RMSNorm on q and k before RoPE, grouped-query KV."""
+    """Qwen3 attention: per-head RMSNorm on q and k before RoPE, grouped-query KV.
+
+    `row_invariant` (set by `LoadedEngine.pack` where the projections' GEMMs already are, see
+    there): with a cache, attend over the cache's whole length with `fixed_length_attention`."""
+
+    row_invariant = False
 
     def __init__(self, cfg: DecoderConfig, zero_centred_norm: bool = False):
         super().__init__()
@@ -189,6 +210,9 @@ class Attention(nn.Module):
             k, v = self.kv_from_projected(k, v, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
+            if self.row_invariant:
+                out = fixed_length_attention(q, cache.k[layer], cache.v[layer], positions)
+                return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
         else:
             start = 0
         out = attend(q, k, v, causal_mask(t, start, x.device) if t > 1 or start == 0 else None)

@@ -56,9 +56,11 @@ HELP: dict[str, str] = {
     ),
     "--dflash-reprobe-interval": (
         "While --dflash-adaptive-k has suspended speculation, run one speculative step after "
-        "every N plain steps to measure acceptance again (default: 16). The drafter keeps "
-        "reading the context while suspended, so the probe drafts from all of it. At least 1. "
-        "Requires --dflash-adaptive-k."
+        "every N plain steps to measure acceptance again (default: 16). A probe that leaves "
+        "the stream suspended doubles N for it (up to 64 times the value; resuming resets it), "
+        "and where the table says no draft count could beat a plain step even with every "
+        "draft accepted, no probe runs. The drafter keeps reading the context while suspended, "
+        "so a probe drafts from all of it. At least 1. Requires --dflash-adaptive-k."
     ),
     "--exact-verify": (
         "Compute the verification rows so that greedy output is byte-identical to plain "

@@ -159,8 +159,11 @@ def test_controller_suspends_and_reprobes():
     for _ in range(20):
         ctl.observe(2, 0)  # every first draft rejected: a_1 → 0
     ks = [ctl.next_k() for _ in range(8)]
-    # Three plain steps, then one probe at the best k > 0 (k = 1 when a_1 ≈ 0), then again.
-    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]
+    # Three plain steps, then one probe at the best k > 0 (k = 1 when a_1 ≈ 0).
+    assert ks == [0, 0, 0, 1, 0, 0, 0, 0]
+    # The probe (not observed as accepted) left it suspended: the interval doubled to 6, then 12.
+    ks = [ctl.next_k() for _ in range(3 + 13)]
+    assert ks == [0, 0, 1] + [0] * 12 + [1]
     for _ in range(200):
         ctl.observe(1, 1)  # acceptance recovers: the probe's measurements lift a_1
     assert ctl.next_k() > 0
@@ -177,3 +180,29 @@ def test_controller_is_capped_by_ladder_and_max_k():
     ctl.observe(2, 2)
     assert ctl.next_k() == 3
     assert AdaptiveKController(SEED_COST, max_k=2, reprobe_interval=16).next_k() <= 2
+
+
+def test_controller_never_probes_where_no_count_can_pay():
+    """A table where even fully accepted drafts lose to a plain step ((k+1)/c(k) <= 1/c(0)):
+    no probe could change the decision, so the stream decodes plainly throughout."""
+    hopeless = CostModel(first=0, ms=(1.0, 2.5, 3.5, 4.5))
+    ctl = AdaptiveKController(hopeless, max_k=3, reprobe_interval=2)
+    assert not ctl.can_pay(3)
+    assert [ctl.next_k() for _ in range(50)] == [0] * 50
+    # one count that pays at full acceptance ((2+1)/2.9 > 1/1) keeps the probes
+    ctl = AdaptiveKController(CostModel(first=0, ms=(1.0, 2.5, 2.9, 4.5)), max_k=3, reprobe_interval=2)
+    assert ctl.can_pay(3) and not ctl.can_pay(1)
+    assert 2 in [ctl.next_k() for _ in range(10)]
+    # a table without 0: (the model has no plain-step cost) never suspends on its own
+    assert AdaptiveKController(CostModel(first=1, ms=(2.0, 3.0)), max_k=2, reprobe_interval=2).can_pay(2)
+
+
+def test_a_resumed_stream_restarts_the_backoff():
+    ctl = AdaptiveKController(SEED_COST, max_k=3, reprobe_interval=2)
+    for _ in range(20):
+        ctl.observe(2, 0)
+    ks = [ctl.next_k() for _ in range(3)] + [ctl.next_k() for _ in range(5)]
+    assert ks == [0, 0, 1, 0, 0, 0, 0, 1]  # interval 2, then 4
+    for _ in range(300):
+        ctl.observe(3, 3)  # the probe found the acceptance high: speculation resumes
+    assert ctl.next_k() > 0 and ctl.interval == 2

@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from metrale.bench_costs import interpolate, mode_bound
+from metrale.bench_costs import host_ms, interpolate, mode_bound
 from metrale.cli import app
 
 
@@ -23,6 +23,12 @@ def test_bound_by_hand():
     plain = {"steps": 10, "verify_rows": 10, "draft_s": 0.001, "drafts_proposed": 0, "tau": 1.0,
              "speedup": 1.0}
     assert mode_bound(plain, costs, exact=False)["bound"] == 1.0  # no drafter: no draft cost
+    # host work h: plain took 1.5 ms per step (h = 0.5); each step pays it once:
+    # 2.4 · (1 + 0.5) / (2 + 1 + 0.5)
+    h = host_ms({"seconds": 0.015, "steps": 10}, costs)
+    assert h == pytest.approx(0.5)
+    assert mode_bound(row, costs, exact=False, host=h)["bound"] == pytest.approx(2.4 * 1.5 / 3.5, abs=1e-3)
+    assert mode_bound(plain, costs, exact=False, host=h)["bound"] == 1.0
 
 
 def test_bench_json(tiny_engine_dir, tmp_path):

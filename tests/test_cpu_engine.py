@@ -51,14 +51,55 @@ def aoti_engine(aoti_engine_dir):
 
 def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir):
     m = json.loads((aoti_engine_dir / "config.json").read_text())
-    cpu = m["components"]["target"]["cpu"]
-    assert {(p["rows"], p["slots"]) for p in cpu["packages"]} == {(1, 256), (8, 256), (1, 1088), (8, 1088)}
-    for p in cpu["packages"]:
-        assert p["file"] in m["files"] and m["files"][p["file"]]["size"] > 0
+    comps = m["components"]
+    cpu = comps["target"]["cpu"]
+    assert [p["rows"] for p in cpu["packages"]] == [1, 2, 4, 8]
+    assert [p["rows"] for p in comps["mtp"]["cpu"]["packages"]] == [1, 4]
+    for name in ("dflash", "dflash2"):
+        (pkg,) = comps[name]["cpu"]["packages"]
+        assert pkg["feed"] == 8 and pkg["block"] == 8
+        assert comps[name]["cpu"]["check"]["drafts_equal"] >= 0.9
+    assert comps["mtp"]["cpu"]["check"]["max_abs_diff_vs_eager"] <= 1e-4
+    for info in comps.values():
+        for p in info["cpu"]["packages"]:
+            assert p["file"] in m["files"] and p["file"] in info["files"] and m["files"][p["file"]]["size"] > 0
+        assert info["cpu"]["max_slots"] >= 1024 + 64
     assert cpu["dtype"] == "float32" and cpu["torch"] == torch.__version__.split("+")[0]
     assert cpu["isa"] == torch.backends.cpu.get_cpu_capability() and cpu["taps"] == [0, 1, 3]
     assert cpu["check"]["rows_bit_identical"] is True
     assert cpu["check"]["max_abs_diff_vs_eager"] <= 1e-4
+
+
+def test_the_drafters_run_on_their_packages(aoti_engine, tiny_engine, tiny_prompts):
+    """The aoti backend swaps the MTP head and both drafters for their packages; their drafts
+    are the eager drafters' (same verify outcome, step for step, on greedy decoding)."""
+    from metrale.runtime.cpu_engine import CompiledDFlash, CompiledMTP
+    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.specconfig import SpeculativeConfig
+
+    assert isinstance(aoti_engine.mtp, CompiledMTP)
+    assert all(isinstance(d, CompiledDFlash) for d in aoti_engine.drafters.values())
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    for flags in ({"speculative": True, "num_drafts": 3}, {"dflash": True},
+                  {"dflash": True, "dflash_drafter": "dflash2", "dflash_gamma": 4}):
+        spec = SpeculativeConfig.from_flags(**flags, exact_verify=True)
+        same = total = 0
+        for ids in tiny_prompts[:4]:
+            got = EngineGenerator(aoti_engine, spec).generate(ids, params)
+            want = EngineGenerator(tiny_engine, spec).generate(ids, params)
+            assert got.token_ids == want.token_ids  # exact verify: plain greedy text on both
+            same += sum(a == b for a, b in zip(got.steps, want.steps))
+            total += len(want.steps)
+        assert same >= 0.9 * total, flags  # the drafts, as seen through each step's acceptance
+
+
+def test_request_caches_are_sized_to_the_request(aoti_engine):
+    target = aoti_engine.target
+    assert target.new_cache(1, 40).max_len == 64  # 40 positions + 8 padded rows
+    assert target.new_cache(1, 57).max_len == 128
+    with pytest.raises(ValueError, match="needs .* cache slots; the CPU packages hold at most"):
+        target.new_cache(1, target.max_slots)
 
 
 @pytest.mark.parametrize("k", range(8))
@@ -134,7 +175,7 @@ def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
     # a package altered on disk is refused by the manifest's checksum, naming it
     copy = tmp_path / "copy"
     shutil.copytree(aoti_engine_dir, copy)
-    pkg = copy / "target" / "cpu" / "t1.s256.pt2"
+    pkg = copy / "target" / "cpu" / "t1.pt2"
     pkg.write_bytes(pkg.read_bytes()[:-10])
-    with pytest.raises(EngineDirError, match="t1.s256.pt2"):
+    with pytest.raises(EngineDirError, match="t1.pt2"):
         load_engine(copy, backend="aoti")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import CHUNKWISE_MODES
 
-from metrale.runtime.cpu_engine import CompiledTarget, Package, StaticKVCache
+from metrale.runtime.cpu_engine import CompiledTarget, StaticKVCache
 from metrale.runtime.cpu_steps import TargetStep
-from metrale.runtime.cuda_graphs import (EagerGraphs, ForeignCache, GraphTarget, load_graph_target,
+from metrale.runtime.cuda_graphs import (EagerGraphs, ForeignCache, GraphPackage, GraphTarget, load_graph_target,
                                          slot_buckets)
 from metrale.runtime.layers import pack_for_inference
 
@@ -34,7 +34,7 @@ def _ids(n, seed=0, vocab=2048):
 
 
 def test_slot_buckets_cover_the_context():
-    assert slot_buckets(1024) == (256, 1088)  # the tiny target: the CPU packages' buckets
+    assert slot_buckets(1024) == (256, 1088)  # the tiny target
     assert slot_buckets(100) == (164,)
     assert slot_buckets(32768) == (256, 1088, 4352, 32832)
     for n in (100, 1024, 4096, 32768):  # the decode loop's largest cache plus a padded prompt chunk
@@ -70,7 +70,9 @@ def test_new_cache_hands_out_the_bucket_views_zeroed(graph_target):
 def test_outputs_match_the_eager_steps_bit_for_bit_and_are_clones(graph_target, packed):
     """The same steps run as plain packages (no runner): identical bits, whichever rows."""
     step = TargetStep(packed, TAPS, "gemm").eval()
-    eager = CompiledTarget(packed, [Package(r, s, step) for s in (64, 128) for r in (1, 8, 16)], TAPS)
+    # plain packages sized like a request's cache (60 positions + 16 padded rows -> 128 slots,
+    # the graphs' bucket too)
+    eager = CompiledTarget(packed, [GraphPackage(r, 0, step) for r in (1, 8, 16)], TAPS, max_slots=128)
     ids = _ids(40, seed=1)
     replays = graph_target.runner.replays
     a, b = graph_target.new_cache(1, 60), eager.new_cache(1, 60)

@@ -76,14 +76,20 @@ def test_confidence_stop_verifies_fewer_drafts_same_tokens(tiny_engine, tiny_pro
 
 
 def test_adaptive_k_suspends_when_plain_is_cheaper(tiny_engine, tiny_prompts):
-    """A cost model where drafting is ruinously expensive: k = 0 except for the re-probes."""
-    results = run(tiny_engine, tiny_prompts[:1], dflash=True, dflash_adaptive_k="0:1,1:1000,2:2000",
+    """A cost model where drafts pay only if all are accepted: k = 0 except for the re-probes,
+    whose intervals double while they leave the stream suspended; one where even that cannot
+    pay: no probe at all."""
+    results = run(tiny_engine, tiny_prompts[:1], dflash=True, dflash_adaptive_k="0:1,1:1.99,2:2.99",
                   dflash_reprobe_interval=4, exact_verify=True)
     drafted = [s.drafted for s in results[0].steps]
     assert drafted.count(0) > len(drafted) // 2
     probes = [i for i, d in enumerate(drafted) if d > 0]
     assert probes, "the re-probe never ran"
-    assert all(b - a >= 4 for a, b in zip(probes, probes[1:]))
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert all(g >= 4 for g in gaps) and gaps == sorted(gaps)
+    hopeless = run(tiny_engine, tiny_prompts[:1], dflash=True, dflash_adaptive_k="0:1,1:1000,2:2000",
+                   dflash_reprobe_interval=4, exact_verify=True)[0]
+    assert all(s.drafted == 0 for s in hopeless.steps)
 
 
 def test_sampling_with_seed_is_reproducible(tiny_engine, tiny_prompts):

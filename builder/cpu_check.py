@@ -1,0 +1,105 @@
+"""The build's check of its CPU packages against what the runtime relies on (see `cpu_build`).
+
+On random prompts of the target's vocabulary, one cache size:
+- target: for every multi-row package, each of its rows is bit-identical (logits, last hidden,
+  taps) to the one-row package's step at the same position (`rows_bit_identical`), and the
+  logits are within `max_abs_diff_vs_eager` of the eager model's;
+- MTP head: its packages' logits and outputs against the eager head's;
+- drafters: the drafts a package proposes (context fed from the target's real taps, blocks of
+  γ and of 4) against the eager drafter's (`drafts_equal`, the share of equal tokens: a
+  near-tie may break the other way under another summation order, but no more than that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _packages(root, jobs, name):
+    import torch._inductor
+
+    from metrale.runtime.cpu_engine import Package
+
+    return [Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel))) for j in jobs if j.name == name]
+
+
+def _check_target(root, jobs, staged, taps, slots, gen) -> dict:
+    from metrale.runtime.cpu_engine import CompiledTarget
+
+    target = staged.target
+    packages = _packages(root, jobs, "target")
+    whole = CompiledTarget(target, packages, taps, slots)
+    one = CompiledTarget(target, [p for p in packages if p.rows == 1], taps, slots)
+    ids = torch.randint(0, target.config.vocab_size, (1, 11 + whole.max_rows), generator=gen)
+    same = True
+    for rows in sorted({p.rows for p in packages} - {1}):
+        a, b = whole.new_cache(1, 48), one.new_cache(1, 48)
+        whole(ids[:, :11], a)
+        one(ids[:, :11], b)
+        wide = whole(ids[:, 11:11 + rows], a, taps=taps)
+        singles = [one(ids[:, i:i + 1], b, taps=taps) for i in range(11, 11 + rows)]
+        for field in ("logits", "last_hidden", "taps"):
+            if getattr(wide, field) is not None:
+                same = same and torch.equal(getattr(wide, field), torch.cat([getattr(r, field) for r in singles], 1))
+    eager = target(ids, target.new_cache(1, 48)).logits
+    worst = (whole(ids, whole.new_cache(1, 48)).logits - eager).abs().max().item()
+    return {"rows_bit_identical": same, "max_abs_diff_vs_eager": worst}
+
+
+def _check_mtp(root, jobs, name, staged, slots, gen) -> dict:
+    from metrale.runtime.cpu_engine import CompiledMTP
+
+    head = staged.mtp
+    compiled = CompiledMTP(head, _packages(root, jobs, name), slots)
+    h = head.config.decoder.hidden_size
+    embeds, hidden = torch.randn(1, 16, h, generator=gen), torch.randn(1, 16, h, generator=gen)
+    a, b = compiled.new_cache(1, 48, embeds.dtype), head.new_cache(1, 48, embeds.dtype)
+    worst = 0.0
+    for lo, hi in ((0, 9), (9, 10), (10, 13), (13, 16)):
+        got = compiled(embeds[:, lo:hi], hidden[:, lo:hi], a, start=lo)
+        want = head(embeds[:, lo:hi], hidden[:, lo:hi], b, start=lo)
+        worst = max(worst, (got[0] - want[0]).abs().max().item(), (got[1] - want[1]).abs().max().item())
+    return {"max_abs_diff_vs_eager": worst}
+
+
+def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
+    from metrale.runtime.cpu_engine import CompiledDFlash
+
+    drafter, target = staged.drafters[name], staged.target
+    job = next(j for j in jobs if j.name == name)
+    compiled = CompiledDFlash(drafter, _packages(root, jobs, name)[0], job.rows, slots)
+    cfg = drafter.config
+    ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=gen)
+    out = target(ids, target.new_cache(1, 40), taps=cfg.target_layer_ids)
+    embed = target.model.embed_tokens
+    equal = total = 0
+    for gamma in (cfg.block_size, min(4, cfg.block_size)):
+        a = compiled.new_cache(1, 48, out.taps.dtype)
+        b = drafter.new_cache(1, 48, out.taps.dtype)
+        done = 0
+        for upto in (11, 12, 15, 23, 24, 30):  # feeds of 11 (two chunks), 1, 3, 8, 1 and 6 rows
+            rows = out.taps[:, done:upto]
+            compiled.add_context(rows, a)
+            drafter.add_context(rows, b)
+            anchor = ids[0, upto - 1:upto]
+            got = compiled.propose(anchor, embed, a, gamma).tokens
+            want = drafter.propose(anchor, embed, b, gamma).tokens
+            equal += int((got == want).sum())
+            total += want.numel()
+            done = upto
+    return {"drafts_equal": round(equal / total, 4)}
+
+
+def check_packages(root, jobs, kinds: dict[str, str], taps, slots: int, dtype) -> dict[str, dict]:
+    from metrale.builder.cpu_build import _load
+
+    staged = _load(root, {"target": "target", **kinds}, dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        out = {"target": _check_target(root, jobs, staged, taps, slots, gen)}
+        for name, kind in kinds.items():
+            if kind.startswith("mtp"):
+                out[name] = _check_mtp(root, jobs, name, staged, slots, gen)
+            else:
+                out[name] = _check_drafter(root, jobs, name, staged, taps, slots, gen)
+    return out

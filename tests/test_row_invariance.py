@@ -1,0 +1,65 @@
+"""Batch-invariant verify on the eager torch backend in bfloat16 (CPU): each row of a k+1-row
+verify forward is bit-identical to the one-row decode step at its position, so chunkwise
+speculation emits plain greedy decoding's text in every mode, without --exact-verify.
+(The aoti backend's float32 promise is tested in test_cpu_engine.)"""
+
+import json
+
+import pytest
+import torch
+from conftest import CHUNKWISE_MODES
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_engine_dir):
+    from metrale.runtime.engine import load_engine
+
+    engine = load_engine(tiny_engine_dir, backend="torch", dtype=torch.bfloat16).pack()
+    assert engine.rows_invariant
+    return engine
+
+
+@pytest.fixture(scope="module")
+def held_out(tiny_recipe, bf16_engine) -> list[list[int]]:
+    texts = json.loads((tiny_recipe.target.checkpoint.parent / "prompts.json").read_text())
+    assert len(texts) == 24
+    return [bf16_engine.tokenizer.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("k", range(8))
+def test_verify_rows_equal_one_row_steps(bf16_engine, k):
+    target = bf16_engine.target
+    gen = torch.Generator().manual_seed(200 + k)
+    for _ in range(3):
+        n = int(torch.randint(2, 60, (1,), generator=gen))
+        ids = torch.randint(0, target.config.vocab_size, (1, n + k + 1), generator=gen)
+        a, b = target.new_cache(1, 80), target.new_cache(1, 80)
+        with torch.inference_mode():
+            target(ids[:, :n], a)
+            target(ids[:, :n], b)
+            many = target(ids[:, n:], a, taps=(0, 1, 3))
+            ones = [target(ids[:, i:i + 1], b, taps=(0, 1, 3)) for i in range(n, n + k + 1)]
+        for field in ("logits", "last_hidden", "taps"):
+            assert torch.equal(getattr(many, field), torch.cat([getattr(o, field) for o in ones], dim=1))
+
+
+def test_float32_eager_does_not_claim_it(tiny_engine):
+    assert tiny_engine.dtype == torch.float32 and not tiny_engine.rows_invariant
+
+
+def test_every_chunkwise_mode_emits_plain_greedy_text(bf16_engine, held_out):
+    """The 24 held-out prompts × 128 tokens, bfloat16, chunkwise verify, every mode."""
+    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.specconfig import SpeculativeConfig
+
+    params = SamplingParams(temperature=0.0, max_tokens=128)
+    plain = [EngineGenerator(bf16_engine).generate(ids, params).token_ids for ids in held_out]
+    for flags in CHUNKWISE_MODES:
+        gen = EngineGenerator(bf16_engine, SpeculativeConfig.from_flags(**flags))
+        verified = 0
+        for ids, want in zip(held_out, plain):
+            res = gen.generate(ids, params)
+            assert res.token_ids == want, flags
+            verified += res.metrics.drafts_verified
+        assert verified > 0
