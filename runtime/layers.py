@@ -136,9 +136,10 @@ class KVCache:
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; {end} requested")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        keys, values = self.k[layer], self.v[layer]
+        keys.narrow(2, start, end - start).copy_(k)
+        values.narrow(2, start, end - start).copy_(v)
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
 
 class Attention(nn.Module):
@@ -247,6 +248,8 @@ class MoE(nn.Module):
     """Top-k routed experts (softmax router, optional renormalisation of the top-k weights) plus an
     optional shared expert scaled by sigmoid(shared_expert_gate(x)) (a gate of 1 when absent)."""
 
+    GATHER_ROWS = 16  # up to this many rows a step gathers its experts (see _gathered_experts)
+
     def __init__(self, cfg: DecoderConfig, shared_gate: bool = True):
         super().__init__()
         h = cfg.hidden_size
@@ -294,13 +297,27 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, ids = self.route(x)
         if self.experts_gate_up is not None:
-            return (self._dense_experts(x, weights, ids) + self.shared(x)).reshape(shape)
+            experts = self._gathered_experts if x.shape[0] <= self.GATHER_ROWS else self._dense_experts
+            return (experts(x, weights, ids) + self.shared(x)).reshape(shape)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return (out + self.shared(x)).reshape(shape)
+
+    def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Decode and verify steps (up to `GATHER_ROWS` rows): each row's top-k experts' weights
+        gathered and applied as a batch of matrix-vector products, so a step reads only the
+        selected experts, in a fixed number of ops; a row's slots are summed in top-k order."""
+        n, k = ids.shape
+        e, inter, hidden = self.experts_down.shape
+        flat = ids.reshape(-1)  # [N·k], row-major: row r's slots at r·k ..
+        gate_up = self.experts_gate_up.view(e, 2 * inter, hidden)[flat]  # [N·k, 2I, H]
+        h = torch.bmm(gate_up, x.repeat_interleave(k, dim=0).unsqueeze(-1))  # [N·k, 2I, 1]
+        gate, up = h.view(n * k, 2, inter).unbind(1)
+        y = torch.bmm((F.silu(gate) * up).unsqueeze(1), self.experts_down[flat])  # [N·k, 1, H]
+        return (y.view(n, k, hidden) * weights.unsqueeze(-1)).sum(1)
 
     def _dense_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every row, weighted by the (mostly zero) routing weights: a fixed
