@@ -100,7 +100,7 @@ def build(
     draft_tp_size: Annotated[Optional[str], typer.Option(metavar="auto|N", help="Tensor-parallel shards of the drafters: auto (1 at build time) or a rank count.")] = None,
     trt_flavor: Annotated[Optional[str], typer.Option(metavar="auto|rtx|tensorrt|none", help="TensorRT flavour for engines; none writes weights only.")] = None,
     target_sm: Annotated[Optional[str], typer.Option(metavar="89,120", help="Comma-separated SM targets for engines and cubins.")] = None,
-    cpu_engines: Annotated[Optional[str], typer.Option(metavar="aoti|none", help="CPU engines: aoti compiles the target's decode and verify steps into AOTInductor packages for this machine's CPU (what --backend auto runs on a CPU); none skips them. [default: aoti]")] = None,
+    cpu_engines: Annotated[Optional[str], typer.Option(metavar="aoti|none", help="CPU engines: aoti compiles the decode loop's steps (the target's decode and verify steps, the MTP head's step, each one-rank drafter's propose with its context update) into AOTInductor packages for this machine's CPU (what --backend auto runs on a CPU); none skips them. [default: aoti]")] = None,
 ):
     """Build an engine directory from a recipe's Hugging Face checkpoints."""
     with user_errors():

@@ -21,8 +21,10 @@ BACKEND_HELP = ("What runs the models. auto (default): aoti on a CPU when the en
                 "CPU packages built for this machine; on a CUDA device the target's decode and verify "
                 "steps replayed as CUDA graphs (eager torch if capturing fails); torch otherwise. "
                 "torch: the engine directory's "
-                "safetensors in eager PyTorch, on CPU or GPU. aoti: the target's AOTInductor packages "
-                "(built with --cpu-engines aoti; CPU only; the drafters and the MTP head run in eager "
+                "safetensors in eager PyTorch, on CPU or GPU (in bfloat16 on a CPU its verify rows "
+                "equal one-row steps, so chunkwise verify emits plain greedy text). aoti: the "
+                "AOTInductor packages of the target, the MTP head and the one-rank drafters (built "
+                "with --cpu-engines aoti; CPU only, float32; a tensor-parallel drafter runs in eager "
                 "PyTorch). tensorrt: its TensorRT engines for this GPU's SM, with CUDA graphs for the "
                 "one-token decode steps and the block proposes (needs an NVIDIA GPU and engines built "
                 "for its SM; one process).")

@@ -151,10 +151,12 @@ class CompiledTarget:
                 raise ValueError(f"positions up to {start + c0 + pkg.rows} exceed the cache's "
                                  f"{cache.max_len} slots")
             outs = pkg(_pad_rows(chunk, pkg.rows), torch.tensor([start + c0]), *cache.kv)
-            logits.append(outs[0][:, :n])
-            hidden.append(outs[1][:, :n])
+            if n < pkg.rows:  # padding rows: not the caller's
+                outs = [o[:, :n] for o in outs]
+            logits.append(outs[0])
+            hidden.append(outs[1])
             if self.taps:
-                tapped.append(outs[2][:, :n])
+                tapped.append(outs[2])
         cache.length = start + t
         cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # noqa: E731
         tap = None

@@ -53,8 +53,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # the same arithmetic, without the no-op casts
+            weight = 1.0 + self.weight if self.zero_centred else self.weight
+            if not torch.onnx.is_in_onnx_export():  # one fused op (bit-identical here)
+                return F.rms_norm(x, weight.shape, weight, self.eps)
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return y * (1.0 + self.weight) if self.zero_centred else self.weight * y
+            return y * weight
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centred:
@@ -197,7 +200,7 @@ class Attention(nn.Module):
             qk, v = F.linear(x, self.qkv_weight).split(
                 [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
             qk = qk.view(b, t, self.nh + self.nkv, self.hd)  # q heads, then k heads
-            qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + self.q_norm.eps) * self.qk_norm_weight
+            qk = F.rms_norm(qk, (self.hd,), None, self.q_norm.eps) * self.qk_norm_weight
             qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, nh+nkv, T, hd]
             q, k = qk.split([self.nh, self.nkv], dim=1)
             v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
@@ -248,8 +251,6 @@ class MoE(nn.Module):
     """Top-k routed experts (softmax router, optional renormalisation of the top-k weights) plus an
     optional shared expert scaled by sigmoid(shared_expert_gate(x)) (a gate of 1 when absent)."""
 
-    GATHER_ROWS = 16  # up to this many rows a step gathers its experts (see _gathered_experts)
-
     def __init__(self, cfg: DecoderConfig, shared_gate: bool = True):
         super().__init__()
         h = cfg.hidden_size
@@ -297,27 +298,13 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, ids = self.route(x)
         if self.experts_gate_up is not None:
-            experts = self._gathered_experts if x.shape[0] <= self.GATHER_ROWS else self._dense_experts
-            return (experts(x, weights, ids) + self.shared(x)).reshape(shape)
+            return (self._dense_experts(x, weights, ids) + self.shared(x)).reshape(shape)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return (out + self.shared(x)).reshape(shape)
-
-    def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Decode and verify steps (up to `GATHER_ROWS` rows): each row's top-k experts' weights
-        gathered and applied as a batch of matrix-vector products, so a step reads only the
-        selected experts, in a fixed number of ops; a row's slots are summed in top-k order."""
-        n, k = ids.shape
-        e, inter, hidden = self.experts_down.shape
-        flat = ids.reshape(-1)  # [N·k], row-major: row r's slots at r·k ..
-        gate_up = self.experts_gate_up.view(e, 2 * inter, hidden)[flat]  # [N·k, 2I, H]
-        h = torch.bmm(gate_up, x.repeat_interleave(k, dim=0).unsqueeze(-1))  # [N·k, 2I, 1]
-        gate, up = h.view(n * k, 2, inter).unbind(1)
-        y = torch.bmm((F.silu(gate) * up).unsqueeze(1), self.experts_down[flat])  # [N·k, 1, H]
-        return (y.view(n, k, hidden) * weights.unsqueeze(-1)).sum(1)
 
     def _dense_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every row, weighted by the (mostly zero) routing weights: a fixed
