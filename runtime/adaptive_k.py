@@ -181,11 +181,17 @@ class AdaptiveKController:
         return min(self.max_k, self.ladder.current) if self.ladder else self.max_k
 
     def can_pay(self, cap: int) -> bool:
-        """Could some 0 < k <= cap beat a plain step at full acceptance (k+1 tokens)?"""
+        """Could some 0 < k <= cap beat a plain step at full acceptance (k+1 tokens)? A step
+        verifying more drafts costs at least what one verifying fewer does, so each count is
+        judged at the largest cost up to it (a measured table's noise cannot make k look cheap)."""
         if self.cost.first != 0:
             return True
-        plain = 1.0 / self.cost.cost(0)
-        return any((k + 1) / self.cost.cost(k) > plain for k in self.cost.counts if 0 < k <= cap)
+        plain, worst = 1.0 / self.cost.cost(0), self.cost.cost(0)
+        for k in self.cost.counts:
+            worst = max(worst, self.cost.cost(k))
+            if 0 < k <= cap and (k + 1) / worst > plain:
+                return True
+        return False
 
     def next_k(self) -> int:
         cap = self.cap()

@@ -207,10 +207,13 @@ class CompiledDFlash:
     """The DFlash/DFlash2 drafter's face (`new_cache`, `add_context`, `propose`) over its one
     package, which feeds up to `feed` context rows and proposes a block in one call: context
     added with `add_context` waits in the cache's `pending` rows and enters the drafter's cache
-    with the next propose (in chunks of `feed` rows, all but the last proposing nothing)."""
+    with the next propose. A longer backlog (a prompt, or the plain steps of a suspended
+    adaptive-k stream) is fed first by the eager drafter's own context projection (`context_kv`,
+    one batched call) up to the last `feed` rows, which the package feeds with the block."""
 
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
         self.config = drafter.config
+        self.eager = drafter  # its context projection feeds long backlogs
         self.tp = None
         self.package, self.feed, self.max_slots = package, feed, max_slots
         self.block = drafter.config.block_size
@@ -236,6 +239,17 @@ class CompiledDFlash:
         cache.length += n
         return drafts
 
+    def _feed_eagerly(self, rows: torch.Tensor, cache: StaticKVCache) -> None:
+        n, start = rows.shape[1], cache.length
+        if start + n + self.feed > cache.max_len:
+            raise ValueError(f"drafter context up to {start + n + self.feed} exceeds the cache's "
+                             f"{cache.max_len} slots")
+        positions = torch.arange(start, start + n)
+        for i, (k, v) in enumerate(self.eager.context_kv(rows, positions)):  # [1, nkv, n, hd]
+            cache.kv[2 * i][start:start + n] = k[0].transpose(0, 1)
+            cache.kv[2 * i + 1][start:start + n] = v[0].transpose(0, 1)
+        cache.length = start + n
+
     def propose(self, anchor: torch.Tensor, embed, cache: StaticKVCache, gamma: int):
         """anchor [1] at position cache.length + pending rows -> γ−1 greedy drafts."""
         from metrale.runtime.dflash import Proposal
@@ -246,12 +260,12 @@ class CompiledDFlash:
             torch.cat(cache.pending, dim=1) if cache.pending else None)
         cache.pending = []
         if rows is None:
-            rows = torch.zeros(1, 0, self.config.num_context_features * self.config.target_hidden_size)
-        tok = int(anchor.reshape(-1)[0])
-        while rows.shape[1] > self.feed:  # older context first: fed, its block unused
-            self._run(rows[:, :self.feed], cache, tok, gamma)
-            rows = rows[:, self.feed:]
-        drafts = self._run(rows, cache, tok, gamma)
+            rows = torch.zeros(1, 0, self.config.num_context_features * self.config.target_hidden_size,
+                               dtype=cache.kv[0].dtype)
+        if rows.shape[1] > self.feed:  # the backlog's older rows, in one eager projection
+            self._feed_eagerly(rows[:, :-self.feed], cache)
+            rows = rows[:, -self.feed:]
+        drafts = self._run(rows, cache, int(anchor.reshape(-1)[0]), gamma)
         return Proposal(tokens=drafts[:gamma - 1][None], logits=None)
 
 

@@ -59,7 +59,8 @@ HELP: dict[str, str] = {
         "every N plain steps to measure acceptance again (default: 16). A probe that leaves "
         "the stream suspended doubles N for it (up to 64 times the value; resuming resets it), "
         "and where the table says no draft count could beat a plain step even with every "
-        "draft accepted, no probe runs. The drafter keeps reading the context while suspended, "
+        "draft accepted (each count judged at the largest cost listed up to it), no probe "
+        "runs. The drafter keeps reading the context while suspended, "
         "so a probe drafts from all of it. At least 1. Requires --dflash-adaptive-k."
     ),
     "--exact-verify": (

@@ -193,6 +193,9 @@ def test_controller_never_probes_where_no_count_can_pay():
     ctl = AdaptiveKController(CostModel(first=0, ms=(1.0, 2.5, 2.9, 4.5)), max_k=3, reprobe_interval=2)
     assert ctl.can_pay(3) and not ctl.can_pay(1)
     assert 2 in [ctl.next_k() for _ in range(10)]
+    # a noisy table whose last count measured cheaper than the one before it: judged at the
+    # larger cost ((3+1)/4.5 < 1/1), so no probe
+    assert not AdaptiveKController(CostModel(first=0, ms=(1.0, 2.5, 4.5, 3.5)), max_k=3, reprobe_interval=2).can_pay(3)
     # a table without 0: (the model has no plain-step cost) never suspends on its own
     assert AdaptiveKController(CostModel(first=1, ms=(2.0, 3.0)), max_k=2, reprobe_interval=2).can_pay(2)
 
