@@ -27,7 +27,7 @@ from metrale.cli import app, out, user_errors
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "prompts.json"
 
 
-def mode_table(engine, gamma_costs: str | None) -> list[tuple[str, dict]]:
+def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
     """(name, flags) for every mode the engine directory can run."""
     modes: list[tuple[str, dict]] = [("plain", {})]
     if engine.mtp is not None:
@@ -44,42 +44,49 @@ def mode_table(engine, gamma_costs: str | None) -> list[tuple[str, dict]]:
         modes.append((f"{name} γ=4", {**base, "dflash_gamma": 4}))
         rungs = ",".join(str(r) for r in (1, 3, 7) if r <= g - 1)
         modes.append((f"{name} ladder {rungs}", {**base, "dflash_draft_ladder": rungs}))
-        if gamma_costs:
-            modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": gamma_costs}))
+        if gamma_costs and name in gamma_costs:  # its measured CostModel, with its acceptance
+            modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": gamma_costs[name]}))
     return modes
 
 
-def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: str, repeats: int) -> str:
-    """`k:ms,...` for k = 0..γ−1: the step time with a fixed draft count k (a one-rung ladder),
-    the median over `repeats` runs of the mean step time over `prompts` (one stalled run of a
-    shared machine moves a median no more than it moves the run beside it)."""
+def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: str, repeats: int):
+    """The cost model `--dflash-adaptive-k` decides with, measured: for k = 0..γ−1 the step time
+    with a fixed draft count k (a one-rung ladder), the median over `repeats` runs of the mean
+    step time over `prompts` (one stalled run of a shared machine moves a median no more than
+    it moves the run beside it); and the drafter's per-position acceptance over those steps
+    (`AcceptanceEstimator`'s pooled rate). -> CostModel with `acceptance`."""
     import statistics
 
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.adaptive_k import AcceptanceEstimator
+    from metrale.runtime.specconfig import CostModel, SpeculativeConfig
 
     g = engine.drafters[drafter].config.block_size
-    pairs = []
+    ms, est = [], AcceptanceEstimator()
     for k in range(0, g):
         flags = {} if k == 0 else {"dflash": True, "dflash_drafter": drafter, "dflash_draft_ladder": str(k)}
         spec = SpeculativeConfig.from_flags(**flags)
-        per_step = [s / max(1, n) for s, n in (_timed(engine, spec, prompts, max_tokens)
-                                                for _ in range(repeats))]
-        pairs.append(f"{k}:{1000 * statistics.median(per_step):.3f}")
-    return ",".join(pairs)
+        per_step = []
+        for _ in range(repeats):
+            seconds, steps = _timed(engine, spec, prompts, max_tokens)
+            per_step.append(seconds / max(1, len(steps)))
+        for drafted, accepted in steps:
+            est.update(drafted, accepted)
+        ms.append(round(1000 * statistics.median(per_step), 3))
+    return CostModel(first=0, ms=tuple(ms), acceptance=round(est.pooled(), 4))
 
 
-def _timed(engine, spec, prompts, max_tokens) -> tuple[float, int]:
-    """(decode seconds, steps) over the prompts, greedy."""
+def _timed(engine, spec, prompts, max_tokens) -> tuple[float, list[tuple[int, int]]]:
+    """(decode seconds, (drafted, accepted) per step) over the prompts, greedy."""
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
 
     gen = EngineGenerator(engine, spec)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    seconds, steps = 0.0, 0
+    seconds, steps = 0.0, []
     for ids in prompts:
         res = gen.decoder().generate(ids, params)
         seconds += res.seconds - res.prefill_s
-        steps += len(res.steps)
+        steps += [(s.drafted, s.accepted) for s in res.steps]
     return seconds, steps
 
 
@@ -214,9 +221,8 @@ def bench(
                                   f"{max_tokens} it must take 1 to {context - max_tokens} (the "
                                   f"context holds {context})")
         t0 = time.time()
-        costs = None
-        if engine.drafters:
-            costs = measure_costs(engine, prompts[:2], max_tokens, sorted(engine.drafters)[0], repeats)
+        costs = {name: measure_costs(engine, prompts[:2], max_tokens, name, repeats)
+                 for name in sorted(engine.drafters)} or None
         row_costs = target_row_costs(engine, prompts[0])
         wanted = [w.strip() for w in modes.split(",")] if modes else None
         rows, plain_tokens, plain_tps = [], None, None
@@ -229,7 +235,8 @@ def bench(
                 host = host_ms(row, row_costs)
             row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3)
             row.update(mode_bound(row, row_costs, exact=bool(flags.get("exact_verify")), host=host))
-            rows.append({"mode": name, "flags": flags, **row})
+            shown = {k: str(v) if k == "dflash_adaptive_k" else v for k, v in flags.items()}
+            rows.append({"mode": name, "flags": shown, **row})
         ref = transformers_reference(engine, prompts, max_tokens, repeats) if reference else None
         if ref is not None:
             same = sum(o[:len(p)] == p for o, p in zip(ref["outputs"], plain_tokens))
@@ -239,7 +246,9 @@ def bench(
         result = {"engine_dir": str(engine_dir), "prompts": len(prompts), "max_tokens": max_tokens,
                   "backend": getattr(engine, "backend", backend_kind.value),
                   "backend_note": getattr(engine, "backend_note", ""), "device": device, "dtype": dtype,
-                  "cost_model_ms": costs, "target_rows_ms": row_costs, "repeats": repeats,
+                  "cost_model_ms": {n: str(c) for n, c in (costs or {}).items()} or None,
+                  "acceptance": {n: c.acceptance for n, c in (costs or {}).items()} or None,
+                  "target_rows_ms": row_costs, "repeats": repeats,
                   "threads": torch_threads(),
                   "quantization": engine.manifest.build.get("draft_weight_quantization"),
                   "bench_seconds": round(time.time() - t0, 1), "modes": rows}
@@ -265,7 +274,8 @@ def bench(
             out.print(result["backend_note"])
         out.print(f"backend {result['backend']}; target forward by rows (ms): "
                   + ", ".join(f"{r}:{c:.3f}" for r, c in row_costs.items()))
-        if costs:
-            out.print(Text(f"measured cost model (ms per step by draft count): {costs}"))
+        for name, cost in (costs or {}).items():
+            out.print(Text(f"measured cost model of {name} (ms per step by draft count): {cost}; "
+                           f"acceptance per position {cost.acceptance}"))
         if json_file:
             Path(json_file).write_text(json.dumps(result, indent=2) + "\n")

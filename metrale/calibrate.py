@@ -2,7 +2,8 @@
 
 For each drafter of the engine directory, the median ms of a greedy decode step that verifies
 exactly k drafts (k = 0..γ−1, k = 0 being a plain step), over held-out prompts and repeats, on
-the backend, dtype and thread count given (those of the serve that will use it). The table goes
+the backend, dtype and thread count given (those of the serve that will use it), and the
+drafter's per-position acceptance over those steps. The table goes
 into the engine directory's `calibration.json` (see `runtime.calibration`), checksummed in the
 manifest; an entry for the same setting is replaced.
 """
@@ -62,9 +63,11 @@ def calibrate(
             t0 = time.time()
             table = measure_costs(engine, prompts, max_tokens, name, repeats)
             entries.append({**calibration.setting(name, engine.backend, dtype_name, threads),
-                            "table": table, "repeats": repeats, "prompts": len(prompts),
+                            "table": str(table), "acceptance": table.acceptance,
+                            "repeats": repeats, "prompts": len(prompts),
                             "max_tokens": max_tokens, "measured": now})
-            out.print(f"{name} ({engine.backend}, {dtype_name}, {threads} thread(s)): {table}  "
+            out.print(f"{name} ({engine.backend}, {dtype_name}, {threads} thread(s)): {table}, "
+                      f"acceptance {table.acceptance}  "
                       f"[{time.time() - t0:.1f} s]")
         add_files(engine_dir, {calibration.FILE: calibration.merged(Path(engine_dir), entries)})
         out.print(f"stored in {Path(engine_dir) / calibration.FILE}; serve with --dflash-adaptive-k auto")

@@ -151,10 +151,20 @@ class AdaptiveKController:
     from the base), so a stream whose acceptance stays low pays for ever fewer probes. Where
     the cost model says no k > 0 could beat a plain step even with every draft accepted
     ((k+1)/cost(k) <= 1/cost(0) for every allowed k), a probe could not change the decision
-    and none is run: the stream decodes plainly throughout.
+    and none is run: the stream decodes plainly throughout. More generally a probe runs only
+    while an optimistic acceptance — the pooled rate's upper confidence bound, `Z` standard
+    errors above it — could make some count pay; a stream whose measured acceptance (or, before
+    it has any, the calibrated acceptance the cost model carries) is far below what the table
+    needs is not probed.
+
+    A cost model with `acceptance` (measured by `metrale calibrate` or `bench`) starts the
+    stream at that rate, weighted as `CALIBRATED_STRENGTH` tested positions; otherwise at `prior`
+    with the weight of one.
     """
 
     MAX_BACKOFF = 64
+    Z = 2.0
+    CALIBRATED_STRENGTH = 16.0
 
     def __init__(
         self,
@@ -172,7 +182,9 @@ class AdaptiveKController:
         self.reprobe_interval = reprobe_interval
         self.ladder = ladder
         self.estimator = estimator if estimator is not None else AcceptanceEstimator()
-        self.prior = prior
+        self.prior, self.strength = prior, 1.0
+        if cost.acceptance is not None:
+            self.prior, self.strength = cost.acceptance, self.CALIBRATED_STRENGTH
         self.plain_steps = 0  # consecutive steps that chose k = 0
         self.interval = reprobe_interval  # the current re-probe interval (see backoff above)
         self.probed = False  # the last k came from a probe
@@ -180,22 +192,31 @@ class AdaptiveKController:
     def cap(self) -> int:
         return min(self.max_k, self.ladder.current) if self.ladder else self.max_k
 
-    def can_pay(self, cap: int) -> bool:
-        """Could some 0 < k <= cap beat a plain step at full acceptance (k+1 tokens)? A step
-        verifying more drafts costs at least what one verifying fewer does, so each count is
-        judged at the largest cost up to it (a measured table's noise cannot make k look cheap)."""
+    def optimistic_acceptance(self) -> float:
+        """The pooled acceptance's upper confidence bound (1 for a stream with no data and no
+        calibrated prior)."""
+        est = self.estimator
+        p = est.pooled(self.prior, self.strength)
+        n = sum(est.tested) + self.strength
+        return min(1.0, p + self.Z * (p * (1.0 - p) / n) ** 0.5)
+
+    def can_pay(self, cap: int, acceptance: float = 1.0) -> bool:
+        """Could some 0 < k <= cap beat a plain step if every draft were accepted with
+        probability `acceptance`? A step verifying more drafts costs at least what one verifying
+        fewer does, so each count is judged at the largest cost up to it (a measured table's
+        noise cannot make k look cheap)."""
         if self.cost.first != 0:
             return True
         plain, worst = 1.0 / self.cost.cost(0), self.cost.cost(0)
         for k in self.cost.counts:
             worst = max(worst, self.cost.cost(k))
-            if 0 < k <= cap and (k + 1) / worst > plain:
+            if 0 < k <= cap and expected_tokens([acceptance] * k, k) / worst > plain:
                 return True
         return False
 
     def next_k(self) -> int:
         cap = self.cap()
-        acc = self.estimator.rates(cap, prior=self.prior)
+        acc = self.estimator.rates(cap, prior=self.prior, strength=self.strength)
         k = choose_k(self.cost, acc, cap)
         probed, self.probed = self.probed, False
         if k > 0:
@@ -203,7 +224,7 @@ class AdaptiveKController:
             return k
         if probed:  # the probe left the stream suspended: wait longer for the next one
             self.interval = min(2 * self.interval, self.MAX_BACKOFF * self.reprobe_interval)
-        if self.plain_steps >= self.interval and self.can_pay(cap):
+        if self.plain_steps >= self.interval and self.can_pay(cap, self.optimistic_acceptance()):
             self.plain_steps, self.probed = 0, True
             positive = CostModel(first=1, ms=self.cost.ms[1:])  # the same costs without 0:
             return choose_k(positive, acc, cap)

@@ -5,10 +5,12 @@ entry per drafter and setting the costs were measured under::
 
     {"entries": [{"drafter": "dflash", "backend": "aoti", "dtype": "float32", "threads": 1,
                   "isa": "AVX2", "machine": "x86_64", "torch": "2.13.0",
-                  "table": "0:0.41,1:0.93,...", "repeats": 5, "measured": "2026-12-01T..."}]}
+                  "table": "0:0.41,1:0.93,...", "acceptance": 0.62, "repeats": 5,
+                  "measured": "2026-12-01T..."}]}
 
 `table` is a `--dflash-adaptive-k` cost model: the median ms of a decode step verifying k drafts,
-k = 0..γ−1. `--dflash-adaptive-k auto` uses the entry whose drafter, backend, dtype, threads and
+k = 0..γ−1; `acceptance` the drafter's per-position acceptance over those steps, which starts
+each stream's estimate (see `adaptive_k.AdaptiveKController`). `--dflash-adaptive-k auto` uses the entry whose drafter, backend, dtype, threads and
 machine match the serving process; none matching is refused with a message naming what to run.
 """
 
@@ -51,7 +53,10 @@ def setting(drafter: str, backend: str, dtype: str, threads: int) -> dict:
 def lookup(engine_dir: Path, wanted: dict) -> CostModel | None:
     for entry in read_entries(engine_dir):
         if all(entry.get(k) == wanted[k] for k in MATCH):
-            return CostModel.parse(entry["table"])
+            table = CostModel.parse(entry["table"])
+            acc = entry.get("acceptance")
+            ok = isinstance(acc, (int, float)) and not isinstance(acc, bool) and 0.0 <= acc <= 1.0
+            return CostModel(table.first, table.ms, float(acc) if ok else None)
     return None
 
 

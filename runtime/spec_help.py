@@ -51,16 +51,17 @@ HELP: dict[str, str] = {
         "ladder rung (or γ − 1); with a 0: entry it suspends speculation where plain decoding "
         "pays more, until the next re-probe (see --dflash-reprobe-interval). Counts above "
         "γ − 1 are refused. `auto` takes the table `metrale calibrate` measured and stored in "
-        "the engine directory for this drafter, backend, dtype and thread count. Unset (the "
+        "the engine directory for this drafter, backend, dtype and thread count, with the "
+        "drafter's acceptance measured there as each stream's starting estimate. Unset (the "
         "default): the ladder or γ decides. Requires --dflash."
     ),
     "--dflash-reprobe-interval": (
         "While --dflash-adaptive-k has suspended speculation, run one speculative step after "
         "every N plain steps to measure acceptance again (default: 16). A probe that leaves "
         "the stream suspended doubles N for it (up to 64 times the value; resuming resets it), "
-        "and where the table says no draft count could beat a plain step even with every "
-        "draft accepted (each count judged at the largest cost listed up to it), no probe "
-        "runs. The drafter keeps reading the context while suspended, "
+        "and no probe runs while no draft count could beat a plain step even at an optimistic "
+        "acceptance (the measured one two standard errors up; each count judged at the largest "
+        "cost listed up to it). The drafter keeps reading the context while suspended, "
         "so a probe drafts from all of it. At least 1. Requires --dflash-adaptive-k."
     ),
     "--exact-verify": (

@@ -89,11 +89,14 @@ class CostModel:
     """`--dflash-adaptive-k`: measured ms per decode step, for consecutive draft counts.
 
     `ms[i]` is the cost of a step verifying `first + i` drafts; `first` is 0 (the model knows
-    the plain decode step, so it may suspend speculation) or 1.
+    the plain decode step, so it may suspend speculation) or 1. `acceptance`: the drafter's
+    per-position acceptance measured with the table (`metrale calibrate`, `bench`), the
+    controller's prior for a new stream; None for a table given on the command line.
     """
 
     first: int
     ms: tuple[float, ...]
+    acceptance: float | None = None
 
     def __post_init__(self) -> None:
         if self.first not in (0, 1):
@@ -339,7 +342,9 @@ class SpeculativeConfig:
         )
 
 
-def _parse_adaptive_k(text: str) -> CostModel | str:
+def _parse_adaptive_k(text: str | CostModel) -> CostModel | str:
+    if isinstance(text, CostModel):  # measured in this process (bench), with its acceptance
+        return text
     return AUTO if text.strip() == AUTO else CostModel.parse(text)
 
 
@@ -411,8 +416,8 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
                 f"--dflash-adaptive-k auto: there is no calibration for {calibration_of or 'this drafter'}; "
                 "run `metrale calibrate --engine-dir DIR` with the same backend, dtype and threads "
                 "first, or give the table as drafts:ms pairs")
-        adaptive_k = CostModel(first=calibrated.first,
-                               ms=calibrated.ms[: gamma - calibrated.first])
+        adaptive_k = CostModel(first=calibrated.first, ms=calibrated.ms[: gamma - calibrated.first],
+                               acceptance=calibrated.acceptance)
     return ResolvedDFlash(
         block_size=block_size,
         gamma=gamma,

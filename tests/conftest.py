@@ -30,6 +30,23 @@ CHUNKWISE_MODES = [
 RECIPE = Path(os.environ.get("METRALE_TEST_RECIPE", ROOT / "recipes" / "tiny.toml"))
 
 
+def assert_verify_rows_are_one_row_steps(target, k: int, seed: int, trials: int = 2) -> None:
+    """For k drafts: each row of the k+1-row forward equals the one-row step at that position,
+    bit for bit (logits, last hidden, taps), for random prompts of random lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(trials):
+        n = int(torch.randint(3, 60, (1,), generator=gen))
+        ids = torch.randint(0, target.config.vocab_size, (1, n + k + 1), generator=gen)
+        a, b = target.new_cache(1, 80), target.new_cache(1, 80)
+        with torch.inference_mode():
+            target(ids[:, :n], a)
+            target(ids[:, :n], b)
+            many = target(ids[:, n:], a, taps=(0, 1, 3))
+            ones = [target(ids[:, i:i + 1], b, taps=(0, 1, 3)) for i in range(n, n + k + 1)]
+        for field in ("logits", "last_hidden", "taps"):
+            assert torch.equal(getattr(many, field), torch.cat([getattr(o, field) for o in ones], dim=1)), field
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

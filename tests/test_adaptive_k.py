@@ -156,11 +156,12 @@ def test_controller_suspends_and_reprobes():
     ctl = AdaptiveKController(SEED_COST, max_k=3, reprobe_interval=3)
     # No data: every a_j = prior 0.5; r2 = 1.75/50 = 0.035 is best (r1 ≈ 0.0341, r3 ≈ 0.0335).
     assert ctl.next_k() == 2
-    for _ in range(20):
-        ctl.observe(2, 0)  # every first draft rejected: a_1 → 0
+    for _ in range(3):
+        ctl.observe(2, 0)  # three first drafts rejected: a_1 ≈ 0.03, optimistically still 0.46
     ks = [ctl.next_k() for _ in range(8)]
     # Three plain steps, then one probe at the best k > 0 (k = 1 when a_1 ≈ 0).
     assert ks == [0, 0, 0, 1, 0, 0, 0, 0]
+    # (twenty rejections would leave no optimism: a_1 needs 0.375 to pay here; no probe then)
     # The probe (not observed as accepted) left it suspended: the interval doubled to 6, then 12.
     ks = [ctl.next_k() for _ in range(3 + 13)]
     assert ks == [0, 0, 1] + [0] * 12 + [1]
@@ -202,10 +203,27 @@ def test_controller_never_probes_where_no_count_can_pay():
 
 def test_a_resumed_stream_restarts_the_backoff():
     ctl = AdaptiveKController(SEED_COST, max_k=3, reprobe_interval=2)
-    for _ in range(20):
+    for _ in range(3):
         ctl.observe(2, 0)
     ks = [ctl.next_k() for _ in range(3)] + [ctl.next_k() for _ in range(5)]
     assert ks == [0, 0, 1, 0, 0, 0, 0, 1]  # interval 2, then 4
     for _ in range(300):
         ctl.observe(3, 3)  # the probe found the acceptance high: speculation resumes
     assert ctl.next_k() > 0 and ctl.interval == 2
+
+
+def test_a_calibrated_acceptance_starts_the_estimate_and_gates_the_probes():
+    """With the drafter's measured acceptance in the cost model, a stream starts from it (as if
+    16 positions had been tested) and is probed only while an optimistic acceptance (two
+    standard errors up) could make a count pay."""
+    ms = (1.0, 1.8, 2.2, 2.6)  # pays at full acceptance, not at 0.52: E(k)/c(k) <= 0.84
+    low = AdaptiveKController(CostModel(0, ms, acceptance=0.3), max_k=3, reprobe_interval=2)
+    assert low.prior == 0.3 and low.strength == 16.0
+    assert low.optimistic_acceptance() < 0.6 and not low.can_pay(3, low.optimistic_acceptance())
+    assert [low.next_k() for _ in range(40)] == [0] * 40  # never probed
+    high = AdaptiveKController(CostModel(0, ms, acceptance=0.97), max_k=3, reprobe_interval=2)
+    assert high.can_pay(3, high.optimistic_acceptance())
+    assert high.next_k() == 3  # at 0.97: E(3) = 3.82 tokens in 2.6 ms beats 1 in 1 ms
+    # without a calibrated acceptance: prior 0.5 weighing one position, optimism up to 1
+    plain = AdaptiveKController(CostModel(0, ms), max_k=3, reprobe_interval=2)
+    assert plain.strength == 1.0 and plain.optimistic_acceptance() == 1.0

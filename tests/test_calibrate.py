@@ -53,6 +53,9 @@ def test_calibrate_writes_a_checksummed_table_that_auto_uses(tiny_engine_dir, tm
     gen = EngineGenerator(load_engine(eng, backend="torch"),
                           SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k="auto"))
     assert str(gen.dflash.adaptive_k) == e["table"] or gen.dflash.adaptive_k.ms == table.ms
+    # the drafter's acceptance measured with the table comes with it, as the streams' prior
+    assert 0.0 < e["acceptance"] < 1.0 and gen.dflash.adaptive_k.acceptance == e["acceptance"]
+    assert gen.decoder().proposer.controller.prior == e["acceptance"]
     # another setting (2 threads) has no entry: refused, naming it
     torch.set_num_threads(2)
     try:

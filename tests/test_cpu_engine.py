@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import CHUNKWISE_MODES
+from conftest import CHUNKWISE_MODES, assert_verify_rows_are_one_row_steps
 
 from metrale.runtime.cpu_steps import TargetStep
 from metrale.runtime.errors import EngineDirError
@@ -104,21 +104,7 @@ def test_request_caches_are_sized_to_the_request(aoti_engine):
 
 @pytest.mark.parametrize("k", range(8))
 def test_verify_rows_bit_identical_to_one_row_steps(aoti_engine, k):
-    """For k drafts, each row of the k+1-row forward equals the one-row step at that position,
-    bit for bit (logits, last hidden, taps), for random prompts of random lengths."""
-    target = aoti_engine.target
-    gen = torch.Generator().manual_seed(100 + k)
-    for trial in range(2):
-        n = int(torch.randint(3, 40, (1,), generator=gen))
-        ids = torch.randint(0, target.config.vocab_size, (1, n + k + 1), generator=gen)
-        a, b = target.new_cache(1, 80), target.new_cache(1, 80)
-        with torch.inference_mode():
-            target(ids[:, :n], a)
-            target(ids[:, :n], b)
-            many = target(ids[:, n:], a, taps=(0, 1, 3))
-            ones = [target(ids[:, i:i + 1], b, taps=(0, 1, 3)) for i in range(n, n + k + 1)]
-        for field in ("logits", "last_hidden", "taps"):
-            assert torch.equal(getattr(many, field), torch.cat([getattr(o, field) for o in ones], dim=1))
+    assert_verify_rows_are_one_row_steps(aoti_engine.target, k, seed=100 + k)
 
 
 def test_aoti_decodes_like_the_eager_target(aoti_engine, tiny_engine, tiny_prompts):

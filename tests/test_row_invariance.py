@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import CHUNKWISE_MODES
+from conftest import CHUNKWISE_MODES, assert_verify_rows_are_one_row_steps
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +28,7 @@ def held_out(tiny_recipe, bf16_engine) -> list[list[int]]:
 
 @pytest.mark.parametrize("k", range(8))
 def test_verify_rows_equal_one_row_steps(bf16_engine, k):
-    target = bf16_engine.target
-    gen = torch.Generator().manual_seed(200 + k)
-    for _ in range(3):
-        n = int(torch.randint(2, 60, (1,), generator=gen))
-        ids = torch.randint(0, target.config.vocab_size, (1, n + k + 1), generator=gen)
-        a, b = target.new_cache(1, 80), target.new_cache(1, 80)
-        with torch.inference_mode():
-            target(ids[:, :n], a)
-            target(ids[:, :n], b)
-            many = target(ids[:, n:], a, taps=(0, 1, 3))
-            ones = [target(ids[:, i:i + 1], b, taps=(0, 1, 3)) for i in range(n, n + k + 1)]
-        for field in ("logits", "last_hidden", "taps"):
-            assert torch.equal(getattr(many, field), torch.cat([getattr(o, field) for o in ones], dim=1))
+    assert_verify_rows_are_one_row_steps(bf16_engine.target, k, seed=200 + k, trials=3)
 
 
 def test_float32_eager_does_not_claim_it(tiny_engine):
