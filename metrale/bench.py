@@ -90,23 +90,35 @@ def _timed(engine, spec, prompts, max_tokens) -> tuple[float, list[tuple[int, in
     return seconds, steps
 
 
-def run_mode(engine, flags: dict, prompts: list[list[int]], max_tokens: int, repeats: int,
-             plain_tokens=None) -> dict:
-    """One mode over the prompts; per prompt the run of median decode time counts (greedy:
-    every run emits the same tokens)."""
-    from metrale.runtime.metrics import SpecMetrics
+def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], max_tokens: int,
+              repeats: int) -> dict[str, list[list]]:
+    """Every mode of `table` over the prompts, `repeats` times, in rounds: each round runs every
+    mode once, so a slow stretch of a shared machine lands on all modes alike instead of on the
+    ones that happened to run during it. -> {mode: per prompt, its runs' DecodeResults}."""
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
     from metrale.runtime.specconfig import SpeculativeConfig
 
-    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    gens = [(name, EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))) for name, flags in table]
+    runs = {name: [[] for _ in prompts] for name, _ in table}
+    for _ in range(repeats):
+        for name, gen in gens:
+            for i, ids in enumerate(prompts):
+                runs[name][i].append(gen.decoder().generate(ids, params))
+    return runs
+
+
+def summarize(runs: list[list], plain_tokens=None) -> tuple[dict, list[list[int]]]:
+    """One mode's row: per prompt the run of median decode time counts (greedy: every run emits
+    the same tokens)."""
+    from metrale.runtime.metrics import SpecMetrics
+
     total = SpecMetrics()
     tokens, seconds, outputs = 0, 0.0, []
-    for ids in prompts:
-        runs = sorted((gen.decoder().generate(ids, params) for _ in range(repeats)),
-                      key=lambda r: r.seconds - r.prefill_s)
-        res = runs[(len(runs) - 1) // 2]
+    for prompt_runs in runs:
+        ordered = sorted(prompt_runs, key=lambda r: r.seconds - r.prefill_s)
+        res = ordered[(len(ordered) - 1) // 2]
         total.merge(res.metrics)
         tokens += len(res.token_ids)
         seconds += res.seconds - res.prefill_s
@@ -173,7 +185,7 @@ def bench(
     num_prompts: Annotated[int, typer.Option(help="How many prompts to use.")] = 8,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 48,
     modes: Annotated[Optional[str], typer.Option(help="Comma-separated substrings: run only modes whose name contains one.")] = None,
-    repeats: Annotated[int, typer.Option(help="Runs per prompt and mode; the median counts (stalls of a shared machine move it little).")] = 3,
+    repeats: Annotated[int, typer.Option(help="Runs per prompt and mode, in rounds over all modes; the median counts (stalls of a shared machine move it little and land on every mode alike).")] = 3,
     reference: Annotated[bool, typer.Option("--transformers/--no-transformers", help="Add a row for transformers' eager greedy generate on the same target weights (when transformers is installed).")] = True,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
@@ -226,10 +238,11 @@ def bench(
         row_costs = target_row_costs(engine, prompts[0])
         wanted = [w.strip() for w in modes.split(",")] if modes else None
         rows, plain_tokens, plain_tps = [], None, None
-        for name, flags in mode_table(engine, costs):
-            if wanted and name != "plain" and not any(w in name for w in wanted):
-                continue
-            row, outputs = run_mode(engine, flags, prompts, max_tokens, repeats, plain_tokens)
+        table = [(name, flags) for name, flags in mode_table(engine, costs)
+                 if not wanted or name == "plain" or any(w in name for w in wanted)]
+        runs = run_modes(engine, table, prompts, max_tokens, repeats)
+        for name, flags in table:
+            row, outputs = summarize(runs[name], plain_tokens)
             if name == "plain":
                 plain_tokens, plain_tps = outputs, row["tokens_per_s"]
                 host = host_ms(row, row_costs)

@@ -187,6 +187,7 @@ class AdaptiveKController:
             self.prior, self.strength = cost.acceptance, self.CALIBRATED_STRENGTH
         self.plain_steps = 0  # consecutive steps that chose k = 0
         self.interval = reprobe_interval  # the current re-probe interval (see backoff above)
+        self._choice = None  # (what it depends on, rates, k) of the last choose_k
         self.probed = False  # the last k came from a probe
 
     def cap(self) -> int:
@@ -216,8 +217,13 @@ class AdaptiveKController:
 
     def next_k(self) -> int:
         cap = self.cap()
-        acc = self.estimator.rates(cap, prior=self.prior, strength=self.strength)
-        k = choose_k(self.cost, acc, cap)
+        # the choice depends on the cap and the measurements only: a suspended stream's plain
+        # steps measure nothing, so it is made again only when either changed
+        key = (cap, len(self.estimator.tested), sum(self.estimator.tested))
+        if self._choice is None or self._choice[0] != key:
+            acc = self.estimator.rates(cap, prior=self.prior, strength=self.strength)
+            self._choice = (key, acc, choose_k(self.cost, acc, cap))
+        _, acc, k = self._choice
         probed, self.probed = self.probed, False
         if k > 0:
             self.plain_steps, self.interval = 0, self.reprobe_interval
