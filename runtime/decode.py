@@ -25,7 +25,10 @@ import torch
 from metrale.runtime.metrics import SpecMetrics
 from metrale.runtime.qwen3 import Qwen3ForCausalLM, TargetOutput
 from metrale.runtime.sampling import SamplingParams, generator_for, probs_from_logits, sample
-from metrale.runtime.verify import verify_greedy, verify_sampling
+from metrale.runtime.verify import accepted_prefix, verify_sampling
+
+
+NO_DRAFTS = torch.empty(0, dtype=torch.long)  # a plain step's drafts (never written to)
 
 
 class Proposer(Protocol):
@@ -136,26 +139,27 @@ class Decoder:
 
     def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult) -> list[int]:
         t0 = time.perf_counter()
-        drafts, proposed = torch.empty(0, dtype=torch.long), 0
+        drafts, proposed = NO_DRAFTS, 0
         if self.proposer is not None and room > 1:
             drafts, proposed = self.proposer.propose(pending, room - 1)
-            drafts = drafts[: room - 1]
+            if drafts.numel() > room - 1:
+                drafts = drafts[: room - 1]
         t1 = time.perf_counter()
         device = self.target.model.embed_tokens.weight.device
         k = drafts.numel()
-        tokens = (torch.tensor([[pending]], device=device) if k == 0 else
-                  torch.cat([torch.tensor([pending]), drafts.cpu()]).to(device)[None])  # [1, k+1]
+        draft_ids = drafts.tolist() if k else []
+        tokens = torch.tensor([[pending, *draft_ids]], device=device)  # [1, k+1]
         base = cache.length
         out = self._verify_rows(tokens, cache, params.greedy, drafts)
         rows = out.logits[0]  # [r, V], r = k+1 (or fewer under exact greedy verify)
-        if params.greedy and k == 0:  # a plain step: the target's argmax, nothing to verify
-            accepted, emitted = 0, rows[-1:].argmax(dim=-1)
-        elif params.greedy:
-            padded = rows if rows.shape[0] == k + 1 else torch.cat(
-                [rows, rows.new_zeros(k + 1 - rows.shape[0], rows.shape[1])])
-            accepted, emitted = verify_greedy(drafts.to(device), padded)
+        if params.greedy:  # the target's argmax per row; drafts kept while they match it
+            target_ids = rows.argmax(dim=-1).tolist()
+            accepted = accepted_prefix(draft_ids, target_ids)
+            emitted_ids = target_ids[: accepted + 1]
+            emitted = torch.tensor(emitted_ids, device=device)
         else:
             accepted, emitted = verify_sampling(drafts.to(device), probs_from_logits(rows, params), gen)
+            emitted_ids = emitted.tolist()
         cache.length = base + accepted + 1  # pending + accepted drafts stay; the rest is stale
         t2 = time.perf_counter()
         if self.proposer is not None:  # the drafter's own bookkeeping is drafter time
@@ -165,7 +169,7 @@ class Decoder:
                                    emitted=accepted + 1, verify_rows=rows.shape[0],
                                    draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
         result.steps.append(StepTrace(drafted=k, accepted=accepted, emitted=accepted + 1))
-        return [int(t) for t in emitted.tolist()]
+        return emitted_ids
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:
         for _ in self.stream(prompt_ids, params):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from metrale.runtime.adaptive_k import AdaptiveKController, DraftLadder
+from metrale.runtime.decode import NO_DRAFTS
 from metrale.runtime.dflash import DFlashDrafter
 from metrale.runtime.specconfig import ResolvedDFlash
 
@@ -38,12 +39,12 @@ class DFlashProposer:
         w = self.embed.weight
         self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)
         self.drafter.add_context(out.taps, self.cache)
-        self.unfed: list[torch.Tensor] = []  # [1, rows, n·Ht] taps of kept rows, oldest first
+        self.unfed: list[tuple[torch.Tensor, int]] = []  # (taps [1, r, n·Ht], rows kept), oldest first
 
     def _feed(self) -> None:
         if self.unfed:
-            rows = self.unfed[0] if len(self.unfed) == 1 else torch.cat(self.unfed, dim=1)
-            self.drafter.add_context(rows, self.cache)
+            kept = [taps[:, :rows] for taps, rows in self.unfed]
+            self.drafter.add_context(kept[0] if len(kept) == 1 else torch.cat(kept, dim=1), self.cache)
             self.unfed = []
 
     def draft_count(self) -> int:
@@ -57,14 +58,14 @@ class DFlashProposer:
         k = min(self.draft_count(), max_drafts)
         self.last_k = k
         if k == 0:
-            return torch.empty(0, dtype=torch.long), 0
+            return NO_DRAFTS, 0
         self._feed()  # the drafter's cache now ends at the anchor's position
         anchor = torch.tensor([pending], device=self.embed.weight.device)
         proposal = self.drafter.propose(anchor, self.embed, self.cache, self.settings.gamma)
         return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
-        self.unfed.append(out.taps[:, :rows])
+        self.unfed.append((out.taps, rows))  # sliced when fed: a suspended step pays nothing
         if self.controller is not None:
             self.controller.observe(self.last_k, rows - 1)
         elif self.ladder is not None:

@@ -46,12 +46,21 @@ def verify_greedy(
 
     emitted = d_1..d_m followed by the target's argmax of row m (recovered or bonus token).
     """
-    k = _check(draft_tokens, target_logits)
-    target_ids = target_logits.argmax(dim=-1)  # [k+1]: the target's greedy token per row
-    matches = (draft_tokens.to(target_ids.device) == target_ids[:k]).long()  # [k]
-    accepted = int(matches.cumprod(dim=0).sum()) if k else 0  # length of the matching prefix
-    emitted = target_ids[: accepted + 1].clone()  # [m+1]; equals the drafts where they matched
+    _check(draft_tokens, target_logits)
+    target_ids = target_logits.argmax(dim=-1).tolist()  # the target's greedy token per row
+    accepted = accepted_prefix(draft_tokens.tolist(), target_ids)
+    emitted = torch.tensor(target_ids[: accepted + 1], device=target_logits.device)  # [m+1]
     return accepted, emitted
+
+
+def accepted_prefix(drafts: list[int], target_ids: list[int]) -> int:
+    """How many leading drafts equal the target's greedy tokens (row i's argmax judges draft
+    i+1), never past the last row given: with exact verify's early stop, fewer than k+1 rows
+    end at the row that rejected."""
+    m, limit = 0, min(len(drafts), len(target_ids) - 1)
+    while m < limit and drafts[m] == target_ids[m]:
+        m += 1
+    return m
 
 
 def verify_sampling(

@@ -146,3 +146,12 @@ def test_the_chi_square_check_catches_a_wrong_sampler():
 
     first, _ = run_chains(naive)
     assert chi_square(first, P0) > 10 * CRITICAL_DF4_P001
+
+
+def test_accepted_prefix_stops_at_the_rows_given():
+    from metrale.runtime.verify import accepted_prefix
+
+    assert accepted_prefix([5, 6, 7], [5, 6, 7, 8]) == 3  # every draft matched: bonus row 3
+    assert accepted_prefix([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted_prefix([5, 6, 7], [5, 6]) == 1  # exact verify stopped at row 1, which rejected
+    assert accepted_prefix([], [4]) == 0
