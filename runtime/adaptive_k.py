@@ -151,7 +151,8 @@ class AdaptiveKController:
     from the base), so a stream whose acceptance stays low pays for ever fewer probes. Where
     the cost model says no k > 0 could beat a plain step even with every draft accepted
     ((k+1)/cost(k) <= 1/cost(0) for every allowed k), a probe could not change the decision
-    and none is run: the stream decodes plainly throughout. More generally a probe runs only
+    and none is run: the stream decodes plainly throughout (`settled`: the decode loop then
+    retires the proposer, see `spec_dflash`). More generally a probe runs only
     while an optimistic acceptance — the pooled rate's upper confidence bound, `Z` standard
     errors above it — could make some count pay; a stream whose measured acceptance (or, before
     it has any, the calibrated acceptance the cost model carries) is far below what the table
@@ -188,6 +189,7 @@ class AdaptiveKController:
         self.plain_steps = 0  # consecutive steps that chose k = 0
         self.interval = reprobe_interval  # the current re-probe interval (see backoff above)
         self._choice = None  # (what it depends on, rates, k) of the last choose_k
+        self.settled = False  # suspended with no probe that could pay: plain from here on
         self.probed = False  # the last k came from a probe
 
     def cap(self) -> int:
@@ -230,7 +232,11 @@ class AdaptiveKController:
             return k
         if probed:  # the probe left the stream suspended: wait longer for the next one
             self.interval = min(2 * self.interval, self.MAX_BACKOFF * self.reprobe_interval)
-        if self.plain_steps >= self.interval and self.can_pay(cap, self.optimistic_acceptance()):
+        if not self.can_pay(cap, self.optimistic_acceptance()):
+            # no probe will run, so no measurement will change this: plain for good
+            self.settled = True
+            return 0
+        if self.plain_steps >= self.interval:
             self.plain_steps, self.probed = 0, True
             positive = CostModel(first=1, ms=self.cost.ms[1:])  # the same costs without 0:
             return choose_k(positive, acc, cap)

@@ -78,7 +78,12 @@ class Decoder:
         self.last_result: DecodeResult | None = None
 
     def _taps(self) -> tuple[int, ...]:
-        return self.proposer.taps if self.proposer is not None else ()
+        return self.proposer.taps if self._drafting() else ()
+
+    def _drafting(self) -> bool:
+        """A proposer that has not retired (`off`: adaptive k settled on plain decoding for the
+        rest of the stream, see `AdaptiveKController.settled`)."""
+        return self.proposer is not None and not getattr(self.proposer, "off", False)
 
     def _verify_rows(self, tokens: torch.Tensor, cache, greedy: bool, drafts: torch.Tensor) -> TargetOutput:
         """Target outputs for rows [pending, d_1..d_k] (tokens [1, k+1]).
@@ -140,7 +145,8 @@ class Decoder:
     def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult) -> list[int]:
         t0 = time.perf_counter()
         drafts, proposed = NO_DRAFTS, 0
-        if self.proposer is not None and room > 1:
+        drafting = self._drafting()
+        if drafting and room > 1:
             drafts, proposed = self.proposer.propose(pending, room - 1)
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]
@@ -162,7 +168,7 @@ class Decoder:
             emitted_ids = emitted.tolist()
         cache.length = base + accepted + 1  # pending + accepted drafts stay; the rest is stale
         t2 = time.perf_counter()
-        if self.proposer is not None:  # the drafter's own bookkeeping is drafter time
+        if drafting:  # the drafter's own bookkeeping is drafter time
             self.proposer.accept(out, accepted + 1, emitted)
         t3 = time.perf_counter()
         result.metrics.record_step(proposed=max(proposed, k), verified=k, accepted=accepted,

@@ -47,6 +47,15 @@ class DFlashProposer:
             self.drafter.add_context(kept[0] if len(kept) == 1 else torch.cat(kept, dim=1), self.cache)
             self.unfed = []
 
+    @property
+    def off(self) -> bool:
+        """Adaptive k settled on plain decoding for the rest of the stream: the decode loop
+        stops asking for drafts and taps, and the unfed context is dropped."""
+        if self.controller is not None and self.controller.settled:
+            self.unfed = []
+            return True
+        return False
+
     def draft_count(self) -> int:
         if self.controller is not None:
             return self.controller.next_k()

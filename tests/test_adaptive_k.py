@@ -190,6 +190,7 @@ def test_controller_never_probes_where_no_count_can_pay():
     ctl = AdaptiveKController(hopeless, max_k=3, reprobe_interval=2)
     assert not ctl.can_pay(3)
     assert [ctl.next_k() for _ in range(50)] == [0] * 50
+    assert ctl.settled  # nothing will be measured again: plain for the rest of the stream
     # one count that pays at full acceptance ((2+1)/2.9 > 1/1) keeps the probes
     ctl = AdaptiveKController(CostModel(first=0, ms=(1.0, 2.5, 2.9, 4.5)), max_k=3, reprobe_interval=2)
     assert ctl.can_pay(3) and not ctl.can_pay(1)

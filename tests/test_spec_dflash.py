@@ -62,3 +62,24 @@ def test_a_suspended_stream_feeds_nothing_per_plain_step(tiny_engine, tiny_promp
     plain_steps = sum(1 for s in res.steps if s.drafted == 0)
     assert plain_steps > 10 and res.metrics.drafts_verified > 0  # suspended, with probes
     assert len(fed) <= 1 + (len(res.steps) - plain_steps)  # prefill + one feed per propose
+
+
+def test_a_settled_stream_retires_its_drafter(tiny_engine, tiny_prompts, monkeypatch):
+    """A table where no count could pay even with every draft accepted: the controller settles
+    on plain decoding at the first step, and the loop then neither proposes nor asks the target
+    for taps; the text is plain decoding's."""
+    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.service import EngineGenerator
+
+    spec = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k="0:1,1:50,2:50,3:50,4:50,5:50,6:50,7:50")
+    decoder = EngineGenerator(tiny_engine, spec).decoder()
+    asked = []
+    real = decoder.target.__class__.__call__
+    monkeypatch.setattr(decoder.target.__class__, "__call__",
+                        lambda self, *a, **k: (asked.append(k.get("taps", ())), real(self, *a, **k))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    res = decoder.generate(tiny_prompts[0], params)
+    assert decoder.proposer.controller.settled and decoder.proposer.off
+    assert all(s.drafted == 0 for s in res.steps)
+    assert asked[0] and not any(asked[2:])  # the prompt's taps, then none once settled
+    assert res.token_ids == EngineGenerator(tiny_engine).generate(tiny_prompts[0], params).token_ids
