@@ -294,8 +294,11 @@ def load_compiled(engine_dir: Path, name: str, info: dict, model, dtype: torch.d
     """The compiled face of component `name` from its manifest entry's `cpu` packages."""
     cpu = info["cpu"]
     where = f"engine directory {engine_dir}: {name}"
+    if not isinstance(cpu, dict) or type(cpu.get("max_slots")) is not int or not cpu.get("packages"):
+        raise EngineDirError(f"{where}: its CPU packages are of another layout (an older metrale "
+                             "built them); rebuild the engine with metrale build")
     loaded = _load_packages(engine_dir, cpu, dtype, where)
-    max_slots = int(cpu["max_slots"])
+    max_slots = cpu["max_slots"]
     kind = info.get("kind", name)
     if kind == "target":
         return CompiledTarget(model, [p for _, p in loaded], tuple(cpu.get("taps", ())), max_slots)

@@ -165,3 +165,19 @@ def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
     pkg.write_bytes(pkg.read_bytes()[:-10])
     with pytest.raises(EngineDirError, match="t1.pt2"):
         load_engine(copy, backend="aoti")
+
+
+def test_packages_of_an_older_layout_are_refused_by_name(aoti_engine_dir, tmp_path):
+    """An engine whose CPU packages an older metrale built (slot buckets, no `max_slots`): auto
+    runs eager torch and says why; --backend aoti is refused, naming the rebuild."""
+    from metrale.runtime.engine import load_engine
+
+    copy = tmp_path / "old"
+    shutil.copytree(aoti_engine_dir, copy)
+    manifest = json.loads((copy / "config.json").read_text())
+    del manifest["components"]["target"]["cpu"]["max_slots"]
+    (copy / "config.json").write_text(json.dumps(manifest))
+    engine = load_engine(copy, backend="auto")
+    assert engine.backend == "torch" and "another layout" in engine.backend_note
+    with pytest.raises(EngineDirError, match="--backend aoti: .*another layout.*metrale build"):
+        load_engine(copy, backend="aoti")
