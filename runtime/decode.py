@@ -85,22 +85,31 @@ class Decoder:
         rest of the stream, see `AdaptiveKController.settled`)."""
         return self.proposer is not None and not getattr(self.proposer, "off", False)
 
-    def _verify_rows(self, tokens: torch.Tensor, cache, greedy: bool, drafts: torch.Tensor) -> TargetOutput:
-        """Target outputs for rows [pending, d_1..d_k] (tokens [1, k+1]).
+    def _verify_rows(self, tokens: torch.Tensor, cache, greedy: bool,
+                     draft_ids: list[int]) -> tuple[TargetOutput, list[int] | None]:
+        """Target outputs for rows [pending, d_1..d_k] (tokens [1, k+1]) and, when greedy, each
+        row's argmax token.
 
         Exact verify runs one row per forward and, when greedy, stops after the first row whose
         argmax rejects the next draft (rows past it are never used)."""
+        taps = self._taps()
         if not self.exact_verify:
-            return self.target(tokens, cache, taps=self._taps())
-        outs = []
+            out = self.target(tokens, cache, taps=taps)
+            return out, (out.logits[0].argmax(dim=-1).tolist() if greedy else None)
+        outs, ids = [], []
         for i in range(tokens.shape[1]):
-            o = self.target(tokens[:, i:i + 1], cache, taps=self._taps())
+            o = self.target(tokens[:, i:i + 1], cache, taps=taps)
             outs.append(o)
-            if greedy and i < drafts.numel() and int(o.logits[0, -1].argmax()) != int(drafts[i]):
-                break
+            if greedy:
+                ids.append(int(o.logits[0, -1].argmax()))
+                if i < len(draft_ids) and ids[-1] != draft_ids[i]:
+                    break
+        if len(outs) == 1:
+            return outs[0], (ids if greedy else None)
         cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=1)  # noqa: E731
-        return TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
-                            taps=cat([o.taps for o in outs]))
+        out = TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
+                           taps=cat([o.taps for o in outs]))
+        return out, (ids if greedy else None)
 
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
@@ -156,10 +165,9 @@ class Decoder:
         draft_ids = drafts.tolist() if k else []
         tokens = torch.tensor([[pending, *draft_ids]], device=device)  # [1, k+1]
         base = cache.length
-        out = self._verify_rows(tokens, cache, params.greedy, drafts)
+        out, target_ids = self._verify_rows(tokens, cache, params.greedy, draft_ids)
         rows = out.logits[0]  # [r, V], r = k+1 (or fewer under exact greedy verify)
         if params.greedy:  # the target's argmax per row; drafts kept while they match it
-            target_ids = rows.argmax(dim=-1).tolist()
             accepted = accepted_prefix(draft_ids, target_ids)
             emitted_ids = target_ids[: accepted + 1]
             emitted = torch.tensor(emitted_ids, device=device)
