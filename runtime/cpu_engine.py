@@ -279,10 +279,9 @@ def check_fingerprint(info: dict, dtype: torch.dtype, where: str) -> None:
                 f"has {here[key]!r}; rebuild the engine here or use --backend torch")
 
 
-def _load_packages(engine_dir: Path, cpu: dict, dtype: torch.dtype, where: str) -> list[tuple[dict, Package]]:
+def _load_packages(engine_dir: Path, cpu: dict) -> list[tuple[dict, Package]]:
     import torch._inductor
 
-    check_fingerprint(cpu, dtype, where)
     out = []
     for entry in cpu["packages"]:
         run = torch._inductor.aoti_load_package(str(Path(engine_dir) / entry["file"]))
@@ -294,10 +293,14 @@ def load_compiled(engine_dir: Path, name: str, info: dict, model, dtype: torch.d
     """The compiled face of component `name` from its manifest entry's `cpu` packages."""
     cpu = info["cpu"]
     where = f"engine directory {engine_dir}: {name}"
-    if not isinstance(cpu, dict) or type(cpu.get("max_slots")) is not int or not cpu.get("packages"):
-        raise EngineDirError(f"{where}: its CPU packages are of another layout (an older metrale "
-                             "built them); rebuild the engine with metrale build")
-    loaded = _load_packages(engine_dir, cpu, dtype, where)
+    older = EngineDirError(f"{where}: its CPU packages are of another layout (an older metrale "
+                           "built them); rebuild the engine with metrale build")
+    if not isinstance(cpu, dict):
+        raise older
+    check_fingerprint(cpu, dtype, where)  # another machine's packages: say so first
+    if type(cpu.get("max_slots")) is not int or not cpu.get("packages"):
+        raise older
+    loaded = _load_packages(engine_dir, cpu)
     max_slots = cpu["max_slots"]
     kind = info.get("kind", name)
     if kind == "target":
