@@ -397,8 +397,12 @@ def serve(
         gen = _load_leader(nproc, "serve", engine_dir, device, dtype, spec, backend)
         if gen is None:
             return
-        err.print(Text(f"serving {engine_dir} ({spec.mode.value}) on http://{host}:{port}"
+        engine = gen.engine
+        err.print(Text(f"serving {engine_dir} (speculation {spec.mode.value}, backend "
+                       f"{getattr(engine, 'backend', backend)}) on http://{host}:{port}"
                        + (f", {gen.world.size} ranks" if gen.world.size > 1 else "")))
+        if getattr(engine, "backend_note", ""):
+            err.print(Text(engine.backend_note))
         try:
             run_server(gen, host=host, port=port, limits=limits)
         finally:
