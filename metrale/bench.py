@@ -66,11 +66,12 @@ def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: st
         flags = {} if k == 0 else {"dflash": True, "dflash_drafter": drafter, "dflash_draft_ladder": str(k)}
         spec = SpeculativeConfig.from_flags(**flags)
         per_step = []
-        for _ in range(repeats):
+        for r in range(repeats):
             seconds, steps = _timed(engine, spec, prompts, max_tokens)
             per_step.append(seconds / max(1, len(steps)))
-        for drafted, accepted in steps:
-            est.update(drafted, accepted)
+            if r == 0:  # greedy: every repeat verifies the same drafts
+                for drafted, accepted in steps:
+                    est.update(drafted, accepted)
         ms.append(round(1000 * statistics.median(per_step), 3))
     return CostModel(first=0, ms=tuple(ms), acceptance=round(est.pooled(), 4))
 

@@ -188,7 +188,7 @@ class AdaptiveKController:
             self.prior, self.strength = cost.acceptance, self.CALIBRATED_STRENGTH
         self.plain_steps = 0  # consecutive steps that chose k = 0
         self.interval = reprobe_interval  # the current re-probe interval (see backoff above)
-        self._choice = None  # (what it depends on, rates, k) of the last choose_k
+        self._choice = None  # (what it depends on, rates, k, a probe could pay) of the last choice
         self.settled = False  # suspended with no probe that could pay: plain from here on
         self.probed = False  # the last k came from a probe
 
@@ -224,15 +224,17 @@ class AdaptiveKController:
         key = (cap, len(self.estimator.tested), sum(self.estimator.tested))
         if self._choice is None or self._choice[0] != key:
             acc = self.estimator.rates(cap, prior=self.prior, strength=self.strength)
-            self._choice = (key, acc, choose_k(self.cost, acc, cap))
-        _, acc, k = self._choice
+            k = choose_k(self.cost, acc, cap)
+            pays = k > 0 or self.can_pay(cap, self.optimistic_acceptance())
+            self._choice = (key, acc, k, pays)
+        _, acc, k, pays = self._choice
         probed, self.probed = self.probed, False
         if k > 0:
             self.plain_steps, self.interval = 0, self.reprobe_interval
             return k
         if probed:  # the probe left the stream suspended: wait longer for the next one
             self.interval = min(2 * self.interval, self.MAX_BACKOFF * self.reprobe_interval)
-        if not self.can_pay(cap, self.optimistic_acceptance()):
+        if not pays:
             # no probe will run, so no measurement will change this: plain for good
             self.settled = True
             return 0
