@@ -106,7 +106,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
             memory["mtp"] = mtp_memory(state, head.config.ffn_kind)
             _write_component(w, "mtp", recipe.mtp.checkpoint, [qstate],
                              {"kind": "mtp", "naming": head.config.naming, "quantization": section,
-                              "weight_bytes": q.weight_bytes(qstate)})
+                              "weight_bytes": q.weight_bytes(qstate)}, declared=state)
             sources["mtp"] = {"path": str(recipe.mtp.checkpoint),
                               "sha256": checkpoint_digest(recipe.mtp.checkpoint)}
         for name, drafter in drafters.items():
@@ -119,7 +119,8 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
             _write_component(w, name, src, shards,
                              {"kind": "dflash", "version": drafter.config.version,
                               "quantization": section, "weight_bytes": q.weight_bytes(qstate),
-                              "tp_size": tp, "rank_weight_bytes": shard.shard_bytes(shards)})
+                              "tp_size": tp, "rank_weight_bytes": shard.shard_bytes(shards)},
+                             declared=state)
             sources[name] = {"path": str(src), "sha256": checkpoint_digest(src)}
         engines = build_engines(w, opts, progress) if opts.trt_flavor != "none" else {}
         if opts.cpu_engines == "aoti":
@@ -204,12 +205,23 @@ def mtp_memory(state: dict[str, torch.Tensor], ffn_kind: str) -> dict[str, int]:
 
 
 def _write_component(w: EngineDirWriter, name: str, checkpoint: Path, states: list[dict],
-                     info: dict) -> None:
-    """The component's config and one `rank{r}.safetensors` per state (rank order)."""
+                     info: dict, declared: dict | None = None) -> None:
+    """The component's config and one `rank{r}.safetensors` per state (rank order).
+
+    `declared`: the component's weights before quantizing (engine names, BF16), kept so that
+    a serve can requantize them at load to another tier; its file is `declared.safetensors`,
+    or `rank0.safetensors` itself where that already holds exactly these tensors."""
     w.copy_file(Path(checkpoint) / "config.json", f"{name}/config.json")
     files = [f"{name}/rank{r}.safetensors" for r in range(len(states))]
     for f, state in zip(files, states):
         w.save_safetensors(f, state, metadata={"format": "pt"})
+    if declared is not None:
+        same = len(states) == 1 and states[0].keys() == declared.keys() and all(
+            states[0][k] is declared[k] or torch.equal(states[0][k], declared[k]) for k in declared)
+        info = {**info, "declared": files[0] if same else f"{name}/declared.safetensors"}
+        if not same:
+            w.save_safetensors(info["declared"], declared, metadata={"format": "pt"})
+            files = files + [info["declared"]]
     w.component(name, {**info, "config": f"{name}/config.json", "files": files})
 
 

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from metrale.plugins import formats
 from metrale.plugins.formats import NVFP4_BLOCK
 from metrale.runtime.errors import ConfigError, QuantizationError
 
@@ -85,6 +86,7 @@ class DraftWeightQuantization(enum.Enum):
 
 
 DRAFT_TIERS = tuple(t.value for t in DraftWeightQuantization)  # names, in the flag's order
+assert DRAFT_TIERS == formats.DRAFT_TIERS
 
 # Module names (tensor name without `.weight`) of each set, matched in full.
 _DRAFT_CORE = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head")
@@ -97,7 +99,7 @@ _MTP_FP8 = re.compile(
     r"fc|layer\.self_attn\.[qkvo]_proj"
     r"|layer\.mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj"
 )
-MTP_QUANTIZATIONS = ("bf16", "fp8")
+MTP_QUANTIZATIONS = formats.MTP_QUANTIZATIONS
 FFN_KINDS = ("dense", "moe")
 
 

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from metrale.plugins import formats
 from metrale.runtime.engine_dir import COMPONENT_NAME_RULE, is_component_name
 from metrale.runtime.errors import ConfigError
 
 # The embedded tiny recipe, used when `metrale build` gets no --recipe.
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny.toml"
 
-DRAFT_WEIGHT_QUANTIZATIONS = ("declared", "fp8", "fp8-aux", "nvfp4")
-MTP_QUANTIZATIONS = ("bf16", "fp8")
+DRAFT_WEIGHT_QUANTIZATIONS, MTP_QUANTIZATIONS = formats.DRAFT_TIERS, formats.MTP_QUANTIZATIONS
 TRT_FLAVORS = ("auto", "rtx", "tensorrt", "none")
 CPU_ENGINES = ("aoti", "none")
 # SM75 (Turing) is the oldest architecture either TensorRT flavour builds for.

@@ -9,8 +9,7 @@ the quantization, the ranks' bytes put back in rank order are exactly the one-ra
 bytes (`runtime.tp.merge_drafter_state` is the inverse, which a one-rank load of a sharded
 build uses).
 
-Refusals, before any quantizing (`check_drafter_tp`): N < 1; KV heads that do not divide among
-N ranks; under NVFP4, a column cut (o_proj's heads, down_proj's intermediate) off a 16-weight
+Refusals, before any quantizing (`check_drafter_tp`): N < 1; fewer KV heads than ranks; under NVFP4, a column cut (o_proj's heads, down_proj's intermediate) off a 16-weight
 block boundary. Each message names the flag and the numbers.
 """
 
@@ -39,7 +38,8 @@ def check_drafter_tp(cfg: DFlashConfig, size: int, fmt: str | None, name: str = 
     if fmt != "nvfp4":
         return
     d = cfg.decoder
-    for module, count, unit in (("self_attn.o_proj", d.num_attention_heads, d.head_dim),
+    group = d.num_attention_heads // d.num_key_value_heads * d.head_dim  # a KV head's queries
+    for module, count, unit in (("self_attn.o_proj", d.num_key_value_heads, group),
                                 ("mlp.down_proj", d.intermediate_size, 1)):
         for r in range(size):
             start, end = shard_range(count, r, size)

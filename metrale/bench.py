@@ -23,6 +23,7 @@ from rich.text import Text
 from metrale import checks
 from metrale import options as o
 from metrale.cli import app, out, user_errors
+from metrale.plugins.formats import DRAFT_TIERS
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "prompts.json"
 
@@ -178,6 +179,24 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
+def _load_engine(engine_dir, device, dtype, backend_kind, draft_tier, mtp_nvfp4):
+    """The engine every mode runs on; the weight-tier flags apply to every drafter and the head."""
+    from metrale.builder.requantize import check_plans_tier, requantized_states
+    from metrale.runtime.engine import load_engine
+    from metrale.runtime.engine_dir import load_manifest
+    from metrale.runtime.trt_backend import Backend, load_trt_engine
+
+    manifest = load_manifest(engine_dir)
+    if backend_kind is Backend.TENSORRT:
+        check_plans_tier(engine_dir, manifest, draft_tier=draft_tier, mtp_experts_nvfp4=mtp_nvfp4)
+        return load_trt_engine(engine_dir, device=device)
+    drafters = tuple(n for n, i in manifest.components.items() if i.get("kind") == "dflash")
+    states = requantized_states(engine_dir, manifest, draft_tier=draft_tier, drafters=drafters,
+                                mtp_experts_nvfp4=mtp_nvfp4 if "mtp" in manifest.components else None)
+    return load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device,
+                       backend=backend_kind.value, states=states)
+
+
 @app.command()
 def bench(
     engine_dir: o.EngineDir,
@@ -190,15 +209,15 @@ def bench(
     reference: Annotated[bool, typer.Option("--transformers/--no-transformers", help="Add a row for transformers' eager greedy generate on the same target weights (when transformers is installed).")] = True,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
+    draft_weight_quantization: o.DraftTier = None, mtp_experts_nvfp4: o.MtpNvfp4 = None,
 ):
     """Benchmark plain decoding against every speculative mode on held-out prompts."""
     with user_errors():
         from rich.table import Table
 
         from metrale.bench_costs import host_ms, mode_bound, target_row_costs, transformers_reference
-        from metrale.runtime.engine import load_engine
         from metrale.runtime.errors import ConfigError
-        from metrale.runtime.trt_backend import Backend, load_trt_engine, resolve_backend
+        from metrale.runtime.trt_backend import Backend, resolve_backend
 
         checks.int_range("--num-prompts", num_prompts, 1)
         checks.int_range("--max-tokens", max_tokens, 1)
@@ -208,6 +227,9 @@ def bench(
         if json_file is not None:
             checks.output_file("--json", json_file)
         wanted = _wanted_modes(modes)
+        if draft_weight_quantization not in (None, *DRAFT_TIERS):
+            raise ConfigError(f"--draft-weight-quantization {draft_weight_quantization!r}: "
+                              f"expected one of {', '.join(DRAFT_TIERS)}")
         checks.device(device)
         o.torch_dtype(dtype)
         backend_kind, device = resolve_backend(backend, device, dtype)
@@ -221,11 +243,8 @@ def bench(
             import torch
 
             torch.set_num_threads(threads)
-        if backend_kind is Backend.TENSORRT:
-            engine = load_trt_engine(engine_dir, device=device)
-        else:
-            engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device,
-                                 backend=backend_kind.value)
+        engine = _load_engine(engine_dir, device, dtype, backend_kind, draft_weight_quantization,
+                              mtp_experts_nvfp4)
         prompts = [engine.tokenizer.encode(t) for t in texts]
         context = engine.target.config.max_position_embeddings
         for i, ids in enumerate(prompts):

@@ -24,6 +24,7 @@ from rich.text import Text
 from metrale import checks
 from metrale import options as o
 from metrale.runtime.errors import MetraleError
+from metrale.runtime.spec_help import BUILD_HELP
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ahead-of-time engine builder and serving runtime for speculative decoding.")
@@ -69,24 +70,8 @@ def user_errors():
         raise typer.Exit(1) from None
 
 
-DWQ_HELP = (
-    "Format of the DFlash drafters' GEMM weights; activations stay BF16 at every tier and only "
-    "the drafts move (the target verifies every token). declared: the checkpoint's own weights. "
-    "fp8: FP8 E4M3 copies, one scale per row, of each layer's q/k/v/o/gate/up/down and of the "
-    "draft LM head. fp8-aux: fp8 plus FP8 copies of the context fc and K/V projections and the "
-    "DFlash2 conv and selector projections. nvfp4: NVFP4 copies (4-bit E2M1, one FP8 scale per "
-    "16 weights) of everything fp8-aux copies, run as W4A16; each tensor's scale comes from the "
-    "whole unsharded tensor, so --draft-tp-size ranks hold exactly the one-rank drafter's bytes."
-)
-MTP_NVFP4_HELP = (
-    "Draft on NVFP4 copies of a BF16 MoE MTP head's experts. The head's routed and shared experts "
-    "are requantized from BF16 to NVFP4; the router, attention, fc and draft LM head keep the "
-    "head's precision. Draft-only: the target verifies every drafted token, so only how many "
-    "drafts are accepted moves. Under --exact-verify greedy output is byte-identical with it on "
-    "or off; under the default chunkwise verify, like any change in acceptance, it can move "
-    "greedy text. Refused on any other head (dense FFN, FP8 experts, or --mtp-quantization other "
-    "than bf16)."
-)
+DWQ_HELP = BUILD_HELP["--draft-weight-quantization"]
+MTP_NVFP4_HELP = BUILD_HELP["--mtp-experts-nvfp4"]
 
 
 @app.command()
@@ -94,10 +79,10 @@ def build(
     recipe: Annotated[Optional[Path], typer.Option(help="Build recipe (TOML). Default: the embedded tiny recipe.")] = None,
     engine_dir: Annotated[Optional[str], typer.Option("--engine-dir", metavar="PATH", help="Output directory. Default: the recipe's engine_dir.")] = None,
     draft_weight_quantization: Annotated[Optional[str], typer.Option(
-        metavar="declared|fp8|fp8-aux|nvfp4", help=DWQ_HELP + " [default: fp8]")] = None,
+        metavar="declared|fp8|fp8-aux|nvfp4", help=DWQ_HELP)] = None,
     mtp_quantization: Annotated[Optional[str], typer.Option(metavar="bf16|fp8", help="Precision of the MTP head's weights. [default: bf16]")] = None,
-    mtp_experts_nvfp4: Annotated[Optional[bool], typer.Option("--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=MTP_NVFP4_HELP + " [default: off]")] = None,
-    draft_tp_size: Annotated[Optional[str], typer.Option(metavar="auto|N", help="Tensor-parallel shards of the drafters: auto (1 at build time) or a rank count.")] = None,
+    mtp_experts_nvfp4: Annotated[Optional[bool], typer.Option("--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=MTP_NVFP4_HELP)] = None,
+    draft_tp_size: Annotated[Optional[str], typer.Option(metavar="N|auto", help=BUILD_HELP["--draft-tp-size"])] = None,
     trt_flavor: Annotated[Optional[str], typer.Option(metavar="auto|rtx|tensorrt|none", help="TensorRT flavour for engines; none writes weights only.")] = None,
     target_sm: Annotated[Optional[str], typer.Option(metavar="89,120", help="Comma-separated SM targets for engines and cubins.")] = None,
     cpu_engines: Annotated[Optional[str], typer.Option(metavar="aoti|none", help="CPU engines: aoti compiles the decode loop's steps (the target's decode and verify steps, the MTP head's step, each one-rank drafter's propose with its context update) into AOTInductor packages for this machine's CPU (what --backend auto runs on a CPU); none skips them. [default: aoti]")] = None,
@@ -284,13 +269,28 @@ def sampling_params(temperature: float, top_p: float, seed: Optional[int], max_t
 
 
 def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"):
+    tiers = spec.draft_weight_quantization is not None or spec.mtp_experts_nvfp4 is not None
     if backend == "tensorrt":
         from metrale.runtime.trt_backend import load_trt_generator
 
+        if tiers:
+            from metrale.builder.requantize import check_plans_tier
+            from metrale.runtime.engine_dir import load_manifest
+
+            check_plans_tier(engine_dir, load_manifest(engine_dir),
+                             draft_tier=spec.draft_weight_quantization,
+                             mtp_experts_nvfp4=spec.mtp_experts_nvfp4)
         return load_trt_generator(engine_dir, spec, device=device)
     from metrale.runtime.service import load_generator
 
-    return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype), device=device, backend=backend)
+    states = None
+    if tiers:  # another tier than the built one: quantized at load from the declared weights
+        from metrale.builder.requantize import states_for
+        from metrale.runtime.engine_dir import load_manifest
+
+        states = states_for(engine_dir, load_manifest(engine_dir), spec)
+    return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype), device=device,
+                          backend=backend, states=states)
 
 
 def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: str = "auto"):

@@ -44,7 +44,12 @@ AdaptiveK = Annotated[Optional[str], typer.Option(
 Reprobe = Annotated[Optional[int], typer.Option(
     "--dflash-reprobe-interval", metavar="N", help=HELP["--dflash-reprobe-interval"])]
 ExactVerify = Annotated[bool, typer.Option("--exact-verify", help=HELP["--exact-verify"])]
-DraftTp = Annotated[Optional[str], typer.Option("--draft-tp-size", metavar="auto|N", help=HELP["--draft-tp-size"])]
+DraftTp = Annotated[Optional[str], typer.Option("--draft-tp-size", metavar="N|auto", help=HELP["--draft-tp-size"])]
+DraftTier = Annotated[Optional[str], typer.Option(
+    "--draft-weight-quantization", metavar="declared|fp8|fp8-aux|nvfp4",
+    help=HELP["--draft-weight-quantization"])]
+MtpNvfp4 = Annotated[Optional[bool], typer.Option(
+    "--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=HELP["--mtp-experts-nvfp4"], show_default=False)]
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
@@ -66,7 +71,8 @@ SPEC_FLAGS = (
     ("dflash_gamma", Gamma, None), ("dflash_draft_ladder", Ladder, None),
     ("dflash_adaptive_k", AdaptiveK, None), ("dflash_reprobe_interval", Reprobe, None),
     ("exact_verify", ExactVerify, False), ("draft_tp_size", DraftTp, None),
-    ("dflash_drafter", DFlashDrafter, None),
+    ("dflash_drafter", DFlashDrafter, None), ("draft_weight_quantization", DraftTier, None),
+    ("mtp_experts_nvfp4", MtpNvfp4, None),
 )
 
 

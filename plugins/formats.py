@@ -25,6 +25,11 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0  # largest E2M1 magnitude
 NVFP4_BLOCK = 16  # input elements sharing one FP8 block scale
 
+# `--draft-weight-quantization` tiers, in the flag's order (`builder.quantize` says which
+# tensors each copies); `--mtp-quantization` precisions of the MTP head's weights.
+DRAFT_TIERS = ("declared", "fp8", "fp8-aux", "nvfp4")
+MTP_QUANTIZATIONS = ("bf16", "fp8")
+
 # E2M1 code -> value. Bit 3 is the sign, bits 0-2 index the magnitudes
 # {0, 0.5, 1, 1.5, 2, 3, 4, 6}; code 8 is negative zero (a tiny negative weight rounds to it).
 E2M1_VALUES = (

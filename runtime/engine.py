@@ -37,7 +37,8 @@ from metrale.runtime.loader import strict_fill
 from metrale.runtime.mtp import MTPHead
 from metrale.runtime.qwen3 import Qwen3ForCausalLM
 from metrale.runtime.tokenizer import Tokenizer
-from metrale.runtime.tp import TensorParallel, merge_drafter_state
+from metrale.runtime.tp import (TensorParallel, check_drafter_split, cut_tensor, drafter_cut,
+                                merge_drafter_state)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class LoadedEngine:
     packed: bool = False
     backend: str = "torch"  # what runs the target: torch (eager), aoti (CPU packages), cuda-graphs
     backend_note: str = ""  # why auto runs eager torch where it would have run something else
+    requantized: dict[str, str] = field(default_factory=dict)  # component -> its weights' source
 
     @property
     def model_id(self) -> str:
@@ -166,49 +168,64 @@ def _build(module_cls, cfg, dtype, device):
 
 
 def _drafter_tensors(path: Path, name: str, info: dict, cfg: DFlashConfig,
-                     tp: TensorParallel | None, meta: bool = False):
-    """The drafter's tensors for this process: its rank's file, or all rank files merged."""
+                     tp: TensorParallel | None, meta: bool = False, given=None):
+    """The drafter's tensors for this process: its rank's file, all rank files merged, or its
+    shard cut at load from the one-rank state (a one-rank build, or `given`: the state
+    requantized at load, with its source)."""
     built = info.get("tp_size", 1)
     if type(built) is not int or built < 1:
         raise EngineDirError(f"engine directory {path}: drafter {name} has tp_size {built!r}; "
                              "expected an integer >= 1")
-    if tp is None and built == 1:
-        return _component_files(path, name, 0, meta)[1:]
-    if tp is None:
-        shards = [_component_files(path, name, r, meta)[1] for r in range(built)]
-        return merge_drafter_state(shards, cfg), f"engine directory {path}: {name}/rank*.safetensors"
-    if built != tp.size:
-        raise EngineDirError(
-            f"engine directory {path}: drafter {name} was built with --draft-tp-size {built}, so "
-            f"it runs on {'1 rank' if built == 1 else f'1 or {built} ranks'}, not {tp.size}; "
-            f"rebuild with --draft-tp-size {tp.size}")
-    return _component_files(path, name, tp.rank, meta)[1:]
+    if given is None and (tp is None or built != tp.size):
+        if built == 1:
+            given = _component_files(path, name, 0, meta)[1:]
+        elif tp is None:
+            shards = [_component_files(path, name, r, meta)[1] for r in range(built)]
+            given = (merge_drafter_state(shards, cfg), f"engine directory {path}: {name}/rank*.safetensors")
+        else:
+            raise EngineDirError(
+                f"engine directory {path}: drafter {name} was built with --draft-tp-size {built}, "
+                f"so it runs on 1 or {built} ranks, not {tp.size}; rebuild with --draft-tp-size 1 "
+                f"(any rank count, cut at load) or {tp.size}")
+    if given is None:
+        return _component_files(path, name, tp.rank, meta)[1:]
+    tensors, source = given
+    if tp is None or tp.size == 1:
+        return tensors, source
+    check_drafter_split(cfg, tp.size)
+    cut = {n: cut_tensor(n, t, drafter_cut(n, cfg), tp.rank, tp.size) for n, t in tensors.items()}
+    return cut, f"{source}, rank {tp.rank} of {tp.size} cut at load"
 
 
 def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", components: tuple[str, ...] | None = None,
-                tp: TensorParallel | None = None, backend: str = "torch") -> LoadedEngine:
+                tp: TensorParallel | None = None, backend: str = "torch",
+                states: dict[str, tuple[dict, str]] | None = None) -> LoadedEngine:
     """Verify and load. `components` limits which optional parts are loaded (target always);
     `tp` makes every drafter this rank's tensor-parallel shard. `backend` "aoti" runs the target
     on the directory's CPU packages (refused when it has none that fit this process); "auto"
     does so on a CPU when it can, replays the target's steps as CUDA graphs on a CUDA device
-    (`cuda_graphs`), and runs eager torch otherwise (`backend_note` says why)."""
+    (`cuda_graphs`), and runs eager torch otherwise (`backend_note` says why). `states`: a
+    component's one-rank weights to use instead of its files, with their source (weights
+    requantized at load to another tier, see `builder.requantize`)."""
     path = Path(engine_dir)
     manifest = check_engine_dir(path)
-    return build_models(path, manifest, dtype, torch.device(device), components, tp, backend)
+    return build_models(path, manifest, dtype, torch.device(device), components, tp, backend, states)
 
 
 def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: torch.device,
                  components: tuple[str, ...] | None = None, tp: TensorParallel | None = None,
-                 backend: str = "torch") -> LoadedEngine:
+                 backend: str = "torch", states: dict[str, tuple[dict, str]] | None = None) -> LoadedEngine:
     """Every component's model filled from its rank files. On the meta device only the files'
     headers are read: a dry run of loading (names, shapes, dtypes) that builds no weights."""
     meta = device.type == "meta"
+    states = states or {}
     tokenizer = Tokenizer.from_dir(path / "tokenizer")
     cfg, tensors, source = _component_files(path, "target", 0, meta)
     target = _build(Qwen3ForCausalLM, _decoder(cfg, path, "target"), dtype, device)
     fill_engine_state(target, tensors, source)
-    engine = LoadedEngine(path, manifest, tokenizer, target, dtype=dtype, device=device)
+    engine = LoadedEngine(path, manifest, tokenizer, target, dtype=dtype, device=device,
+                          requantized={n: source for n, (_, source) in states.items()})
     if backend == "aoti" or (backend == "auto" and device.type != "cuda"):
         _use_cpu_packages(engine, manifest.components["target"], backend)
     for name, info in manifest.components.items():
@@ -217,11 +234,12 @@ def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: tor
             continue
         if kind == "mtp":
             cfg, tensors, source = _component_files(path, name, 0, meta)
+            tensors, source = states.get(name, (tensors, source))
             mcfg = MTPConfig(decoder=_decoder(cfg, path, name), naming=info.get("naming", "qwen3_next"))
             engine.mtp = fill_engine_state(_build(MTPHead, mcfg, dtype, device), tensors, source)
         elif kind == "dflash":
             dcfg = component_config(path, str(path), name, "dflash")
-            tensors, source = _drafter_tensors(path, name, info, dcfg, tp, meta)
+            tensors, source = _drafter_tensors(path, name, info, dcfg, tp, meta, states.get(name))
             with torch.device("meta") if meta else contextlib.nullcontext():
                 drafter = DFlashDrafter(dcfg, tp).to(dtype=dtype, device=device)
             engine.drafters[name] = fill_engine_state(drafter, tensors, source)
@@ -244,6 +262,11 @@ def _use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
             continue
         model = engine.mtp if info.get("kind") == "mtp" else engine.drafters.get(name)
         if model is None or getattr(model, "tp", None) is not None:
+            continue
+        if name in engine.requantized:  # the packages hold the weights of the built tier
+            engine.backend_note = (f"{name} runs eagerly: its CPU packages hold the weights it was "
+                                   f"built with, not these ({engine.requantized[name]})")
+            log.info("engine directory %s: %s", engine.path, engine.backend_note)
             continue
         try:
             compiled = load_compiled(engine.path, name, info, pack_for_inference(model), engine.dtype)

@@ -93,7 +93,12 @@ def check_engine_dir(engine_dir: str | os.PathLike[str], verify: bool = True) ->
         if f"{name}/config.json" not in manifest.files:
             raise _fail(shown, f"component {name} has no {name}/config.json")
         component_config(root, shown, name, kind)
-        for rel in wanted:
+        declared = info.get("declared")
+        if declared is not None and not (kind != "target" and declared in files
+                                         and declared.endswith(".safetensors")):
+            raise _fail(shown, f"component {name} keeps its declared weights in {declared!r}; "
+                        "expected one of its own .safetensors files")
+        for rel in wanted + ([declared] if declared not in (None, *wanted) else []):
             check_safetensors(root / rel, shown, rel)
     folders = {rel.split("/", 1)[0] for rel in manifest.files if "/" in rel}
     for folder in sorted(folders - set(comps) - RESERVED_NAMES):

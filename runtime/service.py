@@ -8,7 +8,8 @@ are resolved here once, at start-up, before the first request.
 
 Under `torchrun` (`load_generator` joins the world) every rank loads the whole target and runs
 the same decode: the target is replicated, which is deterministic and lets every rank know the
-accepted tokens without a broadcast per step; only the drafter is tensor-parallel. The leader
+accepted tokens without a broadcast per step; only the drafter is tensor-parallel, or, with
+`--draft-tp-size 1`, held by the leader alone, which broadcasts each step's drafts. The leader
 (rank 0) broadcasts each request (prompt ids and sampling parameters, with a seed it draws for
 an unseeded sampled request) before decoding it; the other ranks `follow`, decoding the same
 requests until the leader's `shutdown`. A stream the client abandons is still decoded to its
@@ -29,11 +30,13 @@ import torch
 from metrale.runtime.configs import DFlashConfig
 from metrale.runtime.decode import DecodeResult, Decoder
 from metrale.runtime.engine import LoadedEngine, load_engine
+from metrale.runtime.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.metrics import SpecMetricsAggregate
 from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.spec_dflash import DFlashProposer
 from metrale.runtime.spec_mtp import MTPProposer
+from metrale.runtime.spec_relay import LeaderDrafts, RelayedDrafts
 from metrale.runtime.specconfig import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
 from metrale.runtime.tp import TensorParallel, World
 
@@ -63,12 +66,17 @@ def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
 
 
 class EngineGenerator:
+    """`relay`: the DFlash drafter runs whole on the leader and its drafts reach the other
+    ranks by broadcast (`--draft-tp-size 1` on a world; the other ranks load no drafter)."""
+
     def __init__(self, engine: LoadedEngine, spec: SpeculativeConfig | None = None,
-                 world: World | None = None):
+                 world: World | None = None, relay: bool = False):
         self.engine = engine.pack() if hasattr(engine, "pack") else engine
         self.spec = spec or SpeculativeConfig()
         self.world = world or World()
-        self.dflash = check_engine_supports(engine, self.spec)
+        self.relay = relay and self.world.size > 1 and self.spec.mode is SpecMode.DFLASH
+        follower_relay = self.relay and not self.world.leader
+        self.dflash = None if follower_relay else check_engine_supports(engine, self.spec)
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
         self.max_context = engine.target.config.max_position_embeddings
@@ -81,8 +89,12 @@ class EngineGenerator:
         proposer = None
         if spec.mode is SpecMode.MTP:
             proposer = MTPProposer(e.mtp, embed, spec.num_drafts, spec.draft_stop, max_len)
+        elif spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
+            proposer = RelayedDrafts(self.world, embed.weight.device)
         elif spec.mode is SpecMode.DFLASH:
             proposer = DFlashProposer(e.drafters[self.dflash.drafter], embed, self.dflash, max_len)
+            if self.relay:
+                proposer = LeaderDrafts(proposer, self.world)
         return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context)
 
     def _announce(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -144,18 +156,24 @@ def drafter_kv_heads(engine_dir: Path, name: str) -> int | None:
 
 def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
                    dtype: torch.dtype = torch.float32, device: str = "cpu",
-                   backend: str = "auto") -> EngineGenerator:
+                   backend: str = "auto", states: dict | None = None) -> EngineGenerator:
     """Load an engine for this process: a plain process, or one rank of a `torchrun` world.
 
     In a world, `--draft-tp-size` must be the same on every rank (checked with an all-gather)
-    and resolve to 1 or the world size; above 1 every drafter is loaded as this rank's shard.
+    and resolve to 1 or the world size; above 1 every drafter is loaded as this rank's shard,
+    at 1 only the leader loads drafters and relays its drafts (`spec_relay`).
     """
     world = World.from_env(device)
-    tp = None
+    tp, relay, components = None, False, None
     if spec.mode is SpecMode.DFLASH:
         world.agree(str(spec.draft_tp_size), "--draft-tp-size")
         kv_heads = drafter_kv_heads(Path(engine_dir), spec.dflash_drafter)
         if kv_heads is not None and resolve_draft_tp_size(spec, world.size, kv_heads) > 1:
             tp = TensorParallel(world.rank, world.size)
-    engine = load_engine(engine_dir, dtype=dtype, device=world.device(device), tp=tp, backend=backend)
-    return EngineGenerator(engine, spec, world)
+        relay = tp is None and world.size > 1
+        if relay and not world.leader:  # the drafter lives on rank 0 only
+            manifest = load_manifest(engine_dir, verify=False)
+            components = tuple(n for n, i in manifest.components.items() if i.get("kind") != "dflash")
+    engine = load_engine(engine_dir, dtype=dtype, device=world.device(device), tp=tp,
+                         backend=backend, states=states, components=components)
+    return EngineGenerator(engine, spec, world, relay=relay)

@@ -26,6 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from metrale.plugins.formats import DRAFT_TIERS
 from metrale.runtime.errors import ConfigError
 from metrale.runtime.spec_help import HELP  # noqa: F401  (the flags' --help texts)
 
@@ -243,6 +244,8 @@ class SpeculativeConfig:
     exact_verify: bool = False
     draft_tp_size: DraftTpSize | None = None
     dflash_drafter: str | None = None
+    draft_weight_quantization: str | None = None  # None: the tier the engine was built with
+    mtp_experts_nvfp4: bool | None = None  # None: as the engine was built
 
     def __post_init__(self) -> None:
         mtp, dflash = self.mode is SpecMode.MTP, self.mode is SpecMode.DFLASH
@@ -266,7 +269,13 @@ class SpeculativeConfig:
             "--dflash-reprobe-interval": self.dflash_reprobe_interval,
             "--draft-tp-size": self.draft_tp_size,
             "--dflash-drafter": self.dflash_drafter,
+            "--draft-weight-quantization": self.draft_weight_quantization,
         }
+        if self.draft_weight_quantization not in (None, *DRAFT_TIERS):
+            raise ConfigError(f"--draft-weight-quantization {_q(self.draft_weight_quantization)}: "
+                              f"expected one of {', '.join(DRAFT_TIERS)}")
+        if self.mtp_experts_nvfp4 not in (None, True, False):
+            raise ConfigError(f"--mtp-experts-nvfp4: expected on or off, got {_q(self.mtp_experts_nvfp4)}")
         if not dflash:
             for flag, value in dflash_only.items():
                 if value is not None:
@@ -317,6 +326,8 @@ class SpeculativeConfig:
         exact_verify: bool = False,
         draft_tp_size: str | int | None = None,
         dflash_drafter: str | None = None,
+        draft_weight_quantization: str | None = None,
+        mtp_experts_nvfp4: bool | None = None,
     ) -> SpeculativeConfig:
         """Parse the raw CLI values; pass `None` for every flag the user did not give."""
         if speculative and dflash:
@@ -339,6 +350,8 @@ class SpeculativeConfig:
             exact_verify=bool(exact_verify),
             draft_tp_size=_maybe(DraftTpSize.parse, draft_tp_size),
             dflash_drafter=dflash_drafter,
+            draft_weight_quantization=draft_weight_quantization,
+            mtp_experts_nvfp4=mtp_experts_nvfp4,
         )
 
 
@@ -429,7 +442,7 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
 
 
 def resolve_draft_tp_size(cfg: SpeculativeConfig, world_size: int, num_kv_heads: int) -> int:
-    """The drafter's rank count: 1 or the world size, and dividing the drafter's KV heads."""
+    """The drafter's rank count: 1 or the world size, with a KV head for every rank."""
     if cfg.mode is not SpecMode.DFLASH:
         raise ConfigError(f"--draft-tp-size needs --dflash; the mode is {cfg.mode.value}")
     assert cfg.draft_tp_size is not None  # filled by __post_init__ under DFlash
@@ -439,9 +452,9 @@ def resolve_draft_tp_size(cfg: SpeculativeConfig, world_size: int, num_kv_heads:
             f"--draft-tp-size: got {ranks} on a serve of {world_size} ranks; the drafter's "
             f"collectives span every rank, so expected 1 or {world_size}"
         )
-    if num_kv_heads % ranks != 0:
+    if num_kv_heads < ranks:
         raise ConfigError(
             f"--draft-tp-size: got {ranks}, but the drafter's {num_kv_heads} KV heads do not "
-            f"divide among {ranks} ranks; expected a rank count dividing {num_kv_heads}"
+            f"cover {ranks} ranks; expected 1 or at most {num_kv_heads} ranks"
         )
     return ranks

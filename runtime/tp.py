@@ -1,8 +1,9 @@
 """Tensor parallelism of the DFlash drafter over `torch.distributed` (gloo on CPU, NCCL on GPU).
 
 Which drafter tensors a rank holds (`drafter_cut`, the one table; the builder cuts with it, the
-loader merges with it): rank r of N holds the query heads of its KV heads (q/k/v rows, o_proj
-columns), a slice of the MLP intermediate (gate/up rows, down_proj columns), a slice of the LM
+loader merges with it): rank r of N holds a contiguous run of KV heads (`shard_range`: they
+must cover every rank, and split unevenly when N does not divide them, e.g. 2, 1, 1 of 4 over
+3 ranks) with their query heads (q/k/v rows, o_proj columns), a slice of the MLP intermediate (gate/up rows, down_proj columns), a slice of the LM
 head's vocab rows, and, per layer, its heads' k and v rows of the stacked `context_kv_proj`.
 Everything else (`fc`, norms, DFlash2's convs and candidate selector) is replicated. Slices are
 contiguous, `shard_range` decides them, and quantized leaves follow their weight: FP8 row scales
@@ -84,8 +85,9 @@ def drafter_cut(name: str, cfg: DFlashConfig) -> Cut | None:
     if m is None:
         return None
     attn, mlp = m.groups()
-    return {"q": Cut(0, 1, heads, hd), "k": Cut(0, 1, kv, hd), "v": Cut(0, 1, kv, hd),
-            "o": Cut(1, 1, heads, hd), "gate": Cut(0, 1, d.intermediate_size, 1),
+    group = heads // kv * hd  # a KV head's query heads, in weights: they go where it goes
+    return {"q": Cut(0, 1, kv, group), "k": Cut(0, 1, kv, hd), "v": Cut(0, 1, kv, hd),
+            "o": Cut(1, 1, kv, group), "gate": Cut(0, 1, d.intermediate_size, 1),
             "up": Cut(0, 1, d.intermediate_size, 1),
             "down": Cut(1, 1, d.intermediate_size, 1)}[attn or mlp]
 
@@ -149,8 +151,9 @@ def local_decoder(d: DecoderConfig, rank: int, size: int) -> DecoderConfig:
         start, end = shard_range(total, rank, size)
         return end - start
 
-    return replace(d, num_attention_heads=d.num_attention_heads // size,
-                   num_key_value_heads=d.num_key_value_heads // size,
+    kv = count(d.num_key_value_heads)
+    return replace(d, num_attention_heads=kv * (d.num_attention_heads // d.num_key_value_heads),
+                   num_key_value_heads=kv,
                    intermediate_size=count(d.intermediate_size), vocab_size=count(d.vocab_size))
 
 
@@ -159,10 +162,10 @@ def check_drafter_split(cfg: DFlashConfig, size: int, what: str = "--draft-tp-si
     d = cfg.decoder
     if type(size) is not int or size < 1:
         raise ConfigError(f"{what}: expected a rank count of at least 1, got {size!r}")
-    if d.num_key_value_heads % size:
+    if d.num_key_value_heads < size:
         raise ConfigError(
-            f"{what} {size}: the drafter's {d.num_key_value_heads} KV heads do not divide among "
-            f"{size} ranks; expected a rank count dividing {d.num_key_value_heads}")
+            f"{what} {size}: the drafter's {d.num_key_value_heads} KV heads do not cover "
+            f"{size} ranks; expected at most {d.num_key_value_heads} ranks")
     if d.vocab_size >= FP32_EXACT_IDS:
         raise ConfigError(f"{what} {size}: a vocabulary of {d.vocab_size} tokens is too large "
                           f"for the candidate all-gather (ids must stay below {FP32_EXACT_IDS})")

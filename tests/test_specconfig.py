@@ -24,8 +24,36 @@ from metrale.runtime.specconfig import (
 FLAGS = [
     "--speculative", "--num-drafts", "--draft-confidence-stop", "--dflash", "--dflash-gamma",
     "--dflash-draft-ladder", "--dflash-adaptive-k", "--dflash-reprobe-interval", "--exact-verify",
-    "--draft-tp-size", "--dflash-drafter",
+    "--draft-tp-size", "--dflash-drafter", "--draft-weight-quantization", "--mtp-experts-nvfp4",
 ]
+
+# Sentences of the seeds' flag definitions (their `///` text is the --help text), which the help
+# keeps word for word; metrale's additions follow them.
+SEED_SENTENCES = {
+    "--draft-confidence-stop": [
+        "With cum:TAU, it extends the chain only while the product of the chain's top-1 "
+        "probabilities so far is at least TAU.",
+        "It changes which drafts are verified, never the emitted tokens. 0 < TAU < 1. Requires "
+        "`--speculative`; not with `--dflash`."],
+    "--dflash-adaptive-k": [
+        "Each C = 1 step then verifies the count with the most expected tokens per ms at the "
+        "sequence's measured acceptance, capped by the ladder rung (or γ - 1), and with a `0:` "
+        "entry suspends speculation (until the re-probe) where plain decode pays more.",
+        "Unset (the default): the ladder or the γ resolver decides."],
+    "--draft-tp-size": [
+        "1 runs the whole drafter on rank 0.",
+        "so the value must be 1 or the world size, and the drafter's KV heads must cover every "
+        "rank; startup refuses anything else. Set the same value on every rank. Unset (the "
+        "default): 1."],
+    "--draft-weight-quantization": [
+        "`nvfp4`: NVFP4 copies (4-bit E2M1, one FP8 scale per 16 weights) of everything "
+        "`fp8-aux` copies, run as W4A16; each tensor's scale comes from the whole unsharded "
+        "tensor, so `--draft-tp-size` ranks hold exactly the one-rank drafter's bytes."],
+    "--mtp-experts-nvfp4": [
+        "The head's routed and shared experts are requantized from BF16 to NVFP4 at load",
+        "Refused on any other head (dense FFN, FP8 experts, or --mtp-quantization other than "
+        "bf16)."],
+}
 
 
 def refused(match: str, **flags) -> None:
@@ -41,13 +69,16 @@ def test_help_covers_every_flag_without_dates_or_foreign_names():
     for flag, text in HELP.items():
         assert not re.search(r"\d{4}-\d{2}-\d{2}", text), flag
         assert "::" not in text and "_args" not in text and ".rs" not in text, flag
+    for flag, sentences in SEED_SENTENCES.items():
+        for sentence in sentences:
+            assert sentence in HELP[flag], (flag, sentence)
 
 
 def test_confidence_stop_help_keeps_every_point_of_the_seed():
     text = HELP["--draft-confidence-stop"]
     for point in ["top-1 probability is at least TAU", "still verified", "cum:TAU", "product",
-                  "never the emitted tokens", "0 < TAU < 1", "Requires --speculative",
-                  "not with --dflash"]:
+                  "never the emitted tokens", "0 < TAU < 1", "Requires `--speculative`",
+                  "not with `--dflash`"]:
         assert point in text, point
 
 
@@ -293,5 +324,9 @@ def test_resolve_draft_tp_size():
     msg = "--draft-tp-size: got 2 on a serve of 4 ranks.*expected 1 or 4"
     with pytest.raises(ConfigError, match=msg):
         resolve_draft_tp_size(SpeculativeConfig.from_flags(dflash=True, draft_tp_size="2"), 4, 8)
-    with pytest.raises(ConfigError, match="--draft-tp-size: got 4, but the drafter's 6 KV heads"):
-        resolve_draft_tp_size(cfg, world_size=4, num_kv_heads=6)
+    # the seed's rule: the KV heads cover every rank (6 over 4 split 2, 2, 1, 1)
+    assert resolve_draft_tp_size(cfg, world_size=4, num_kv_heads=6) == 4
+    assert resolve_draft_tp_size(cfg, world_size=3, num_kv_heads=4) == 3
+    with pytest.raises(ConfigError, match="--draft-tp-size: got 4, but the drafter's 3 KV heads "
+                                          "do not cover 4 ranks; expected 1 or at most 3 ranks"):
+        resolve_draft_tp_size(cfg, world_size=4, num_kv_heads=3)

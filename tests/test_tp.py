@@ -62,10 +62,10 @@ def test_shard_range_covers_in_order_with_sizes_differing_by_at_most_one():
 def test_drafter_cut_table():
     cfg = make_config()  # heads 4, kv 2, hd 32, intermediate 256, vocab 2048, 2 layers
     want = {
-        "layers.0.self_attn.q_proj.weight": Cut(0, 1, 4, 32),
+        "layers.0.self_attn.q_proj.weight": Cut(0, 1, 2, 64),  # per KV head: its 2 query heads
         "layers.1.self_attn.k_proj.weight_scale": Cut(0, 1, 2, 32),
         "layers.1.self_attn.v_proj.weight": Cut(0, 1, 2, 32),
-        "layers.0.self_attn.o_proj.weight": Cut(1, 1, 4, 32),
+        "layers.0.self_attn.o_proj.weight": Cut(1, 1, 2, 64),
         "layers.0.mlp.gate_proj.weight": Cut(0, 1, 256, 1),
         "layers.0.mlp.up_proj.weight": Cut(0, 1, 256, 1),
         "layers.1.mlp.down_proj.weight_scale": Cut(1, 1, 256, 1),
@@ -153,7 +153,8 @@ def test_check_drafter_tp_refusals_name_the_numbers():
     check_drafter_tp(cfg, 2, "nvfp4")  # o_proj 64 | 64 and down_proj 128 | 128 columns
     with pytest.raises(ConfigError, match="at least 1, got 0"):
         check_drafter_tp(cfg, 0, "fp8")
-    with pytest.raises(ConfigError, match="drafter's 2 KV heads do not divide among 3 ranks"):
+    with pytest.raises(ConfigError, match="drafter's 2 KV heads do not cover 3 ranks; expected "
+                                          "at most 2 ranks"):
         check_drafter_tp(cfg, 3, None)
     # 4 heads of 8: one head per rank is 8 columns of o_proj, half an NVFP4 block
     small = make_config(heads=4, kv_heads=4, head_dim=8, hidden=32, inter=64)
@@ -170,17 +171,29 @@ def test_build_refuses_kv_heads_that_do_not_split_before_writing(tiny_recipe, tm
     from metrale.builder.build import build_engine
 
     with pytest.raises(ConfigError, match=r"--draft-tp-size \(drafter dflash\) 3: the drafter's 2 KV "
-                                          r"heads do not divide among 3 ranks"):
+                                          r"heads do not cover 3 ranks"):
         build_engine(tiny_recipe.with_build(draft_tp_size=3), tmp_path / "e")
     assert not (tmp_path / "e").exists()
 
 
-def test_one_rank_build_is_refused_at_two_ranks(tiny_engine_dir):
-    from metrale.runtime.engine import load_engine
+def test_a_one_rank_build_is_cut_at_load_to_a_two_rank_builds_bytes(tiny_engine_dir, engine_factory):
+    from metrale.runtime.engine import _drafter_tensors, load_engine
+    from metrale.runtime.engine_dir import load_manifest
 
-    with pytest.raises(EngineDirError, match="built with --draft-tp-size 1, so it runs on 1 rank, "
-                                             "not 2; rebuild with --draft-tp-size 2"):
-        load_engine(tiny_engine_dir, tp=TensorParallel(0, 2))
+    two = engine_factory("fp8", draft_tp_size=2)
+    infos = load_manifest(tiny_engine_dir).components
+    for name in DRAFTERS:
+        cfg = DFlashConfig.from_hf(json.loads((two / name / "config.json").read_text()), name)
+        for rank in range(2):
+            got, source = _drafter_tensors(tiny_engine_dir, name, infos[name], cfg, TensorParallel(rank, 2))
+            assert source.endswith(f"rank0.safetensors, rank {rank} of 2 cut at load")
+            want = load_file(str(two / name / f"rank{rank}.safetensors"))
+            assert got.keys() == want.keys()
+            assert all(torch.equal(as_bytes(got[k]), as_bytes(want[k])) for k in want), (name, rank)
+    with pytest.raises(EngineDirError, match="built with --draft-tp-size 2, so it runs on 1 or 2 "
+                                             "ranks, not 3; rebuild with --draft-tp-size 1 "
+                                             r"\(any rank count, cut at load\) or 3"):
+        load_engine(two, tp=TensorParallel(0, 3))
 
 
 def test_nproc_refusals(monkeypatch):
@@ -210,11 +223,12 @@ def test_two_rank_shards_put_back_are_the_one_rank_bytes(engine_factory, tier):
     m = load_manifest(two)
     assert m.tp_size == 2
     assert m.components["target"]["files"] == ["target/rank0.safetensors"]
-    assert m.components["mtp"]["files"] == ["mtp/rank0.safetensors"]
+    assert m.components["mtp"]["files"] == ["mtp/rank0.safetensors"]  # BF16: its own declared
     for name in DRAFTERS:
         info = m.components[name]
         assert info["tp_size"] == 2
-        assert info["files"] == [f"{name}/rank0.safetensors", f"{name}/rank1.safetensors"]
+        assert info["files"] == [f"{name}/rank0.safetensors", f"{name}/rank1.safetensors",
+                                 f"{name}/declared.safetensors"]
         cfg = DFlashConfig.from_hf(json.loads((two / name / "config.json").read_text()), name)
         whole = load_file(str(one / name / "rank0.safetensors"))
         shards = [load_file(str(two / name / f"rank{r}.safetensors")) for r in range(2)]

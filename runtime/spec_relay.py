@@ -1,0 +1,70 @@
+"""Drafts made on rank 0 only, relayed to the other ranks (`--draft-tp-size 1` on a world).
+
+Every rank of a world runs the same decode loop over its replicated target, so each needs the
+step's drafts; with `--draft-tp-size 1` only the leader holds the drafter ("1 runs the whole
+drafter on rank 0"). `LeaderDrafts` wraps the leader's proposer and broadcasts what it proposes;
+`RelayedDrafts` is the other ranks' proposer, which receives it. Per step they exchange, in the
+same order on every rank: the drafts (when the step proposes) and, after the step's `accept`,
+whether the drafter has retired (`off`: adaptive k settled on plain decoding), so every rank
+takes the same branch of the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.runtime.decode import NO_DRAFTS
+from metrale.runtime.tp import World
+
+
+class LeaderDrafts:
+    """The leader's proposer, unchanged, plus the broadcasts the other ranks wait for."""
+
+    def __init__(self, inner, world: World):
+        self.inner, self.world = inner, world
+        self.taps = inner.taps
+
+    @property
+    def max_len(self) -> int:
+        return self.inner.max_len
+
+    @max_len.setter
+    def max_len(self, value: int) -> None:
+        self.inner.max_len = value
+
+    @property
+    def off(self) -> bool:
+        return bool(getattr(self.inner, "off", False))
+
+    def prefill(self, prompt, out, pending: int) -> None:
+        self.inner.prefill(prompt, out, pending)
+
+    def propose(self, pending: int, max_drafts: int):
+        drafts, proposed = self.inner.propose(pending, max_drafts)
+        self.world.broadcast((drafts.tolist(), proposed))
+        return drafts, proposed
+
+    def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
+        self.inner.accept(out, rows, emitted)
+        self.world.broadcast(self.off)
+
+
+class RelayedDrafts:
+    """A non-leader rank's proposer: the leader's drafts, received; no drafter, no taps."""
+
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, world: World, device: torch.device | str = "cpu"):
+        self.world, self.device = world, device
+        self.off = False
+
+    def prefill(self, prompt, out, pending: int) -> None:
+        self.off = False
+
+    def propose(self, pending: int, max_drafts: int):
+        ids, proposed = self.world.broadcast()
+        drafts = torch.tensor(ids, dtype=torch.long, device=self.device) if ids else NO_DRAFTS
+        return drafts, proposed
+
+    def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
+        self.off = bool(self.world.broadcast())
