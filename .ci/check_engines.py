@@ -3,7 +3,8 @@ tier) under engines/ci/<tier> and check each one: the manifest loads and every c
 every component has an engine per SM, and the plugin layers are the expected ones — NVFP4
 drafter GEMMs become metrale plugin layers on SM89 (no native FP4 below SM100) and native FP4
 dequantize on SM120; FP8 is native on both; the directory holds exactly the cubins its plugin
-layers launch (per kernel, SM and activation dtype: the fp32 NVFP4 GEMM for SM89)."""
+layers launch (per kernel, SM and activation dtype: the NVFP4 GEMM for SM89 in the engines'
+dtype, bf16 by default)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def check(engine_dir: Path, tier: str) -> list[str]:
                 problems.append(f"{engine_dir}: {name} SM{sm} plugin layers {eng['plugins']}, expected {want}")
     # exactly the cubins the plugin layers launch: per kernel, SM and activation dtype
     cubins = sorted(f for f in m.files if f.startswith("plugins/") and f.endswith(".cubin"))
-    want = sorted({f"plugins/nvfp4_w4a16_gemm.sm{sm}.fp32.cubin" for sm in SMS if sm < 100}
+    act = {"bfloat16": "bf16", "float32": "fp32"}[m.build.get("trt_dtype", "float32")]
+    want = sorted({f"plugins/nvfp4_w4a16_gemm.sm{sm}.{act}.cubin" for sm in SMS if sm < 100}
                   if tier == "nvfp4" else set())
     if cubins != want:
         problems.append(f"{engine_dir}: cubins {cubins}, expected {want}")

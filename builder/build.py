@@ -137,6 +137,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
                      "mtp_quantization": opts.mtp_quantization,
                      "mtp_experts_nvfp4": opts.mtp_experts_nvfp4,
                      "trt_flavor": engines.get("trt_flavor", "none"),
+                     "trt_dtype": opts.trt_dtype,
                      "trt_version": engines.get("trt_version"),
                      "target_sm": list(opts.target_sm),
                      "engine_sm": engines.get("target_sm", []),
@@ -156,7 +157,7 @@ def build_engines(w: EngineDirWriter, opts, progress) -> dict:
     infos = w.components
     kinds = {name: ("mtp:" + info.get("naming", "qwen3_next") if info["kind"] == "mtp" else info["kind"])
              for name, info in infos.items()}
-    models = load_staged(w.path, kinds, tp_sizes={n: i.get("tp_size", 1) for n, i in infos.items()})
+    models = load_staged(w.path, kinds, dtype=getattr(torch, opts.trt_dtype), tp_sizes={n: i.get("tp_size", 1) for n, i in infos.items()})
     extra = export_and_build(w, models, opts, progress)
     for name, add in extra["components"].items():
         w.component(name, {**infos[name], **{k: v for k, v in add.items() if k != "files"},

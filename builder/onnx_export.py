@@ -439,17 +439,29 @@ def _fold_weight_identities(graph: onnx.GraphProto) -> None:
     graph.node.extend(keep)
 
 
+_FLOATS = (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16)
+
+
 def _value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type by value name, where the graph records it; `None` maps to the graph's
+    activation type (its first floating output's: what an unrecorded activation is)."""
     vis = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
-    return {v.name: v.type.tensor_type.elem_type for v in vis}
+    out = {v.name: v.type.tensor_type.elem_type for v in vis}
+    out[None] = next((out[o.name] for o in model.graph.output if out[o.name] in _FLOATS),
+                     TensorProto.FLOAT)
+    return out
 
 
 def _matmul_tail(node, w_name: str, elem: dict[str, int]) -> list[onnx.NodeProto]:
     """W f32 [N, K] -> y = x @ W.T (W cast to x's dtype first when x is not float32)."""
     x, y, base = node.input[0], node.output[0], node.name or node.output[0]
     nodes = []
-    x_type = elem.get(x, TensorProto.FLOAT)
-    if x_type not in (TensorProto.FLOAT, TensorProto.UNDEFINED):
+    x_type = elem.get(x, TensorProto.UNDEFINED)
+    if x_type == TensorProto.UNDEFINED and elem.get(None, TensorProto.FLOAT) != TensorProto.FLOAT:
+        # a graph with low-precision activations, x's type unrecorded: W takes whatever x is
+        nodes.append(helper.make_node("CastLike", [w_name, x], [f"{base}/w_cast"]))
+        w_name = f"{base}/w_cast"
+    elif x_type not in (TensorProto.FLOAT, TensorProto.UNDEFINED):
         nodes.append(helper.make_node("Cast", [w_name], [f"{base}/w_cast"], to=x_type))
         w_name = f"{base}/w_cast"
     nodes.append(helper.make_node("Transpose", [w_name], [f"{base}/w_t"], perm=[1, 0]))

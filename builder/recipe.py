@@ -36,6 +36,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny.toml
 
 DRAFT_WEIGHT_QUANTIZATIONS, MTP_QUANTIZATIONS = formats.DRAFT_TIERS, formats.MTP_QUANTIZATIONS
 TRT_FLAVORS = ("auto", "rtx", "tensorrt", "none")
+TRT_DTYPES = ("bfloat16", "float32")
 CPU_ENGINES = ("aoti", "none")
 # SM75 (Turing) is the oldest architecture either TensorRT flavour builds for.
 MIN_TARGET_SM = 75
@@ -86,6 +87,7 @@ class BuildOptions:
     trt_flavor: str = "auto"  # auto: the builder picks a flavour that is installed
     target_sm: tuple[int, ...] = (89, 120)  # SM numbers the engines and cubins are built for
     cpu_engines: str = "aoti"  # aoti: the target's steps as AOTInductor packages for this CPU
+    trt_dtype: str = "bfloat16"  # what the ONNX graphs and TensorRT engines compute in
 
     def __post_init__(self) -> None:
         _one_of("cpu_engines", self.cpu_engines, CPU_ENGINES)
@@ -93,6 +95,7 @@ class BuildOptions:
                 DRAFT_WEIGHT_QUANTIZATIONS)
         _one_of("mtp_quantization", self.mtp_quantization, MTP_QUANTIZATIONS)
         _one_of("trt_flavor", self.trt_flavor, TRT_FLAVORS)
+        _one_of("trt_dtype", self.trt_dtype, TRT_DTYPES)
         if not isinstance(self.mtp_experts_nvfp4, bool):
             raise ConfigError(f"mtp_experts_nvfp4 = {self.mtp_experts_nvfp4!r} is not allowed; "
                               "expected true or false")

@@ -10,7 +10,7 @@ cuts a tensor-parallel rank's shard from them). Unset flags keep the built tier.
 Refusals (before any weights load): a tier for a drafter or head the engine directory lacks; a
 tier the declared weights cannot take (`--mtp-experts-nvfp4` on a dense head, on FP8 experts or
 with `--mtp-quantization fp8`); an engine directory that keeps no declared weights (an older
-metrale built it). TensorRT plans hold the weights of their build: `check_plans_tier` refuses
+metrale built it). TensorRT plans hold the weights of their build: `check_plans` refuses
 another tier there, naming both.
 """
 
@@ -107,9 +107,16 @@ def _read_config(engine_dir: Path, name: str) -> dict:
     return json.loads((engine_dir / name / "config.json").read_text())
 
 
-def check_plans_tier(engine_dir: str | Path, manifest: Manifest, *, draft_tier: str | None = None,
-                     mtp_experts_nvfp4: bool | None = None) -> None:
-    """TensorRT plans are compiled with their build's weights: refuse another tier by name."""
+def check_plans(engine_dir: str | Path, manifest: Manifest, *, draft_tier: str | None = None,
+                mtp_experts_nvfp4: bool | None = None, dtype: str | None = None) -> None:
+    """TensorRT plans are compiled with their build's weights and dtype: refuse another tier or
+    another explicit --dtype by name (`dtype` as given on the command line; auto takes theirs)."""
+    built = manifest.build.get("trt_dtype", "float32")
+    wanted = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+    if wanted not in (None, "auto", built):
+        raise ConfigError(f"--dtype {dtype}: the TensorRT plans of engine directory {engine_dir} "
+                          f"compute in {built}; use --dtype auto or {built}, or rebuild with "
+                          f"--trt-dtype {wanted}")
     tier, nvfp4 = built_tiers(manifest)
     if draft_tier not in (None, tier):
         raise ConfigError(f"--draft-weight-quantization {draft_tier}: the TensorRT plans of engine "

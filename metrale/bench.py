@@ -181,19 +181,20 @@ def torch_threads() -> int:
 
 def _load_engine(engine_dir, device, dtype, backend_kind, draft_tier, mtp_nvfp4):
     """The engine every mode runs on; the weight-tier flags apply to every drafter and the head."""
-    from metrale.builder.requantize import check_plans_tier, requantized_states
+    from metrale.builder.requantize import check_plans, requantized_states
     from metrale.runtime.engine import load_engine
     from metrale.runtime.engine_dir import load_manifest
     from metrale.runtime.trt_backend import Backend, load_trt_engine
 
     manifest = load_manifest(engine_dir)
     if backend_kind is Backend.TENSORRT:
-        check_plans_tier(engine_dir, manifest, draft_tier=draft_tier, mtp_experts_nvfp4=mtp_nvfp4)
+        check_plans(engine_dir, manifest, draft_tier=draft_tier, mtp_experts_nvfp4=mtp_nvfp4,
+                    dtype=dtype)
         return load_trt_engine(engine_dir, device=device)
     drafters = tuple(n for n, i in manifest.components.items() if i.get("kind") == "dflash")
     states = requantized_states(engine_dir, manifest, draft_tier=draft_tier, drafters=drafters,
                                 mtp_experts_nvfp4=mtp_nvfp4 if "mtp" in manifest.components else None)
-    return load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device,
+    return load_engine(engine_dir, dtype=o.torch_dtype(dtype, device), device=device,
                        backend=backend_kind.value, states=states)
 
 
@@ -208,7 +209,7 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Runs per prompt and mode, in rounds over all modes; the median counts (stalls of a shared machine move it little and land on every mode alike).")] = 3,
     reference: Annotated[bool, typer.Option("--transformers/--no-transformers", help="Add a row for transformers' eager greedy generate on the same target weights (when transformers is installed).")] = True,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
-    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
+    device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
     draft_weight_quantization: o.DraftTier = None, mtp_experts_nvfp4: o.MtpNvfp4 = None,
 ):
     """Benchmark plain decoding against every speculative mode on held-out prompts."""

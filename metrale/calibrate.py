@@ -30,7 +30,7 @@ def calibrate(
     max_tokens: Annotated[int, typer.Option(min=2, help="Tokens generated per prompt.")] = 48,
     repeats: Annotated[int, typer.Option(min=1, help="Measurements per draft count; the median is stored.")] = 5,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads, as the serve will run.")] = 1,
-    dtype: o.Dtype = "float32", backend: o.Backend = "auto",
+    dtype: o.Dtype = "auto", backend: o.Backend = "auto",
 ):
     """Measure the cost of a decode step by draft count and store it for --dflash-adaptive-k auto."""
     with user_errors():
@@ -52,7 +52,7 @@ def calibrate(
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--prompts {path}: not a readable JSON list of strings ({exc})") from None
         torch.set_num_threads(threads)
-        engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype), device=device, backend=kind.value)
+        engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype, device), device=device, backend=kind.value)
         if not engine.drafters:
             raise ConfigError(f"engine directory {engine_dir} has no DFlash drafter to calibrate")
         prompts = [engine.tokenizer.encode(t) for t in texts]

@@ -84,6 +84,7 @@ def build(
     mtp_experts_nvfp4: Annotated[Optional[bool], typer.Option("--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=MTP_NVFP4_HELP)] = None,
     draft_tp_size: Annotated[Optional[str], typer.Option(metavar="N|auto", help=BUILD_HELP["--draft-tp-size"])] = None,
     trt_flavor: Annotated[Optional[str], typer.Option(metavar="auto|rtx|tensorrt|none", help="TensorRT flavour for engines; none writes weights only.")] = None,
+    trt_dtype: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32", help="What the ONNX graphs and TensorRT engines compute in (activations and unquantized weights); --dtype auto serves them so. [default: bfloat16]")] = None,
     target_sm: Annotated[Optional[str], typer.Option(metavar="89,120", help="Comma-separated SM targets for engines and cubins.")] = None,
     cpu_engines: Annotated[Optional[str], typer.Option(metavar="aoti|none", help="CPU engines: aoti compiles the decode loop's steps (the target's decode and verify steps, the MTP head's step, each one-rank drafter's propose with its context update) into AOTInductor packages for this machine's CPU (what --backend auto runs on a CPU); none skips them. [default: aoti]")] = None,
 ):
@@ -94,7 +95,7 @@ def build(
 
         overrides = _build_overrides(draft_weight_quantization, mtp_quantization,
                                      mtp_experts_nvfp4, draft_tp_size, trt_flavor, target_sm,
-                                     cpu_engines)
+                                     cpu_engines, trt_dtype)
         if engine_dir is not None:
             engine_dir = checks.output_dir("--engine-dir", engine_dir)
         r = load_recipe(recipe or DEFAULT_RECIPE)
@@ -107,7 +108,7 @@ def build(
         _print_build(report)
 
 
-def _build_overrides(dwq, mtpq, nvfp4, tp, flavor, sms, cpu=None) -> dict:
+def _build_overrides(dwq, mtpq, nvfp4, tp, flavor, sms, cpu=None, trt_dtype=None) -> dict:
     """The build flags given, checked and worded as flags (the recipe's checks speak keys)."""
     from metrale.builder import recipe as rc
 
@@ -119,8 +120,9 @@ def _build_overrides(dwq, mtpq, nvfp4, tp, flavor, sms, cpu=None) -> dict:
     one_of("--mtp-quantization", mtpq, rc.MTP_QUANTIZATIONS)
     one_of("--trt-flavor", flavor, rc.TRT_FLAVORS)
     one_of("--cpu-engines", cpu, rc.CPU_ENGINES)
+    one_of("--trt-dtype", trt_dtype, rc.TRT_DTYPES)
     return {"draft_weight_quantization": dwq, "mtp_quantization": mtpq, "mtp_experts_nvfp4": nvfp4,
-            "trt_flavor": flavor, "cpu_engines": cpu,
+            "trt_flavor": flavor, "cpu_engines": cpu, "trt_dtype": trt_dtype,
             "draft_tp_size": None if tp is None else rc.parse_draft_tp_size(tp, "--draft-tp-size"),
             "target_sm": None if sms is None else rc.parse_target_sm(sms, "--target-sm")}
 
@@ -271,15 +273,12 @@ def sampling_params(temperature: float, top_p: float, seed: Optional[int], max_t
 def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"):
     tiers = spec.draft_weight_quantization is not None or spec.mtp_experts_nvfp4 is not None
     if backend == "tensorrt":
+        from metrale.builder.requantize import check_plans
+        from metrale.runtime.engine_dir import load_manifest
         from metrale.runtime.trt_backend import load_trt_generator
 
-        if tiers:
-            from metrale.builder.requantize import check_plans_tier
-            from metrale.runtime.engine_dir import load_manifest
-
-            check_plans_tier(engine_dir, load_manifest(engine_dir),
-                             draft_tier=spec.draft_weight_quantization,
-                             mtp_experts_nvfp4=spec.mtp_experts_nvfp4)
+        check_plans(engine_dir, load_manifest(engine_dir), draft_tier=spec.draft_weight_quantization,
+                    mtp_experts_nvfp4=spec.mtp_experts_nvfp4, dtype=dtype)
         return load_trt_generator(engine_dir, spec, device=device)
     from metrale.runtime.service import load_generator
 
@@ -289,7 +288,7 @@ def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"
         from metrale.runtime.engine_dir import load_manifest
 
         states = states_for(engine_dir, load_manifest(engine_dir), spec)
-    return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype), device=device,
+    return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype, device), device=device,
                           backend=backend, states=states)
 
 
@@ -322,7 +321,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the tokenizer's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line: text, token ids, per-step accepted counts, tau, tokens/s.")] = False,
-    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
+    device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
     """Generate text for one prompt."""
@@ -379,7 +378,7 @@ def serve(
         "model; beyond it a request gets 503 with Retry-After.")] = 64,
     max_connections: Annotated[int, typer.Option(
         metavar="N", help="Open connections served at once; beyond it 503.")] = 256,
-    device: o.Device = None, dtype: o.Dtype = "float32", backend: o.Backend = "auto",
+    device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""

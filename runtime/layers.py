@@ -9,6 +9,8 @@ weights, so model code never branches on precision.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,7 +91,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # written out, so a bfloat16 graph stays bfloat16 (softmax in float32, as SDPA does)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(int(q.shape[-1])))
+        if mask is not None:
+            scores = torch.where(mask, scores, torch.full((), float("-inf"), dtype=scores.dtype))
+        return torch.matmul(scores.float().softmax(-1).to(q.dtype), v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 

@@ -33,8 +33,9 @@ count C ≤ γ, are captured per cache buffer and replayed. Cache buffers come f
 per-size pool and return to it when their cache is collected (or moves to the larger size), so
 consecutive requests reuse buffers and their graphs; two caches alive at once never share one.
 
-Precision: the engines compute in the dtype they were built with (the ONNX graphs' dtype,
-float32 for `metrale build`); `--dtype` applies to the torch backend only.
+Precision: the engines compute in the dtype they were built with (the ONNX graphs' dtype:
+`metrale build --trt-dtype`, bfloat16 by default); `--dtype auto` takes it, and another
+explicit `--dtype` is refused naming both (`builder.requantize.check_plans`).
 """
 
 from __future__ import annotations
@@ -97,9 +98,6 @@ def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
     device = device or "cuda"
     if torch.device(device).type != "cuda":
         raise ConfigError(f"--backend tensorrt needs --device cuda or cuda:N, got --device {device}")
-    if dtype not in ("float32", "fp32"):
-        raise ConfigError(f"--dtype {dtype}: the tensorrt backend computes in the dtype its engines "
-                          "were built in; --dtype applies to --backend torch")
     if nproc is not None and nproc > 1:
         raise ConfigError(f"--nproc {nproc}: the tensorrt backend runs one process (its engines "
                           "are built for one rank); use --backend torch for tensor parallelism")

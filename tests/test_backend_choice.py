@@ -58,7 +58,6 @@ def test_backend_and_device_defaults(args, expected):
     (dict(backend="tpu", device=None), "--backend 'tpu': allowed values are auto, torch, aoti, tensorrt"),
     (dict(backend="aoti", device="cuda"), "--backend aoti runs the engine's CPU packages; --device cuda"),
     (dict(backend="tensorrt", device="cpu"), "needs --device cuda or cuda:N, got --device cpu"),
-    (dict(backend="tensorrt", device=None, dtype="bfloat16"), "--dtype bfloat16"),
     (dict(backend="tensorrt", device=None, nproc=2), "--nproc 2"),
 ])
 def test_backend_refusals_name_the_flag(kwargs, needle):
@@ -97,3 +96,15 @@ def test_sm_choice_refuses_a_component_missing_the_sm_and_a_dir_without_engines(
 # -- the stand-ins, on CPU, over the graphs the engines are built from ----------------------
 
 # small on purpose: prompts span several target calls, the drafter's queue outgrows `context`
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_a_cpu():
+    from metrale import options as o
+    from metrale.runtime.errors import ConfigError
+
+    assert o.torch_dtype("auto", "cuda") is torch.bfloat16
+    assert o.torch_dtype("auto", "cuda:1") is torch.bfloat16
+    assert o.torch_dtype("auto", "cpu") is torch.float32
+    assert o.torch_dtype("bf16", "cpu") is torch.bfloat16 and o.torch_dtype("float32", "cuda") is torch.float32
+    with pytest.raises(ConfigError, match="--dtype 'half': expected one of auto, float32, bfloat16"):
+        o.torch_dtype("half")

@@ -35,16 +35,18 @@ def test_engines_onnx_and_cubins_are_recorded(built):
     # kernels are compiled to cubins for the SM and shipped in plugins/
     q = m.components["dflash"]["quantization"]["quantization"]
     assert m.components["dflash"]["engines"]["89"]["plugins"] == {"NvFp4W4A16Gemm": len(q["quantized_modules"])}
-    # the engines are exported in float32: the plugin layers run fp32 activations, and exactly
-    # that cubin (kernel, SM, dtype) is compiled — no other kernel, dtype or SM
-    assert m.components["dflash"]["engines"]["89"]["plugin_acts"] == {"NvFp4W4A16Gemm": ["fp32"]}
+    # the engines are exported in bfloat16 (--trt-dtype's default): the plugin layers run bf16
+    # activations, and exactly that cubin (kernel, SM, dtype) is compiled — no other kernel,
+    # dtype or SM
+    assert m.build["trt_dtype"] == "bfloat16"
+    assert m.components["dflash"]["engines"]["89"]["plugin_acts"] == {"NvFp4W4A16Gemm": ["bf16"]}
     assert sorted(f for f in m.files if f.startswith("plugins/")) == [
-        "plugins/nvfp4_w4a16_gemm.sm89.fp32.cubin", "plugins/nvfp4_w4a16_gemm.sm89.fp32.json"]
-    assert [(p["kernel"], p["sm"], p["act"]) for p in m.plugins] == [("nvfp4_w4a16_gemm", 89, "fp32")]
+        "plugins/nvfp4_w4a16_gemm.sm89.bf16.cubin", "plugins/nvfp4_w4a16_gemm.sm89.bf16.json"]
+    assert [(p["kernel"], p["sm"], p["act"]) for p in m.plugins] == [("nvfp4_w4a16_gemm", 89, "bf16")]
 
 
 @pytest.mark.parametrize("victim", ["dflash/rank0.sm89.engine",
-                                    "plugins/nvfp4_w4a16_gemm.sm89.fp32.cubin"])
+                                    "plugins/nvfp4_w4a16_gemm.sm89.bf16.cubin"])
 def test_altered_engine_or_cubin_is_refused(built, tmp_path, victim):
     copy = tmp_path / "copy"
     shutil.copytree(built, copy)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from metrale.builder.requantize import check_plans_tier, requantized_states, states_for
+from metrale.builder.requantize import check_plans, requantized_states, states_for
 from metrale.runtime.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, EngineDirError, QuantizationError
 from metrale.runtime.specconfig import SpeculativeConfig
@@ -84,10 +84,17 @@ def test_refusals_at_load(tiny_engine_dir, engine_factory):
     with pytest.raises(ConfigError, match=r"--draft-weight-quantization nvfp4: the TensorRT plans "
                                           r"of engine directory .* were built with drafter weights "
                                           r"at fp8"):
-        check_plans_tier(tiny_engine_dir, m, draft_tier="nvfp4")
+        check_plans(tiny_engine_dir, m, draft_tier="nvfp4")
     with pytest.raises(ConfigError, match=r"--mtp-experts-nvfp4: the TensorRT plans .* experts in BF16"):
-        check_plans_tier(tiny_engine_dir, m, mtp_experts_nvfp4=True)
-    check_plans_tier(tiny_engine_dir, m, draft_tier="fp8", mtp_experts_nvfp4=False)  # as built
+        check_plans(tiny_engine_dir, m, mtp_experts_nvfp4=True)
+    check_plans(tiny_engine_dir, m, draft_tier="fp8", mtp_experts_nvfp4=False)  # as built
+    bf16 = replace(m, build={**m.build, "trt_dtype": "bfloat16"})
+    check_plans(tiny_engine_dir, bf16, dtype="auto")
+    check_plans(tiny_engine_dir, bf16, dtype="bf16")
+    with pytest.raises(ConfigError, match=r"--dtype float32: the TensorRT plans of engine directory "
+                                          r".* compute in bfloat16; use --dtype auto or bfloat16, or "
+                                          r"rebuild with --trt-dtype float32"):
+        check_plans(tiny_engine_dir, bf16, dtype="float32")
 
 
 def test_flags_need_their_mode():
