@@ -68,7 +68,7 @@ def requantized_states(engine_dir: str | Path, manifest: Manifest, *, draft_tier
             declared, rel = _declared(engine_dir, name, info, f"--draft-weight-quantization {draft_tier}")
             state, _ = q.quantize_drafter(declared, draft_tier)
             out[name] = (state, f"engine directory {engine_dir}: {rel} quantized at load to "
-                                f"{draft_tier} (built: {tier})")
+                                f"{draft_tier} (built: {tier}), {q.weight_bytes(state):,} weight bytes")
     if mtp_experts_nvfp4 is None:
         return out
     want = mtp_experts_nvfp4
@@ -89,7 +89,7 @@ def requantized_states(engine_dir: str | Path, manifest: Manifest, *, draft_tier
         state, _ = q.quantize_mtp(declared, experts_nvfp4=want, mtp_quantization=mtpq, ffn_kind=kind)
         done = "experts quantized at load to NVFP4" if want else "BF16 experts"
         out[name] = (state, f"engine directory {engine_dir}: {rel}, {done} (built: "
-                            f"{'NVFP4' if nvfp4 else 'BF16'} experts)")
+                            f"{'NVFP4' if nvfp4 else 'BF16'} experts), {q.weight_bytes(state):,} weight bytes")
     return out
 
 

@@ -402,6 +402,8 @@ def serve(
                        + (f", {gen.world.size} ranks" if gen.world.size > 1 else "")))
         if getattr(engine, "backend_note", ""):
             err.print(Text(engine.backend_note))
+        for name, source in getattr(engine, "requantized", {}).items():
+            err.print(Text(f"{name}: {source}"))
         try:
             run_server(gen, host=host, port=port, limits=limits)
         finally:

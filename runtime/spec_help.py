@@ -21,7 +21,8 @@ DRAFT_TIER_TEXT = (
 )
 MTP_NVFP4_TEXT = (
     "Draft on NVFP4 copies of a BF16 MoE MTP head's experts. The head's routed and shared "
-    "experts are requantized from BF16 to NVFP4 and run as W4A16 GEMMs; the router, attention, "
+    "experts are requantized from BF16 to NVFP4 and run as W4A16 GEMMs, one per expert (a "
+    "grouped NVFP4 tensor-core decode is not wired in yet); the router, attention, "
     "fc and draft LM head keep the head's precision. Draft-only: the target model verifies "
     "every drafted token, so only how many drafts are accepted moves. Under --exact-verify "
     "greedy output is byte-identical with it on or off; under the default chunkwise verify, like "

@@ -32,7 +32,8 @@ ANCHOR = 7
 
 
 def tp_build(engine_factory, tier: str) -> Path:
-    return engine_factory(tier, draft_tp_size=2, trt_flavor="rtx")
+    """Graphs in float32, so the reference evaluator runs them against the one-rank drafter."""
+    return engine_factory(tier, draft_tp_size=2, trt_flavor="rtx", trt_dtype="float32")
 
 
 # -- two ranks run their ONNX graphs over gloo -------------------------------------------------
