@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+TORCH  := $(VENV)/.torch
 STAMP  := $(VENV)/.installed
+EXTRAS := $(VENV)/.installed-extras
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
@@ -12,12 +14,21 @@ PORT   ?= 8000
 
 # torch==2.13.0 first: it is a CPU build on these machines; a bare `torch` requirement would
 # pull a multi-GB CUDA build. The project's own range (torch>=2.8) is then already satisfied.
-$(STAMP): pyproject.toml
+$(TORCH):
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,kernels,trt]'
+	touch $(TORCH)
+
+# `make run` needs the project alone; tests and CI engines add the test, kernel and
+# TensorRT-RTX extras.
+$(STAMP): pyproject.toml $(TORCH)
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
+
+$(EXTRAS): pyproject.toml $(TORCH)
+	$(BIN)/pip install -q -e '.[test,kernels,trt]'
+	touch $(STAMP) $(EXTRAS)
 
 install: $(STAMP)
 
@@ -36,12 +47,12 @@ serve: build
 
 run: serve
 
-test: $(STAMP)
+test: $(EXTRAS)
 	$(BIN)/python -m pytest -q
 
 # CI engine artifacts: TensorRT-RTX engines for SM89 and SM120 in every drafter tier, built
 # with no GPU under engines/ci/<tier>, then checked (manifest, checksums, plugin layers).
-ci-engines: $(STAMP)
+ci-engines: $(EXTRAS)
 	$(BIN)/python .ci/check_engines.py
 
 clean:

@@ -1,16 +1,18 @@
 """CPU engines: the decode loop's steps compiled ahead of time into AOTInductor packages.
 
-Per component (see `cpu_steps`): the target's step for every row count of `TARGET_ROWS`, the
-MTP head's for `MTP_ROWS`, and one feed-and-propose step per DFlash/DFlash2 drafter (tensor-
-parallel drafters keep running eagerly). Each is built over the staged model (loaded back
-exactly as serve loads it, then packed), exported with `torch.export` with the caches' slot
-count as the one dynamic dimension, and compiled with `torch._inductor.aoti_compile_and_package`:
+Per component (see `cpu_steps`): the target's step and the MTP head's step, each over 1 to
+`TARGET_ROWS` / `MTP_ROWS` rows, and one feed-and-propose step per DFlash/DFlash2 drafter (tensor-
+parallel drafters keep running eagerly): four packages for the tiny default. Each is built over
+the staged model (loaded back exactly as serve loads it, then packed), exported with
+`torch.export` with the caches' slot count as a dynamic dimension (and, for the target and the
+head, the row count: one package where fixed row counts took four, as fast per call, measured,
+with no padding rows), and compiled with `torch._inductor.aoti_compile_and_package`:
 inductor `freezing` (weights are constants, so its CPU code is specialised to them) and
 max-autotune with its C++ micro-GEMM templates for the projections. Packages compile in
 parallel worker processes, one thread each.
 
 After compiling, the build checks what the runtime relies on, on random prompts: each row of
-every multi-row target package is bit-identical to the one-row package at the same position;
+a target step of 2 to `TARGET_ROWS` rows is bit-identical to the one-row step at its position;
 the target's and the MTP head's outputs match the eager models within 1e-4; the drafters'
 proposals from the packages equal the eager drafters' (the share that does is recorded; below
 0.9 the build is refused). Where the target's GEMM templates give rows that differ between row
@@ -38,8 +40,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-TARGET_ROWS = (1, 2, 4, 8)  # decode steps; verifies of 1, 3 and up to 7 drafts; prompt chunks
-MTP_ROWS = (1, 4)  # chain steps; the accepted rows of a step and prompt chunks
+TARGET_ROWS = 8  # most rows of a target step: decode, verifies of up to 7 drafts, prompt chunks
+MTP_ROWS = 8  # most rows of a head step: chain steps, the accepted rows of a step, prompt chunks
 FEED_ROWS = 8  # context rows a propose feeds at once
 THREADS = 1
 INDUCTOR = {"gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
@@ -115,17 +117,18 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     kv = lambda layers, d: [torch.zeros(example_slots, d.num_key_value_heads, d.head_dim, dtype=dtype)  # noqa: E731
                             for _ in range(2 * layers)]
     pos = torch.tensor([0])
+    R = torch.export.Dim("rows", min=1, max=job.rows)  # target and head: any row count up to rows
     if job.kind == "target":
         c = target.config
         step = TargetStep(target, taps, job.linear, positions)
         args = (torch.zeros(1, job.rows, dtype=torch.long), pos, *kv(c.num_hidden_layers, c))
-        dyn = (None, None, tuple({0: S} for _ in range(2 * c.num_hidden_layers)))
+        dyn = ({1: R}, None, tuple({0: S} for _ in range(2 * c.num_hidden_layers)))
     elif job.kind.startswith("mtp"):
         d = staged.mtp.config.decoder
         step = MTPStep(staged.mtp, positions)
         hid = torch.zeros(1, job.rows, d.hidden_size, dtype=dtype)
         args = (hid, hid.clone(), pos, *kv(1, d))
-        dyn = (None, None, None, {0: S}, {0: S})
+        dyn = ({1: R}, {1: R}, None, {0: S}, {0: S})
     else:
         drafter = staged.drafters[job.name]
         cfg, d = drafter.config, drafter.config.decoder
@@ -176,10 +179,10 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
     staged = _load(root, {"target": "target"}, dtype)
     slots = max_slots(staged.target.config)
     t0 = time.time()
-    jobs = [Job("target", "target", r, f"target/cpu/t{r}.pt2") for r in TARGET_ROWS]
+    jobs = [Job("target", "target", TARGET_ROWS, "target/cpu/steps.pt2")]
     for name, kind in kinds.items():
         if kind.startswith("mtp"):
-            jobs += [Job(name, kind, r, f"{name}/cpu/t{r}.pt2") for r in MTP_ROWS]
+            jobs.append(Job(name, kind, MTP_ROWS, f"{name}/cpu/steps.pt2"))
         elif kind == "dflash":
             jobs.append(Job(name, kind, FEED_ROWS, f"{name}/cpu/propose.pt2"))
     compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
@@ -208,7 +211,7 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel],
                     **({"feed": j.rows, "block": staged_block(root, name)} if j.kind == "dflash"
-                       else {"rows": j.rows})} for j in mine]
+                       else {"rows": j.rows, "dynamic_rows": True})} for j in mine]
         out[name] = {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
                      "check": check[name], **({"taps": list(taps)} if name == "target" else {})}
     out["target"]["build_s"] = round(time.time() - t0, 1)

@@ -1,8 +1,8 @@
 """The build's check of its CPU packages against what the runtime relies on (see `cpu_build`).
 
 On random prompts of the target's vocabulary, one cache size:
-- target: for every multi-row package, each of its rows is bit-identical (logits, last hidden,
-  taps) to the one-row package's step at the same position (`rows_bit_identical`), and the
+- target: for every row count from 2 up, each row is bit-identical (logits, last hidden, taps)
+  to the one-row step at the same position (`rows_bit_identical`), and the
   logits are within `max_abs_diff_vs_eager` of the eager model's;
 - MTP head: its packages' logits and outputs against the eager head's;
 - drafters: the drafts a package proposes (context fed from the target's real taps, blocks of
@@ -20,7 +20,8 @@ def _packages(root, jobs, name):
 
     from metrale.runtime.cpu_engine import Package
 
-    return [Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel))) for j in jobs if j.name == name]
+    return [Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel)), j.kind != "dflash")
+            for j in jobs if j.name == name]
 
 
 def _check_target(root, jobs, staged, taps, slots, gen) -> dict:
@@ -29,10 +30,11 @@ def _check_target(root, jobs, staged, taps, slots, gen) -> dict:
     target = staged.target
     packages = _packages(root, jobs, "target")
     whole = CompiledTarget(target, packages, taps, slots)
-    one = CompiledTarget(target, [p for p in packages if p.rows == 1], taps, slots)
+    one = CompiledTarget(target, [p for p in packages if p.rows == 1 or p.dynamic], taps, slots)
     ids = torch.randint(0, target.config.vocab_size, (1, 11 + whole.max_rows), generator=gen)
     same = True
-    for rows in sorted({p.rows for p in packages} - {1}):
+    counts = range(2, whole.max_rows + 1) if any(p.dynamic for p in packages) else {p.rows for p in packages} - {1}
+    for rows in sorted(counts):
         a, b = whole.new_cache(1, 48), one.new_cache(1, 48)
         whole(ids[:, :11], a)
         one(ids[:, :11], b)

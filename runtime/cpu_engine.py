@@ -3,23 +3,27 @@
 An engine directory built with CPU engines holds, under `<component>/cpu/`, the packages of
 `cpu_steps`' modules, and each component's manifest entry a `cpu` entry::
 
-    target: {"packages": [{"file": "target/cpu/t1.pt2", "rows": 1}, ... rows 2, 4, 8],
-             "taps": [0, 1, 3], "max_slots": 1152, "torch": "2.13.0", "isa": "AVX2",
+    target: {"packages": [{"file": "target/cpu/steps.pt2", "rows": 8, "dynamic_rows": true}],
+             "taps": [0, 1, 3], "max_slots": 1216, "torch": "2.13.0", "isa": "AVX2",
              "machine": "x86_64", "dtype": "float32", "threads": 1, "check": {...}}
-    mtp:    {"packages": [{"file": "mtp/cpu/t1.pt2", "rows": 1}, {... "rows": 4}], ...}
+    mtp:    {"packages": [{"file": "mtp/cpu/steps.pt2", "rows": 8, "dynamic_rows": true}], ...}
     dflash: {"packages": [{"file": "dflash/cpu/propose.pt2", "feed": 8, "block": 8}], ...}
 
 Every package takes its K/V caches with a dynamic slot count S (at most `max_slots`): a request
 sizes its caches once, to its own length rounded up to 64 slots, and every step runs over them.
+The target's and the MTP head's packages also take their row count as a dynamic dimension
+(1..rows): one package serves decode steps, verifies of any draft count and prompt chunks,
+with no padding rows. (Packages of fixed row counts, which earlier builds wrote, still load: a
+step runs the smallest with at least its rows, padded.)
 
 `CompiledTarget` has the target model's decode face (`__call__(ids, cache, start, taps)` ->
 `TargetOutput`, `new_cache`, `config`, `model.embed_tokens`), `CompiledMTP` the MTP head's and
 `CompiledDFlash` the drafter's (`new_cache`, `add_context`, `propose`), so the decode loop and
-the proposers run on them unchanged. A target step runs the smallest package with at least
-its rows (rows past the step's are padding: their K/V land in slots the next step overwrites
-before any query sees them); a row's bits then depend on its position and context only, never
-on how many rows its step had (see `cpu_steps`), so chunkwise verify emits plain greedy
-decoding's tokens exactly. Prompts longer than the widest package are fed in chunks of its rows.
+the proposers run on them unchanged. A row's bits depend on its position and context only,
+never on how many rows its step had (see `cpu_steps`; the build checks it), so chunkwise verify
+emits plain greedy decoding's tokens exactly. Prompts longer than the package's rows are fed in
+chunks of them. (Padding rows of a fixed-row package write K/V into slots the next step
+overwrites before any query sees them.)
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ class StaticKVCache:
 
 @dataclass(frozen=True)
 class Package:
-    rows: int
+    rows: int  # its row count, or with `dynamic` the most rows it takes
     run: object  # the loaded AOTInductor model
+    dynamic: bool = False  # compiled with the row count as a dynamic dimension (1..rows)
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         # the loader's flat entry point: no pytree specs parsed per call
@@ -87,6 +92,11 @@ def slots_for(length: int, max_slots: int, what: str) -> int:
     return slots
 
 
+def _width(pkg, n: int) -> int:
+    """The rows a call of `pkg` for n real rows runs: n, or its static row count (padding)."""
+    return n if getattr(pkg, "dynamic", False) else pkg.rows
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x [1, n, ...] -> [1, rows, ...] with zero rows after the n real ones."""
     n = x.shape[1]
@@ -97,7 +107,7 @@ class _Rows:
     """Packages of one step by row count: `pick(n)` is the smallest with at least n rows."""
 
     def __init__(self, packages: list[Package], where: str):
-        if not packages or 1 not in {p.rows for p in packages}:
+        if not packages or not any(p.rows == 1 or getattr(p, "dynamic", False) for p in packages):
             raise EngineDirError(f"{where}: no one-row CPU package")
         self.packages = sorted(packages, key=lambda p: p.rows)
         self.max_rows = self.packages[-1].rows
@@ -147,11 +157,12 @@ class CompiledTarget:
             chunk = ids[:, c0:c0 + self.max_rows]  # [1, n]
             n = chunk.shape[1]
             pkg = self._package(n, cache)
-            if start + c0 + pkg.rows > cache.max_len:
-                raise ValueError(f"positions up to {start + c0 + pkg.rows} exceed the cache's "
+            width = _width(pkg, n)
+            if start + c0 + width > cache.max_len:
+                raise ValueError(f"positions up to {start + c0 + width} exceed the cache's "
                                  f"{cache.max_len} slots")
-            outs = pkg(_pad_rows(chunk, pkg.rows), torch.tensor([start + c0]), *cache.kv)
-            if n < pkg.rows:  # padding rows: not the caller's
+            outs = pkg(_pad_rows(chunk, width), torch.tensor([start + c0]), *cache.kv)
+            if n < width:  # padding rows: not the caller's
                 outs = [o[:, :n] for o in outs]
             logits.append(outs[0])
             hidden.append(outs[1])
@@ -193,7 +204,8 @@ class CompiledMTP:
         for c0 in range(0, t, step):
             n = min(step, t - c0)
             pkg = self.rows.pick(n)
-            outs = pkg(_pad_rows(embeds[:, c0:c0 + n], pkg.rows), _pad_rows(hidden[:, c0:c0 + n], pkg.rows),
+            width = _width(pkg, n)
+            outs = pkg(_pad_rows(embeds[:, c0:c0 + n], width), _pad_rows(hidden[:, c0:c0 + n], width),
                        torch.tensor([start + c0]), *cache.kv)
             logits.append(outs[0][:, :n])
             hs.append(outs[1][:, :n])
@@ -285,7 +297,7 @@ def _load_packages(engine_dir: Path, cpu: dict) -> list[tuple[dict, Package]]:
     out = []
     for entry in cpu["packages"]:
         run = torch._inductor.aoti_load_package(str(Path(engine_dir) / entry["file"]))
-        out.append((entry, Package(int(entry.get("rows", 1)), run)))
+        out.append((entry, Package(int(entry.get("rows", 1)), run, bool(entry.get("dynamic_rows", False)))))
     return out
 
 

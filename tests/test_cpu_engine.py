@@ -53,8 +53,11 @@ def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir)
     m = json.loads((aoti_engine_dir / "config.json").read_text())
     comps = m["components"]
     cpu = comps["target"]["cpu"]
-    assert [p["rows"] for p in cpu["packages"]] == [1, 2, 4, 8]
-    assert [p["rows"] for p in comps["mtp"]["cpu"]["packages"]] == [1, 4]
+    # one package per step, its row count dynamic (1..8): decode, verify and prompt chunks
+    assert [(p["file"], p["rows"], p["dynamic_rows"]) for p in cpu["packages"]] == [
+        ("target/cpu/steps.pt2", 8, True)]
+    assert [(p["file"], p["rows"], p["dynamic_rows"]) for p in comps["mtp"]["cpu"]["packages"]] == [
+        ("mtp/cpu/steps.pt2", 8, True)]
     for name in ("dflash", "dflash2"):
         (pkg,) = comps[name]["cpu"]["packages"]
         assert pkg["feed"] == 8 and pkg["block"] == 8
@@ -161,9 +164,9 @@ def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
     # a package altered on disk is refused by the manifest's checksum, naming it
     copy = tmp_path / "copy"
     shutil.copytree(aoti_engine_dir, copy)
-    pkg = copy / "target" / "cpu" / "t1.pt2"
+    pkg = copy / "target" / "cpu" / "steps.pt2"
     pkg.write_bytes(pkg.read_bytes()[:-10])
-    with pytest.raises(EngineDirError, match="t1.pt2"):
+    with pytest.raises(EngineDirError, match="steps.pt2"):
         load_engine(copy, backend="aoti")
 
 
