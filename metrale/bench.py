@@ -279,7 +279,7 @@ def bench(
                          "identical_to_plain": same})
         result = {"engine_dir": str(engine_dir), "prompts": len(prompts), "max_tokens": max_tokens,
                   "backend": getattr(engine, "backend", backend_kind.value),
-                  "backend_note": getattr(engine, "backend_note", ""), "device": device, "dtype": dtype,
+                  "backend_note": getattr(engine, "backend_note", ""), "device": device, "dtype": str(getattr(engine, "dtype", dtype)).removeprefix("torch."),
                   "cost_model_ms": {n: str(c) for n, c in (costs or {}).items()} or None,
                   "acceptance": {n: c.acceptance for n, c in (costs or {}).items()} or None,
                   "target_rows_ms": row_costs, "repeats": repeats,
