@@ -32,9 +32,8 @@ per-row DequantizeLinear + MatMul, or the FP4 E2M1 block-16 double DequantizeLin
 and otherwise stays a node for the TensorRT plugin (`plugins.trt_plugin`), its uint8 and FP8
 weight tensors retyped int8 holding the same bytes (see `_bytes_as_int8` for why).
 
-MoE layers export densely: every expert runs on every token and is weighted by the router's
-top-k weights scattered into [N, E] (zero elsewhere): the runtime's per-token sum in the same
-expert order plus exact zeros, at E/k times the FFN work (a grouped MoE plugin would remove that).
+MoE layers export densely: every expert on every token, weighted by the router's top-k weights
+scattered into [N, E] (the runtime's per-token sum plus exact zeros, at E/k times the work).
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ DOMAIN = "metrale"
 DOMAIN_VERSION = 1
 EXPORT_OPSET = 20  # the legacy exporter's ceiling; FP8 DequantizeLinear needs 19
 FP4_OPSET = 23  # FLOAT4E2M1 DequantizeLinear
+_FLOATS = (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16)
 FP8_OP, NVFP4_OP = "Fp8W8A16Gemm", "NvFp4W4A16Gemm"
 
 
@@ -439,34 +439,24 @@ def _fold_weight_identities(graph: onnx.GraphProto) -> None:
     graph.node.extend(keep)
 
 
-_FLOATS = (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16)
-
-
 def _value_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type by value name, where the graph records it; `None` maps to the graph's
-    activation type (its first floating output's: what an unrecorded activation is)."""
+    """Element type by recorded value name; None: the activation type (first float output's)."""
     vis = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
     out = {v.name: v.type.tensor_type.elem_type for v in vis}
-    out[None] = next((out[o.name] for o in model.graph.output if out[o.name] in _FLOATS),
-                     TensorProto.FLOAT)
-    return out
+    acts = [out[o.name] for o in model.graph.output if out[o.name] in _FLOATS] + [TensorProto.FLOAT]
+    return {**out, None: acts[0]}
 
 
 def _matmul_tail(node, w_name: str, elem: dict[str, int]) -> list[onnx.NodeProto]:
-    """W f32 [N, K] -> y = x @ W.T (W cast to x's dtype first when x is not float32)."""
+    """W f32 [N, K] -> y = x @ W.T, W cast like x first when x is not (or may not be) float32."""
     x, y, base = node.input[0], node.output[0], node.name or node.output[0]
-    nodes = []
-    x_type = elem.get(x, TensorProto.UNDEFINED)
+    x_type, cast, nodes = elem.get(x, TensorProto.UNDEFINED), f"{base}/w_cast", []
     if x_type == TensorProto.UNDEFINED and elem.get(None, TensorProto.FLOAT) != TensorProto.FLOAT:
-        # a graph with low-precision activations, x's type unrecorded: W takes whatever x is
-        nodes.append(helper.make_node("CastLike", [w_name, x], [f"{base}/w_cast"]))
-        w_name = f"{base}/w_cast"
+        nodes, w_name = [helper.make_node("CastLike", [w_name, x], [cast])], cast
     elif x_type not in (TensorProto.FLOAT, TensorProto.UNDEFINED):
-        nodes.append(helper.make_node("Cast", [w_name], [f"{base}/w_cast"], to=x_type))
-        w_name = f"{base}/w_cast"
-    nodes.append(helper.make_node("Transpose", [w_name], [f"{base}/w_t"], perm=[1, 0]))
-    nodes.append(helper.make_node("MatMul", [x, f"{base}/w_t"], [y]))
-    return nodes
+        nodes, w_name = [helper.make_node("Cast", [w_name], [cast], to=x_type)], cast
+    return nodes + [helper.make_node("Transpose", [w_name], [f"{base}/w_t"], perm=[1, 0]),
+                    helper.make_node("MatMul", [x, f"{base}/w_t"], [y])]
 
 
 def _fp8_native(node, elem) -> list[onnx.NodeProto]:
