@@ -16,14 +16,13 @@ another tier there, naming both.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from metrale.builder import quantize as q
-from metrale.runtime.configs import DecoderConfig
+from metrale.runtime.configs import DecoderConfig, read_config
 from metrale.runtime.engine_dir import Manifest
 from metrale.runtime.errors import ConfigError, EngineDirError
 from metrale.runtime.specconfig import SpecMode, SpeculativeConfig
@@ -78,7 +77,7 @@ def requantized_states(engine_dir: str | Path, manifest: Manifest, *, draft_tier
         raise ConfigError(f"{flag}: engine directory {engine_dir} has no MTP head")
     info = manifest.components[name]
     declared, rel = _declared(engine_dir, name, info, flag)
-    cfg = DecoderConfig.from_hf(_read_config(engine_dir, name), f"{name}/config.json")
+    cfg = DecoderConfig.from_hf(read_config(engine_dir / name), f"{name}/config.json")
     kind = "moe" if cfg.is_moe else "dense"
     mtpq = manifest.build.get("mtp_quantization", "bf16")
     try:
@@ -101,10 +100,6 @@ def states_for(engine_dir: str | Path, manifest: Manifest,
         engine_dir, manifest, draft_tier=spec.draft_weight_quantization if dflash else None,
         drafters=(spec.dflash_drafter,) if dflash else (),
         mtp_experts_nvfp4=spec.mtp_experts_nvfp4 if spec.mode is SpecMode.MTP else None)
-
-
-def _read_config(engine_dir: Path, name: str) -> dict:
-    return json.loads((engine_dir / name / "config.json").read_text())
 
 
 def check_plans(engine_dir: str | Path, manifest: Manifest, *, draft_tier: str | None = None,

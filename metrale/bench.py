@@ -23,7 +23,7 @@ from rich.text import Text
 from metrale import checks
 from metrale import options as o
 from metrale.cli import app, out, user_errors
-from metrale.plugins.formats import DRAFT_TIERS
+from metrale.runtime.specconfig import check_draft_tier
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "prompts.json"
 
@@ -228,9 +228,7 @@ def bench(
         if json_file is not None:
             checks.output_file("--json", json_file)
         wanted = _wanted_modes(modes)
-        if draft_weight_quantization not in (None, *DRAFT_TIERS):
-            raise ConfigError(f"--draft-weight-quantization {draft_weight_quantization!r}: "
-                              f"expected one of {', '.join(DRAFT_TIERS)}")
+        check_draft_tier(draft_weight_quantization)
         checks.device(device)
         o.torch_dtype(dtype)
         backend_kind, device = resolve_backend(backend, device, dtype)

@@ -218,6 +218,13 @@ class DraftTpSize:
         return "auto" if self.ranks is None else str(self.ranks)
 
 
+def check_draft_tier(tier: str | None) -> None:
+    """Refuse a `--draft-weight-quantization` value that is not a tier (None: not given)."""
+    if tier not in (None, *DRAFT_TIERS):
+        raise ConfigError(f"--draft-weight-quantization {_q(tier)}: expected one of "
+                          f"{', '.join(DRAFT_TIERS)}")
+
+
 def _int_flag(flag: str, value: object, minimum: int, most: int | None = None) -> int:
     if type(value) is not int or value < minimum or (most is not None and value > most):
         raise ConfigError(f"{flag}: got {_q(value)}; expected an integer of at least {minimum}" + (f" and at most {most}" if most else ""))  # noqa: E501
@@ -271,9 +278,7 @@ class SpeculativeConfig:
             "--dflash-drafter": self.dflash_drafter,
             "--draft-weight-quantization": self.draft_weight_quantization,
         }
-        if self.draft_weight_quantization not in (None, *DRAFT_TIERS):
-            raise ConfigError(f"--draft-weight-quantization {_q(self.draft_weight_quantization)}: "
-                              f"expected one of {', '.join(DRAFT_TIERS)}")
+        check_draft_tier(self.draft_weight_quantization)
         if self.mtp_experts_nvfp4 not in (None, True, False):
             raise ConfigError(f"--mtp-experts-nvfp4: expected on or off, got {_q(self.mtp_experts_nvfp4)}")
         if not dflash:
