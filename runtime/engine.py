@@ -32,7 +32,7 @@ from metrale.runtime.dflash import DFlashDrafter
 from metrale.runtime.engine_check import check_engine_dir, component_config, read_json
 from metrale.runtime.engine_dir import Manifest
 from metrale.runtime.errors import CheckpointError, EngineDirError
-from metrale.runtime.layers import Attention, pack_for_inference
+from metrale.runtime.layers import Attention, MoE, pack_for_inference
 from metrale.runtime.loader import strict_fill
 from metrale.runtime.mtp import MTPHead
 from metrale.runtime.qwen3 import Qwen3ForCausalLM
@@ -133,7 +133,7 @@ class LoadedEngine:
                     pack_for_inference(model)
             if self.backend == "torch" and self.eager_rows_invariant:
                 for module in self.target.modules():
-                    if isinstance(module, Attention):
+                    if isinstance(module, (Attention, MoE)):
                         module.row_invariant = True
             self.packed = True
         return self

@@ -9,6 +9,7 @@ weights, so model code never branches on precision.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,6 +45,23 @@ def pack_for_inference(module: nn.Module) -> nn.Module:
     return module
 
 
+def tracing() -> bool:
+    """Inside a graph capture: torch.export / torch.compile, or the TorchScript tracer that the
+    ONNX export runs. Captured graphs take the textbook formulas (inductor fuses them; the ONNX
+    graph needs standard ops); eager inference takes the few-kernel forms below, because at
+    these sizes an eager step costs its kernel count. (`torch.onnx.is_in_onnx_export` costs two
+    imports per call, a measurable share of a decode step.)"""
+    return torch._C._is_tracing() or torch.compiler.is_compiling()
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim in two kernels: LayerNorm of [x, −x] is RMSNorm of x (the
+    mean is zero and the variance is mean(x²)). Eager `F.rms_norm` runs about eight kernels on a
+    CPU; this agrees with it within an ulp or two (float32)."""
+    h = x.shape[-1]
+    return torch.layer_norm(torch.cat((x, x.neg()), -1), (2 * h,), None, None, eps).narrow(-1, 0, h)
+
+
 class RMSNorm(nn.Module):
     """x̂·w (Qwen3, DeepSeek) or x̂·(1+w) (zero-centred, Qwen3-Next) with x̂ = x/rms(x)."""
 
@@ -56,8 +74,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype == torch.float32:  # the same arithmetic, without the no-op casts
             weight = 1.0 + self.weight if self.zero_centred else self.weight
-            if not torch.onnx.is_in_onnx_export():  # one fused op (bit-identical here)
-                return F.rms_norm(x, weight.shape, weight, self.eps)
+            if not tracing():
+                return rms_normalize(x, self.eps) * weight
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
             return y * weight
         x32 = x.float()
@@ -80,13 +98,22 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, n, T, hd]; cos/sin [T, hd]."""
     half = x.shape[-1] // 2
+    if not tracing():  # cat(−x2, x1)·sin = roll(x)·(sin with its first half negated): 4 kernels, not 7
+        return torch.addcmul(x * cos, x.roll(half, -1), sin * _rope_sign(sin.shape[-1], sin.dtype, sin.device))
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
+@functools.lru_cache(maxsize=None)
+def _rope_sign(hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[hd]: −1 over the first half, +1 over the second (a constant, made once per dtype/device)."""
+    with torch.inference_mode(False):
+        return torch.cat([torch.full((hd // 2,), -1.0), torch.ones(hd - hd // 2)]).to(dtype=dtype, device=device)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [B, nh, T, hd], k/v [B, nkv, S, hd], mask [T, S] bool (True = may attend) -> [B, nh, T, hd]."""
-    if torch.onnx.is_in_onnx_export():  # the ONNX exporter has no grouped SDPA
+    if tracing() and torch.onnx.is_in_onnx_export():  # the ONNX exporter has no grouped SDPA
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
@@ -203,12 +230,13 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         cos, sin = rope if rope is not None else rope_cos_sin(positions, self.hd, self.theta, x.dtype)
         if self.qkv_weight is not None and x.dtype == torch.float32:
-            qk, v = F.linear(x, self.qkv_weight).split(
+            qk, v = F.linear(x, self.qkv_weight).split_with_sizes(
                 [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
             qk = qk.view(b, t, self.nh + self.nkv, self.hd)  # q heads, then k heads
-            qk = F.rms_norm(qk, (self.hd,), None, self.q_norm.eps) * self.qk_norm_weight
+            qk = (F.rms_norm(qk, (self.hd,), None, self.q_norm.eps) if tracing() else
+                  rms_normalize(qk, self.q_norm.eps)) * self.qk_norm_weight
             qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, nh+nkv, T, hd]
-            q, k = qk.split([self.nh, self.nkv], dim=1)
+            q, k = qk.split_with_sizes([self.nh, self.nkv], dim=1)
             v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
         else:
             if self.qkv_weight is not None:
@@ -257,6 +285,8 @@ class MoE(nn.Module):
     """Top-k routed experts (softmax router, optional renormalisation of the top-k weights) plus an
     optional shared expert scaled by sigmoid(shared_expert_gate(x)) (a gate of 1 when absent)."""
 
+    row_invariant = False  # set with the attention's (`LoadedEngine.pack`): every row alone
+
     def __init__(self, cfg: DecoderConfig, shared_gate: bool = True):
         super().__init__()
         h = cfg.hidden_size
@@ -304,13 +334,44 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, ids = self.route(x)
         if self.experts_gate_up is not None:
-            return (self._dense_experts(x, weights, ids) + self.shared(x)).reshape(shape)
+            few = x.device.type == "cpu" and (
+                self.row_invariant or x.shape[0] * self.top_k <= self.experts_down.shape[0])
+            routed = (self._selected_experts if few else self._dense_experts)(x, weights, ids)
+            if self.shared_expert is not None:
+                routed = routed + self.shared(x)
+            return routed.reshape(shape)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return (out + self.shared(x)).reshape(shape)
+
+    def _selected_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each row's top-k experts on views of the stacked weights: only the selected experts'
+        bytes are read (the dense path reads all E, which for one row is E/k times the memory
+        traffic, and at these sizes a step is bound by it). The routing is read on the host,
+        which on a CPU is no synchronisation; the op count is fixed by rows × k, whatever the
+        routing. A row's slots are summed in expert-id order, as the dense path sums them."""
+        gate_up, down = self._expert_views()
+        rows = []
+        for row, row_ids, row_w in zip(x, ids.tolist(), weights.tolist()):  # row [H]
+            acc = None
+            for e, w in sorted(zip(row_ids, row_w)):
+                g, u = F.linear(row, gate_up[e]).chunk(2)  # [I] each
+                y = torch.mv(down[e], F.silu(g).mul_(u))  # [H]
+                acc = y.mul_(w) if acc is None else acc.add_(y, alpha=w)
+            rows.append(acc)
+        return torch.stack(rows)  # [N, H]
+
+    def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per expert: its [2I, H] gate/up rows and its [H, I] down weight, views (no copies)."""
+        views = getattr(self, "_views", None)
+        if views is None or views[0][0].data_ptr() != self.experts_gate_up.data_ptr():
+            e = self.experts_down.shape[0]
+            views = (list(self.experts_gate_up.chunk(e)), [d.t() for d in self.experts_down.unbind(0)])
+            self._views = views
+        return views
 
     def _dense_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every row, weighted by the (mostly zero) routing weights: a fixed
