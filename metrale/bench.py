@@ -53,50 +53,47 @@ def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
 def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: str, repeats: int):
     """The cost model `--dflash-adaptive-k` decides with, measured: for k = 0..γ−1 the step time
     with a fixed draft count k (a one-rung ladder), the median over `repeats` runs of the mean
-    step time over `prompts` (one stalled run of a shared machine moves a median no more than
-    it moves the run beside it); and the drafter's per-position acceptance over those steps
-    (`AcceptanceEstimator`'s pooled rate). -> CostModel with `acceptance`."""
+    step time over `prompts`, every count decoding each prompt in turn before the next (a slow
+    stretch of a shared machine lands on all counts alike, as in `run_modes`); and the
+    drafter's per-position acceptance over those steps (`AcceptanceEstimator`'s pooled rate).
+    -> CostModel with `acceptance`."""
     import statistics
 
     from metrale.runtime.adaptive_k import AcceptanceEstimator
     from metrale.runtime.specconfig import CostModel, SpeculativeConfig
-
-    g = engine.drafters[drafter].config.block_size
-    ms, est = [], AcceptanceEstimator()
-    for k in range(0, g):
-        flags = {} if k == 0 else {"dflash": True, "dflash_drafter": drafter, "dflash_draft_ladder": str(k)}
-        spec = SpeculativeConfig.from_flags(**flags)
-        per_step = []
-        for r in range(repeats):
-            seconds, steps = _timed(engine, spec, prompts, max_tokens)
-            per_step.append(seconds / max(1, len(steps)))
-            if r == 0:  # greedy: every repeat verifies the same drafts
-                for drafted, accepted in steps:
-                    est.update(drafted, accepted)
-        ms.append(round(1000 * statistics.median(per_step), 3))
-    return CostModel(first=0, ms=tuple(ms), acceptance=round(est.pooled(), 4))
-
-
-def _timed(engine, spec, prompts, max_tokens) -> tuple[float, list[tuple[int, int]]]:
-    """(decode seconds, (drafted, accepted) per step) over the prompts, greedy."""
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
 
-    gen = EngineGenerator(engine, spec)
+    g = engine.drafters[drafter].config.block_size
+    counts = range(0, g)
+    gens = [EngineGenerator(engine, SpeculativeConfig.from_flags(**(
+        {} if k == 0 else {"dflash": True, "dflash_drafter": drafter, "dflash_draft_ladder": str(k)})))
+        for k in counts]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    seconds, steps = 0.0, []
-    for ids in prompts:
-        res = gen.decoder().generate(ids, params)
-        seconds += res.seconds - res.prefill_s
-        steps += [(s.drafted, s.accepted) for s in res.steps]
-    return seconds, steps
+    est = AcceptanceEstimator()
+    per_step = [[] for _ in counts]  # per count, per repeat: mean step seconds over the prompts
+    for r in range(repeats):
+        seconds, steps = [0.0] * len(gens), [0] * len(gens)
+        for ids in prompts:
+            for k, gen in zip(counts, gens):
+                res = gen.decoder().generate(ids, params)
+                seconds[k] += res.seconds - res.prefill_s
+                steps[k] += len(res.steps)
+                if r == 0:  # greedy: every repeat verifies the same drafts
+                    for s in res.steps:
+                        est.update(s.drafted, s.accepted)
+        for k in counts:
+            per_step[k].append(seconds[k] / max(1, steps[k]))
+    ms = tuple(round(1000 * statistics.median(p), 3) for p in per_step)
+    return CostModel(first=0, ms=ms, acceptance=round(est.pooled(), 4))
 
 
 def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], max_tokens: int,
               repeats: int) -> dict[str, list[list]]:
-    """Every mode of `table` over the prompts, `repeats` times, in rounds: each round runs every
-    mode once, so a slow stretch of a shared machine lands on all modes alike instead of on the
-    ones that happened to run during it. -> {mode: per prompt, its runs' DecodeResults}."""
+    """Every mode of `table` over the prompts, `repeats` times, interleaved per prompt: each
+    prompt is decoded by every mode in turn before the next, so a slow stretch of a shared
+    machine (they last seconds here) lands on all modes alike instead of on the ones that
+    happened to run during it. -> {mode: per prompt, its runs' DecodeResults}."""
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
     from metrale.runtime.specconfig import SpeculativeConfig
@@ -105,8 +102,8 @@ def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], m
     gens = [(name, EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))) for name, flags in table]
     runs = {name: [[] for _ in prompts] for name, _ in table}
     for _ in range(repeats):
-        for name, gen in gens:
-            for i, ids in enumerate(prompts):
+        for i, ids in enumerate(prompts):
+            for name, gen in gens:
                 runs[name][i].append(gen.decoder().generate(ids, params))
     return runs
 
@@ -289,16 +286,18 @@ def bench(
 
             result["trt_runners"] = runner_stats(engine)
         t = Table(title=Text(f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens)"))
-        for col in ("mode", "tok/s", "τ", "speedup", "bound", "e", "rows/tok", "draft/verify/host", "=plain"):
+        for col in ("mode", "tok/s", "τ", "speedup", "bound", "of bound (+h)", "e", "rows/tok",
+                    "draft/verify/host", "=plain"):
             t.add_column(col, justify="right" if col != "mode" else "left")
         for r in rows:
             if "tau" not in r:  # the reference row
-                t.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", "", f"{r['speedup']:.2f}×", "", "", "", "",
+                t.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", "", f"{r['speedup']:.2f}×", "", "", "", "", "",
                           str(r["identical_to_plain"]))
                 continue
             split = r["time_split"]
             t.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}×",
-                      f"{r['bound']:.2f}×", f"{r['e']:.2f}", f"{r['verify_rows_per_token']:.2f}",
+                      f"{r['bound']:.2f}×", f"{r['of_bound']:.2f} ({r['of_bound_host']:.2f})",
+                      f"{r['e']:.2f}", f"{r['verify_rows_per_token']:.2f}",
                       f"{split['draft']:.0%}/{split['verify']:.0%}/{split['host']:.0%}",
                       str(r.get("identical_to_plain", "")))
         out.print(t)

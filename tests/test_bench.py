@@ -27,8 +27,12 @@ def test_bound_by_hand():
     # 2.4 · (1 + 0.5) / (2 + 1 + 0.5)
     h = host_ms({"seconds": 0.015, "steps": 10}, costs)
     assert h == pytest.approx(0.5)
-    assert mode_bound(row, costs, exact=False, host=h)["bound"] == pytest.approx(2.4 * 1.5 / 3.5, abs=1e-3)
-    assert mode_bound(plain, costs, exact=False, host=h)["bound"] == 1.0
+    with_host = mode_bound(row, costs, exact=False, host=h)
+    assert with_host["bound"] == 0.8  # the model-time bound does not see h
+    assert with_host["bound_host"] == pytest.approx(2.4 * 1.5 / 3.5, abs=1e-3)
+    assert with_host["of_bound_host"] == pytest.approx(0.72 / (2.4 * 1.5 / 3.5), abs=1e-3)
+    assert with_host["bound_host"] > with_host["bound"]  # stricter where bound < 1
+    assert mode_bound(plain, costs, exact=False, host=h)["bound_host"] == 1.0
 
 
 def test_bench_json(tiny_engine_dir, tmp_path):
@@ -45,7 +49,7 @@ def test_bench_json(tiny_engine_dir, tmp_path):
     assert {"plain", "mtp k=2", "dflash γ=8", "transformers generate"} <= set(modes)
     for name in ("plain", "mtp k=2", "dflash γ=8"):
         r = modes[name]
-        for key in ("tokens_per_s", "tau", "speedup", "bound", "e", "verify_rows_per_token",
+        for key in ("tokens_per_s", "tau", "speedup", "bound", "bound_host", "e", "verify_rows_per_token",
                     "c_verify_ms", "c_draft_ms"):
             assert r[key] >= 0, (name, key)
         assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.01)
