@@ -34,24 +34,15 @@ from pathlib import Path
 import torch
 
 
-def median_ms(fn, calls: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
 def all_taps(engine) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for d in engine.drafters.values() for i in d.config.target_layer_ids))
 
 
 @torch.inference_mode()
 def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 40) -> dict[int, float]:
-    """c(r) for r = 1..max_rows (see the module docstring)."""
+    """c(r) for r = 1..max_rows (see the module docstring): `calls` rounds, each timing one
+    forward of every row count in turn, so a slow stretch of a shared machine lands on all row
+    counts alike; the median per row count."""
     target, taps = engine.target, all_taps(engine)
     device = target.model.embed_tokens.weight.device
     ids = torch.tensor([prompt], device=device)
@@ -59,15 +50,23 @@ def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 
     target(ids, cache, taps=taps)
     base = cache.length
     rows = torch.tensor([(prompt * max_rows)[:max_rows]], device=device)  # [1, max_rows]
-    costs = {}
-    for r in range(1, max_rows + 1):
-        def step(r=r):
-            target(rows[:, :r], cache, start=base, taps=taps)
-            cache.length = base
-            if device.type == "cuda":  # the step's kernels, not only their launches
-                torch.cuda.synchronize(device)
-        costs[r] = round(median_ms(step, calls), 4)
-    return costs
+
+    def step(r: int) -> float:
+        t0 = time.perf_counter()
+        target(rows[:, :r], cache, start=base, taps=taps)
+        if device.type == "cuda":  # the step's kernels, not only their launches
+            torch.cuda.synchronize(device)
+        cache.length = base
+        return time.perf_counter() - t0
+
+    counts = range(1, max_rows + 1)
+    for r in counts:  # warm-up
+        step(r)
+    times = {r: [] for r in counts}
+    for _ in range(calls):
+        for r in counts:
+            times[r].append(step(r))
+    return {r: round(1000 * statistics.median(t), 4) for r, t in times.items()}
 
 
 def interpolate(costs: dict[int, float], rows: float) -> float:
