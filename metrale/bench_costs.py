@@ -39,10 +39,12 @@ def all_taps(engine) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
-def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 40) -> dict[int, float]:
-    """c(r) for r = 1..max_rows (see the module docstring): `calls` rounds, each timing one
-    forward of every row count in turn, so a slow stretch of a shared machine lands on all row
-    counts alike; the median per row count."""
+def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 20,
+                     sweeps: int = 3) -> dict[int, float]:
+    """c(r) for r = 1..max_rows (see the module docstring): per row count the median of `calls`
+    forwards in a row (as a decode loop repeats its step), over `sweeps` sweeps of every row
+    count, the median of the sweeps' medians (a slow stretch of a shared machine during one
+    sweep moves it no more than it moves the others)."""
     target, taps = engine.target, all_taps(engine)
     device = target.model.embed_tokens.weight.device
     ids = torch.tensor([prompt], device=device)
@@ -60,13 +62,13 @@ def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 
         return time.perf_counter() - t0
 
     counts = range(1, max_rows + 1)
-    for r in counts:  # warm-up
-        step(r)
-    times = {r: [] for r in counts}
-    for _ in range(calls):
+    medians = {r: [] for r in counts}
+    for _ in range(sweeps):
         for r in counts:
-            times[r].append(step(r))
-    return {r: round(1000 * statistics.median(t), 4) for r, t in times.items()}
+            for _ in range(3):  # warm-up
+                step(r)
+            medians[r].append(statistics.median(step(r) for _ in range(calls)))
+    return {r: round(1000 * statistics.median(m), 4) for r, m in medians.items()}
 
 
 def interpolate(costs: dict[int, float], rows: float) -> float:
