@@ -13,6 +13,7 @@ verifies k drafts (propose + verify), for k = 0..γ−1, on the first prompt.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -57,7 +58,6 @@ def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: st
     stretch of a shared machine lands on all counts alike, as in `run_modes`); and the
     drafter's per-position acceptance over those steps (`AcceptanceEstimator`'s pooled rate).
     -> CostModel with `acceptance`."""
-    import statistics
 
     from metrale.runtime.adaptive_k import AcceptanceEstimator
     from metrale.runtime.specconfig import CostModel, SpeculativeConfig
@@ -89,11 +89,13 @@ def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: st
 
 
 def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], max_tokens: int,
-              repeats: int) -> dict[str, list[list]]:
+              repeats: int, between=None) -> dict[str, list[list]]:
     """Every mode of `table` over the prompts, `repeats` times, interleaved per prompt: each
     prompt is decoded by every mode in turn before the next, so a slow stretch of a shared
     machine (they last seconds here) lands on all modes alike instead of on the ones that
-    happened to run during it. -> {mode: per prompt, its runs' DecodeResults}."""
+    happened to run during it; `between()`, when given, runs before each prompt's turn (the
+    bench's cost sweeps, spread over the same stretch). -> {mode: per prompt, its runs'
+    DecodeResults}."""
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
     from metrale.runtime.specconfig import SpeculativeConfig
@@ -103,6 +105,8 @@ def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], m
     runs = {name: [[] for _ in prompts] for name, _ in table}
     for _ in range(repeats):
         for i, ids in enumerate(prompts):
+            if between is not None:
+                between()
             for name, gen in gens:
                 runs[name][i].append(gen.decoder().generate(ids, params))
     return runs
@@ -251,12 +255,14 @@ def bench(
         t0 = time.time()
         costs = {name: measure_costs(engine, prompts[:2], max_tokens, name, repeats)
                  for name in sorted(engine.drafters)} or None
-        row_costs = target_row_costs(engine, prompts[0])
         wanted = [w.strip() for w in modes.split(",")] if modes else None
         rows, plain_tokens, plain_tps = [], None, None
         table = [(name, flags) for name, flags in mode_table(engine, costs)
                  if not wanted or name == "plain" or any(w in name for w in wanted)]
-        runs = run_modes(engine, table, prompts, max_tokens, repeats)
+        sweeps: list[dict[int, float]] = []  # c(r), one sweep before each prompt's turn
+        runs = run_modes(engine, table, prompts, max_tokens, repeats,
+                         between=lambda: sweeps.append(target_row_costs(engine, prompts[0], calls=5, sweeps=1)))
+        row_costs = {r: round(statistics.median(s[r] for s in sweeps), 4) for r in sweeps[0]}
         for name, flags in table:
             row, outputs = summarize(runs[name], plain_tokens)
             if name == "plain":

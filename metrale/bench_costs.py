@@ -2,7 +2,9 @@
 
 Terms (all times are medians over repeated calls, in milliseconds):
 - c(r): one target forward of r rows (the pending token plus r − 1 drafts) at the position that
-  follows a held-out prompt, with the drafters' taps, on the backend under test.
+  follows a held-out prompt, with the drafters' taps, on the backend under test; `bench` sweeps
+  every r before each prompt's turn of the modes and takes the median over the sweeps, so the
+  costs are measured over the same stretch of a shared machine as the modes they bound.
 - c_plain = c(1): a plain decode step's model time.
 - c_verify: what a mode's verification costs per step — c(r̄) for its mean verify rows r̄ per
   step when chunkwise (one forward; c interpolated between row counts), r̄·c(1) when exact.
