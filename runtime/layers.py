@@ -285,7 +285,10 @@ class MoE(nn.Module):
     """Top-k routed experts (softmax router, optional renormalisation of the top-k weights) plus an
     optional shared expert scaled by sigmoid(shared_expert_gate(x)) (a gate of 1 when absent)."""
 
-    row_invariant = False  # set with the attention's (`LoadedEngine.pack`): every row alone
+    # set with the attention's (`LoadedEngine.pack`): every row count runs the dense experts,
+    # whose rows do not depend on the row count there (the selected experts' GEMVs would give a
+    # one-row step other bits than a verify's dense rows)
+    row_invariant = False
 
     def __init__(self, cfg: DecoderConfig, shared_gate: bool = True):
         super().__init__()
@@ -334,8 +337,8 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, ids = self.route(x)
         if self.experts_gate_up is not None:
-            few = x.device.type == "cpu" and (
-                self.row_invariant or x.shape[0] * self.top_k <= self.experts_down.shape[0])
+            few = (x.device.type == "cpu" and not self.row_invariant
+                   and x.shape[0] * self.top_k <= self.experts_down.shape[0])
             routed = (self._selected_experts if few else self._dense_experts)(x, weights, ids)
             if self.shared_expert is not None:
                 routed = routed + self.shared(x)
