@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from metrale.builder.cpu_check import check_packages, load_packed
+
 log = logging.getLogger(__name__)
 
 TARGET_ROWS = 8  # most rows of a target step: decode, verifies of up to 7 drafts, prompt chunks
@@ -95,17 +97,6 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load(root: Path, kinds: dict[str, str], dtype: torch.dtype):
-    from metrale.builder.trt_build import load_staged
-    from metrale.runtime.layers import pack_for_inference
-
-    staged = load_staged(root, kinds, dtype=dtype)
-    for model in (staged.target, staged.mtp, *staged.drafters.values()):
-        if model is not None:
-            pack_for_inference(model).eval()
-    return staged
-
-
 def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, example_slots: int = 128):
     """The step module of `job` and example inputs with their dynamic shapes (the slot count)."""
     from metrale.runtime.cpu_steps import DFlashStep, MTPStep, TargetStep
@@ -148,7 +139,7 @@ def _compile_one(root: str, job: Job, kinds: dict[str, str], taps: tuple[int, ..
 
     torch.set_num_threads(THREADS)
     t0 = time.time()
-    staged = _load(Path(root), kinds, getattr(torch, dtype_name))
+    staged = load_packed(Path(root), kinds, getattr(torch, dtype_name))
     step, args, dyn = step_and_example(job, staged, taps, slots)
     with torch.inference_mode():
         ep = torch.export.export(step, args, dynamic_shapes=dyn)
@@ -161,7 +152,6 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
     """Compile (or take from the cache) every package into `<component>/cpu/` of the staging
     directory `w.path`; returns each component's manifest `cpu` entry. `components` maps the
     names written so far to their manifest entries (kind, naming, tp_size)."""
-    from metrale.builder.cpu_check import check_packages
     from metrale.runtime.cpu_engine import build_fingerprint
     from metrale.runtime.errors import EngineDirError
 
@@ -176,7 +166,7 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
             continue
         kinds[name] = f"mtp:{info.get('naming', 'qwen3_next')}" if kind == "mtp" else kind
     fingerprint = build_fingerprint(dtype, THREADS)
-    staged = _load(root, {"target": "target"}, dtype)
+    staged = load_packed(root, {"target": "target"}, dtype)
     slots = max_slots(staged.target.config)
     t0 = time.time()
     jobs = [Job("target", "target", TARGET_ROWS, "target/cpu/steps.pt2")]

@@ -12,6 +12,8 @@ On random prompts of the target's vocabulary, one cache size:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -92,10 +94,21 @@ def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
     return {"drafts_equal": round(equal / total, 4)}
 
 
-def check_packages(root, jobs, kinds: dict[str, str], taps, slots: int, dtype) -> dict[str, dict]:
-    from metrale.builder.cpu_build import _load
+def load_packed(root: Path, kinds: dict[str, str], dtype: torch.dtype):
+    """The staged models of a build (`trt_build.load_staged`), packed for inference as the
+    decode loop runs them: what the CPU packages are compiled from and checked against."""
+    from metrale.builder.trt_build import load_staged
+    from metrale.runtime.layers import pack_for_inference
 
-    staged = _load(root, {"target": "target", **kinds}, dtype)
+    staged = load_staged(root, kinds, dtype=dtype)
+    for model in (staged.target, staged.mtp, *staged.drafters.values()):
+        if model is not None:
+            pack_for_inference(model).eval()
+    return staged
+
+
+def check_packages(root, jobs, kinds: dict[str, str], taps, slots: int, dtype) -> dict[str, dict]:
+    staged = load_packed(root, {"target": "target", **kinds}, dtype)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         out = {"target": _check_target(root, jobs, staged, taps, slots, gen)}

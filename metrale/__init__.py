@@ -1,3 +1,3 @@
 """metrale: an ahead-of-time engine builder and serving runtime for speculative decoding."""
 
-__version__ = "0.1.0"
+from metrale.runtime import __version__  # noqa: F401  (the version engine directories record)

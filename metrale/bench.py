@@ -23,7 +23,7 @@ from rich.text import Text
 
 from metrale import checks
 from metrale import options as o
-from metrale.cli import app, out, user_errors
+from metrale.console import app, out, user_errors
 from metrale.runtime.specconfig import check_draft_tier
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "prompts.json"

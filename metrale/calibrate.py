@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from metrale import options as o
-from metrale.cli import app, out, user_errors
+from metrale.console import app, out, user_errors
 
 
 @app.command()

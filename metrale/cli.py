@@ -11,64 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
 from metrale import checks
 from metrale import options as o
+from metrale.console import app, err, out, say_warning, user_errors
 from metrale.runtime.errors import MetraleError
 from metrale.runtime.spec_help import BUILD_HELP
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Ahead-of-time engine builder and serving runtime for speculative decoding.")
-err = Console(stderr=True)
-out = Console()
-
-
-def say_error(message: str) -> None:
-    """One line on stderr, the message printed literally (no markup, no highlighting)."""
-    err.print(Text("error: ", style="bold red") + Text(message), highlight=False, soft_wrap=True)
-
-
-def say_warning(message: str) -> None:
-    err.print(Text("warning: ", style="bold yellow") + Text(message), highlight=False, soft_wrap=True)
-
-
-@contextlib.contextmanager
-def user_errors():
-    """MetraleError -> its message, exit 2; an OS error (a file, a folder, a port) -> its
-    message naming the path, exit 1; Ctrl-C -> exit 130; anything else is a bug, reported in one
-    line (exit 1; METRALE_DEBUG=1 re-raises it). Never a traceback."""
-    try:
-        yield
-    except MetraleError as exc:
-        say_error(str(exc))
-        raise typer.Exit(2) from None
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        say_error(f"{where}{exc.strerror or exc}")
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP turned into it by a build
-        import signal
-
-        name = str(exc) if str(exc) in ("SIGTERM", "SIGHUP") else "SIGINT"
-        say_error(f"interrupted ({name})")
-        raise typer.Exit(128 + signal.Signals[name].value) from None
-    except Exception as exc:  # a bug: still one line, with the traceback in the log on request
-        if os.environ.get("METRALE_DEBUG"):
-            raise
-        logging.getLogger("metrale").debug("internal error", exc_info=exc)
-        say_error(f"internal error ({type(exc).__name__}: {exc}); this is a bug in metrale — "
-                  "METRALE_DEBUG=1 shows the traceback")
-        raise typer.Exit(1) from None
-
 
 DWQ_HELP = BUILD_HELP["--draft-weight-quantization"]
 MTP_NVFP4_HELP = BUILD_HELP["--mtp-experts-nvfp4"]
@@ -193,7 +148,7 @@ def inspect(engine_dir: o.EngineDir,
     with user_errors():
         from rich.table import Table
 
-        from metrale.runtime.engine_check import check_engine_dir
+        from metrale.runtime.engine import check_engine_dir
         from metrale.runtime.manifest_view import COMPONENT_COLUMNS, component_rows, manifest_rows
 
         m = check_engine_dir(engine_dir)

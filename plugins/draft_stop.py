@@ -78,7 +78,7 @@ def _check(logits, tau, cumulative, running) -> None:
 def draft_stop_triton(logits: torch.Tensor, tau: torch.Tensor, cumulative: torch.Tensor,
                       running: torch.Tensor):
     """The Triton face: same contract as `draft_stop`; CPU tensors run in the interpreter."""
-    from metrale.plugins.aot import load_kernels
+    from metrale.plugins.triton_mode import load_kernels
 
     _check(logits, tau, cumulative, running)
     kernels = load_kernels(logits.device.type)

@@ -63,7 +63,7 @@ def _check(x: torch.Tensor, kernel: torch.Tensor, block: int,
 
 def dflash2_dynamic_conv_triton(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
     """The Triton face: same contract as `dflash2_dynamic_conv`; CPU tensors run in the interpreter."""
-    from metrale.plugins.aot import cdiv, load_kernels
+    from metrale.plugins.triton_mode import cdiv, load_kernels
 
     b, t, h, g = _check(x, kernel, block)
     kernels = load_kernels(x.device.type)

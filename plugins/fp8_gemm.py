@@ -62,7 +62,7 @@ def fp8_w8a16_gemm_triton(
     x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor
 ) -> torch.Tensor:
     """The Triton face: same contract as `fp8_w8a16_gemm`; CPU tensors run in the interpreter."""
-    from metrale.plugins.aot import cdiv, load_kernels
+    from metrale.plugins.triton_mode import cdiv, load_kernels
 
     _check_input(x, weight_fp8)
     if weight_fp8.dtype != torch.float8_e4m3fn or weight_scale.shape != (weight_fp8.shape[0],):

@@ -67,7 +67,7 @@ def nvfp4_w4a16_gemm_triton(
     global_scale: torch.Tensor,
 ) -> torch.Tensor:
     """The Triton face: same contract as `nvfp4_w4a16_gemm`; CPU tensors run in the interpreter."""
-    from metrale.plugins.aot import cdiv, load_kernels
+    from metrale.plugins.triton_mode import cdiv, load_kernels
 
     _check_input(x, packed_u8)
     n, k = packed_u8.shape[0], 2 * packed_u8.shape[1]

@@ -108,7 +108,7 @@ def nvfp4_moe_w4a16_triton(
     down_packed: torch.Tensor, down_scale: torch.Tensor, down_global: torch.Tensor,
 ) -> torch.Tensor:
     """The Triton face: same contract as `nvfp4_moe_w4a16`; CPU tensors run in the interpreter."""
-    from metrale.plugins.aot import cdiv, load_kernels
+    from metrale.plugins.triton_mode import cdiv, load_kernels
 
     _, inter = _check(x, expert_ids, weights, gate_up_packed, gate_up_scale, gate_up_global,
                       down_packed, down_scale, down_global)

@@ -35,7 +35,7 @@ import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from metrale.plugins.trt_plugin import Keeper, PluginDefaults
+from metrale.plugins.trt_common import Keeper, PluginDefaults
 
 COLLECTIVE_OPS = ("AllReduce", "AllGather")
 ACTIVATION_TYPES = ("FLOAT", "HALF", "BF16")

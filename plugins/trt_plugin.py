@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from metrale.plugins.trt_common import Keeper, PluginDefaults  # noqa: F401  (the plugins' base)
+
 log = logging.getLogger(__name__)
 
 PLUGIN_VERSION = "1"
@@ -104,25 +106,6 @@ class KernelImage:
     @staticmethod
     def key(kernel: str, sm: int, act: str) -> str:
         return f"{kernel}.sm{sm}.{act}"
-
-
-class Keeper:
-    """Python plugin objects TensorRT holds by borrowed pointers (a collected one would be a
-    use-after-free): each is held from its creation until TensorRT calls its `destroy()`."""
-
-    def __init__(self):
-        self._held: dict[int, object] = {}
-
-    def hold(self, obj):
-        obj._keeper, obj._keep_key = self, id(obj)
-        self._held[obj._keep_key] = obj
-        return obj
-
-    def release(self, obj) -> None:  # builtin-free: may run while the interpreter shuts down
-        self._held.pop(obj.__dict__.get("_keep_key"), None)
-
-    def __len__(self) -> int:
-        return len(self._held)
 
 
 @dataclass
@@ -262,43 +245,6 @@ def launch_gemm(lib: KernelLibrary, spec: GemmOpSpec, sm: int, input_desc, input
     drv = _driver()
     _check(drv, drv.cuLaunchKernel(fn, *grid, 32 * image.num_warps, 1, 1, image.shared, int(stream),
                                    (args, types), 0))
-
-
-class PluginDefaults:
-    """The IPluginV3 methods every metrale plugin answers the same way (a plain mixin, listed
-    before TensorRT's interfaces so its methods win): no extra capability objects, released by
-    its `Keeper` when TensorRT destroys it, outputs typed like the first input, no workspace,
-    no tactics, and one clone per execution context."""
-
-    def get_capability_interface(self, _type):
-        return self
-
-    def destroy(self):  # TensorRT is done with this object: its keeper lets it go
-        # no builtins here: TensorRT may call this while the interpreter shuts down
-        keeper = self.__dict__.get("_keeper")
-        if keeper is not None:
-            keeper.release(self)
-
-    def get_output_data_types(self, input_types):
-        return [input_types[0]]
-
-    def configure_plugin(self, inp, out):
-        pass
-
-    def get_workspace_size(self, inp, out):
-        return 0
-
-    def get_valid_tactics(self):
-        return []
-
-    def on_shape_change(self, inp, out):
-        pass
-
-    def set_tactic(self, tactic):
-        pass
-
-    def attach_to_context(self, context):
-        return self.clone()
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,7 +29,7 @@ from torch import nn
 
 from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
 from metrale.runtime.dflash import DFlashDrafter
-from metrale.runtime.engine_check import check_engine_dir, component_config, read_json
+from metrale.runtime.engine_check import REBUILD, check_files, component_config, read_json
 from metrale.runtime.engine_dir import Manifest
 from metrale.runtime.errors import CheckpointError, EngineDirError
 from metrale.runtime.layers import Attention, MoE, pack_for_inference
@@ -195,6 +195,21 @@ def _drafter_tensors(path: Path, name: str, info: dict, cfg: DFlashConfig,
     check_drafter_split(cfg, tp.size)
     cut = {n: cut_tensor(n, t, drafter_cut(n, cfg), tp.rank, tp.size) for n, t in tensors.items()}
     return cut, f"{source}, rank {tp.rank} of {tp.size} cut at load"
+
+
+def check_engine_dir(engine_dir: str | Path, verify: bool = True) -> Manifest:
+    """`engine_check.check_files`, then loading itself as a dry run on the meta device
+    (tokenizer, every model built and filled by name, shape and dtype from the files' headers,
+    no weights read): what `metrale inspect` and `load_engine` both run."""
+    root, shown = Path(engine_dir), str(engine_dir)
+    manifest = check_files(root, verify=verify)
+    try:
+        build_models(root, manifest, torch.float32, torch.device("meta"))
+    except CheckpointError as exc:
+        text = str(exc)
+        where = "" if text.startswith("engine directory") else f"engine directory {shown}: "
+        raise EngineDirError(f"{where}{text}; {REBUILD}") from None
+    return manifest
 
 
 def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,

@@ -1,13 +1,13 @@
 """Everything about an engine directory that can be checked without building a model.
 
-Contract: `check_engine_dir(path)` verifies the manifest and every checksum (`load_manifest`),
+Contract: `check_files(path)` verifies the manifest and every checksum (`load_manifest`),
 then what loading relies on: a `target` component, every component's kind known
 (`COMPONENT_KINDS`), a drafter's `tp_size` a count with that many rank files, every rank file
 listed by its component and readable as safetensors, every component config parsing as its
-kind's config, every folder on disk claimed by a component (or reserved), then loading itself as
-a dry run on the meta device (tokenizer, every model built and filled by name, shape and dtype
-from the files' headers, no weights read). `metrale inspect` and `load_engine` both call it, so
-inspect passes exactly the directories that load. Every refusal is an `EngineDirError` naming the directory and the file.
+kind's config, every folder on disk claimed by a component (or reserved).
+`engine.check_engine_dir` adds loading itself as a dry run on the meta device; `metrale
+inspect` and `load_engine` both call that, so inspect passes exactly the directories that load.
+Every refusal is an `EngineDirError` naming the directory and the file.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from metrale.runtime.engine_dir import RESERVED_NAMES, Manifest, load_manifest
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
 COMPONENT_KINDS = ("target", "mtp", "dflash")
-_REBUILD = "rebuild it with metrale build"
+REBUILD = "rebuild it with metrale build"
 
 
 def _fail(shown: str, what: str) -> EngineDirError:
-    return EngineDirError(f"engine directory {shown}: {what}; {_REBUILD}")
+    return EngineDirError(f"engine directory {shown}: {what}; {REBUILD}")
 
 
 def read_json(path: Path, shown: str, rel: str) -> dict[str, Any]:
@@ -61,10 +61,10 @@ def component_config(root: Path, shown: str, name: str, kind: str):
             return DFlashConfig.from_hf(cfg, f"engine directory {shown}: {rel}")
         return DecoderConfig.from_hf(cfg, f"engine directory {shown}: {rel}")
     except CheckpointError as exc:
-        raise EngineDirError(f"{exc}; {_REBUILD}") from None
+        raise EngineDirError(f"{exc}; {REBUILD}") from None
 
 
-def check_engine_dir(engine_dir: str | os.PathLike[str], verify: bool = True) -> Manifest:
+def check_files(engine_dir: str | os.PathLike[str], verify: bool = True) -> Manifest:
     root, shown = Path(engine_dir), os.fspath(engine_dir)
     manifest = load_manifest(root, verify=verify)
     comps = manifest.components
@@ -103,14 +103,4 @@ def check_engine_dir(engine_dir: str | os.PathLike[str], verify: bool = True) ->
     folders = {rel.split("/", 1)[0] for rel in manifest.files if "/" in rel}
     for folder in sorted(folders - set(comps) - RESERVED_NAMES):
         raise _fail(shown, f"folder {folder}/ belongs to no component of the manifest")
-    import torch
-
-    from metrale.runtime.engine import build_models
-
-    try:  # loading, dry: every model built on the meta device from the files' headers
-        build_models(root, manifest, torch.float32, torch.device("meta"))
-    except CheckpointError as exc:
-        text = str(exc)
-        where = "" if text.startswith("engine directory") else f"engine directory {shown}: "
-        raise EngineDirError(f"{where}{text}; {_REBUILD}") from None
     return manifest

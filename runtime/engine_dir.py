@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, Mapping
 
-from metrale import __version__
+from metrale.runtime import __version__
 from metrale.runtime.build_lock import DirLock, remove_stale, signals_as_interrupts
 from metrale.runtime.errors import CheckpointError, EngineDirError
 

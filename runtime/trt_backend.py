@@ -313,7 +313,7 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
     from metrale.plugins.trt_plugin import KernelLibrary, plugin_kernel_keys, register_plugins
     from metrale.runtime.tokenizer import Tokenizer
 
-    from metrale.runtime.engine_check import check_engine_dir
+    from metrale.runtime.engine import check_engine_dir
 
     resolve_backend("tensorrt", str(device))
     path = Path(engine_dir)

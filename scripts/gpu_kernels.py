@@ -227,7 +227,7 @@ def cubin_cases(sm: int, folder: Path):
     plugin's own `launch_gemm`."""
     import torch
 
-    from metrale.plugins import aot, fp8_gemm, nvfp4_gemm
+    from metrale.plugins import aot, fp8_gemm, nvfp4_gemm, triton_mode
     from metrale.plugins.trt_plugin import GEMM_OPS, KernelLibrary, launch_gemm
 
     metas = aot.compile_kernels(folder, sms=(sm,), acts=("fp32", "bf16"))
@@ -240,13 +240,13 @@ def cubin_cases(sm: int, folder: Path):
 
     def through_cubins(run):
         def wrapped():
-            real = aot.load_kernels
-            aot.load_kernels = lambda device="cuda": stand_in
+            real = triton_mode.load_kernels  # what the op launchers call
+            triton_mode.load_kernels = lambda device="cuda": stand_in
             before = sum(len(s.launches) for s in shims.values())
             try:
                 diff = run()
             finally:
-                aot.load_kernels = real
+                triton_mode.load_kernels = real
             assert sum(len(s.launches) for s in shims.values()) > before, "no cubin was launched"
             return diff
         return wrapped

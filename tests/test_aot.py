@@ -84,7 +84,7 @@ def test_all_kernels_compile_for_every_target_sm(tmp_path):
 
 def test_specs_name_every_kernel_argument():
     # Imported here, after collection, so this process's triton mode is whatever test_kernels set.
-    from metrale.plugins.aot import load_kernels, triton_interprets
+    from metrale.plugins.triton_mode import load_kernels, triton_interprets
 
     module = load_kernels("cpu" if triton_interprets() else "cuda")
     for spec in aot.kernel_specs("bf16"):

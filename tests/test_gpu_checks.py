@@ -191,7 +191,7 @@ def test_every_op_launcher_call_maps_onto_its_compiled_cubin(monkeypatch):
     # constexprs against what `plugins.aot` compiles (metadata as `kernel_specs` declares it)
     from types import SimpleNamespace
 
-    from metrale.plugins import aot, draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
+    from metrale.plugins import aot, draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe, triton_mode
 
     gk = _kernels_script()
     shims = {}
@@ -203,7 +203,7 @@ def test_every_op_launcher_call_maps_onto_its_compiled_cubin(monkeypatch):
     prepared = []
     for shim in shims.values():
         shim.launch = lambda grid, args, kw, shim=shim: prepared.append(shim.prepare(grid, args, kw))
-    monkeypatch.setattr(aot, "load_kernels", lambda device="cuda": SimpleNamespace(**shims))
+    monkeypatch.setattr(triton_mode, "load_kernels", lambda device="cuda": SimpleNamespace(**shims))
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 32, generator=g)

@@ -28,7 +28,7 @@ from metrale.runtime.layers import MoE  # noqa: E402
 
 @pytest.fixture
 def interpreter():
-    from metrale.plugins.aot import triton_interprets
+    from metrale.plugins.triton_mode import triton_interprets
 
     if not triton_interprets():
         pytest.fail("triton was imported before this module could set TRITON_INTERPRET=1")
