@@ -114,7 +114,9 @@ class _ExportLinear(nn.Module):
         m = self.inner
         if m.kind == "fp8":
             return m._add_bias(_Fp8Gemm.apply(x, m.weight, m.weight_scale))
-        return m._add_bias(_Nvfp4Gemm.apply(x, m.weight, m.weight_scale, m.weight_scale_2))
+        if m.kind == "nvfp4":
+            return m._add_bias(_Nvfp4Gemm.apply(x, m.weight, m.weight_scale, m.weight_scale_2))
+        raise ValueError(f"a {m.kind!r} linear has no metrale ONNX node; the export knows fp8 and nvfp4")
 
 
 @contextlib.contextmanager

@@ -79,12 +79,15 @@ class DraftWeightQuantization(enum.Enum):
     @property
     def format(self) -> str | None:
         """The format of the tier's copies: None (the checkpoint's weights), "fp8" or "nvfp4"."""
-        return {"declared": None, "nvfp4": "nvfp4"}.get(self.value, "fp8")
+        return _TIER_FORMATS[self]
 
     def __str__(self) -> str:
         return self.value
 
 
+_TIER_FORMATS = {DraftWeightQuantization.DECLARED: None, DraftWeightQuantization.FP8: "fp8",
+                 DraftWeightQuantization.FP8_AUX: "fp8", DraftWeightQuantization.NVFP4: "nvfp4"}
+assert set(_TIER_FORMATS) == set(DraftWeightQuantization)  # a new tier names its format here
 DRAFT_TIERS = tuple(t.value for t in DraftWeightQuantization)  # names, in the flag's order
 assert DRAFT_TIERS == formats.DRAFT_TIERS
 

@@ -291,3 +291,11 @@ def test_portable_graph_runs_with_the_plugins_reference_ops(nvfp4_engine):
     outs = ReferenceEvaluator(model, new_ops=onnx_ops.REFERENCE_OPS).run(None, feeds)
     for o, r in zip(outs, ref):
         np.testing.assert_allclose(o, r.numpy(), atol=5e-5, rtol=0)
+
+
+def test_a_linear_of_an_unknown_format_is_refused_not_exported_as_nvfp4():
+    lin = qlinear.Nvfp4Linear(torch.zeros(2, 8, dtype=torch.uint8),
+                              torch.ones(2, 1).to(torch.float8_e4m3fn), torch.tensor(0.25), None)
+    lin.kind = "mxfp8"  # a format the export has no node for
+    with pytest.raises(ValueError, match="'mxfp8' linear has no metrale ONNX node"):
+        ox._ExportLinear(lin)(torch.ones(1, 16))

@@ -359,3 +359,10 @@ def test_mtp_unknown_values_are_config_errors():
         q.quantize_mtp(
             mtp_state("dense"), experts_nvfp4=False, mtp_quantization="int4", ffn_kind="dense"
         )
+
+
+def test_every_tier_names_its_format():
+    from metrale.builder.quantize import DraftWeightQuantization as T
+
+    assert {t: t.format for t in T} == {T.DECLARED: None, T.FP8: "fp8", T.FP8_AUX: "fp8",
+                                        T.NVFP4: "nvfp4"}
