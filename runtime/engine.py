@@ -68,6 +68,38 @@ def fill_engine_state(module: nn.Module, tensors: dict[str, torch.Tensor], sourc
     return module.eval()
 
 
+_ALGO_KINDS = {"FP8": "fp8", "NVFP4": "nvfp4", None: None}  # quant_algo -> qlinear kind
+
+
+def check_formats(tensors: dict[str, torch.Tensor], info: dict, source: str) -> None:
+    """A component's stored linears against its manifest entry's quantization section: the
+    quantized ones are exactly its `quantized_modules`, each in its `quant_algo`'s format (so a
+    directory whose weights and manifest disagree is refused, never run at another tier). An
+    entry without a section (the target) is not checked."""
+    from metrale.runtime import qlinear
+
+    section = (info.get("quantization") or {}).get("quantization")
+    if section is None:
+        return
+    algo = section.get("quant_algo")
+    if algo not in _ALGO_KINDS:
+        raise EngineDirError(f"{source}: the manifest's quant_algo {algo!r} is not one metrale runs "
+                             f"(expected FP8, NVFP4 or null); {REBUILD}")
+    want = sorted(section.get("quantized_modules") or [])
+    have = quantized_prefixes(tensors)
+    if have != want:
+        extra, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+        raise EngineDirError(f"{source}: its quantized linears do not match the manifest's "
+                             f"quantization section (stored but not listed: {extra or 'none'}; "
+                             f"listed but not stored: {missing or 'none'}); {REBUILD}")
+    kind = _ALGO_KINDS[algo]
+    for prefix in have:
+        got = qlinear.quantized_kind(tensors, prefix)
+        if got != kind:
+            raise EngineDirError(f"{source}: {prefix} is stored as {got}, but the manifest's "
+                                 f"quant_algo is {algo}; {REBUILD}")
+
+
 def _meta_tensors(path: str) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors as meta tensors: names, shapes, dtypes; no data read."""
     from safetensors import safe_open
@@ -249,12 +281,16 @@ def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: tor
             continue
         if kind == "mtp":
             cfg, tensors, source = _component_files(path, name, 0, meta)
+            if name not in states:  # weights requantized at load follow their own tier
+                check_formats(tensors, info, source)
             tensors, source = states.get(name, (tensors, source))
             mcfg = MTPConfig(decoder=_decoder(cfg, path, name), naming=info.get("naming", "qwen3_next"))
             engine.mtp = fill_engine_state(_build(MTPHead, mcfg, dtype, device), tensors, source)
         elif kind == "dflash":
             dcfg = component_config(path, str(path), name, "dflash")
             tensors, source = _drafter_tensors(path, name, info, dcfg, tp, meta, states.get(name))
+            if name not in states:
+                check_formats(tensors, info, source)
             with torch.device("meta") if meta else contextlib.nullcontext():
                 drafter = DFlashDrafter(dcfg, tp).to(dtype=dtype, device=device)
             engine.drafters[name] = fill_engine_state(drafter, tensors, source)

@@ -170,6 +170,10 @@ def edit_manifest(root: Path, fn) -> None:
     (root / "config.json").write_text(json.dumps(manifest))
 
 
+def _section(manifest: dict, component: str) -> dict:
+    return manifest["components"][component]["quantization"]["quantization"]
+
+
 def both_refuse(root: Path) -> str:
     """`inspect`'s check and loading give the same refusal."""
     with pytest.raises(EngineDirError) as checked:
@@ -200,6 +204,15 @@ def engine_copy(tiny_engine_dir, tmp_path):
     (lambda d: (d / "target" / "rank0.safetensors").write_bytes(
         (d / "target" / "rank0.safetensors").read_bytes()[:100_000]), "target/rank0.safetensors"),
     (lambda d: (d / "tokenizer" / "tokenizer.json").write_text("{}"), "tokenizer.json"),
+    # the stored formats against the manifest's quantization sections
+    (lambda d: edit_manifest(d, lambda m: _section(m, "dflash").update(quant_algo="NVFP4")),
+     "layers.0.mlp.down_proj is stored as fp8, but the manifest's quant_algo is NVFP4"),
+    (lambda d: edit_manifest(d, lambda m: _section(m, "dflash2").update(quant_algo="MXFP8")),
+     "quant_algo 'MXFP8' is not one metrale runs"),
+    (lambda d: edit_manifest(d, lambda m: _section(m, "dflash")["quantized_modules"].remove("lm_head")),
+     "stored but not listed: ['lm_head']"),
+    (lambda d: edit_manifest(d, lambda m: _section(m, "mtp")["quantized_modules"].append("fc")),
+     "listed but not stored: ['fc']"),
 ])
 def test_corrupted_engine_dir_refused_alike_by_inspect_and_load(engine_copy, corrupt, words):
     corrupt(engine_copy)
