@@ -112,11 +112,10 @@ class _ExportLinear(nn.Module):
 
     def forward(self, x):
         m = self.inner
-        if m.kind == "fp8":
-            return m._add_bias(_Fp8Gemm.apply(x, m.weight, m.weight_scale))
-        if m.kind == "nvfp4":
-            return m._add_bias(_Nvfp4Gemm.apply(x, m.weight, m.weight_scale, m.weight_scale_2))
-        raise ValueError(f"a {m.kind!r} linear has no metrale ONNX node; the export knows fp8 and nvfp4")
+        gemm = {"fp8": _Fp8Gemm, "nvfp4": _Nvfp4Gemm}.get(m.kind)  # its node, fed its stored tensors
+        if gemm is None:
+            raise ValueError(f"a {m.kind!r} linear has no metrale ONNX node; the export knows fp8 and nvfp4")
+        return m._add_bias(gemm.apply(x, *(getattr(m, name) for name in m._FORMAT_BUFFERS)))
 
 
 @contextlib.contextmanager

@@ -54,38 +54,27 @@ def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
 def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: str, repeats: int):
     """The cost model `--dflash-adaptive-k` decides with, measured: for k = 0..γ−1 the step time
     with a fixed draft count k (a one-rung ladder), the median over `repeats` runs of the mean
-    step time over `prompts`, every count decoding each prompt in turn before the next (a slow
-    stretch of a shared machine lands on all counts alike, as in `run_modes`); and the
-    drafter's per-position acceptance over those steps (`AcceptanceEstimator`'s pooled rate).
-    -> CostModel with `acceptance`."""
-
+    step time over `prompts`, the counts run as `run_modes` runs modes (interleaved per prompt);
+    and the drafter's per-position acceptance over those steps (`AcceptanceEstimator`'s pooled
+    rate). -> CostModel with `acceptance`."""
     from metrale.runtime.adaptive_k import AcceptanceEstimator
-    from metrale.runtime.specconfig import CostModel, SpeculativeConfig
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.specconfig import CostModel
 
     g = engine.drafters[drafter].config.block_size
-    counts = range(0, g)
-    gens = [EngineGenerator(engine, SpeculativeConfig.from_flags(**(
-        {} if k == 0 else {"dflash": True, "dflash_drafter": drafter, "dflash_draft_ladder": str(k)})))
-        for k in counts]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    table = [(str(k), {} if k == 0 else {"dflash": True, "dflash_drafter": drafter,
+                                         "dflash_draft_ladder": str(k)}) for k in range(g)]
+    runs = run_modes(engine, table, prompts, max_tokens, repeats)
     est = AcceptanceEstimator()
-    per_step = [[] for _ in counts]  # per count, per repeat: mean step seconds over the prompts
-    for r in range(repeats):
-        seconds, steps = [0.0] * len(gens), [0] * len(gens)
-        for ids in prompts:
-            for k, gen in zip(counts, gens):
-                res = gen.decoder().generate(ids, params)
-                seconds[k] += res.seconds - res.prefill_s
-                steps[k] += len(res.steps)
-                if r == 0:  # greedy: every repeat verifies the same drafts
-                    for s in res.steps:
-                        est.update(s.drafted, s.accepted)
-        for k in counts:
-            per_step[k].append(seconds[k] / max(1, steps[k]))
-    ms = tuple(round(1000 * statistics.median(p), 3) for p in per_step)
-    return CostModel(first=0, ms=ms, acceptance=round(est.pooled(), 4))
+    for name, _ in table:
+        for prompt_runs in runs[name]:
+            for s in prompt_runs[0].steps:  # greedy: every repeat verifies the same drafts
+                est.update(s.drafted, s.accepted)
+    ms = []
+    for name, _ in table:  # per repeat, the mean step time over the prompts
+        per_step = [sum(p[r].seconds - p[r].prefill_s for p in runs[name])
+                    / max(1, sum(len(p[r].steps) for p in runs[name])) for r in range(repeats)]
+        ms.append(round(1000 * statistics.median(per_step), 3))
+    return CostModel(first=0, ms=tuple(ms), acceptance=round(est.pooled(), 4))
 
 
 def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], max_tokens: int,
@@ -261,7 +250,7 @@ def bench(
                  if not wanted or name == "plain" or any(w in name for w in wanted)]
         sweeps: list[dict[int, float]] = []  # c(r), one sweep before each prompt's turn
         runs = run_modes(engine, table, prompts, max_tokens, repeats,
-                         between=lambda: sweeps.append(target_row_costs(engine, prompts[0], calls=5, sweeps=1)))
+                         between=lambda: sweeps.append(target_row_costs(engine, prompts[0])))
         row_costs = {r: round(statistics.median(s[r] for s in sweeps), 4) for r in sweeps[0]}
         for name, flags in table:
             row, outputs = summarize(runs[name], plain_tokens)

@@ -41,12 +41,9 @@ def all_taps(engine) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
-def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 20,
-                     sweeps: int = 3) -> dict[int, float]:
-    """c(r) for r = 1..max_rows (see the module docstring): per row count the median of `calls`
-    forwards in a row (as a decode loop repeats its step), over `sweeps` sweeps of every row
-    count, the median of the sweeps' medians (a slow stretch of a shared machine during one
-    sweep moves it no more than it moves the others)."""
+def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 5) -> dict[int, float]:
+    """One sweep of c(r) for r = 1..max_rows (see the module docstring): per row count the
+    median of `calls` forwards in a row (as a decode loop repeats its step), after a warm-up."""
     target, taps = engine.target, all_taps(engine)
     device = target.model.embed_tokens.weight.device
     ids = torch.tensor([prompt], device=device)
@@ -63,14 +60,12 @@ def target_row_costs(engine, prompt: list[int], max_rows: int = 8, calls: int = 
         cache.length = base
         return time.perf_counter() - t0
 
-    counts = range(1, max_rows + 1)
-    medians = {r: [] for r in counts}
-    for _ in range(sweeps):
-        for r in counts:
-            for _ in range(3):  # warm-up
-                step(r)
-            medians[r].append(statistics.median(step(r) for _ in range(calls)))
-    return {r: round(1000 * statistics.median(m), 4) for r, m in medians.items()}
+    costs = {}
+    for r in range(1, max_rows + 1):
+        for _ in range(3):  # warm-up
+            step(r)
+        costs[r] = round(1000 * statistics.median(step(r) for _ in range(calls)), 4)
+    return costs
 
 
 def interpolate(costs: dict[int, float], rows: float) -> float:

@@ -55,9 +55,11 @@ def tracing() -> bool:
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim in two kernels: LayerNorm of [x, −x] is RMSNorm of x (the
-    mean is zero and the variance is mean(x²)). Eager `F.rms_norm` runs about eight kernels on a
-    CPU; this agrees with it within an ulp or two (float32)."""
+    """x / rms(x) over the last dim. Eagerly in two kernels: LayerNorm of [x, −x] is RMSNorm of x
+    (the mean is zero and the variance is mean(x²)); eager `F.rms_norm` runs about eight on a
+    CPU, and this agrees with it within an ulp or two (float32). Captured, the textbook form."""
+    if tracing():
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     h = x.shape[-1]
     return torch.layer_norm(torch.cat((x, x.neg()), -1), (2 * h,), None, None, eps).narrow(-1, 0, h)
 
@@ -74,10 +76,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype == torch.float32:  # the same arithmetic, without the no-op casts
             weight = 1.0 + self.weight if self.zero_centred else self.weight
-            if not tracing():
-                return rms_normalize(x, self.eps) * weight
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return y * weight
+            return rms_normalize(x, self.eps) * weight
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centred:
@@ -233,8 +232,7 @@ class Attention(nn.Module):
             qk, v = F.linear(x, self.qkv_weight).split_with_sizes(
                 [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
             qk = qk.view(b, t, self.nh + self.nkv, self.hd)  # q heads, then k heads
-            qk = (F.rms_norm(qk, (self.hd,), None, self.q_norm.eps) if tracing() else
-                  rms_normalize(qk, self.q_norm.eps)) * self.qk_norm_weight
+            qk = rms_normalize(qk, self.q_norm.eps) * self.qk_norm_weight
             qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, nh+nkv, T, hd]
             q, k = qk.split_with_sizes([self.nh, self.nkv], dim=1)
             v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
@@ -324,6 +322,9 @@ class MoE(nn.Module):
             down.append(float_weight(expert.down_proj).t())
         self.experts_gate_up = torch.cat(gate_up, dim=0).to(dtype)  # [E·2I, H]
         self.experts_down = torch.stack(down).to(dtype).contiguous()  # [E, I, H]
+        # per expert, views (no copies): its [2I, H] gate/up rows and its [H, I] down weight
+        self._expert_views = (list(self.experts_gate_up.chunk(len(self.experts))),
+                              [d.t() for d in self.experts_down.unbind(0)])
         plain = [e for e in self.experts if all(type(lin) is nn.Linear for lin in
                                                  (e.gate_proj, e.up_proj, e.down_proj))]
         if len(plain) == len(self.experts) and self.experts_gate_up.dtype == self.gate.weight.dtype:
@@ -356,7 +357,7 @@ class MoE(nn.Module):
         traffic, and at these sizes a step is bound by it). The routing is read on the host,
         which on a CPU is no synchronisation; the op count is fixed by rows × k, whatever the
         routing. A row's slots are summed in expert-id order, as the dense path sums them."""
-        gate_up, down = self._expert_views()
+        gate_up, down = self._expert_views
         rows = []
         for row, row_ids, row_w in zip(x, ids.tolist(), weights.tolist()):  # row [H]
             acc = None
@@ -366,15 +367,6 @@ class MoE(nn.Module):
                 acc = y.mul_(w) if acc is None else acc.add_(y, alpha=w)
             rows.append(acc)
         return torch.stack(rows)  # [N, H]
-
-    def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per expert: its [2I, H] gate/up rows and its [H, I] down weight, views (no copies)."""
-        views = getattr(self, "_views", None)
-        if views is None or views[0][0].data_ptr() != self.experts_gate_up.data_ptr():
-            e = self.experts_down.shape[0]
-            views = (list(self.experts_gate_up.chunk(e)), [d.t() for d in self.experts_down.unbind(0)])
-            self._views = views
-        return views
 
     def _dense_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every row, weighted by the (mostly zero) routing weights: a fixed
