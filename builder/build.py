@@ -122,7 +122,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
                               "tp_size": tp, "rank_weight_bytes": shard.shard_bytes(shards)},
                              declared=state)
             sources[name] = {"path": str(src), "sha256": checkpoint_digest(src)}
-        engines = build_engines(w, opts, progress) if opts.trt_flavor != "none" else {}
+        engines = build_engines(w, opts, progress) if opts.onnx else {}
         if opts.cpu_engines == "aoti":
             from metrale.builder.cpu_build import build_cpu_packages
 
@@ -142,7 +142,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
                      "target_sm": list(opts.target_sm),
                      "engine_sm": engines.get("target_sm", []),
                      "skipped_sm": engines.get("skipped_sm", []),
-                     "cpu_engines": opts.cpu_engines})
+                     "cpu_engines": opts.cpu_engines, "onnx": opts.onnx})
         progress("hashing and installing")
     return BuildReport(out, w.manifest, time.time() - t0, memory)
 

@@ -58,8 +58,8 @@ def cache_dir() -> Path:
 
 def max_slots(target_config) -> int:
     """The most cache slots a request may use: its context, a drafter's chain or block past it
-    and a padded step, rounded up (see `cpu_engine.slots_for`)."""
-    from metrale.runtime.cpu_engine import SLOT_ALIGN
+    and a padded step, rounded up (see `backends.aoti.slots_for`)."""
+    from metrale.runtime.backends.aoti import SLOT_ALIGN
 
     need = target_config.max_position_embeddings + 192
     return -(-need // SLOT_ALIGN) * SLOT_ALIGN
@@ -152,7 +152,7 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
     """Compile (or take from the cache) every package into `<component>/cpu/` of the staging
     directory `w.path`; returns each component's manifest `cpu` entry. `components` maps the
     names written so far to their manifest entries (kind, naming, tp_size)."""
-    from metrale.runtime.cpu_engine import build_fingerprint
+    from metrale.runtime.backends.aoti import build_fingerprint
     from metrale.runtime.errors import EngineDirError
 
     root = Path(w.path)

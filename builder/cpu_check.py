@@ -20,14 +20,14 @@ import torch
 def _packages(root, jobs, name):
     import torch._inductor
 
-    from metrale.runtime.cpu_engine import Package
+    from metrale.runtime.backends.aoti import Package
 
     return [Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel)), j.kind != "dflash")
             for j in jobs if j.name == name]
 
 
 def _check_target(root, jobs, staged, taps, slots, gen) -> dict:
-    from metrale.runtime.cpu_engine import CompiledTarget
+    from metrale.runtime.backends.aoti import CompiledTarget
 
     target = staged.target
     packages = _packages(root, jobs, "target")
@@ -51,7 +51,7 @@ def _check_target(root, jobs, staged, taps, slots, gen) -> dict:
 
 
 def _check_mtp(root, jobs, name, staged, slots, gen) -> dict:
-    from metrale.runtime.cpu_engine import CompiledMTP
+    from metrale.runtime.backends.aoti import CompiledMTP
 
     head = staged.mtp
     compiled = CompiledMTP(head, _packages(root, jobs, name), slots)
@@ -67,7 +67,7 @@ def _check_mtp(root, jobs, name, staged, slots, gen) -> dict:
 
 
 def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
-    from metrale.runtime.cpu_engine import CompiledDFlash
+    from metrale.runtime.backends.aoti import CompiledDFlash
 
     drafter, target = staged.drafters[name], staged.target
     job = next(j for j in jobs if j.name == name)

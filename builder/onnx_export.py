@@ -26,11 +26,9 @@ TensorRT profiles need P ≥ 1: a first step passes one dummy past slot with pos
 Quantized linears (`qlinear.Fp8Linear`, `Nvfp4Linear`) export as `metrale`-domain nodes (opset
 `metrale` 1): `Fp8W8A16Gemm(x, w FLOAT8E4M3FN [N, K], scale f32 [N])` and
 `NvFp4W4A16Gemm(x, packed uint8 [N, K/2], block_scale FLOAT8E4M3FN [N, K/16], global_scale f32 [])`.
-That portable graph is what the engine directory stores. `lower_for_sm` rewrites it for one SM:
-where TensorRT has a native path (FP8 from SM89, FP4 from SM100) a node becomes standard ops —
-per-row DequantizeLinear + MatMul, or the FP4 E2M1 block-16 double DequantizeLinear (opset 23) —
-and otherwise stays a node for the TensorRT plugin (`plugins.trt_plugin`), its uint8 and FP8
-weight tensors retyped int8 holding the same bytes (see `_bytes_as_int8` for why).
+That portable graph is what the engine directory stores; `plugins.onnx_lowering` rewrites it for
+the runtime executing it (`lower_for_sm`: one SM's TensorRT engine; `lower_for_onnxruntime`: the
+onnxruntime backend).
 
 MoE layers export densely: every expert on every token, weighted by the router's top-k weights
 scattered into [N, E] (the runtime's per-token sum plus exact zeros, at E/k times the work).
@@ -44,29 +42,17 @@ from dataclasses import dataclass
 
 import onnx
 import torch
-from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
+from metrale.plugins.onnx_lowering import DOMAIN, FP8_OP, NVFP4_OP, lower_for_sm
 from metrale.runtime import qlinear
 from metrale.runtime.dflash import DFlashDrafter
 from metrale.runtime.layers import MoE, attend, rope_cos_sin
 from metrale.runtime.mtp import MTPHead
 from metrale.runtime.qwen3 import Qwen3ForCausalLM
 
-DOMAIN = "metrale"
 DOMAIN_VERSION = 1
 EXPORT_OPSET = 20  # the legacy exporter's ceiling; FP8 DequantizeLinear needs 19
-FP4_OPSET = 23  # FLOAT4E2M1 DequantizeLinear
-_FLOATS = (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16)
-FP8_OP, NVFP4_OP = "Fp8W8A16Gemm", "NvFp4W4A16Gemm"
-
-
-def native_fp8(sm: int) -> bool:  # TensorRT's FP8 DequantizeLinear path: Ada and newer
-    return sm >= 89
-
-
-def native_fp4(sm: int) -> bool:  # E2M1 tensors: Blackwell (SM100/SM120) and newer
-    return sm >= 100
 
 
 # -- quantized linears as metrale nodes ------------------------------------------------------
@@ -372,129 +358,3 @@ def _quiet_export():
         # "Only steps=1 can be constant folded": the strided slice stays a node, as it should.
         warnings.filterwarnings("ignore", message="Constant folding")
         yield
-
-
-# -- lowering for an SM --------------------------------------------------------------------
-
-
-def metrale_ops(model: onnx.ModelProto) -> dict[str, int]:
-    """Count of metrale-domain nodes by op type (what the TensorRT plugins must cover)."""
-    counts: dict[str, int] = {}
-    for node in model.graph.node:
-        if node.domain == DOMAIN:
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
-
-
-def lower_for_sm(model: onnx.ModelProto, sm: int) -> onnx.ModelProto:
-    """A copy of the portable graph with native standard-op paths wherever `sm` has them."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    _fold_weight_identities(out.graph)
-    inits = {t.name: t for t in out.graph.initializer}
-    elem = _value_types(out)
-    nodes, fp4 = [], False
-    for node in out.graph.node:
-        if node.domain == DOMAIN and node.op_type == FP8_OP and native_fp8(sm):
-            nodes += _fp8_native(node, elem)
-        elif node.domain == DOMAIN and node.op_type == NVFP4_OP and native_fp4(sm):
-            nodes += _fp4_native(node, elem, inits, out.graph)
-            fp4 = True
-        else:
-            if node.domain == DOMAIN:
-                for name in node.input[1:]:
-                    if name in inits:  # a scalar scale may be a Constant node: float, kept
-                        _bytes_as_int8(inits[name])
-            nodes.append(node)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    used = {name for n in out.graph.node for name in n.input}
-    keep = [t for t in out.graph.initializer if t.name in used]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(keep)
-    if not metrale_ops(out):  # nothing left for a plugin: no custom domain to declare
-        keep_ops = [op for op in out.opset_import if op.domain != DOMAIN]
-        del out.opset_import[:]
-        out.opset_import.extend(keep_ops)
-    for op in out.opset_import if fp4 else ():
-        if op.domain in ("", "ai.onnx"):
-            op.version = max(op.version, FP4_OPSET)
-    return out
-
-
-def _fold_weight_identities(graph: onnx.GraphProto) -> None:
-    """The exporter shares equal initializers through `Identity` nodes; point their consumers at
-    the initializer itself so every weight a metrale node reads is an initializer it can see."""
-    inits = {t.name for t in graph.initializer}
-    outputs = {o.name for o in graph.output}
-    alias = {n.output[0]: n.input[0] for n in graph.node
-             if n.op_type == "Identity" and n.input[0] in inits and n.output[0] not in outputs}
-    if not alias:
-        return
-    keep = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
-    for n in keep:
-        for i, name in enumerate(n.input):
-            if name in alias:
-                n.input[i] = alias[name]
-    del graph.node[:]
-    graph.node.extend(keep)
-
-
-def _value_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type by recorded value name; None: the activation type (first float output's)."""
-    vis = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
-    out = {v.name: v.type.tensor_type.elem_type for v in vis}
-    acts = [out[o.name] for o in model.graph.output if out[o.name] in _FLOATS] + [TensorProto.FLOAT]
-    return {**out, None: acts[0]}
-
-
-def _matmul_tail(node, w_name: str, elem: dict[str, int]) -> list[onnx.NodeProto]:
-    """W f32 [N, K] -> y = x @ W.T, W cast like x first when x is not (or may not be) float32."""
-    x, y, base = node.input[0], node.output[0], node.name or node.output[0]
-    x_type, cast, nodes = elem.get(x, TensorProto.UNDEFINED), f"{base}/w_cast", []
-    if x_type == TensorProto.UNDEFINED and elem.get(None, TensorProto.FLOAT) != TensorProto.FLOAT:
-        nodes, w_name = [helper.make_node("CastLike", [w_name, x], [cast])], cast
-    elif x_type not in (TensorProto.FLOAT, TensorProto.UNDEFINED):
-        nodes, w_name = [helper.make_node("Cast", [w_name], [cast], to=x_type)], cast
-    return nodes + [helper.make_node("Transpose", [w_name], [f"{base}/w_t"], perm=[1, 0]),
-                    helper.make_node("MatMul", [x, f"{base}/w_t"], [y])]
-
-
-def _fp8_native(node, elem) -> list[onnx.NodeProto]:
-    _, w, scale = node.input
-    base = node.name or node.output[0]
-    dq = helper.make_node("DequantizeLinear", [w, scale], [f"{base}/w"], axis=0)  # f32 [N, K]
-    return [dq, *_matmul_tail(node, f"{base}/w", elem)]
-
-
-def _fp4_native(node, elem, inits, graph) -> list[onnx.NodeProto]:
-    """packed u8 [N, K/2] -> FLOAT4E2M1 [N, K] (same bytes: element 2i is the low nibble, as
-    ONNX packs 4-bit types), block scales dequantized by the global scale first, then the
-    block-16 dequantize: the scale product precedes the E2M1 value, as `plugins.formats` does."""
-    _, packed, block_scale, global_scale = node.input
-    base = node.name or node.output[0]
-    src = inits[packed]
-    n, half = src.dims
-    fp4 = TensorProto(name=f"{packed}/fp4", data_type=TensorProto.FLOAT4E2M1, dims=[n, 2 * half],
-                      raw_data=numpy_helper.to_array(src).tobytes())
-    if fp4.name not in inits:  # one packed tensor may feed several nodes
-        graph.initializer.append(fp4)
-        inits[fp4.name] = fp4
-    scales = helper.make_node("DequantizeLinear", [block_scale, global_scale], [f"{base}/scale"])
-    dq = helper.make_node("DequantizeLinear", [fp4.name, f"{base}/scale"], [f"{base}/w"],
-                          axis=1, block_size=16)
-    return [scales, dq, *_matmul_tail(node, f"{base}/w", elem)]
-
-
-def _bytes_as_int8(t: TensorProto) -> None:
-    """Retype a uint8 or FLOAT8E4M3FN initializer as int8 holding the same bytes.
-
-    Why: TensorRT's ONNX parser widens uint8 weights to int32 (four times the memory, a layout no
-    kernel expects); a network that needs both int8 and fp8 is refused ("int8SupportRequired &&
-    fp8SupportRequired"); SM75-SM86 have no fp8 type at all. Int8 bytes pass through unchanged,
-    and the plugin's kernel decodes E2M1 codes and E4M3 bits itself."""
-    if t.data_type in (TensorProto.UINT8, TensorProto.FLOAT8E4M3FN):
-        raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
-        t.ClearField("int32_data")
-        t.data_type = TensorProto.INT8
-        t.raw_data = raw

@@ -88,6 +88,8 @@ class BuildOptions:
     target_sm: tuple[int, ...] = (89, 120)  # SM numbers the engines and cubins are built for
     cpu_engines: str = "aoti"  # aoti: the target's steps as AOTInductor packages for this CPU
     trt_dtype: str = "bfloat16"  # what the ONNX graphs and TensorRT engines compute in
+    onnx: bool = True  # each component's step as an ONNX graph (what TensorRT compiles and
+    # the onnxruntime backend runs)
 
     def __post_init__(self) -> None:
         _one_of("cpu_engines", self.cpu_engines, CPU_ENGINES)
@@ -96,9 +98,12 @@ class BuildOptions:
         _one_of("mtp_quantization", self.mtp_quantization, MTP_QUANTIZATIONS)
         _one_of("trt_flavor", self.trt_flavor, TRT_FLAVORS)
         _one_of("trt_dtype", self.trt_dtype, TRT_DTYPES)
-        if not isinstance(self.mtp_experts_nvfp4, bool):
-            raise ConfigError(f"mtp_experts_nvfp4 = {self.mtp_experts_nvfp4!r} is not allowed; "
-                              "expected true or false")
+        for key in ("mtp_experts_nvfp4", "onnx"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} = {getattr(self, key)!r} is not allowed; expected true or false")
+        if not self.onnx and self.trt_flavor != "none":
+            raise ConfigError(f"onnx = false with trt_flavor = {self.trt_flavor!r}: TensorRT builds its "
+                              "engines from the ONNX graphs; set trt_flavor = \"none\" or onnx = true")
         if self.mtp_experts_nvfp4 and self.mtp_quantization != "bf16":
             # The experts are requantized from BF16: an FP8 head has no BF16 experts to start from.
             raise ConfigError(

@@ -103,23 +103,26 @@ def states_for(engine_dir: str | Path, manifest: Manifest,
 
 
 def check_plans(engine_dir: str | Path, manifest: Manifest, *, draft_tier: str | None = None,
-                mtp_experts_nvfp4: bool | None = None, dtype: str | None = None) -> None:
-    """TensorRT plans are compiled with their build's weights and dtype: refuse another tier or
-    another explicit --dtype by name (`dtype` as given on the command line; auto takes theirs)."""
+                mtp_experts_nvfp4: bool | None = None, dtype: str | None = None,
+                backend: str = "tensorrt") -> None:
+    """A graph backend's graphs (TensorRT plans, or the ONNX graphs onnxruntime runs) hold their
+    build's weights: refuse another tier by name, and for TensorRT another explicit --dtype
+    (`dtype` as given on the command line; auto takes theirs)."""
+    what = "TensorRT plans" if backend == "tensorrt" else "ONNX graphs"
     built = manifest.build.get("trt_dtype", "float32")
     wanted = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
-    if wanted not in (None, "auto", built):
+    if backend == "tensorrt" and wanted not in (None, "auto", built):
         raise ConfigError(f"--dtype {dtype}: the TensorRT plans of engine directory {engine_dir} "
                           f"compute in {built}; use --dtype auto or {built}, or rebuild with "
                           f"--trt-dtype {wanted}")
     tier, nvfp4 = built_tiers(manifest)
     if draft_tier not in (None, tier):
-        raise ConfigError(f"--draft-weight-quantization {draft_tier}: the TensorRT plans of engine "
+        raise ConfigError(f"--draft-weight-quantization {draft_tier}: the {what} of engine "
                           f"directory {engine_dir} were built with drafter weights at {tier}; "
                           f"serve them at {tier}, run another backend, or rebuild with "
                           f"--draft-weight-quantization {draft_tier}")
     if mtp_experts_nvfp4 not in (None, nvfp4):
         flag = "--mtp-experts-nvfp4" if mtp_experts_nvfp4 else "--no-mtp-experts-nvfp4"
-        raise ConfigError(f"{flag}: the TensorRT plans of engine directory {engine_dir} were built "
+        raise ConfigError(f"{flag}: the {what} of engine directory {engine_dir} were built "
                           f"with the MTP head's experts {'in NVFP4' if nvfp4 else 'in BF16'}; "
                           "serve them so, run another backend, or rebuild")

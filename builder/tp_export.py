@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from metrale.builder import onnx_export as ox
+from metrale.plugins import onnx_lowering as lw
 from metrale.runtime.dflash import DFlashDrafter
 from metrale.runtime.tp import TOP_CANDIDATES, TensorParallel
 
@@ -60,7 +61,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, x, group_size: int, rank: int):
-        out = g.op(f"{ox.DOMAIN}::{ALL_REDUCE}", x, group_size_i=group_size, rank_i=rank)
+        out = g.op(f"{lw.DOMAIN}::{ALL_REDUCE}", x, group_size_i=group_size, rank_i=rank)
         out.setType(x.type())
         return out
 
@@ -74,7 +75,7 @@ class _AllGather(torch.autograd.Function):
     def symbolic(g, x, group_size: int, rank: int):
         from torch.onnx import symbolic_helper
 
-        out = g.op(f"{ox.DOMAIN}::{ALL_GATHER}", x, group_size_i=group_size, rank_i=rank)
+        out = g.op(f"{lw.DOMAIN}::{ALL_GATHER}", x, group_size_i=group_size, rank_i=rank)
         sizes = symbolic_helper._get_tensor_sizes(x)
         out.setType(x.type() if sizes is None else x.type().with_sizes([group_size, *sizes]))
         return out
@@ -178,7 +179,7 @@ def export_rank(drafter: DFlashDrafter) -> onnx.ModelProto:
 
 def collective_ops(model: onnx.ModelProto) -> dict[str, int]:
     """Count of AllReduce / AllGather nodes (a subset of `onnx_export.metrale_ops`)."""
-    return {op: n for op, n in ox.metrale_ops(model).items() if op in COLLECTIVE_OPS}
+    return {op: n for op, n in lw.metrale_ops(model).items() if op in COLLECTIVE_OPS}
 
 
 # -- loading the rank modules ------------------------------------------------------------------

@@ -37,9 +37,10 @@ import onnx
 from torch import nn
 
 from metrale.builder import onnx_export as ox
+from metrale.plugins import onnx_lowering as lw
 from metrale.builder.trt_env import TrtFlavor, TrtModule, load_trt, rtx_compute_capabilities
 from metrale.runtime.errors import ConfigError, MetraleError
-from metrale.runtime.trt_runner import shared_logger
+from metrale.runtime.backends.trt_runner import shared_logger
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def plugin_activations(trt, network, model: onnx.ModelProto, what: str) -> dict[
     launch. Every GEMM node of `model` must have become a plugin layer (checked by count)."""
     from metrale.plugins.trt_plugin import GEMM_OPS, act_of
 
-    want = sum(1 for n in model.graph.node if n.domain == ox.DOMAIN and n.op_type in GEMM_OPS)
+    want = sum(1 for n in model.graph.node if n.domain == lw.DOMAIN and n.op_type in GEMM_OPS)
     out: dict[str, set[str]] = {}
     found = 0
     for i in range(network.num_layers):
@@ -291,7 +292,7 @@ def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 12
             "onnx": rel, "onnx_seconds": round(time.time() - t0, 3),
             "io": {"inputs": list(gio.inputs), "outputs": list(gio.outputs),
                    "dynamic": {k: {str(a): v for a, v in ax.items()} for k, ax in gio.dynamic.items()}},
-            "plugin_ops": ox.metrale_ops(portable), "engines": {},
+            "plugin_ops": lw.metrale_ops(portable), "engines": {},
         }
         if kind == "target" and taps:
             info["taps"] = list(taps)
@@ -324,7 +325,7 @@ def _write_rank_engines(tm, sms, root: Path, name: str, ranks: list[nn.Module], 
         graphs.append(tp_export.export_rank(module))
         onnx_files.append(f"{name}/rank{r}.onnx")
         save_onnx(graphs[-1], root / onnx_files[-1])
-    ops = [ox.metrale_ops(g) for g in graphs]
+    ops = [lw.metrale_ops(g) for g in graphs]
     if any(o != ops[0] for o in ops):  # the ranks' collectives must pair up one to one
         raise EngineBuildError(f"component {name}: the rank graphs hold different metrale ops: {ops}")
     files = [p.relative_to(root).as_posix() for r in range(len(ranks))
@@ -358,9 +359,9 @@ def _write_rank_engines(tm, sms, root: Path, name: str, ranks: list[nn.Module], 
 def build_one(tm: TrtModule, portable: onnx.ModelProto, sm: int, kind: str, module: nn.Module,
               gio: ox.GraphIO, ranges, root: Path, name: str, rank: int = 0) -> BuiltEngine:
     t0 = time.time()
-    lowered = ox.lower_for_sm(portable, sm)
+    lowered = lw.lower_for_sm(portable, sm)
     data, acts = build_engine_bytes(tm, lowered, sm, ranges, gio, f"component {name} (rank {rank})")
     path = root / name / f"rank{rank}.sm{sm}.engine"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-    return BuiltEngine(path, sm, time.time() - t0, len(data), ox.metrale_ops(lowered), acts)
+    return BuiltEngine(path, sm, time.time() - t0, len(data), lw.metrale_ops(lowered), acts)

@@ -172,20 +172,19 @@ def torch_threads() -> int:
 def _load_engine(engine_dir, device, dtype, backend_kind, draft_tier, mtp_nvfp4):
     """The engine every mode runs on; the weight-tier flags apply to every drafter and the head."""
     from metrale.builder.requantize import check_plans, requantized_states
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
     from metrale.runtime.engine_dir import load_manifest
-    from metrale.runtime.trt_backend import Backend, load_trt_engine
 
     manifest = load_manifest(engine_dir)
-    if backend_kind is Backend.TENSORRT:
+    if backend_kind.runs_graphs:
         check_plans(engine_dir, manifest, draft_tier=draft_tier, mtp_experts_nvfp4=mtp_nvfp4,
-                    dtype=dtype)
-        return load_trt_engine(engine_dir, device=device)
+                    dtype=dtype, backend=backend_kind.value)
+        return load_engine(engine_dir, backend=backend_kind, device=device)
     drafters = tuple(n for n, i in manifest.components.items() if i.get("kind") == "dflash")
     states = requantized_states(engine_dir, manifest, draft_tier=draft_tier, drafters=drafters,
                                 mtp_experts_nvfp4=mtp_nvfp4 if "mtp" in manifest.components else None)
     return load_engine(engine_dir, dtype=o.torch_dtype(dtype, device), device=device,
-                       backend=backend_kind.value, states=states)
+                       backend=backend_kind, states=states)
 
 
 @app.command()
@@ -208,7 +207,7 @@ def bench(
 
         from metrale.bench_costs import host_ms, mode_bound, target_row_costs, transformers_reference
         from metrale.runtime.errors import ConfigError
-        from metrale.runtime.trt_backend import Backend, resolve_backend
+        from metrale.runtime.backends import resolve_backend
 
         checks.int_range("--num-prompts", num_prompts, 1)
         checks.int_range("--max-tokens", max_tokens, 1)
@@ -276,10 +275,10 @@ def bench(
                   "threads": torch_threads(),
                   "quantization": engine.manifest.build.get("draft_weight_quantization"),
                   "bench_seconds": round(time.time() - t0, 1), "modes": rows}
-        if backend_kind is Backend.TENSORRT:  # how each engine ran: eager calls, graph replays
-            from metrale.runtime.trt_backend import runner_stats
+        if backend_kind.runs_graphs:  # how each graph ran: eager calls, graph replays
+            from metrale.runtime.backends.graph_steps import runner_stats
 
-            result["trt_runners"] = runner_stats(engine)
+            result["graph_runners"] = runner_stats(engine)
         t = Table(title=Text(f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens)"))
         for col in ("mode", "tok/s", "τ", "speedup", "bound", "of bound (+h)", "e", "rows/tok",
                     "draft/verify/host", "=plain"):

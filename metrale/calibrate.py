@@ -38,14 +38,14 @@ def calibrate(
 
         from metrale.bench import DEFAULT_PROMPTS, measure_costs
         from metrale.runtime import calibration
-        from metrale.runtime.engine import load_engine
+        from metrale.runtime.backends import load_engine, resolve_backend
         from metrale.runtime.engine_dir import add_files
         from metrale.runtime.errors import ConfigError
-        from metrale.runtime.trt_backend import Backend, resolve_backend
 
         kind, device = resolve_backend(backend, None, dtype)
-        if kind is Backend.TENSORRT:
-            raise ConfigError("--backend tensorrt: calibrate measures the CPU backends (auto, torch, aoti)")
+        if kind.runs_graphs:
+            raise ConfigError(f"--backend {kind.value}: calibrate measures the torch models' backends "
+                              "(auto, torch, aoti)")
         path = prompts_file or DEFAULT_PROMPTS
         try:
             texts = json.loads(Path(path).read_text())[:num_prompts]

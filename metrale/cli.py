@@ -226,21 +226,20 @@ def sampling_params(temperature: float, top_p: float, seed: Optional[int], max_t
 
 
 def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"):
-    tiers = spec.draft_weight_quantization is not None or spec.mtp_experts_nvfp4 is not None
-    if backend == "tensorrt":
-        from metrale.builder.requantize import check_plans
-        from metrale.runtime.engine_dir import load_manifest
-        from metrale.runtime.trt_backend import load_trt_generator
-
-        check_plans(engine_dir, load_manifest(engine_dir), draft_tier=spec.draft_weight_quantization,
-                    mtp_experts_nvfp4=spec.mtp_experts_nvfp4, dtype=dtype)
-        return load_trt_generator(engine_dir, spec, device=device)
+    from metrale.runtime.backends import Backend
+    from metrale.runtime.engine_dir import load_manifest
     from metrale.runtime.service import load_generator
 
+    tiers = spec.draft_weight_quantization is not None or spec.mtp_experts_nvfp4 is not None
+    if Backend.parse(backend).runs_graphs:  # the graphs hold the built tiers: refuse others
+        from metrale.builder.requantize import check_plans
+
+        check_plans(engine_dir, load_manifest(engine_dir), draft_tier=spec.draft_weight_quantization,
+                    mtp_experts_nvfp4=spec.mtp_experts_nvfp4, dtype=dtype, backend=backend)
+        return load_generator(engine_dir, spec, device=device, backend=backend)
     states = None
     if tiers:  # another tier than the built one: quantized at load from the declared weights
         from metrale.builder.requantize import states_for
-        from metrale.runtime.engine_dir import load_manifest
 
         states = states_for(engine_dir, load_manifest(engine_dir), spec)
     return load_generator(engine_dir, spec, dtype=o.torch_dtype(dtype, device), device=device,
@@ -251,7 +250,7 @@ def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: 
     """Check --backend against --device/--dtype/--nproc, relaunch under torchrun when asked,
     load, and on a follower rank serve the leader's proposes until it shuts down: returns the
     generator on the leader rank, None elsewhere."""
-    from metrale.runtime.trt_backend import resolve_backend
+    from metrale.runtime.backends import resolve_backend
 
     checks.device(device)
     o.torch_dtype(dtype)

@@ -25,13 +25,16 @@ BACKEND_HELP = ("What runs the models. auto (default): aoti on a CPU when the en
                 "equal one-row steps, so chunkwise verify emits plain greedy text). aoti: the "
                 "AOTInductor packages of the target, the MTP head and the one-rank drafters (built "
                 "with --cpu-engines aoti; CPU only, float32; a tensor-parallel drafter runs in eager "
-                "PyTorch). tensorrt: its TensorRT engines for this GPU's SM, with CUDA graphs for the "
+                "PyTorch). onnxruntime: the engine directory's ONNX graphs (the ones TensorRT "
+                "compiles) in onnxruntime on a CPU, float32, one process, the built weight tiers. "
+                "tensorrt: its TensorRT engines for this GPU's SM, with CUDA graphs for the "
                 "one-token decode steps and the block proposes (needs an NVIDIA GPU and engines built "
                 "for its SM; one process).")
-Backend = Annotated[str, typer.Option("--backend", metavar="auto|torch|aoti|tensorrt", help=BACKEND_HELP)]
+Backend = Annotated[str, typer.Option("--backend", metavar="auto|torch|aoti|onnxruntime|tensorrt", help=BACKEND_HELP)]
 DTYPE_HELP = ("Activation dtype. auto (default): bfloat16 on a CUDA device, where it is native; "
               "float32 on a CPU, where plain decoding measured faster in it (and the aoti "
-              "packages are float32); with --backend tensorrt, the dtype the engines were built "
+              "packages are float32); with --backend onnxruntime, float32 (the only one it "
+              "takes); with --backend tensorrt, the dtype the engines were built "
               "in (metrale build's --trt-dtype, bfloat16 by default). float32 or bfloat16: that "
               "dtype (the tensorrt backend refuses one its engines were not built in).")
 Dtype = Annotated[str, typer.Option(metavar="auto|float32|bfloat16", help=DTYPE_HELP)]

@@ -43,7 +43,7 @@ def read_entries(engine_dir: Path) -> list[dict]:
 
 def setting(drafter: str, backend: str, dtype: str, threads: int) -> dict:
     """The keys an entry is looked up by, for this process."""
-    from metrale.runtime.cpu_engine import build_fingerprint
+    from metrale.runtime.backends.aoti import build_fingerprint
 
     fp = build_fingerprint(getattr(__import__("torch"), dtype), threads)
     return {"drafter": drafter, "backend": backend, "dtype": dtype, "threads": threads,

@@ -244,25 +244,23 @@ def check_engine_dir(engine_dir: str | Path, verify: bool = True) -> Manifest:
     return manifest
 
 
-def load_engine(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
+def load_models(engine_dir: str | Path, *, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", components: tuple[str, ...] | None = None,
-                tp: TensorParallel | None = None, backend: str = "torch",
+                tp: TensorParallel | None = None,
                 states: dict[str, tuple[dict, str]] | None = None) -> LoadedEngine:
-    """Verify and load. `components` limits which optional parts are loaded (target always);
-    `tp` makes every drafter this rank's tensor-parallel shard. `backend` "aoti" runs the target
-    on the directory's CPU packages (refused when it has none that fit this process); "auto"
-    does so on a CPU when it can, replays the target's steps as CUDA graphs on a CUDA device
-    (`cuda_graphs`), and runs eager torch otherwise (`backend_note` says why). `states`: a
+    """Verify and load the torch models. `components` limits which optional parts are loaded
+    (target always); `tp` makes every drafter this rank's tensor-parallel shard. `states`: a
     component's one-rank weights to use instead of its files, with their source (weights
-    requantized at load to another tier, see `builder.requantize`)."""
+    requantized at load to another tier, see `builder.requantize`). What runs them is
+    `backends.load_engine`'s choice."""
     path = Path(engine_dir)
     manifest = check_engine_dir(path)
-    return build_models(path, manifest, dtype, torch.device(device), components, tp, backend, states)
+    return build_models(path, manifest, dtype, torch.device(device), components, tp, states)
 
 
 def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: torch.device,
                  components: tuple[str, ...] | None = None, tp: TensorParallel | None = None,
-                 backend: str = "torch", states: dict[str, tuple[dict, str]] | None = None) -> LoadedEngine:
+                 states: dict[str, tuple[dict, str]] | None = None) -> LoadedEngine:
     """Every component's model filled from its rank files. On the meta device only the files'
     headers are read: a dry run of loading (names, shapes, dtypes) that builds no weights."""
     meta = device.type == "meta"
@@ -273,8 +271,6 @@ def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: tor
     fill_engine_state(target, tensors, source)
     engine = LoadedEngine(path, manifest, tokenizer, target, dtype=dtype, device=device,
                           requantized={n: source for n, (_, source) in states.items()})
-    if backend == "aoti" or (backend == "auto" and device.type != "cuda"):
-        _use_cpu_packages(engine, manifest.components["target"], backend)
     for name, info in manifest.components.items():
         kind = info.get("kind")
         if name == "target" or (components is not None and name not in components):
@@ -296,70 +292,7 @@ def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: tor
             engine.drafters[name] = fill_engine_state(drafter, tensors, source)
         else:
             raise EngineDirError(f"engine directory {path}: component {name} has unknown kind {kind!r}")
-    if backend == "auto" and device.type == "cuda":
-        _use_cuda_graphs(engine)  # after the drafters: their taps are captured with the steps
-    if engine.backend == "aoti":
-        _use_cpu_drafters(engine, backend)
     return engine
-
-
-def _use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
-    """Swap the MTP head and each one-rank drafter for its AOTInductor packages where the
-    engine directory has them (a tensor-parallel drafter keeps running eagerly)."""
-    from metrale.runtime.cpu_engine import load_compiled
-
-    for name, info in engine.manifest.components.items():
-        if name == "target" or "cpu" not in info:
-            continue
-        model = engine.mtp if info.get("kind") == "mtp" else engine.drafters.get(name)
-        if model is None or getattr(model, "tp", None) is not None:
-            continue
-        if name in engine.requantized:  # the packages hold the weights of the built tier
-            engine.backend_note = (f"{name} runs eagerly: its CPU packages hold the weights it was "
-                                   f"built with, not these ({engine.requantized[name]})")
-            log.info("engine directory %s: %s", engine.path, engine.backend_note)
-            continue
-        try:
-            compiled = load_compiled(engine.path, name, info, pack_for_inference(model), engine.dtype)
-        except (EngineDirError, RuntimeError, OSError) as exc:
-            if backend == "aoti":
-                raise EngineDirError(f"--backend aoti: engine directory {engine.path}: {name}: {exc}") from None
-            engine.backend_note = f"{name} runs eagerly: its CPU packages do not load ({exc})"
-            log.info("engine directory %s: %s", engine.path, engine.backend_note)
-            continue
-        if info.get("kind") == "mtp":
-            engine.mtp = compiled
-        else:
-            engine.drafters[name] = compiled
-
-
-def _use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
-    """Swap the target's decode face for its AOTInductor packages (see `cpu_engine`)."""
-    from metrale.runtime.cpu_engine import load_compiled
-
-    where = f"engine directory {engine.path}"
-    why = None
-    if engine.device.type != "cpu":
-        why = f"the CPU packages run on the CPU, not {engine.device}"
-    elif "cpu" not in info:
-        why = "it has no CPU packages (build it with --cpu-engines aoti)"
-    if why is None:
-        try:
-            pack_for_inference(engine.target)
-            engine.target = load_compiled(engine.path, "target", info, engine.target, engine.dtype)
-            engine.backend = "aoti"
-            return
-        except EngineDirError as exc:
-            if backend == "aoti":
-                raise
-            why = str(exc)
-        except (RuntimeError, OSError) as exc:  # the package's code would not load here
-            why = f"its CPU packages do not load in this process ({exc})"
-    if backend == "aoti":
-        raise EngineDirError(f"--backend aoti: {where}: {why}")
-    if "cpu" in info and engine.device.type == "cpu":  # packages there, but not runnable here
-        engine.backend_note = f"CPU packages not used, running eager torch: {why}"
-    log.info("%s: running eager torch (%s)", where, why)
 
 
 def _decoder(cfg: dict, path: Path, name: str) -> DecoderConfig:
@@ -367,31 +300,3 @@ def _decoder(cfg: dict, path: Path, name: str) -> DecoderConfig:
         return DecoderConfig.from_hf(cfg, f"engine directory {path}: {name}/config.json")
     except CheckpointError as exc:
         raise EngineDirError(f"{exc}; rebuild it with metrale build") from None
-
-
-def graph_taps(engine: LoadedEngine) -> tuple[int, ...]:
-    """Every target layer a loaded drafter reads, in first-seen order."""
-    return tuple(dict.fromkeys(i for d in engine.drafters.values() for i in d.config.target_layer_ids))
-
-
-def _use_cuda_graphs(engine: LoadedEngine, graphs=None) -> None:
-    """Swap the target's decode face for its steps captured as CUDA graphs (see `cuda_graphs`);
-    on any failure keep eager torch, logging and recording why (`engine.backend_note`).
-    `graphs` replaces the CUDA capture (tests pass `cuda_graphs.EagerGraphs`)."""
-    from metrale.runtime.cuda_graphs import load_graph_target
-
-    model, why = engine.target, None
-    try:
-        pack_for_inference(model)
-        target = load_graph_target(model, graph_taps(engine), graphs=graphs)
-    except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager target
-        why = f"{type(exc).__name__}: {exc}"
-    if why is not None:  # out of the handler: the traceback's frames (and their buffers) are gone
-        engine.target, engine.backend = model, "torch"
-        engine.backend_note = f"CUDA graphs failed, running eager torch: {why}"
-        log.warning("engine directory %s: %s", engine.path, engine.backend_note)
-        if engine.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return
-    engine.target, engine.backend = target, target.runner.graphs.name
-    engine.backend_note = ""

@@ -29,7 +29,8 @@ import torch
 
 from metrale.runtime.configs import DFlashConfig
 from metrale.runtime.decode import DecodeResult, Decoder
-from metrale.runtime.engine import LoadedEngine, load_engine
+from metrale.runtime.backends import Backend, load_engine
+from metrale.runtime.engine import LoadedEngine
 from metrale.runtime.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.metrics import SpecMetricsAggregate
@@ -163,6 +164,18 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
     and resolve to 1 or the world size; above 1 every drafter is loaded as this rank's shard,
     at 1 only the leader loads drafters and relays its drafts (`spec_relay`).
     """
+    kind = Backend.parse(backend)
+    if kind.runs_graphs:  # one process, one rank: the graphs are the one-rank build's
+        import os
+
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size > 1:
+            raise ConfigError(f"--backend {kind.value} runs in one process, not {world_size} torchrun ranks")
+        tp_ranks = getattr(spec.draft_tp_size, "ranks", None)
+        if tp_ranks is not None and tp_ranks > 1:
+            raise ConfigError(f"--draft-tp-size {tp_ranks}: the {kind.value} backend runs one-rank "
+                              "graphs; use --backend torch for tensor-parallel drafters")
+        return EngineGenerator(load_engine(engine_dir, backend=kind, device=device), spec)
     world = World.from_env(device)
     tp, relay, components = None, False, None
     if spec.mode is SpecMode.DFLASH:

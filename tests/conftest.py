@@ -66,7 +66,8 @@ def tiny_recipe():
 @pytest.fixture(scope="session")
 def engine_factory(tiny_recipe, tmp_path_factory):
     """build(tier="fp8", **overrides) -> engine directory, cached per argument set. CPU packages
-    are compiled only where a test asks for them (`cpu_engines="aoti"`): they take minutes."""
+    are compiled only where a test asks for them (`cpu_engines="aoti"`): they take minutes; ONNX
+    graphs likewise (`onnx=True`)."""
     from metrale.builder.build import build_engine
 
     cache: dict = {}
@@ -75,8 +76,10 @@ def engine_factory(tiny_recipe, tmp_path_factory):
         key = (tier, tuple(sorted(overrides.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp("engine") / f"tiny-{tier}"
+            # ONNX graphs where a test asks for them (or for TensorRT engines, built from them)
+            onnx = overrides.get("trt_flavor", "none") != "none"
             recipe = tiny_recipe.with_build(draft_weight_quantization=tier,
-                                            **{"cpu_engines": "none", **overrides})
+                                            **{"cpu_engines": "none", "onnx": onnx, **overrides})
             cache[key] = build_engine(recipe, out).engine_dir
         return cache[key]
 
@@ -96,7 +99,7 @@ def aoti_engine_dir(engine_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_engine_dir):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     return load_engine(tiny_engine_dir)
 

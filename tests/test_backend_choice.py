@@ -10,8 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from metrale.runtime.errors import ConfigError, EngineDirError
-from metrale.runtime.trt_backend import Backend, resolve_backend
-from metrale.runtime.trt_runner import pick_engine_sm
+from metrale.runtime.backends import Backend, resolve_backend
+from metrale.runtime.backends.trt_runner import pick_engine_sm
 
 
 def plain_text(s: str) -> str:
@@ -55,7 +55,7 @@ def test_backend_and_device_defaults(args, expected):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(backend="tpu", device=None), "--backend 'tpu': allowed values are auto, torch, aoti, tensorrt"),
+    (dict(backend="tpu", device=None), "--backend 'tpu': allowed values are auto, torch, aoti, onnxruntime, tensorrt"),
     (dict(backend="aoti", device="cuda"), "--backend aoti runs the engine's CPU packages; --device cuda"),
     (dict(backend="tensorrt", device="cpu"), "needs --device cuda or cuda:N, got --device cpu"),
     (dict(backend="tensorrt", device=None, nproc=2), "--nproc 2"),

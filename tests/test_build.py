@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from metrale.builder.build import build_engine
-from metrale.runtime.engine import load_engine
+from metrale.runtime.backends import load_engine
 from metrale.runtime.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, EngineDirError, MetraleError
 

@@ -27,7 +27,7 @@ def test_auto_parses_and_resolves_only_with_a_table():
 
 
 def test_calibrate_writes_a_checksummed_table_that_auto_uses(tiny_engine_dir, tmp_path):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
     from metrale.runtime.engine_dir import load_manifest
     from metrale.runtime.service import EngineGenerator
 

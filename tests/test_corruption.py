@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from metrale.builder.build import check_tokenizer
 from metrale.runtime.configs import target_config
-from metrale.runtime.engine import load_engine
+from metrale.runtime.backends import load_engine
 from metrale.runtime.engine import check_engine_dir
 from metrale.runtime.errors import CheckpointError, EngineDirError, MetraleError
 from metrale.runtime.loader import load_dflash, load_mtp, load_target

@@ -1,4 +1,4 @@
-"""The cuda-graphs backend (`runtime/cuda_graphs.py`): on a CPU its capture and replay run through
+"""The cuda-graphs backend (`runtime/backends/cuda_graphs.py`): on a CPU its capture and replay run through
 the `EagerGraphs` stand-in, which checks the runner's bookkeeping (static inputs, static KV views
 handed out per request, clones of the outputs, foreign and retired caches refused), that it
 decodes like the eager backend, and that a failed capture leaves eager torch with the reason.
@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import CHUNKWISE_MODES
 
-from metrale.runtime.cpu_engine import CompiledTarget, StaticKVCache
+from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
 from metrale.runtime.cpu_steps import TargetStep
-from metrale.runtime.cuda_graphs import (EagerGraphs, ForeignCache, GraphPackage, GraphTarget, load_graph_target,
+from metrale.runtime.backends.cuda_graphs import (EagerGraphs, ForeignCache, GraphPackage, GraphTarget, load_graph_target,
                                          slot_buckets)
 from metrale.runtime.layers import pack_for_inference
 
@@ -113,10 +113,11 @@ def test_foreign_and_retired_caches_are_refused(graph_target, packed):
 @pytest.fixture(scope="module")
 def stand_in_engine(tiny_engine_dir):
     """The default engine with its target on the stand-in graphs, as auto loads it on CUDA."""
-    from metrale.runtime.engine import _use_cuda_graphs, load_engine
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
 
     engine = load_engine(tiny_engine_dir, backend="torch")
-    _use_cuda_graphs(engine, graphs=EagerGraphs())
+    use_cuda_graphs(engine, graphs=EagerGraphs())
     return engine
 
 
@@ -133,7 +134,7 @@ def test_engine_records_what_runs_the_target(stand_in_engine):
 def test_stand_in_decodes_like_the_eager_target(stand_in_engine, tiny_engine_dir, tiny_prompts):
     """Greedy plain decoding through the runner gives the eager backend's tokens."""
     from metrale.runtime.decode import Decoder
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
     from metrale.runtime.sampling import SamplingParams
 
     eager = load_engine(tiny_engine_dir, backend="torch")  # not the shared fixture's engine
@@ -176,13 +177,14 @@ class _FailingCapture(EagerGraphs):
                                  TypeError("an unexpected failure")], ids=["runtime", "other"])
 def test_a_capture_failure_falls_back_to_eager_with_the_reason(tiny_engine_dir, tiny_prompts, exc, caplog):
     from metrale.runtime.decode import Decoder
-    from metrale.runtime.engine import _use_cuda_graphs, load_engine
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
     from metrale.runtime.qwen3 import Qwen3ForCausalLM
     from metrale.runtime.sampling import SamplingParams
 
     engine = load_engine(tiny_engine_dir, backend="torch")
     with caplog.at_level("WARNING"):
-        _use_cuda_graphs(engine, graphs=_FailingCapture(exc))
+        use_cuda_graphs(engine, graphs=_FailingCapture(exc))
     assert engine.backend == "torch" and isinstance(engine.target, Qwen3ForCausalLM)
     assert engine.backend_note.startswith("CUDA graphs failed, running eager torch")
     assert str(exc) in engine.backend_note and str(exc) in caplog.text
@@ -193,22 +195,24 @@ def test_a_capture_failure_falls_back_to_eager_with_the_reason(tiny_engine_dir, 
 
 def test_real_capture_on_a_cpu_device_falls_back(tiny_engine_dir):
     """Without the stand-in, a CPU engine cannot capture: eager torch, and the note says why."""
-    from metrale.runtime.engine import _use_cuda_graphs, load_engine
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
 
     engine = load_engine(tiny_engine_dir, backend="torch")
-    _use_cuda_graphs(engine)
+    use_cuda_graphs(engine)
     assert engine.backend == "torch" and "need a CUDA device" in engine.backend_note
 
 
 def test_auto_on_a_cpu_does_not_try_cuda_graphs(tiny_engine_dir):
-    from metrale.runtime.cpu_engine import build_fingerprint
-    from metrale.runtime.engine import _use_cpu_packages, load_engine
+    from metrale.runtime.backends.aoti import build_fingerprint
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.aoti import use_cpu_packages
 
     engine = load_engine(tiny_engine_dir, backend="auto")
     assert engine.backend == "torch" and engine.backend_note == ""  # no CPU packages: nothing to note
     # packages built for another machine: eager torch, and the note says why
     info = {"cpu": {**build_fingerprint(torch.float32, 1), "isa": "AVX512_NOT_HERE", "packages": []}}
-    _use_cpu_packages(engine, info, "auto")
+    use_cpu_packages(engine, info, "auto")
     assert engine.backend == "torch" and "built for isa 'AVX512_NOT_HERE'" in engine.backend_note
 
 
@@ -219,7 +223,7 @@ def test_auto_on_a_cpu_does_not_try_cuda_graphs(tiny_engine_dir):
 def test_cuda_graphs_on_gpu_decode_like_plain_greedy_in_every_mode(tiny_engine_dir, tiny_prompts):
     """auto on CUDA captures real graphs; every mode's exact verify emits plain greedy's tokens;
     --backend torch on CUDA stays eager."""
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
     from metrale.runtime.specconfig import SpeculativeConfig
@@ -244,7 +248,7 @@ def test_cuda_capture_follows_the_documented_sequence(monkeypatch):
     import contextlib
     import inspect
 
-    from metrale.runtime.cuda_graphs import WARMUP, CudaGraphs
+    from metrale.runtime.backends.cuda_graphs import WARMUP, CudaGraphs
 
     assert "pool" in inspect.signature(torch.cuda.graph.__init__).parameters
     calls = []

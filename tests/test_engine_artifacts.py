@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from metrale.runtime.engine import load_engine
+from metrale.runtime.backends import load_engine
 from metrale.runtime.engine_dir import load_manifest
 from metrale.runtime.errors import EngineDirError
 

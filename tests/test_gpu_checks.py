@@ -103,14 +103,14 @@ def test_the_package_can_be_assembled_from_symlinks(tmp_path):
     # where pip cannot install it: the source folders linked as pyproject.toml maps them
     dest = gc.link_package(ROOT, tmp_path / "pkg")
     env = dict(os.environ, PYTHONPATH=str(dest))
-    code = ("import metrale, metrale.runtime.trt_cache, metrale.plugins.aot, metrale.builder.recipe; "
-            "print(metrale.__file__, metrale.runtime.trt_cache.__file__)")
+    code = ("import metrale, metrale.runtime.backends.graph_cache, metrale.plugins.aot, metrale.builder.recipe; "
+            "print(metrale.__file__, metrale.runtime.backends.graph_cache.__file__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     pkg_file, cache_file = out.stdout.split()
     assert pkg_file.startswith(str(dest))  # this package, not the installed one
-    assert Path(cache_file).resolve() == ROOT / "runtime" / "trt_cache.py"
+    assert Path(cache_file).resolve() == ROOT / "runtime" / "backends" / "graph_cache.py"
 
 
 def _bench(speedups: dict, identical: int = 4) -> dict:

@@ -19,6 +19,7 @@ from onnx.reference.op_run import OpRun
 from torch import nn
 
 from metrale.builder import onnx_export as ox
+from metrale.plugins import onnx_lowering as lw
 from metrale.plugins.fp8_gemm import fp8_w8a16_gemm
 from metrale.plugins.nvfp4_gemm import nvfp4_w4a16_gemm
 from metrale.runtime import qlinear
@@ -54,7 +55,7 @@ def _has_fp4(model: onnx.ModelProto) -> bool:
 
 
 def run_graph(model: onnx.ModelProto, feeds: dict) -> tuple[str, list[np.ndarray]]:
-    if ox.metrale_ops(model) or _has_fp4(model):
+    if lw.metrale_ops(model) or _has_fp4(model):
         ref = ReferenceEvaluator(model, new_ops=[Fp8W8A16Gemm, NvFp4W4A16Gemm])
         return "reference", ref.run(None, feeds)
     opts = ort.SessionOptions()
@@ -98,18 +99,18 @@ def test_fp8_linear_node_and_lowerings():
     assert isinstance(model.graph.node[0], onnx.NodeProto)
     for sm, engine, ops in [(None, "reference", {"Fp8W8A16Gemm": 1}), (86, "reference", {"Fp8W8A16Gemm": 1}),
                             (89, "onnxruntime", {}), (120, "onnxruntime", {})]:
-        g = model if sm is None else ox.lower_for_sm(model, sm)
-        assert ox.metrale_ops(g) == ops
+        g = model if sm is None else lw.lower_for_sm(model, sm)
+        assert lw.metrale_ops(g) == ops
         how, (y,) = run_graph(g, {"x": x})
         assert how == engine
         np.testing.assert_array_equal(y, [[[2.5, 22.0]]])
     # Below SM89 the plugin gets the FP8 bits as int8; on SM89 a per-row DequantizeLinear.
-    low = ox.lower_for_sm(model, 86)
+    low = lw.lower_for_sm(model, 86)
     weight = next(t for t in low.graph.initializer if t.name.endswith("weight"))
     assert weight.data_type == TensorProto.INT8 and weight.raw_data == w.view(torch.uint8).numpy().tobytes()
-    dq = [n for n in ox.lower_for_sm(model, 89).graph.node if n.op_type == "DequantizeLinear"]
+    dq = [n for n in lw.lower_for_sm(model, 89).graph.node if n.op_type == "DequantizeLinear"]
     assert len(dq) == 1 and dq[0].attribute[0].name == "axis" and dq[0].attribute[0].i == 0
-    assert all(o.domain != "metrale" for o in ox.lower_for_sm(model, 89).opset_import)
+    assert all(o.domain != "metrale" for o in lw.lower_for_sm(model, 89).opset_import)
 
 
 def test_nvfp4_linear_node_and_lowerings():
@@ -128,18 +129,18 @@ def test_nvfp4_linear_node_and_lowerings():
     assert types["weight_scale_2"] == (TensorProto.FLOAT, [])
     x = np.ones((1, 1, 16), dtype=np.float32)
     for sm, ops in [(None, {"NvFp4W4A16Gemm": 1}), (89, {"NvFp4W4A16Gemm": 1}), (120, {})]:
-        g = model if sm is None else ox.lower_for_sm(model, sm)
-        assert ox.metrale_ops(g) == ops
+        g = model if sm is None else lw.lower_for_sm(model, sm)
+        assert lw.metrale_ops(g) == ops
         _, (y,) = run_graph(g, {"x": x})
         np.testing.assert_array_equal(y, [[[3.25, 8.0]]])
-    sm120 = ox.lower_for_sm(model, 120)
+    sm120 = lw.lower_for_sm(model, 120)
     fp4 = [t for t in sm120.graph.initializer if t.data_type == TensorProto.FLOAT4E2M1]
     assert len(fp4) == 1 and list(fp4[0].dims) == [2, 16]
     assert fp4[0].raw_data == packed.numpy().tobytes()  # the same bytes, reinterpreted
     dqs = [n for n in sm120.graph.node if n.op_type == "DequantizeLinear"]
     assert [{a.name: a.i for a in n.attribute} for n in dqs] == [{}, {"axis": 1, "block_size": 16}]
     assert max(o.version for o in sm120.opset_import if o.domain == "") == 23
-    sm89 = ox.lower_for_sm(model, 89)
+    sm89 = lw.lower_for_sm(model, 89)
     assert {t.name.rsplit(".", 1)[-1]: t.data_type for t in sm89.graph.initializer} == {
         "weight": TensorProto.INT8, "weight_scale": TensorProto.INT8, "weight_scale_2": TensorProto.FLOAT}
 
@@ -236,7 +237,7 @@ def _check_component(kind, module, taps):
         ref = ox.adapter(kind, module, taps)(*ins)
     feeds = {n: v.numpy() for n, v in zip(gio.inputs, ins)}
     for sm in (None, 89, 120):
-        g = model if sm is None else ox.lower_for_sm(model, sm)
+        g = model if sm is None else lw.lower_for_sm(model, sm)
         how, outs = run_graph(g, feeds)
         assert [o.name for o in g.graph.output] == list(gio.outputs)
         diff = max(float(np.abs(o - r.numpy()).max()) for o, r in zip(outs, ref))
@@ -246,7 +247,7 @@ def _check_component(kind, module, taps):
 
 @pytest.fixture(scope="module")
 def nvfp4_engine(engine_factory):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     return load_engine(engine_factory("nvfp4", mtp_experts_nvfp4=True))
 
@@ -255,15 +256,15 @@ def test_fp8_engine_graphs_match_torch(tiny_engine):
     for kind, module, taps in _components(tiny_engine):
         model = _check_component(kind, module, taps)
         quantized = sum(isinstance(m, qlinear.Fp8Linear) for m in module.modules())
-        assert ox.metrale_ops(model) == ({"Fp8W8A16Gemm": quantized} if quantized else {})
+        assert lw.metrale_ops(model) == ({"Fp8W8A16Gemm": quantized} if quantized else {})
 
 
 def test_nvfp4_engine_graphs_match_torch(nvfp4_engine):
     for kind, module, taps in _components(nvfp4_engine):
         model = _check_component(kind, module, taps)
         quantized = sum(isinstance(m, qlinear.Nvfp4Linear) for m in module.modules())
-        assert ox.metrale_ops(model) == ({"NvFp4W4A16Gemm": quantized} if quantized else {})
-        assert ox.metrale_ops(ox.lower_for_sm(model, 120)) == {}
+        assert lw.metrale_ops(model) == ({"NvFp4W4A16Gemm": quantized} if quantized else {})
+        assert lw.metrale_ops(lw.lower_for_sm(model, 120)) == {}
 
 
 def test_export_leaves_the_model_unchanged(nvfp4_engine):

@@ -110,7 +110,7 @@ def test_flags_need_their_mode():
 def test_decoding_on_a_tier_chosen_at_load_equals_the_built_tier(tiny_engine_dir, engine_factory,
                                                                  tiny_prompts):
     """Same bytes, same drafts: a serve of the fp8 engine at nvfp4 decodes as the nvfp4 build."""
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
 
@@ -146,7 +146,7 @@ def test_generate_cli_takes_the_tier_flags(tiny_engine_dir):
 
 def test_aoti_runs_a_requantized_drafter_eagerly(aoti_engine_dir):
     from metrale.runtime.dflash import DFlashDrafter
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     m = load_manifest(aoti_engine_dir)
     states = requantized_states(aoti_engine_dir, m, draft_tier="nvfp4", drafters=("dflash",))

@@ -1,7 +1,7 @@
 """Batch-invariant verify on the eager torch backend in bfloat16 (CPU): each row of a k+1-row
 verify forward is bit-identical to the one-row decode step at its position, so chunkwise
 speculation emits plain greedy decoding's text in every mode, without --exact-verify.
-(The aoti backend's float32 promise is tested in test_cpu_engine.)"""
+(The aoti backend's float32 promise is tested in test_aoti_backend.)"""
 
 import json
 
@@ -12,7 +12,7 @@ from conftest import CHUNKWISE_MODES, assert_verify_rows_are_one_row_steps
 
 @pytest.fixture(scope="module")
 def bf16_engine(tiny_engine_dir):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     engine = load_engine(tiny_engine_dir, backend="torch", dtype=torch.bfloat16).pack()
     assert engine.rows_invariant

@@ -177,7 +177,8 @@ def test_build_refuses_kv_heads_that_do_not_split_before_writing(tiny_recipe, tm
 
 
 def test_a_one_rank_build_is_cut_at_load_to_a_two_rank_builds_bytes(tiny_engine_dir, engine_factory):
-    from metrale.runtime.engine import _drafter_tensors, load_engine
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.engine import _drafter_tensors
     from metrale.runtime.engine_dir import load_manifest
 
     two = engine_factory("fp8", draft_tp_size=2)
@@ -245,7 +246,7 @@ def test_two_rank_shards_put_back_are_the_one_rank_bytes(engine_factory, tier):
 
 
 def test_a_sharded_build_loads_whole_on_one_rank(engine_factory, tiny_engine):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     merged = load_engine(engine_factory("fp8", draft_tp_size=2))
     for name in DRAFTERS:
@@ -275,7 +276,7 @@ def _worker(rank: int, port: int, engine_dir: str, prompts_file: str, out_file: 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
     from metrale.runtime.specconfig import SpeculativeConfig

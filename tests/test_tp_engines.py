@@ -98,7 +98,7 @@ def _one_rank_job(engine, name: str, engine_dir: Path, gen: torch.Generator) -> 
 @pytest.fixture(scope="module")
 def two_rank_graphs(engine_factory, tmp_path_factory):
     """(ranks' outputs, the one-rank drafters' outputs, the one-rank engines) per (tier, drafter)."""
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     tmp = tmp_path_factory.mktemp("tp_onnx")
     gen = torch.Generator().manual_seed(11)
@@ -254,12 +254,12 @@ def test_tp_build_writes_every_rank_engine_per_sm(rtx, engine_factory, tier):
 def test_parsed_rank_network_holds_the_collective_plugin_layers(rtx, engine_factory, r):
     import onnx
 
-    from metrale.builder import onnx_export as ox
+    from metrale.plugins import onnx_lowering as lw
     from metrale.plugins.trt_plugin import register_plugins
 
     trt = rtx.trt
     engine_dir = tp_build(engine_factory, "nvfp4")
-    lowered = ox.lower_for_sm(onnx.load(str(engine_dir / "dflash" / f"rank{r}.onnx")), 89)
+    lowered = lw.lower_for_sm(onnx.load(str(engine_dir / "dflash" / f"rank{r}.onnx")), 89)
     plugins = register_plugins(trt, 89)
     logger = trt.Logger(trt.Logger.ERROR)
     network = trt.Builder(logger).create_network(
@@ -274,7 +274,7 @@ def test_parsed_rank_network_holds_the_collective_plugin_layers(rtx, engine_fact
             made.append((layer.plugin, tuple(layer.get_output(0).shape)))
     ops = [p.plugin_name for p, _ in made]
     assert ops.count("AllReduce") == 4 and ops.count("AllGather") == 1
-    assert ops.count("NvFp4W4A16Gemm") == ox.metrale_ops(lowered)["NvFp4W4A16Gemm"] == len(ops) - 5
+    assert ops.count("NvFp4W4A16Gemm") == lw.metrale_ops(lowered)["NvFp4W4A16Gemm"] == len(ops) - 5
     collectives = [(p, shape) for p, shape in made if p.plugin_name in ("AllReduce", "AllGather")]
     assert {(p.group_size, p.rank) for p, _ in collectives} == {(2, r)}
     # the sums keep the hidden shape; the gather adds the rank axis: [2, 1, G (dynamic), 33]

@@ -27,10 +27,10 @@ from metrale.runtime.errors import EngineDirError
 from metrale.runtime.sampling import SamplingParams
 from metrale.runtime.service import EngineGenerator
 from metrale.runtime.specconfig import SpeculativeConfig
-from metrale.runtime.trt_backend import (
-    TrtDrafter, TrtMTPHead, TrtTarget, propose_graph_key,
+from metrale.runtime.backends.graph_steps import (
+    GraphDrafter, GraphMTP, GraphTarget, propose_graph_key,
 )
-from metrale.runtime.trt_cache import EngineCache, SlotPool, position_limit
+from metrale.runtime.backends.graph_cache import EngineCache, SlotPool, position_limit
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
 MODES = {
@@ -88,16 +88,16 @@ def standin_engine(e: LoadedEngine, target_profile=TOKENS_PROFILE, mtp_profile=T
     them together: the target's context limited by every component's profile)."""
     limit = position_limit(e.target.config.max_position_embeddings,
                            [p["past"][2] for p in (target_profile, mtp_profile, draft_profile)])
-    target = TrtTarget(AdapterRunner("target", e.target, target_profile, ENGINE_TAPS), target_profile,
+    target = GraphTarget(AdapterRunner("target", e.target, target_profile, ENGINE_TAPS), target_profile,
                        e.target.config, e.target.model.embed_tokens, ENGINE_TAPS, limit)
-    mtp = TrtMTPHead(AdapterRunner("mtp", e.mtp, mtp_profile), mtp_profile, e.mtp.config.decoder)
+    mtp = GraphMTP(AdapterRunner("mtp", e.mtp, mtp_profile), mtp_profile, e.mtp.config.decoder)
     drafters = {}
     for name, d in e.drafters.items():
         books = None
         if d.config.version == 2:
             sel = d.candidate_selector
             books = (sel.predecessor_codebook.detach(), sel.successor_codebook.detach())
-        drafters[name] = TrtDrafter(AdapterRunner("dflash", d, draft_profile), draft_profile,
+        drafters[name] = GraphDrafter(AdapterRunner("dflash", d, draft_profile), draft_profile,
                                     d.config, books)
     return LoadedEngine(e.path, e.manifest, e.tokenizer, target, mtp, drafters)
 
@@ -218,7 +218,7 @@ def _build_flavor(sm: int) -> str | None:
 
 @pytest.fixture(scope="session")
 def gpu_engine_dir(engine_factory):
-    from metrale.runtime.trt_runner import gpu_sm
+    from metrale.runtime.backends.trt_runner import gpu_sm
 
     given = dict(p.split("=", 1) for p in os.environ.get("METRALE_TRT_ENGINES", "").split(",") if p)
     sm = gpu_sm(torch.device("cuda"))
@@ -239,8 +239,8 @@ def gpu_engine_dir(engine_factory):
 
 
 def _engines(gpu_engine_dir, tier="fp8"):
-    from metrale.runtime.engine import load_engine
-    from metrale.runtime.trt_backend import load_trt_engine
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.tensorrt import load_trt_engine
 
     from metrale.runtime.engine_dir import load_manifest
 
@@ -315,7 +315,7 @@ def test_gpu_greedy_matches_torch_and_exact_verify_matches_plain(gpu_engine_dir,
 
 @pytest.mark.gpu
 def test_gpu_decode_steps_replay_cuda_graphs_and_reuse_them(gpu_engine_dir, tiny_prompts):
-    from metrale.runtime.trt_backend import runner_stats
+    from metrale.runtime.backends.tensorrt import runner_stats
 
     _, trt = _engines(gpu_engine_dir)
     decode(trt, tiny_prompts[:1], MODES["dflash"])
@@ -348,7 +348,7 @@ def test_gpu_cli_generate_with_the_tensorrt_backend(gpu_engine_dir):
 
 @pytest.mark.gpu
 def test_gpu_refuses_a_directory_without_engines(engine_factory):
-    from metrale.runtime.trt_backend import load_trt_engine
+    from metrale.runtime.backends.tensorrt import load_trt_engine
 
     with pytest.raises(EngineDirError, match="holds no TensorRT engines"):
         load_trt_engine(engine_factory("fp8"), device="cuda")  # the default build: trt_flavor none
@@ -363,7 +363,7 @@ def test_engine_cache_reports_its_length_and_size():
 
 
 def test_cache_starts_at_the_opt_size_and_grows_keeping_its_positions():
-    from metrale.runtime.trt_cache import CacheSizes
+    from metrale.runtime.backends.graph_cache import CacheSizes
 
     sizes = CacheSizes(2, 1, 2, [8, 4], torch.float32, torch.device("cpu"))  # opt 4, max 8
     c = sizes.cache()
@@ -429,7 +429,7 @@ def test_dflash_gamma_below_the_block_replays_graphs(standins, tiny_prompts):
 def test_closing_an_engine_releases_runners_before_the_plugins_they_use():
     from types import SimpleNamespace
 
-    from metrale.runtime.trt_backend import close_trt_engine
+    from metrale.runtime.backends.tensorrt import close_trt_engine
 
     order = []
     part = lambda name: SimpleNamespace(runner=SimpleNamespace(close=lambda: order.append(name)))  # noqa: E731

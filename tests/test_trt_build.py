@@ -88,7 +88,7 @@ def _quantized(module) -> dict[str, int]:
 
 @pytest.mark.parametrize("tier", ["declared", "fp8", "fp8-aux", "nvfp4"])
 def test_drafter_engines_per_tier(rtx, engine_factory, tmp_path, tier):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     engine = load_engine(engine_factory(tier), components=("dflash", "dflash2"))
     # The target and the head do not depend on the drafter tier: left out here.
@@ -116,7 +116,7 @@ def test_drafter_engines_per_tier(rtx, engine_factory, tmp_path, tier):
 
 
 def test_target_and_nvfp4_mtp_engines(rtx, engine_factory, tmp_path):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     engine = load_engine(engine_factory("nvfp4", mtp_experts_nvfp4=True), components=("mtp",))
     result = tb.write_engines(tmp_path, engine, flavor="rtx", target_sm=SMS)

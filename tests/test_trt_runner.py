@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from metrale.runtime.errors import EngineDirError
-from metrale.runtime.trt_runner import EngineRunner, ShapeOutsideProfile, shared_logger
+from metrale.runtime.backends.trt_runner import EngineRunner, ShapeOutsideProfile, shared_logger
 
 MAX_ROWS = 8  # the stand-in engine's profile: x [1..8]
 

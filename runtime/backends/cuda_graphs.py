@@ -14,7 +14,7 @@ modules on the GPU and captured, as gpt-fast does with its decode step, once per
   before the next replay.
 - `run(ids, pos, *kv)` of a (rows, slots) package copies ids and pos into the static inputs,
   refuses kv tensors that are not the bucket's static ones (`ForeignCache`), replays, and
-  returns clones of the outputs. The packages plug into `cpu_engine.CompiledTarget` as
+  returns clones of the outputs. The packages plug into `aoti.CompiledTarget` as
   `GraphPackage` callables: padding, chunking of long prompts and the per-request slot bucket
   are its own; its `new_cache` asks `GraphRunner.new_cache` for the bucket's static views.
 - One sequence at a time, as the decode loop runs (the server decodes one request at a time):
@@ -28,7 +28,7 @@ whose rows may differ from one-row steps in the last bits (cuBLAS picks kernels 
 `graphs` abstracts capture and replay: `CudaGraphs` on a GPU; `EagerGraphs` runs the captured
 function again at each replay, writing into the captured outputs as a replay does, so the
 runner's bookkeeping is testable without a GPU. Nothing but tests passes `EagerGraphs`.
-`load_graph_target` raises on any failure; `engine._use_cuda_graphs` falls back to eager torch
+`load_graph_target` raises on any failure; `use_cuda_graphs` falls back to eager torch
 and records why.
 """
 
@@ -40,7 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.cpu_engine import CompiledTarget, StaticKVCache
+from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
+from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.layers import pack_for_inference
 
 log = logging.getLogger(__name__)
 
@@ -284,3 +286,32 @@ def load_graph_target(model, taps: tuple[int, ...], *, rows: tuple[int, ...] = R
                          slots=slots or slot_buckets(c.max_position_embeddings, max(rows)),
                          graphs=graphs)
     return GraphTarget(model, runner.capture_all(), taps)
+
+
+# -- the swap --------------------------------------------------------------------------------
+
+
+def graph_taps(engine: LoadedEngine) -> tuple[int, ...]:
+    """Every target layer a loaded drafter reads, in first-seen order."""
+    return tuple(dict.fromkeys(i for d in engine.drafters.values() for i in d.config.target_layer_ids))
+
+
+def use_cuda_graphs(engine: LoadedEngine, graphs=None) -> None:
+    """Swap the target's decode face for its steps captured as CUDA graphs (see this module);
+    on any failure keep eager torch, logging and recording why (`engine.backend_note`).
+    `graphs` replaces the CUDA capture (tests pass `cuda_graphs.EagerGraphs`)."""
+    model, why = engine.target, None
+    try:
+        pack_for_inference(model)
+        target = load_graph_target(model, graph_taps(engine), graphs=graphs)
+    except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager target
+        why = f"{type(exc).__name__}: {exc}"
+    if why is not None:  # out of the handler: the traceback's frames (and their buffers) are gone
+        engine.target, engine.backend = model, "torch"
+        engine.backend_note = f"CUDA graphs failed, running eager torch: {why}"
+        log.warning("engine directory %s: %s", engine.path, engine.backend_note)
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return
+    engine.target, engine.backend = target, target.runner.graphs.name
+    engine.backend_note = ""

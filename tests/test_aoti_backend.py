@@ -42,7 +42,7 @@ def test_target_step_matches_the_model(tiny_recipe):
 
 @pytest.fixture(scope="module")
 def aoti_engine(aoti_engine_dir):
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     engine = load_engine(aoti_engine_dir, backend="aoti")
     assert engine.backend == "aoti"
@@ -76,7 +76,7 @@ def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir)
 def test_the_drafters_run_on_their_packages(aoti_engine, tiny_engine, tiny_prompts):
     """The aoti backend swaps the MTP head and both drafters for their packages; their drafts
     are the eager drafters' (same verify outcome, step for step, on greedy decoding)."""
-    from metrale.runtime.cpu_engine import CompiledDFlash, CompiledMTP
+    from metrale.runtime.backends.aoti import CompiledDFlash, CompiledMTP
     from metrale.runtime.sampling import SamplingParams
     from metrale.runtime.service import EngineGenerator
     from metrale.runtime.specconfig import SpeculativeConfig
@@ -146,8 +146,8 @@ def test_chunkwise_speculation_emits_plain_greedy_text(aoti_engine, tiny_prompts
 
 
 def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
-    from metrale.runtime.cpu_engine import check_fingerprint
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends.aoti import check_fingerprint
+    from metrale.runtime.backends import load_engine
 
     assert load_engine(tiny_engine_dir, backend="auto").backend == "torch"  # no packages: eager
     assert load_engine(aoti_engine_dir, backend="auto").backend == "aoti"
@@ -173,7 +173,7 @@ def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
 def test_packages_of_an_older_layout_are_refused_by_name(aoti_engine_dir, tmp_path):
     """An engine whose CPU packages an older metrale built (slot buckets, no `max_slots`): auto
     runs eager torch and says why; --backend aoti is refused, naming the rebuild."""
-    from metrale.runtime.engine import load_engine
+    from metrale.runtime.backends import load_engine
 
     copy = tmp_path / "old"
     shutil.copytree(aoti_engine_dir, copy)

@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
+from metrale.runtime.engine import LoadedEngine
 from metrale.runtime.errors import EngineDirError
+from metrale.runtime.layers import pack_for_inference
 from metrale.runtime.qwen3 import Qwen3ForCausalLM, TargetOutput
 
 log = logging.getLogger(__name__)
@@ -324,3 +326,61 @@ def load_compiled(engine_dir: Path, name: str, info: dict, model, dtype: torch.d
         raise EngineDirError(f"{where}: the CPU package proposes blocks of {entry['block']}, the "
                              f"drafter's block size is {model.config.block_size}")
     return CompiledDFlash(model, pkg, int(entry["feed"]), max_slots)
+
+
+# -- the swaps -------------------------------------------------------------------------------
+
+
+def use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
+    """Swap the MTP head and each one-rank drafter for its AOTInductor packages where the
+    engine directory has them (a tensor-parallel drafter keeps running eagerly)."""
+    for name, info in engine.manifest.components.items():
+        if name == "target" or "cpu" not in info:
+            continue
+        model = engine.mtp if info.get("kind") == "mtp" else engine.drafters.get(name)
+        if model is None or getattr(model, "tp", None) is not None:
+            continue
+        if name in engine.requantized:  # the packages hold the weights of the built tier
+            engine.backend_note = (f"{name} runs eagerly: its CPU packages hold the weights it was "
+                                   f"built with, not these ({engine.requantized[name]})")
+            log.info("engine directory %s: %s", engine.path, engine.backend_note)
+            continue
+        try:
+            compiled = load_compiled(engine.path, name, info, pack_for_inference(model), engine.dtype)
+        except (EngineDirError, RuntimeError, OSError) as exc:
+            if backend == "aoti":
+                raise EngineDirError(f"--backend aoti: engine directory {engine.path}: {name}: {exc}") from None
+            engine.backend_note = f"{name} runs eagerly: its CPU packages do not load ({exc})"
+            log.info("engine directory %s: %s", engine.path, engine.backend_note)
+            continue
+        if info.get("kind") == "mtp":
+            engine.mtp = compiled
+        else:
+            engine.drafters[name] = compiled
+
+
+def use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
+    """Swap the target's decode face for its AOTInductor packages (see this module)."""
+    where = f"engine directory {engine.path}"
+    why = None
+    if engine.device.type != "cpu":
+        why = f"the CPU packages run on the CPU, not {engine.device}"
+    elif "cpu" not in info:
+        why = "it has no CPU packages (build it with --cpu-engines aoti)"
+    if why is None:
+        try:
+            pack_for_inference(engine.target)
+            engine.target = load_compiled(engine.path, "target", info, engine.target, engine.dtype)
+            engine.backend = "aoti"
+            return
+        except EngineDirError as exc:
+            if backend == "aoti":
+                raise
+            why = str(exc)
+        except (RuntimeError, OSError) as exc:  # the package's code would not load here
+            why = f"its CPU packages do not load in this process ({exc})"
+    if backend == "aoti":
+        raise EngineDirError(f"--backend aoti: {where}: {why}")
+    if "cpu" in info and engine.device.type == "cpu":  # packages there, but not runnable here
+        engine.backend_note = f"CPU packages not used, running eager torch: {why}"
+    log.info("%s: running eager torch (%s)", where, why)

@@ -1,0 +1,157 @@
+"""Backends: what runs the decode loop's three steps for an engine directory.
+
+The decode loop (`decode`) and the proposers (`spec_mtp`, `spec_dflash`) call three faces and
+nothing else; every backend gives each component one of them (`TargetSteps`, `MTPSteps`,
+`DrafterSteps` below, the protocol), in a `LoadedEngine`:
+
+    backend       target                  MTP head / drafters        runs
+    torch         the eager model         the eager models           safetensors, CPU or GPU
+    aoti          aoti.CompiledTarget     CompiledMTP/CompiledDFlash the CPU packages (.pt2)
+    cuda-graphs   cuda_graphs target      the eager models           the eager model, captured
+    onnxruntime   graph_steps.GraphTarget GraphMTP / GraphDrafter    the ONNX graphs, on a CPU
+    tensorrt      graph_steps.GraphTarget GraphMTP / GraphDrafter    the TensorRT plans, on a GPU
+
+onnxruntime and tensorrt run the same exported step graphs (`builder.onnx_export`'s interface),
+so one set of faces (`graph_steps`) serves both, over a `GraphRunner` each (`onnxruntime.OrtRunner`,
+`trt_runner.EngineRunner`). `--backend auto` takes aoti on a CPU whose packages fit (else eager
+torch) and CUDA graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import torch
+
+from metrale.runtime.errors import ConfigError
+
+
+class TargetSteps(Protocol):
+    """The target: `config` (its `DecoderConfig`, `max_position_embeddings` = usable context),
+    `model.embed_tokens` (the drafters and the head embed with it), `dtype`."""
+
+    def new_cache(self, batch: int, max_len: int): ...
+
+    def __call__(self, ids: torch.Tensor, cache, start: int | None = None, taps: tuple[int, ...] = ()):
+        """ids [1, T] at positions start.. (default cache.length) -> `TargetOutput` (logits
+        [1, T, V], last_hidden [1, T, H], taps [1, T, n·H] of the `taps` layers or None); the
+        cache's length becomes start + T."""
+
+
+class MTPSteps(Protocol):
+    """The MTP head: `config` (`.decoder` its `DecoderConfig`)."""
+
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None): ...
+
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, cache, start: int | None = None):
+        """embeds, hidden [1, T, H] at positions start.. -> (logits [1, T, V], h [1, T, H] pre-norm)."""
+
+
+class DrafterSteps(Protocol):
+    """A DFlash/DFlash2 drafter: `config` (its `DFlashConfig`)."""
+
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None): ...
+
+    def add_context(self, features: torch.Tensor, cache) -> None:
+        """Features [1, C, n·Ht] (target taps) of the next C accepted positions."""
+
+    def propose(self, anchor: torch.Tensor, embed, cache, gamma: int):
+        """anchor [1] (the last accepted token) -> `dflash.Proposal` of γ−1 drafts."""
+
+
+class Backend(str, enum.Enum):
+    AUTO = "auto"  # aoti on a CPU with fitting packages, CUDA graphs on a GPU, else torch
+    TORCH = "torch"
+    AOTI = "aoti"
+    ONNXRUNTIME = "onnxruntime"
+    TENSORRT = "tensorrt"
+
+    @classmethod
+    def parse(cls, s: str) -> "Backend":
+        try:
+            return cls(s)
+        except ValueError:
+            allowed = ", ".join(b.value for b in cls)
+            raise ConfigError(f"--backend {s!r}: allowed values are {allowed}") from None
+
+    @property
+    def runs_graphs(self) -> bool:
+        """Runs the engine directory's exported step graphs (not its safetensors)."""
+        return self in (Backend.ONNXRUNTIME, Backend.TENSORRT)
+
+
+def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
+                    nproc: int | None = None, cuda_available: bool | None = None) -> tuple[Backend, str]:
+    """Check `--backend` against `--device`, `--dtype` and `--nproc` before anything loads;
+    returns the backend and the device (default: cpu, cuda for tensorrt)."""
+    b = Backend.parse(backend)
+    if b in (Backend.TORCH, Backend.AUTO):
+        return b, device or "cpu"
+    if b in (Backend.AOTI, Backend.ONNXRUNTIME):
+        device = device or "cpu"
+        runs = "the engine's CPU packages" if b is Backend.AOTI else "the engine's ONNX graphs on a CPU"
+        if torch.device(device).type != "cpu":
+            raise ConfigError(f"--backend {b.value} runs {runs}; --device {device} is not a CPU "
+                              "(use --backend torch there)")
+        if b is Backend.ONNXRUNTIME:
+            if dtype not in ("auto", "float32"):
+                raise ConfigError(f"--backend onnxruntime computes in float32 (onnxruntime's CPU "
+                                  f"kernels have no bfloat16 math); --dtype {dtype} is not allowed "
+                                  "with it (use auto or float32)")
+            if nproc is not None and nproc > 1:
+                raise ConfigError(f"--nproc {nproc}: the onnxruntime backend runs one process; use "
+                                  "--backend torch for tensor parallelism")
+        return b, device
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        raise ConfigError("--backend tensorrt runs TensorRT engines on an NVIDIA GPU, and CUDA is "
+                          "not available here; use --backend torch (the default)")
+    device = device or "cuda"
+    if torch.device(device).type != "cuda":
+        raise ConfigError(f"--backend tensorrt needs --device cuda or cuda:N, got --device {device}")
+    if nproc is not None and nproc > 1:
+        raise ConfigError(f"--nproc {nproc}: the tensorrt backend runs one process (its engines "
+                          "are built for one rank); use --backend torch for tensor parallelism")
+    return b, device
+
+
+def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", components: tuple[str, ...] | None = None,
+                tp=None, states: dict | None = None):
+    """Verify an engine directory and load it for `backend` -> `LoadedEngine`.
+
+    torch: the eager models (`engine.load_models`). aoti: their target, MTP head and one-rank
+    drafters swapped for the directory's CPU packages (refused when none fit this process). auto:
+    aoti on a CPU where it can, the target's steps replayed as CUDA graphs on a CUDA device, eager
+    torch otherwise (`backend_note` says why). onnxruntime, tensorrt: the directory's graphs
+    (`graph_steps`; one rank, the built weights, so `components`, `tp` and `states` must be
+    unset). `states`: weights requantized at load (see `builder.requantize`)."""
+    from metrale.runtime.engine import load_models
+
+    b = Backend.parse(backend) if isinstance(backend, str) else backend
+    dev = torch.device(device)
+    if b.runs_graphs:
+        if tp is not None or states:
+            raise ConfigError(f"--backend {b.value} runs the graphs of the built weights on one rank")
+        if b is Backend.TENSORRT:
+            from metrale.runtime.backends.tensorrt import load_trt_engine
+
+            return load_trt_engine(engine_dir, device=dev)
+        from metrale.runtime.backends.onnxruntime import load_ort_engine
+
+        return load_ort_engine(engine_dir)
+    engine = load_models(engine_dir, dtype=dtype, device=dev, components=components, tp=tp,
+                         states=states)
+    if b is Backend.AOTI or (b is Backend.AUTO and dev.type != "cuda"):
+        from metrale.runtime.backends import aoti
+
+        aoti.use_cpu_packages(engine, engine.manifest.components["target"], b.value)
+        if engine.backend == "aoti":
+            aoti.use_cpu_drafters(engine, b.value)
+    elif b is Backend.AUTO:
+        from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+
+        use_cuda_graphs(engine)  # after the drafters: their taps are captured with the steps
+    return engine

@@ -1,0 +1,319 @@
+"""The decode loop's faces over exported step graphs: what the onnxruntime and tensorrt
+backends run (see `backends`), each through its own `GraphRunner`.
+
+`GraphTarget(ids, cache, start=None, taps=())` -> `TargetOutput` with `new_cache`, `.config`,
+`.model.embed_tokens` (the one torch module kept: the MTP head and the drafters embed with it);
+`GraphMTP(embeds, hidden, cache, start=None)` -> (logits, h) with `new_cache`;
+`GraphDrafter.add_context(features, cache)` and `.propose(anchor, embed, cache, gamma)` ->
+`Proposal`, with `new_cache` and `.config`. The decode loop and the proposers run unchanged.
+
+The graphs' interface is `builder.onnx_export`'s: each step takes the whole preallocated KV cache
+as `past_key`/`past_value` with `position` (the first new position = the number of valid past
+entries; slots at or after it are masked), and returns only the new K/V, which the caller writes
+at `position`. Caches (`graph_cache.EngineCache`) are torch tensors [L, 1, nkv, S, hd] on the
+runner's device in the sizes the runner offers for the profile's past range (`past_sizes`;
+default the opt past, the shape TensorRT tuned for, and the max); a cache starts at the smallest
+and moves up (its valid positions copied) only when a call would write past it, so short
+requests attend over few slots. The target's `config.max_position_embeddings` is capped
+(`position_limit`) at the smallest max past of all components less the rows one speculative step
+may write beyond the budget, so the decode loop outgrows no component's cache.
+
+A step of more new rows than the profile's `tokens` max runs in chunks of it (a prompt). The
+drafter graph adds context and proposes in one call (new context features C ≥ 1, then the block):
+`add_context` only queues features on the cache, and `propose` sends them with the block.
+Context K/V of a position depend on that position alone, so where the queue outgrows the
+profile's context range the surplus is sent ahead with a one-slot dummy block.
+
+A `GraphRunner` has `run(feeds: {input: tensor}, graph_key=None, persistent=()) -> {output:
+tensor}` (`graph_key` names a call shape a runner may capture and replay, `persistent` the
+inputs that stay the same buffers across those calls), `dtypes` ({name: torch dtype} of every
+input and output), `device`, and optionally `past_sizes(opt, top) -> [S, ...]`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from metrale.runtime.backends.graph_cache import CacheSizes, EngineCache, position_limit
+from metrale.runtime.configs import DecoderConfig, DFlashConfig
+from metrale.runtime.dflash import CandidateSelector, Proposal
+from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.errors import EngineDirError
+from metrale.runtime.qwen3 import TargetOutput
+
+KV = ("past_key", "past_value")
+
+
+class GraphRunner(Protocol):
+    dtypes: dict[str, torch.dtype]
+    device: torch.device
+
+    def run(self, feeds: dict[str, torch.Tensor], graph_key=None,
+            persistent: tuple[str, ...] = ()) -> dict[str, torch.Tensor]: ...
+
+
+# -- caches ----------------------------------------------------------------------------------
+
+
+class _Component:
+    """What the three stand-ins share: the runner, the profile ranges and the cache sizes."""
+
+    def __init__(self, runner: GraphRunner, profile: dict, layers: int, cfg: DecoderConfig):
+        self.runner, self.profile = runner, profile
+        self.max_new = int(profile.get("tokens", profile.get("context", (1, 1, 1)))[2])
+        _, opt, top = (int(v) for v in profile["past"])
+        self.kv_dtype = runner.dtypes["past_key"]
+        sizes = getattr(runner, "past_sizes", None)
+        self.sizes = CacheSizes(layers, cfg.num_key_value_heads, cfg.head_dim,
+                                sizes(opt, top) if sizes else [opt, top], self.kv_dtype, runner.device)
+
+    def _cache(self, batch: int) -> EngineCache:
+        if batch != 1:
+            raise ValueError(f"a graph backend decodes one sequence per cache, got batch {batch}")
+        return self.sizes.cache()
+
+    def _position(self, pos: int) -> torch.Tensor:
+        return torch.full((1,), pos, dtype=torch.int64, device=self.runner.device)
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+# -- the stand-ins ---------------------------------------------------------------------------
+
+
+class GraphTarget(_Component):
+    def __init__(self, runner: GraphRunner, profile: dict, cfg: DecoderConfig,
+                 embed: nn.Embedding, engine_taps: tuple[int, ...], max_positions: int | None = None):
+        """`max_positions`: the usable context (`position_limit` over every component's
+        profile; default: this engine's own)."""
+        super().__init__(runner, profile, cfg.num_hidden_layers, cfg)
+        if max_positions is None:
+            max_positions = position_limit(cfg.max_position_embeddings, [int(profile["past"][2])])
+        self.config = replace(cfg, max_position_embeddings=min(cfg.max_position_embeddings,
+                                                               max_positions))
+        self.model = SimpleNamespace(embed_tokens=embed)
+        self.engine_taps = engine_taps
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> EngineCache:
+        return self._cache(batch)
+
+    def __call__(self, ids: torch.Tensor, cache: EngineCache | None = None, start: int | None = None,
+                 taps: tuple[int, ...] = ()) -> TargetOutput:
+        """ids [1, T] at positions start.. (default cache.length); the cache length becomes start+T."""
+        if cache is None:
+            if start:
+                raise ValueError("a target step after position 0 needs the cache of the positions before it")
+            cache = self.new_cache(1, ids.shape[1])
+        start = cache.length if start is None else start
+        cache.reserve(start + ids.shape[1])  # before any call: graph keys name the final buffer
+        parts = []
+        for lo in range(0, ids.shape[1], self.max_new):  # the profile's most new tokens per call
+            chunk = ids[:, lo:lo + self.max_new]  # [1, t]
+            feeds = {"input_ids": chunk, "past_key": cache.k, "past_value": cache.v,
+                     "position": self._position(start + lo)}
+            key = ("step", cache.slot_id) if chunk.shape[1] == 1 else None
+            out = self.runner.run(feeds, graph_key=key, persistent=KV)
+            cache.write_new(start + lo, out["new_key"], out["new_value"])
+            parts.append(out)
+        cache.length = start + ids.shape[1]
+        tapped = _cat([p.get("taps") for p in parts]) if taps else None
+        return TargetOutput(logits=_cat([p["logits"] for p in parts]),
+                            last_hidden=_cat([p["last_hidden"] for p in parts]),
+                            taps=self.select_taps(tapped, taps))
+
+    forward = __call__
+
+    def select_taps(self, tapped: torch.Tensor | None, wanted: tuple[int, ...]) -> torch.Tensor | None:
+        """The engine's `taps` [1, T, n·H] (layers `engine_taps`) -> the `wanted` layers' [1, T, m·H]."""
+        if not wanted:
+            return None
+        missing = [i for i in wanted if i not in self.engine_taps]
+        if tapped is None or missing:
+            raise EngineDirError(f"the target engine taps layers {list(self.engine_taps)}, not "
+                                 f"{missing or list(wanted)}; rebuild the engine directory")
+        h = self.config.hidden_size
+        idx = [self.engine_taps.index(i) for i in wanted]
+        if idx == list(range(len(self.engine_taps))):
+            return tapped
+        return torch.cat([tapped[..., i * h:(i + 1) * h] for i in idx], dim=-1)
+
+
+class GraphMTP(_Component):
+    def __init__(self, runner: GraphRunner, profile: dict, cfg: DecoderConfig):
+        super().__init__(runner, profile, 1, cfg)
+        self.config = SimpleNamespace(decoder=cfg)
+
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
+        return self._cache(batch)
+
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: EngineCache,
+                 start: int | None = None):
+        """Entries start.. : embeds, hidden [1, T, H] -> (logits [1, T, V], h [1, T, H] pre-norm)."""
+        start = cache.length if start is None else start
+        cache.reserve(start + embeds.shape[1])
+        logits, hs = [], []
+        for lo in range(0, embeds.shape[1], self.max_new):
+            e, h = embeds[:, lo:lo + self.max_new], hidden[:, lo:lo + self.max_new]
+            feeds = {"embeds": e, "hidden": h, "past_key": cache.k, "past_value": cache.v,
+                     "position": self._position(start + lo)}
+            key = ("step", cache.slot_id) if e.shape[1] == 1 else None
+            out = self.runner.run(feeds, graph_key=key, persistent=KV)
+            cache.write_new(start + lo, out["new_key"], out["new_value"])
+            logits.append(out["logits"])
+            hs.append(out["hidden_out"])
+        cache.length = start + embeds.shape[1]
+        return _cat(logits), _cat(hs)
+
+    forward = __call__
+
+
+def propose_graph_key(slot_id: int, context: int, gamma: int, block_size: int):
+    """The CUDA-graph key of a drafter call, or None (eager): a block of γ ≤ block_size slots
+    (`--dflash-gamma` may lower γ) with at most γ new context positions — what every step after
+    the first brings (accepted drafts + the bonus token), so the keys per buffer stay ≤ γ. A
+    longer context (the prompt's) or a one-slot flush block runs eagerly."""
+    if 1 < gamma <= block_size and 1 <= context <= gamma:
+        return ("propose", slot_id, context, gamma)
+    return None
+
+
+class GraphDrafter(_Component):
+    def __init__(self, runner: GraphRunner, profile: dict, cfg: DFlashConfig,
+                 codebooks: tuple[torch.Tensor, torch.Tensor] | None):
+        super().__init__(runner, profile, cfg.decoder.num_hidden_layers, cfg.decoder)
+        self.config = cfg
+        self.max_context = int(profile["context"][2])
+        self.selector = None
+        if cfg.version == 2:
+            d = cfg.decoder
+            sel = CandidateSelector(d.hidden_size, d.vocab_size, cfg.selector_dim, cfg.num_candidates)
+            # the engine's `selector_query` is hidden_projection(hidden) already
+            sel.hidden_projection = nn.Identity()
+            dtype = runner.dtypes["selector_query"]
+            sel.predecessor_codebook = nn.Parameter(codebooks[0].to(runner.device, dtype), False)
+            sel.successor_codebook = nn.Parameter(codebooks[1].to(runner.device, dtype), False)
+            self.selector = sel
+
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
+        return self._cache(batch)
+
+    def add_context(self, features: torch.Tensor, cache: EngineCache) -> None:
+        """Queue the features [1, C, n·Ht] of the next C accepted positions (sent with the next
+        propose; a queue longer than the profile allows is sent ahead in profile-sized chunks)."""
+        cache.pending = features if cache.pending is None else torch.cat([cache.pending, features], 1)
+        while cache.pending.shape[1] > self.max_context:
+            ahead, cache.pending = cache.pending[:, :self.max_context], cache.pending[:, self.max_context:]
+            dummy = torch.zeros(1, 1, self.config.decoder.hidden_size,
+                                dtype=self.runner.dtypes["block_embeds"], device=self.runner.device)
+            self._run(ahead, dummy, cache)
+
+    def _run(self, context: torch.Tensor, block: torch.Tensor, cache: EngineCache) -> dict:
+        c, g = context.shape[1], block.shape[1]
+        cache.reserve(cache.length + c)
+        feeds = {"context_features": context, "past_key": cache.k, "past_value": cache.v,
+                 "position": self._position(cache.length), "block_embeds": block}
+        out = self.runner.run(feeds, graph_key=propose_graph_key(cache.slot_id, c, g,
+                                                                 self.config.block_size),
+                              persistent=KV)
+        cache.write_new(cache.length, out["new_key"], out["new_value"])
+        cache.length += c
+        return out
+
+    def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: EngineCache, gamma: int) -> Proposal:
+        """anchor [1] (the last accepted token, at position cache.length + queued) -> γ−1 drafts."""
+        if cache.pending is None or cache.pending.shape[1] == 0:
+            raise RuntimeError("propose needs the context of at least one accepted position first")
+        block = torch.full((anchor.shape[0], gamma), self.config.mask_token_id, dtype=torch.long,
+                           device=anchor.device)
+        block[:, 0] = anchor
+        out = self._run(cache.pending, embed(block), cache)
+        cache.pending = None
+        logits = out["logits"][:, 1:]  # [1, γ−1, V]: slot j predicts position anchor+j
+        if self.selector is not None:
+            tokens = self.selector.select(out["selector_query"][:, 1:], logits, anchor)
+        else:
+            tokens = logits.argmax(-1)
+        return Proposal(tokens=tokens, logits=logits)
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _tensors(path: Path, names: tuple[str, ...], where: str) -> list[torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        missing = [n for n in names if n not in keys]
+        if missing:
+            raise EngineDirError(f"{where}: {path.name} has no tensor {missing[0]}")
+        return [f.get_tensor(n) for n in names]
+
+
+def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], GraphRunner],
+                      device: torch.device) -> LoadedEngine:
+    """Every component's face over `runner(name)` (the component's graph), with the target's
+    embedding and DFlash2's codebooks read from the safetensors; the profiles and taps come from
+    the manifest (`trt_build.write_engines` records them with each graph)."""
+    comps = manifest.components
+    where = f"engine directory {path}"
+    missing = [n for n, c in comps.items() if "profile" not in c]
+    if missing:
+        raise EngineDirError(f"{where}: component {missing[0]} has no exported graph (built with "
+                             "onnx = false); rebuild it with metrale build")
+
+    def config(name: str) -> dict:
+        return json.loads((path / name / "config.json").read_text())
+
+    tcfg = DecoderConfig.from_hf(config("target"), "target/config.json")
+    # the usable context: every component's cache must hold it (plus one step's rows)
+    limit = position_limit(tcfg.max_position_embeddings,
+                           [int(c["profile"]["past"][2]) for c in comps.values()])
+    tgt = runner("target")
+    (weight,) = _tensors(path / "target" / "rank0.safetensors", ("model.embed_tokens.weight",), where)
+    embed = nn.Embedding.from_pretrained(weight.to(device, tgt.dtypes["last_hidden"]), freeze=True)
+    engine_taps = tuple(comps["target"].get("taps", ()))
+    target = GraphTarget(tgt, comps["target"]["profile"], tcfg, embed, engine_taps, limit)
+    loaded = LoadedEngine(path, manifest, tokenizer, target, dtype=embed.weight.dtype,
+                          device=device, packed=True)  # the graphs hold their own weights
+    for name, info in comps.items():
+        if name == "target":
+            continue
+        if info.get("kind") == "mtp":
+            mcfg = DecoderConfig.from_hf(config(name), f"{name}/config.json")
+            loaded.mtp = GraphMTP(runner(name), info["profile"], mcfg)
+        elif info.get("kind") == "dflash":
+            dcfg = DFlashConfig.from_hf(config(name), f"{name}/config.json")
+            if any(i not in engine_taps for i in dcfg.target_layer_ids):
+                raise EngineDirError(f"{where}: drafter {name} reads target layers "
+                                     f"{list(dcfg.target_layer_ids)}, the target graph taps "
+                                     f"{list(engine_taps)}; rebuild the directory")
+            books = None
+            if dcfg.version == 2:
+                books = tuple(_tensors(path / name / "rank0.safetensors",
+                                       ("candidate_selector.predecessor_codebook",
+                                        "candidate_selector.successor_codebook"), where))
+            loaded.drafters[name] = GraphDrafter(runner(name), info["profile"], dcfg, books)
+        else:
+            raise EngineDirError(f"{where}: component {name} has unknown kind {info.get('kind')!r}")
+    return loaded
+
+
+def runner_stats(engine: LoadedEngine) -> dict:
+    """Per component: its runner's counters (eager runs, graph captures and replays, the graph
+    mode), what `bench` reports for a graph backend."""
+    parts = {"target": engine.target, "mtp": engine.mtp, **engine.drafters}
+    return {name: vars(part.runner.stats) for name, part in parts.items() if part is not None}
