@@ -49,7 +49,7 @@ def _ptr(dtype: str) -> str:
 def kernel_specs(act: str = "bf16") -> list[dict]:
     """One entry per kernel: signature (activation pointers of dtype `act`), constexprs,
     num_warps and the grid rule. The constexprs are the ones the op launchers use."""
-    from metrale.plugins import draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
+    from metrale.plugins import dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
 
     gemm_ints = {"M": "i32", "N": "i32", "K": "i32"}
     dot = {"DOT_F32": act == "fp32"}  # tensor-core dot in bf16/fp16; float32 only for fp32
@@ -80,13 +80,6 @@ def kernel_specs(act: str = "bf16") -> list[dict]:
              signature={"x_ptr": _ptr(act), "k_ptr": _ptr(act), "y_ptr": _ptr(act),
                         "T": "i32", "H": "i32", "G": "i32", "BLOCK_SLOTS": "i32"},
              grid=["B * T", "cdiv(H, BLOCK_H)", "1"]),
-        dict(name="draft_stop_kernel", blocks=draft_stop.TRITON_BLOCKS, num_warps=4,
-             signature={"logits_ptr": _ptr(act), "tau_ptr": "*fp32", "cum_ptr": "*i8",
-                        "run_ptr": "*fp32", "prob_ptr": "*fp32", "stop_ptr": "*i8",
-                        "run_out_ptr": "*fp32", "cval_ptr": "*fp32", "cid_ptr": "*i64",
-                        "V": "i32"},
-             grid=["R", "1", "1"],
-             note="cum_ptr and stop_ptr point at bool tensors (one byte each, 0 or 1)"),
     ]
 
 

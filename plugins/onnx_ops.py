@@ -13,9 +13,6 @@ outputs (shapes as in each op's module; "act" is float, float16 or bfloat16, one
                   down_scale FLOAT8E4M3FN [E, H, I/16], down_global float [E]) -> y act [T, H]
     DFlash2DynamicConv(x act [B, T, H], kernel act [B, T, G, 2]; attribute block: int)
                   -> y act [B, T, H]
-    DraftStop(logits act [R, V], tau float [], cumulative bool [] (or an integer),
-              running float [R]) -> (top1_prob float [R], stop bool [R], running_out float [R],
-                                     cand_vals float [R, 16], cand_ids int64 [R, 16])
     AllReduce(x act [...]; attributes group_size, rank: int) -> y act [...] (sum over the group)
     AllGather(x [...]; attributes group_size, rank: int) -> y [group_size, ...] (rank order,
                   on a new leading rank axis)
@@ -38,7 +35,6 @@ import torch
 from onnx import helper
 from onnx.reference.op_run import OpRun
 
-from metrale.plugins.draft_stop import draft_stop
 from metrale.plugins.dynamic_conv import dflash2_dynamic_conv
 from metrale.plugins.fp8_gemm import fp8_w8a16_gemm
 from metrale.plugins.nvfp4_gemm import nvfp4_w4a16_gemm
@@ -104,14 +100,6 @@ def dflash2_dynamic_conv_node(x: str, kernel: str, y: str, block: int, name: str
                             block=int(block))
 
 
-def draft_stop_node(logits: str, tau: str, cumulative: str, running: str,
-                    outputs: tuple[str, str, str, str, str], name: str | None = None):
-    """outputs: (top1_prob, stop, running_out, cand_vals, cand_ids) names."""
-    if len(outputs) != 5:
-        raise ValueError(f"DraftStop has 5 outputs, got {len(outputs)} names")
-    return helper.make_node("DraftStop", [logits, tau, cumulative, running], list(outputs),
-                            name=name, domain=DOMAIN)
-
 
 # -- reference implementations ------------------------------------------------------------------
 
@@ -145,14 +133,6 @@ class DFlash2DynamicConv(OpRun):
         block = self.block if block is None else block
         return (to_numpy(dflash2_dynamic_conv(to_torch(x), to_torch(kernel), int(block))),)
 
-
-class DraftStop(OpRun):
-    op_domain = DOMAIN
-
-    def _run(self, logits, tau, cumulative, running):
-        outs = draft_stop(to_torch(logits), to_torch(tau), to_torch(cumulative),
-                          to_torch(running))
-        return tuple(to_numpy(t) for t in outs)
 
 
 def _check_group(op: str, group_size, rank) -> None:
@@ -199,5 +179,5 @@ class AllGather(OpRun):
         return (to_numpy(torch.stack(every)),)
 
 
-REFERENCE_OPS = [Fp8W8A16Gemm, NvFp4W4A16Gemm, NvFp4MoeW4A16, DFlash2DynamicConv, DraftStop,
+REFERENCE_OPS = [Fp8W8A16Gemm, NvFp4W4A16Gemm, NvFp4MoeW4A16, DFlash2DynamicConv,
                  AllReduce, AllGather]

@@ -84,7 +84,7 @@ def kernel_cases():
     returns the largest absolute difference."""
     import torch
 
-    from metrale.plugins import draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
+    from metrale.plugins import dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
 
     cuda = lambda *ts: [t.cuda() for t in ts]  # noqa: E731
     cases = []
@@ -133,23 +133,6 @@ def kernel_cases():
                 return 0.0
 
             cases.append((f"dflash2_dynamic_conv {dn} {b}x{t}x{h} G{groups} block{block}", conv))
-        for cumulative in (False, True):
-            def stop(cumulative=cumulative, dtype=dtype):
-                g = torch.Generator().manual_seed(5)
-                v = 2100
-                logits = torch.randint(-3, 4, (3, v), generator=g).to(dtype)
-                logits[1] = torch.randn(v, generator=g).to(dtype) * 3
-                logits[2, 2050] = 9.0
-                args = (torch.tensor(0.01), torch.tensor(cumulative), torch.tensor([1.0, 0.5, 0.25]))
-                got = [t.cpu() for t in draft_stop.draft_stop_triton(*cuda(logits, *args))]
-                ref = draft_stop.draft_stop(logits, *args)
-                torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
-                torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=0)
-                assert torch.equal(got[1], ref[1]) and torch.equal(got[3], ref[3])
-                assert torch.equal(got[4], ref[4])
-                return float((got[0] - ref[0]).abs().max())
-
-            cases.append((f"draft_stop {dn} cumulative={cumulative}", stop))
     return cases
 
 

@@ -191,7 +191,7 @@ def test_every_op_launcher_call_maps_onto_its_compiled_cubin(monkeypatch):
     # constexprs against what `plugins.aot` compiles (metadata as `kernel_specs` declares it)
     from types import SimpleNamespace
 
-    from metrale.plugins import aot, draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe, triton_mode
+    from metrale.plugins import aot, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe, triton_mode
 
     gk = _kernels_script()
     shims = {}
@@ -222,14 +222,12 @@ def test_every_op_launcher_call_maps_onto_its_compiled_cubin(monkeypatch):
             torch.rand(e, h, inter // 16).to(torch.float8_e4m3fn), torch.rand(e))
         dynamic_conv.dflash2_dynamic_conv_triton(torch.randn(1, 4, 8).to(dtype),
                                                  torch.randn(1, 4, 2, 2).to(dtype), 2)
-        draft_stop.draft_stop_triton(torch.randn(2, 300).to(dtype), torch.tensor(0.1),
-                                     torch.tensor(False), torch.ones(2))
     keys = [p[0] for p in prepared]
     assert keys == ["fp8_w8a16_gemm.sm90.fp32", "nvfp4_w4a16_gemm.sm90.fp32",
                     "nvfp4_moe_gate_up.sm90.fp32", "nvfp4_moe_down.sm90.fp32",
-                    "dflash2_dynamic_conv.sm90.fp32", "draft_stop.sm90.fp32",
+                    "dflash2_dynamic_conv.sm90.fp32",
                     "nvfp4_moe_gate_up.sm90.bf16", "nvfp4_moe_down.sm90.bf16",
-                    "dflash2_dynamic_conv.sm90.bf16", "draft_stop.sm90.bf16"]
+                    "dflash2_dynamic_conv.sm90.bf16"]
     key, meta, values, types, grid = prepared[0]
     assert len(values) == len(types) == len(meta["signature"]) + 2 and values[-2:] == (0, 0)
     assert values[4:7] == (3, 16, 32) and grid == (1, 1, 1)  # M, N, K; one 16x64 tile

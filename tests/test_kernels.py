@@ -1,5 +1,5 @@
 """Triton kernels of metrale.plugins run in the CPU interpreter against the PyTorch references,
-plus the references of the MoE, dynamic-conv and draft-stop ops against the runtime modules.
+plus the references of the MoE and dynamic-conv ops against the runtime modules.
 
 Triton fixes interpreter mode when it is first imported, so this module sets TRITON_INTERPRET=1
 (and TRITON_DEFAULT_FP_FUSION=0) at import, before anything imports triton; pytest imports every
@@ -8,7 +8,6 @@ test module before running any test, and no other test module imports triton in 
 """
 
 import importlib.util
-import math
 import os
 import sys
 
@@ -19,7 +18,7 @@ if "triton" not in sys.modules:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from metrale.plugins import draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe  # noqa: E402
+from metrale.plugins import dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe  # noqa: E402
 from metrale.plugins.formats import E2M1_VALUES, dequantize_nvfp4  # noqa: E402
 from metrale.runtime.configs import DecoderConfig  # noqa: E402
 from metrale.runtime.dflash import DynamicConv  # noqa: E402
@@ -204,51 +203,3 @@ def test_conv_kernel_is_bit_identical_to_reference(b, t, h, groups, block, dtype
 def test_conv_refuses_block_not_dividing_slots():
     with pytest.raises(ValueError, match="block must be >= 1 and divide the 6 slots"):
         dynamic_conv.dflash2_dynamic_conv(torch.ones(1, 6, 4), torch.ones(1, 6, 2, 2), 4)
-
-
-# -- draft stop -------------------------------------------------------------------------------
-
-def test_draft_stop_reference_hand_example():
-    # 16 logits of 0 and one of ln 17: top-1 = 17 / (17 + 15) = 0.53125.
-    logits = torch.zeros(2, 16)
-    logits[:, 5] = math.log(17.0)
-    tau, running = torch.tensor(0.5), torch.tensor([1.0, 0.9])
-    p, stop, run_out, vals, ids = draft_stop.draft_stop(logits, tau, torch.tensor(False), running)
-    torch.testing.assert_close(p, torch.tensor([0.53125, 0.53125]))
-    assert stop.tolist() == [False, False]  # per-draft: 0.53 >= 0.5 continues
-    torch.testing.assert_close(run_out, torch.tensor([0.53125, 0.478125]))
-    assert ids[0].tolist() == [5] + [i for i in range(16) if i != 5]  # ties: lower id first
-    assert vals[0, 0].item() == pytest.approx(math.log(17.0)) and vals[0, 1:].eq(0).all()
-    _, stop, _, _, _ = draft_stop.draft_stop(logits, tau, torch.tensor(1), running)
-    assert stop.tolist() == [False, True]  # cumulative: 0.9 * 0.53 = 0.478 < 0.5 stops
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cumulative", [False, True])
-def test_draft_stop_kernel_matches_reference_with_ties(dtype, cumulative):
-    g = gen(5)
-    v = 2100  # two full chunks of 1024 and a ragged one
-    logits = torch.randint(-3, 4, (3, v), generator=g).to(dtype)  # many equal values
-    logits[1] = torch.randn(v, generator=g).to(dtype) * 3
-    logits[2, 2050] = 9.0  # the best candidate in the ragged last chunk
-    args = (torch.tensor(0.01), torch.tensor(cumulative), torch.tensor([1.0, 0.5, 0.25]))
-    got = draft_stop.draft_stop_triton(logits, *args)
-    ref = draft_stop.draft_stop(logits, *args)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
-    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=0)
-    assert torch.equal(got[1], ref[1]) and torch.equal(got[3], ref[3])
-    assert torch.equal(got[4], ref[4]) and got[4][2, 0] == 2050
-
-
-@needs_triton
-def test_draft_stop_kernel_small_vocab_and_infinite_logits():
-    logits = torch.full((2, 20), float("-inf"))
-    logits[0, [3, 7, 11]] = torch.tensor([1.0, 2.0, 1.0])  # 3 finite: the rest are -inf by id
-    logits[1] = torch.arange(20.0)
-    args = (torch.tensor(0.9), torch.tensor(False), torch.ones(2))
-    got = draft_stop.draft_stop_triton(logits, *args)
-    ref = draft_stop.draft_stop(logits, *args)
-    assert got[4][0, :5].tolist() == [7, 3, 11, 0, 1] and torch.equal(got[4], ref[4])
-    assert torch.equal(got[3], ref[3]) and torch.equal(got[1], ref[1])
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=0)

@@ -10,7 +10,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from metrale.plugins import draft_stop, dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
+from metrale.plugins import dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe
 from metrale.plugins import onnx_ops
 from metrale.plugins.onnx_ops import REFERENCE_OPS, to_numpy, to_torch
 
@@ -112,39 +112,6 @@ def test_dynamic_conv_node_hand_example():
     assert y.tolist() == [[[2.0, 4.0], [4.0, 6.0], [2.5, 3.0], [-5.0, -6.0]]]
     ref = dynamic_conv.dflash2_dynamic_conv(torch.from_numpy(x), torch.from_numpy(kern), 2)
     assert ref.tolist() == y.tolist()
-
-
-@pytest.mark.parametrize("cumulative", [False, True])
-def test_draft_stop_node_after_matmul(cumulative):
-    # logits = h @ W: a graph mixing a standard node with the metrale one.
-    gen = torch.Generator().manual_seed(3)
-    hid = torch.randn(2, 8, generator=gen)
-    proj = torch.randn(8, 40, generator=gen) * 2
-    running = np.array([1.0, 0.5], dtype=np.float32)
-    nodes = [helper.make_node("MatMul", ["h", "W"], ["logits"]),
-             onnx_ops.draft_stop_node("logits", "tau", "cum", "run",
-                                      ("p", "stop", "run_out", "vals", "ids"))]
-    outs = run_graph(
-        nodes, [vinfo("h", TensorProto.FLOAT, [2, 8]), vinfo("run", TensorProto.FLOAT, [2])],
-        [vinfo(n, e, s) for n, e, s in [("p", TensorProto.FLOAT, [2]),
-                                         ("stop", TensorProto.BOOL, [2]),
-                                         ("run_out", TensorProto.FLOAT, [2]),
-                                         ("vals", TensorProto.FLOAT, [2, 16]),
-                                         ("ids", TensorProto.INT64, [2, 16])]],
-        {"h": hid.numpy(), "run": running},
-        [init("W", proj), init("tau", torch.tensor(0.3)), init("cum", torch.tensor(cumulative))])
-    p, stop, run_out, vals, ids = outs
-    logits = torch.from_numpy(hid.numpy() @ proj.numpy())  # numpy's MatMul, as the evaluator
-    probs = torch.softmax(logits, -1)
-    assert np.allclose(p, probs.max(-1).values.numpy(), rtol=1e-6)
-    assert np.allclose(run_out, running * p, rtol=1e-6)
-    assert stop.tolist() == ((run_out if cumulative else p) < 0.3).tolist()
-    assert ids.dtype == np.int64 and ids.shape == (2, 16)
-    assert torch.equal(torch.from_numpy(vals), torch.topk(logits, 16).values)
-    assert np.array_equal(np.take_along_axis(logits.numpy(), ids, -1), vals)
-    expected = draft_stop.draft_stop(logits, torch.tensor(0.3), torch.tensor(cumulative),
-                                     torch.from_numpy(running))
-    assert np.array_equal(ids, expected[4].numpy())
 
 
 def test_fp8_reference_node_rejects_bad_shapes():
