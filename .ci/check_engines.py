@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from metrale.runtime.engine_dir import load_manifest
+from metrale.runtime.artifact.engine_dir import load_manifest
 
 TIERS = ("declared", "fp8", "fp8-aux", "nvfp4")
 SMS = (89, 120)

@@ -31,11 +31,11 @@ import torch
 from metrale.builder import quantize as q
 from metrale.builder import shard
 from metrale.builder.recipe import BuildOptions, Recipe
-from metrale.runtime.configs import DFlashConfig, read_config
-from metrale.runtime.engine_dir import EngineDirWriter, Manifest, checkpoint_digest
+from metrale.runtime.models.configs import DFlashConfig, read_config
+from metrale.runtime.artifact.engine_dir import EngineDirWriter, Manifest, checkpoint_digest
 from metrale.runtime.errors import CheckpointError, ConfigError
-from metrale.runtime.loader import load_dflash, load_mtp, load_target, read_safetensors, rename
-from metrale.runtime.tokenizer import Tokenizer
+from metrale.runtime.models.loader import load_dflash, load_mtp, load_target, read_safetensors, rename
+from metrale.runtime.artifact.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """CPU engines: the decode loop's steps compiled ahead of time into AOTInductor packages.
 
-Per component (see `cpu_steps`): the target's step and the MTP head's step, each over 1 to
+Per component (see `backends.aoti_steps`): the target's step and the MTP head's step, each over 1 to
 `TARGET_ROWS` / `MTP_ROWS` rows, and one feed-and-propose step per DFlash/DFlash2 drafter (tensor-
 parallel drafters keep running eagerly): four packages for the tiny default. Each is built over
 the staged model (loaded back exactly as serve loads it, then packed), exported with
@@ -78,9 +78,9 @@ class Job:
 
 
 def _sources_digest() -> str:
-    import metrale.runtime.cpu_steps as steps
-    import metrale.runtime.dflash as dflash
-    import metrale.runtime.layers as layers
+    import metrale.runtime.backends.aoti_steps as steps
+    import metrale.runtime.models.dflash as dflash
+    import metrale.runtime.models.layers as layers
 
     h = hashlib.sha256()
     for mod in (steps, layers, dflash):
@@ -99,7 +99,7 @@ def _file_digest(path: Path) -> str:
 
 def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, example_slots: int = 128):
     """The step module of `job` and example inputs with their dynamic shapes (the slot count)."""
-    from metrale.runtime.cpu_steps import DFlashStep, MTPStep, TargetStep
+    from metrale.runtime.backends.aoti_steps import DFlashStep, MTPStep, TargetStep
 
     target = staged.target
     dtype = target.dtype
@@ -209,7 +209,7 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
 
 
 def staged_block(root: Path, name: str) -> int:
-    from metrale.runtime.configs import DFlashConfig, read_config
+    from metrale.runtime.models.configs import DFlashConfig, read_config
 
     return DFlashConfig.from_hf(read_config(root / name), f"{name}/config.json").block_size
 

@@ -98,7 +98,7 @@ def load_packed(root: Path, kinds: dict[str, str], dtype: torch.dtype):
     """The staged models of a build (`trt_build.load_staged`), packed for inference as the
     decode loop runs them: what the CPU packages are compiled from and checked against."""
     from metrale.builder.trt_build import load_staged
-    from metrale.runtime.layers import pack_for_inference
+    from metrale.runtime.models.layers import pack_for_inference
 
     staged = load_staged(root, kinds, dtype=dtype)
     for model in (staged.target, staged.mtp, *staged.drafters.values()):

@@ -45,11 +45,11 @@ import torch
 from torch import nn
 
 from metrale.plugins.onnx_lowering import DOMAIN, FP8_OP, NVFP4_OP, lower_for_sm
-from metrale.runtime import qlinear
-from metrale.runtime.dflash import DFlashDrafter
-from metrale.runtime.layers import MoE, attend, rope_cos_sin
-from metrale.runtime.mtp import MTPHead
-from metrale.runtime.qwen3 import Qwen3ForCausalLM
+from metrale.runtime.models import qlinear
+from metrale.runtime.models.dflash import DFlashDrafter
+from metrale.runtime.models.layers import MoE, attend, rope_cos_sin
+from metrale.runtime.models.mtp import MTPHead
+from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 
 DOMAIN_VERSION = 1
 EXPORT_OPSET = 20  # the legacy exporter's ceiling; FP8 DequantizeLinear needs 19

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from metrale.plugins import formats
-from metrale.runtime.engine_dir import COMPONENT_NAME_RULE, is_component_name
+from metrale.runtime.artifact.engine_dir import COMPONENT_NAME_RULE, is_component_name
 from metrale.runtime.errors import ConfigError
 
 # The embedded tiny recipe, used when `metrale build` gets no --recipe.

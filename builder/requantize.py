@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import load_file
 
 from metrale.builder import quantize as q
-from metrale.runtime.configs import DecoderConfig, read_config
-from metrale.runtime.engine_dir import Manifest
+from metrale.runtime.models.configs import DecoderConfig, read_config
+from metrale.runtime.artifact.engine_dir import Manifest
 from metrale.runtime.errors import ConfigError, EngineDirError
-from metrale.runtime.specconfig import SpecMode, SpeculativeConfig
+from metrale.runtime.spec.config import SpecMode, SpeculativeConfig
 
 State = dict[str, torch.Tensor]
 

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 import torch
 
 from metrale.plugins.formats import NVFP4_BLOCK
-from metrale.runtime.configs import DFlashConfig
+from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.tp import check_drafter_split, cut_tensor, drafter_cut, shard_range
+from metrale.runtime.models.tp import check_drafter_split, cut_tensor, drafter_cut, shard_range
 
 
 def resolve_build_tp(tp: int | str) -> int:

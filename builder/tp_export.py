@@ -42,8 +42,8 @@ from torch import nn
 
 from metrale.builder import onnx_export as ox
 from metrale.plugins import onnx_lowering as lw
-from metrale.runtime.dflash import DFlashDrafter
-from metrale.runtime.tp import TOP_CANDIDATES, TensorParallel
+from metrale.runtime.models.dflash import DFlashDrafter
+from metrale.runtime.models.tp import TOP_CANDIDATES, TensorParallel
 
 ALL_REDUCE, ALL_GATHER = "AllReduce", "AllGather"
 COLLECTIVE_OPS = (ALL_REDUCE, ALL_GATHER)
@@ -190,8 +190,8 @@ def load_rank_drafters(root: Path, name: str, size: int, dtype=None) -> list[DFl
     each built and filled as `load_engine(..., tp=TensorParallel(r, size))` does."""
     from safetensors.torch import load_file
 
-    from metrale.runtime.configs import DFlashConfig
-    from metrale.runtime.engine import fill_engine_state
+    from metrale.runtime.models.configs import DFlashConfig
+    from metrale.runtime.artifact.engine import fill_engine_state
 
     cfg = DFlashConfig.from_hf(json.loads((Path(root) / name / "config.json").read_text()),
                                f"{name}/config.json")

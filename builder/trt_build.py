@@ -207,11 +207,11 @@ def load_staged(root: Path, kinds: Mapping[str, str], dtype=None,
     import torch
     from safetensors.torch import load_file
 
-    from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
-    from metrale.runtime.dflash import DFlashDrafter
-    from metrale.runtime.engine import fill_engine_state
-    from metrale.runtime.mtp import MTPHead
-    from metrale.runtime.qwen3 import Qwen3ForCausalLM
+    from metrale.runtime.models.configs import DecoderConfig, DFlashConfig, MTPConfig
+    from metrale.runtime.models.dflash import DFlashDrafter
+    from metrale.runtime.artifact.engine import fill_engine_state
+    from metrale.runtime.models.mtp import MTPHead
+    from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 
     dtype = dtype or torch.float32
     staged = StagedModels(target=None)

@@ -24,7 +24,7 @@ from rich.text import Text
 from metrale import checks
 from metrale import options as o
 from metrale.console import app, out, user_errors
-from metrale.runtime.specconfig import check_draft_tier
+from metrale.runtime.spec.config import check_draft_tier
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "prompts.json"
 
@@ -57,8 +57,8 @@ def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: st
     step time over `prompts`, the counts run as `run_modes` runs modes (interleaved per prompt);
     and the drafter's per-position acceptance over those steps (`AcceptanceEstimator`'s pooled
     rate). -> CostModel with `acceptance`."""
-    from metrale.runtime.adaptive_k import AcceptanceEstimator
-    from metrale.runtime.specconfig import CostModel
+    from metrale.runtime.spec.adaptive_k import AcceptanceEstimator
+    from metrale.runtime.spec.config import CostModel
 
     g = engine.drafters[drafter].config.block_size
     table = [(str(k), {} if k == 0 else {"dflash": True, "dflash_drafter": drafter,
@@ -85,9 +85,9 @@ def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], m
     happened to run during it; `between()`, when given, runs before each prompt's turn (the
     bench's cost sweeps, spread over the same stretch). -> {mode: per prompt, its runs'
     DecodeResults}."""
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     gens = [(name, EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))) for name, flags in table]
@@ -104,7 +104,7 @@ def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], m
 def summarize(runs: list[list], plain_tokens=None) -> tuple[dict, list[list[int]]]:
     """One mode's row: per prompt the run of median decode time counts (greedy: every run emits
     the same tokens)."""
-    from metrale.runtime.metrics import SpecMetrics
+    from metrale.runtime.spec.metrics import SpecMetrics
 
     total = SpecMetrics()
     tokens, seconds, outputs = 0, 0.0, []
@@ -173,7 +173,7 @@ def _load_engine(engine_dir, device, dtype, backend_kind, draft_tier, mtp_nvfp4)
     """The engine every mode runs on; the weight-tier flags apply to every drafter and the head."""
     from metrale.builder.requantize import check_plans, requantized_states
     from metrale.runtime.backends import load_engine
-    from metrale.runtime.engine_dir import load_manifest
+    from metrale.runtime.artifact.engine_dir import load_manifest
 
     manifest = load_manifest(engine_dir)
     if backend_kind.runs_graphs:

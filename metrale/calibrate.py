@@ -37,9 +37,9 @@ def calibrate(
         import torch
 
         from metrale.bench import DEFAULT_PROMPTS, measure_costs
-        from metrale.runtime import calibration
+        from metrale.runtime.spec import calibration
         from metrale.runtime.backends import load_engine, resolve_backend
-        from metrale.runtime.engine_dir import add_files
+        from metrale.runtime.artifact.engine_dir import add_files
         from metrale.runtime.errors import ConfigError
 
         kind, device = resolve_backend(backend, None, dtype)

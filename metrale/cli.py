@@ -23,7 +23,7 @@ from metrale import checks
 from metrale import options as o
 from metrale.console import app, err, out, say_warning, user_errors
 from metrale.runtime.errors import MetraleError
-from metrale.runtime.spec_help import BUILD_HELP
+from metrale.runtime.spec.help import BUILD_HELP
 
 DWQ_HELP = BUILD_HELP["--draft-weight-quantization"]
 MTP_NVFP4_HELP = BUILD_HELP["--mtp-experts-nvfp4"]
@@ -38,9 +38,10 @@ def build(
     mtp_quantization: Annotated[Optional[str], typer.Option(metavar="bf16|fp8", help="Precision of the MTP head's weights. [default: bf16]")] = None,
     mtp_experts_nvfp4: Annotated[Optional[bool], typer.Option("--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=MTP_NVFP4_HELP)] = None,
     draft_tp_size: Annotated[Optional[str], typer.Option(metavar="N|auto", help=BUILD_HELP["--draft-tp-size"])] = None,
-    trt_flavor: Annotated[Optional[str], typer.Option(metavar="auto|rtx|tensorrt|none", help="TensorRT flavour for engines; none writes weights only.")] = None,
+    trt_flavor: Annotated[Optional[str], typer.Option(metavar="auto|rtx|tensorrt|none", help="TensorRT flavour for engines (built from the ONNX graphs); none builds no engines.")] = None,
     trt_dtype: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32", help="What the ONNX graphs and TensorRT engines compute in (activations and unquantized weights); --dtype auto serves them so. [default: bfloat16]")] = None,
     target_sm: Annotated[Optional[str], typer.Option(metavar="89,120", help="Comma-separated SM targets for engines and cubins.")] = None,
+    onnx: Annotated[Optional[bool], typer.Option("--onnx/--no-onnx", help="Export each component's step to ONNX (<component>/rank0.onnx): the graphs TensorRT compiles and --backend onnxruntime runs. --no-onnx needs --trt-flavor none. [default: --onnx]")] = None,
     cpu_engines: Annotated[Optional[str], typer.Option(metavar="aoti|none", help="CPU engines: aoti compiles the decode loop's steps (the target's decode and verify steps, the MTP head's step, each one-rank drafter's propose with its context update) into AOTInductor packages for this machine's CPU (what --backend auto runs on a CPU); none skips them. [default: aoti]")] = None,
 ):
     """Build an engine directory from a recipe's Hugging Face checkpoints."""
@@ -50,7 +51,7 @@ def build(
 
         overrides = _build_overrides(draft_weight_quantization, mtp_quantization,
                                      mtp_experts_nvfp4, draft_tp_size, trt_flavor, target_sm,
-                                     cpu_engines, trt_dtype)
+                                     cpu_engines, trt_dtype, onnx)
         if engine_dir is not None:
             engine_dir = checks.output_dir("--engine-dir", engine_dir)
         r = load_recipe(recipe or DEFAULT_RECIPE)
@@ -63,7 +64,7 @@ def build(
         _print_build(report)
 
 
-def _build_overrides(dwq, mtpq, nvfp4, tp, flavor, sms, cpu=None, trt_dtype=None) -> dict:
+def _build_overrides(dwq, mtpq, nvfp4, tp, flavor, sms, cpu=None, trt_dtype=None, onnx=None) -> dict:
     """The build flags given, checked and worded as flags (the recipe's checks speak keys)."""
     from metrale.builder import recipe as rc
 
@@ -77,7 +78,7 @@ def _build_overrides(dwq, mtpq, nvfp4, tp, flavor, sms, cpu=None, trt_dtype=None
     one_of("--cpu-engines", cpu, rc.CPU_ENGINES)
     one_of("--trt-dtype", trt_dtype, rc.TRT_DTYPES)
     return {"draft_weight_quantization": dwq, "mtp_quantization": mtpq, "mtp_experts_nvfp4": nvfp4,
-            "trt_flavor": flavor, "cpu_engines": cpu, "trt_dtype": trt_dtype,
+            "trt_flavor": flavor, "cpu_engines": cpu, "trt_dtype": trt_dtype, "onnx": onnx,
             "draft_tp_size": None if tp is None else rc.parse_draft_tp_size(tp, "--draft-tp-size"),
             "target_sm": None if sms is None else rc.parse_target_sm(sms, "--target-sm")}
 
@@ -95,6 +96,11 @@ def _check_build_flags(base, overrides: dict, has_mtp: bool) -> None:
                            f"requantized from BF16), got {given}")
     if nvfp4 and not has_mtp:
         raise MetraleError("--mtp-experts-nvfp4 needs an MTP head, and the recipe has no [mtp]")
+    flavor = overrides["trt_flavor"] or base.trt_flavor
+    if overrides["onnx"] is False and flavor != "none":
+        given = f"--trt-flavor {flavor}" if overrides["trt_flavor"] else f"the recipe's trt_flavor {flavor!r}"
+        raise MetraleError(f"--no-onnx: TensorRT builds its engines from the ONNX graphs, and {given} "
+                           "asks for engines; add --trt-flavor none")
     sms = overrides["target_sm"]
     if sms is not None:
         if any(s < MIN_TARGET_SM for s in sms) or len(set(sms)) != len(sms):
@@ -121,8 +127,8 @@ def _build_progress():
 def _print_build(report) -> None:
     from rich.table import Table
 
-    from metrale.runtime.engine_dir import human_size
-    from metrale.runtime.manifest_view import quant_cell
+    from metrale.runtime.artifact.engine_dir import human_size
+    from metrale.runtime.artifact.manifest_view import quant_cell
 
     m = report.manifest
     t = Table(title=Text(f"metrale build → {report.engine_dir}  ({report.seconds:.1f} s)"))
@@ -148,8 +154,8 @@ def inspect(engine_dir: o.EngineDir,
     with user_errors():
         from rich.table import Table
 
-        from metrale.runtime.engine import check_engine_dir
-        from metrale.runtime.manifest_view import COMPONENT_COLUMNS, component_rows, manifest_rows
+        from metrale.runtime.artifact.engine import check_engine_dir
+        from metrale.runtime.artifact.manifest_view import COMPONENT_COLUMNS, component_rows, manifest_rows
 
         m = check_engine_dir(engine_dir)
         if as_json:
@@ -179,7 +185,7 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
     """Replace this process with torchrun running the same command line when --nproc asks for
     more than one process; refuse a count that contradicts a torchrun launch."""
     from metrale.runtime.errors import ConfigError
-    from metrale.runtime.tp import torchrun_argv
+    from metrale.runtime.models.tp import torchrun_argv
 
     if nproc is None:
         return
@@ -216,7 +222,7 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
 
 def sampling_params(temperature: float, top_p: float, seed: Optional[int], max_tokens: int):
     """`SamplingParams` from the flags; its refusals reworded to name the flag."""
-    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.spec.sampling import SamplingParams
 
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
@@ -227,8 +233,8 @@ def sampling_params(temperature: float, top_p: float, seed: Optional[int], max_t
 
 def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"):
     from metrale.runtime.backends import Backend
-    from metrale.runtime.engine_dir import load_manifest
-    from metrale.runtime.service import load_generator
+    from metrale.runtime.artifact.engine_dir import load_manifest
+    from metrale.runtime.serving.service import load_generator
 
     tiers = spec.draft_weight_quantization is not None or spec.mtp_experts_nvfp4 is not None
     if Backend.parse(backend).runs_graphs:  # the graphs hold the built tiers: refuse others
@@ -337,8 +343,8 @@ def serve(
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     with user_errors():
-        from metrale.runtime.http_guard import ServerLimits
-        from metrale.runtime.server import serve as run_server
+        from metrale.runtime.serving.http_guard import ServerLimits
+        from metrale.runtime.serving.server import serve as run_server
 
         checks.host(host)
         checks.port(port)

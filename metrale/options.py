@@ -1,6 +1,6 @@
 """Typer option declarations shared by the commands; help texts come from one place.
 
-The speculative flags' help is `runtime.specconfig.HELP` (the seeds' semantics). Every flag
+The speculative flags' help is `runtime.spec.config.HELP` (the seeds' semantics). Every flag
 defaults to `None` (not given) so `SpeculativeConfig.from_flags` can tell an explicit value
 from a default and refuse flags given without their mode.
 """
@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from metrale.runtime.specconfig import HELP
+from metrale.runtime.spec.config import HELP
 
 EngineDir = Annotated[Path, typer.Option("--engine-dir", help="An engine directory written by `metrale build`.")]
 Device = Annotated[Optional[str], typer.Option(
@@ -109,7 +109,7 @@ def with_spec_flags(on_error):
 
         @functools.wraps(fn)
         def command(*args, **kwargs):
-            from metrale.runtime.specconfig import SpeculativeConfig
+            from metrale.runtime.spec.config import SpeculativeConfig
 
             flags = {name: kwargs.pop(name) for name, _, _ in SPEC_FLAGS}
             with on_error():

@@ -17,9 +17,9 @@ import pathlib
 import torch
 import torch.nn.functional as F
 
-from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
-from metrale.runtime.dflash import DFlashDrafter
-from metrale.runtime.mtp import MTPHead
+from metrale.runtime.models.configs import DecoderConfig, DFlashConfig, MTPConfig
+from metrale.runtime.models.dflash import DFlashDrafter
+from metrale.runtime.models.mtp import MTPHead
 
 PROMPT, GEN = 32, 96
 BLOCK = 8

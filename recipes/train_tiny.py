@@ -34,9 +34,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_drafters  # noqa: E402  (sibling script module)
 
-from metrale.runtime.configs import DecoderConfig  # noqa: E402
-from metrale.runtime.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from metrale.runtime.tokenizer import train_bpe_tokenizer  # noqa: E402
+from metrale.runtime.models.configs import DecoderConfig  # noqa: E402
+from metrale.runtime.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
+from metrale.runtime.artifact.tokenizer import train_bpe_tokenizer  # noqa: E402
 
 SEED = 1234
 VOCAB = 2048
@@ -135,8 +135,8 @@ def save_hf(folder: pathlib.Path, state: dict[str, torch.Tensor], config: dict) 
 def retrain_drafters(out: pathlib.Path, train_docs: list[str], quick: bool, t_start: float, log) -> None:
     """The drafters again, from the shipped target (its bf16 weights are what it was trained to),
     tokenizer and MTP head; TRAINING.json keeps the other entries and gets the drafters' anew."""
-    from metrale.runtime.loader import load_mtp, load_target
-    from metrale.runtime.tokenizer import Tokenizer
+    from metrale.runtime.models.loader import load_mtp, load_target
+    from metrale.runtime.artifact.tokenizer import Tokenizer
 
     target = load_target(out / "target")
     tok = Tokenizer.from_dir(out / "target")

@@ -97,7 +97,7 @@ def cmd_env(out: Path) -> int:
               "safetensors", "tokenizers", "typer"):
         info[m] = _version(m)
     # the runtime, the CLI (typer, rich) and the builder (ModelOpt, onnx) may fail apart
-    for key, module in (("metrale", "metrale.runtime.engine"), ("cli", "metrale.cli"),
+    for key, module in (("metrale", "metrale.runtime.artifact.engine"), ("cli", "metrale.cli"),
                         ("builder", "metrale.builder.build")):
         info[f"{key}_ok"], info[f"{key}_error"] = _imports(module)
     info["build_flavor"], info["build_flavor_reason"] = None, "no CUDA device"

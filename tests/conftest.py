@@ -128,7 +128,7 @@ def serve_in_thread(app, limits=None):
     if limits is None:
         config = uvicorn.Config(app, log_level="warning", lifespan="off")
     else:
-        from metrale.runtime.server import uvicorn_config
+        from metrale.runtime.serving.server import uvicorn_config
 
         config = uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)

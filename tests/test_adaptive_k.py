@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metrale.runtime.adaptive_k import (
+from metrale.runtime.spec.adaptive_k import (
     AcceptanceEstimator,
     AdaptiveKController,
     DraftLadder,
     choose_k,
     expected_tokens,
 )
-from metrale.runtime.specconfig import CostModel
+from metrale.runtime.spec.config import CostModel
 
 SEED_COST = CostModel.parse("0:32,1:44,2:50,3:56")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import CHUNKWISE_MODES, assert_verify_rows_are_one_row_steps
 
-from metrale.runtime.cpu_steps import TargetStep
+from metrale.runtime.backends.aoti_steps import TargetStep
 from metrale.runtime.errors import EngineDirError
-from metrale.runtime.layers import pack_for_inference
+from metrale.runtime.models.layers import pack_for_inference
 
 
 def _kv(target, slots):
@@ -22,7 +22,7 @@ def _kv(target, slots):
 def test_target_step_matches_the_model(tiny_recipe):
     """The step module (eager) against the packed model: prefill, then one- and multi-row steps
     at later positions; logits, last hidden and taps (the last layer's after the final norm)."""
-    from metrale.runtime.loader import load_target
+    from metrale.runtime.models.loader import load_target
 
     target = pack_for_inference(load_target(tiny_recipe.target.checkpoint))
     taps = (3, 0, 1)
@@ -77,9 +77,9 @@ def test_the_drafters_run_on_their_packages(aoti_engine, tiny_engine, tiny_promp
     """The aoti backend swaps the MTP head and both drafters for their packages; their drafts
     are the eager drafters' (same verify outcome, step for step, on greedy decoding)."""
     from metrale.runtime.backends.aoti import CompiledDFlash, CompiledMTP
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     assert isinstance(aoti_engine.mtp, CompiledMTP)
     assert all(isinstance(d, CompiledDFlash) for d in aoti_engine.drafters.values())
@@ -112,8 +112,8 @@ def test_verify_rows_bit_identical_to_one_row_steps(aoti_engine, k):
 
 def test_aoti_decodes_like_the_eager_target(aoti_engine, tiny_engine, tiny_prompts):
     """Greedy plain decoding on the packages gives the eager backend's tokens."""
-    from metrale.runtime.decode import Decoder
-    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.spec.decode import Decoder
+    from metrale.runtime.spec.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=32)
     eos = tiny_engine.tokenizer.eos_token_ids
@@ -132,9 +132,9 @@ SPEC_MODES = CHUNKWISE_MODES + [
 def test_chunkwise_speculation_emits_plain_greedy_text(aoti_engine, tiny_prompts, flags):
     """Without --exact-verify: the verify rows are the plain steps' rows, so every mode's greedy
     tokens are plain decoding's, token for token."""
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     params = SamplingParams(temperature=0.0, max_tokens=64)
     plain = EngineGenerator(aoti_engine)

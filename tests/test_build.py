@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from metrale.builder.build import build_engine
 from metrale.runtime.backends import load_engine
-from metrale.runtime.engine_dir import load_manifest
+from metrale.runtime.artifact.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, EngineDirError, MetraleError
 
 
@@ -89,9 +89,9 @@ def test_tier_bytes_follow_the_estimate(engine_factory):
 
 
 def test_quantized_drafters_still_draft(engine_factory, tiny_prompts):
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     engine = load_engine(engine_factory("nvfp4"))
     gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))

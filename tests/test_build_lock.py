@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from metrale.cli import app
-from metrale.runtime.build_lock import remove_stale
-from metrale.runtime.engine_dir import EngineDirWriter, load_manifest
+from metrale.runtime.artifact.build_lock import remove_stale
+from metrale.runtime.artifact.engine_dir import EngineDirWriter, load_manifest
 from metrale.runtime.errors import EngineDirError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def test_second_writer_of_a_directory_is_refused(tmp_path):
 
 WRITER = textwrap.dedent("""
     import os, sys, time
-    from metrale.runtime.engine_dir import EngineDirWriter
+    from metrale.runtime.artifact.engine_dir import EngineDirWriter
     from metrale.runtime.errors import EngineDirError
     try:
         with EngineDirWriter(sys.argv[1], overwrite=True) as w:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from metrale.cli import app
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.specconfig import AUTO, CostModel, SpeculativeConfig, resolve_dflash
+from metrale.runtime.spec.config import AUTO, CostModel, SpeculativeConfig, resolve_dflash
 
 
 def test_auto_parses_and_resolves_only_with_a_table():
@@ -28,8 +28,8 @@ def test_auto_parses_and_resolves_only_with_a_table():
 
 def test_calibrate_writes_a_checksummed_table_that_auto_uses(tiny_engine_dir, tmp_path):
     from metrale.runtime.backends import load_engine
-    from metrale.runtime.engine_dir import load_manifest
-    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.artifact.engine_dir import load_manifest
+    from metrale.runtime.serving.service import EngineGenerator
 
     eng = tmp_path / "eng"
     shutil.copytree(tiny_engine_dir, eng)

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from metrale.builder.build import check_tokenizer
-from metrale.runtime.configs import target_config
+from metrale.runtime.models.configs import target_config
 from metrale.runtime.backends import load_engine
-from metrale.runtime.engine import check_engine_dir
+from metrale.runtime.artifact.engine import check_engine_dir
 from metrale.runtime.errors import CheckpointError, EngineDirError, MetraleError
-from metrale.runtime.loader import load_dflash, load_mtp, load_target
+from metrale.runtime.models.loader import load_dflash, load_mtp, load_target
 
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny"
 FUZZ = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))

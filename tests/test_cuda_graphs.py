@@ -9,17 +9,17 @@ import torch
 from conftest import CHUNKWISE_MODES
 
 from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
-from metrale.runtime.cpu_steps import TargetStep
+from metrale.runtime.backends.aoti_steps import TargetStep
 from metrale.runtime.backends.cuda_graphs import (EagerGraphs, ForeignCache, GraphPackage, GraphTarget, load_graph_target,
                                          slot_buckets)
-from metrale.runtime.layers import pack_for_inference
+from metrale.runtime.models.layers import pack_for_inference
 
 TAPS = (0, 1, 3)
 
 
 @pytest.fixture(scope="module")
 def packed(tiny_recipe):
-    from metrale.runtime.loader import load_target
+    from metrale.runtime.models.loader import load_target
 
     return pack_for_inference(load_target(tiny_recipe.target.checkpoint)).eval()
 
@@ -133,9 +133,9 @@ def test_engine_records_what_runs_the_target(stand_in_engine):
 
 def test_stand_in_decodes_like_the_eager_target(stand_in_engine, tiny_engine_dir, tiny_prompts):
     """Greedy plain decoding through the runner gives the eager backend's tokens."""
-    from metrale.runtime.decode import Decoder
+    from metrale.runtime.spec.decode import Decoder
     from metrale.runtime.backends import load_engine
-    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.spec.sampling import SamplingParams
 
     eager = load_engine(tiny_engine_dir, backend="torch")  # not the shared fixture's engine
     params = SamplingParams(temperature=0.0, max_tokens=24)
@@ -151,9 +151,9 @@ SPEC_MODES = CHUNKWISE_MODES
 
 @pytest.mark.parametrize("flags", SPEC_MODES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_stand_in_exact_verify_emits_plain_greedy_tokens(stand_in_engine, tiny_prompts, flags):
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     params = SamplingParams(temperature=0.0, max_tokens=24)
     plain = EngineGenerator(stand_in_engine)
@@ -176,11 +176,11 @@ class _FailingCapture(EagerGraphs):
 @pytest.mark.parametrize("exc", [RuntimeError("operation not permitted when stream is capturing"),
                                  TypeError("an unexpected failure")], ids=["runtime", "other"])
 def test_a_capture_failure_falls_back_to_eager_with_the_reason(tiny_engine_dir, tiny_prompts, exc, caplog):
-    from metrale.runtime.decode import Decoder
+    from metrale.runtime.spec.decode import Decoder
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
-    from metrale.runtime.qwen3 import Qwen3ForCausalLM
-    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
+    from metrale.runtime.spec.sampling import SamplingParams
 
     engine = load_engine(tiny_engine_dir, backend="torch")
     with caplog.at_level("WARNING"):
@@ -224,9 +224,9 @@ def test_cuda_graphs_on_gpu_decode_like_plain_greedy_in_every_mode(tiny_engine_d
     """auto on CUDA captures real graphs; every mode's exact verify emits plain greedy's tokens;
     --backend torch on CUDA stays eager."""
     from metrale.runtime.backends import load_engine
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     engine = load_engine(tiny_engine_dir, device="cuda", backend="auto")
     assert engine.backend == "cuda-graphs", engine.backend_note

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metrale.runtime.sampling import SamplingParams
-from metrale.runtime.service import EngineGenerator
-from metrale.runtime.specconfig import SpeculativeConfig
+from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.serving.service import EngineGenerator
+from metrale.runtime.spec.config import SpeculativeConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 

@@ -1,4 +1,4 @@
-"""DFlash / DFlash2 drafters (metrale.runtime.dflash): context injection worked out by hand,
+"""DFlash / DFlash2 drafters (metrale.runtime.models.dflash): context injection worked out by hand,
 the cached propose path against the masked training path, the stacked context K/V projection,
 DFlash2's dynamic conv and candidate selector on hand-built examples."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from metrale.runtime.configs import DecoderConfig, DFlashConfig
-from metrale.runtime.dflash import CandidateSelector, DFlashDrafter, DynamicConv
-from metrale.runtime.layers import RMSNorm
+from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
+from metrale.runtime.models.dflash import CandidateSelector, DFlashDrafter, DynamicConv
+from metrale.runtime.models.layers import RMSNorm
 
 MASK = 9
 THETA = 10000.0

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from metrale.runtime.backends import load_engine
-from metrale.runtime.engine_dir import load_manifest
+from metrale.runtime.artifact.engine_dir import load_manifest
 from metrale.runtime.errors import EngineDirError
 
 pytest.importorskip("tensorrt_rtx")

@@ -1,4 +1,4 @@
-"""Tests for metrale.runtime.engine_dir: the manifest, the atomic writer and the verifier."""
+"""Tests for metrale.runtime.artifact.engine_dir: the manifest, the atomic writer and the verifier."""
 
 import hashlib
 import json
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metrale.runtime.engine_dir import (
+from metrale.runtime.artifact.engine_dir import (
     FORMAT_VERSION,
     EngineDirWriter,
     Manifest,
@@ -19,7 +19,7 @@ from metrale.runtime.engine_dir import (
     load_manifest,
     verify_files,
 )
-from metrale.runtime.manifest_view import component_rows, manifest_rows
+from metrale.runtime.artifact.manifest_view import component_rows, manifest_rows
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
 SHA_A = "a" * 64

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from pydoc_data.topics import topics
 from test_server import ONCE, ONCE_REPLY, TrigramGenerator
 
-from metrale.runtime.http_guard import ServerLimits
-from metrale.runtime.server import create_app
-from metrale.runtime.tokenizer import train_bpe_tokenizer
+from metrale.runtime.serving.http_guard import ServerLimits
+from metrale.runtime.serving.server import create_app
+from metrale.runtime.artifact.tokenizer import train_bpe_tokenizer
 
 KEY = "s3cret-key"
 LIMITS = ServerLimits(max_request_bytes=4096, max_queue=2, header_timeout_s=0.5,

@@ -20,9 +20,9 @@ import torch  # noqa: E402
 
 from metrale.plugins import dynamic_conv, fp8_gemm, nvfp4_gemm, nvfp4_moe  # noqa: E402
 from metrale.plugins.formats import E2M1_VALUES, dequantize_nvfp4  # noqa: E402
-from metrale.runtime.configs import DecoderConfig  # noqa: E402
-from metrale.runtime.dflash import DynamicConv  # noqa: E402
-from metrale.runtime.layers import MoE  # noqa: E402
+from metrale.runtime.models.configs import DecoderConfig  # noqa: E402
+from metrale.runtime.models.dflash import DynamicConv  # noqa: E402
+from metrale.runtime.models.layers import MoE  # noqa: E402
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from metrale.runtime.configs import DecoderConfig
-from metrale.runtime.layers import MoE, RMSNorm, apply_rope, rms_normalize, rope_cos_sin
+from metrale.runtime.models.configs import DecoderConfig
+from metrale.runtime.models.layers import MoE, RMSNorm, apply_rope, rms_normalize, rope_cos_sin
 
 CFG = DecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,

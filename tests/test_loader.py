@@ -1,4 +1,4 @@
-"""Strict checkpoint loading (metrale.runtime.loader) on tiny checkpoints written here.
+"""Strict checkpoint loading (metrale.runtime.models.loader) on tiny checkpoints written here.
 
 Tensor names are spelled out as the Hugging Face layouts spell them (not derived from the
 modules), so a rename that drifts from the real layouts fails here.
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from metrale.runtime.errors import CheckpointError
-from metrale.runtime.loader import load_dflash, load_mtp, load_target
+from metrale.runtime.models.loader import load_dflash, load_mtp, load_target
 
 H, NH, NKV, HD, INTER, V = 8, 2, 1, 4, 12, 12
 E, MOE_INTER = 3, 4

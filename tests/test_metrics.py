@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from metrale.runtime.metrics import SpecMetrics, SpecMetricsAggregate
+from metrale.runtime.spec.metrics import SpecMetrics, SpecMetricsAggregate
 
 
 def two_steps() -> SpecMetrics:

@@ -1,4 +1,4 @@
-"""The MTP head (metrale.runtime.mtp) on tiny hand-set weights, expectations worked out inline.
+"""The MTP head (metrale.runtime.models.mtp) on tiny hand-set weights, expectations worked out inline.
 
 Hidden size 4, one head of dim 4, vocab 10. Norm inputs are chosen so that x̂ = x/rms(x) is a
 vector of small integers; "unit" norm weights are 0 for the zero-centred Qwen3-Next norms
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from metrale.runtime.configs import DecoderConfig, MTPConfig
-from metrale.runtime.layers import RMSNorm
-from metrale.runtime.mtp import MTPHead
+from metrale.runtime.models.configs import DecoderConfig, MTPConfig
+from metrale.runtime.models.layers import RMSNorm
+from metrale.runtime.models.mtp import MTPHead
 
 NAMINGS = ("qwen3_next", "deepseek")
 

@@ -22,7 +22,7 @@ from metrale.builder import onnx_export as ox
 from metrale.plugins import onnx_lowering as lw
 from metrale.plugins.fp8_gemm import fp8_w8a16_gemm
 from metrale.plugins.nvfp4_gemm import nvfp4_w4a16_gemm
-from metrale.runtime import qlinear
+from metrale.runtime.models import qlinear
 
 
 def _bytes(a) -> torch.Tensor:

@@ -23,12 +23,12 @@ from typer.testing import CliRunner
 from metrale.bench import mode_table
 from metrale.builder import onnx_export as ox
 from metrale.plugins import onnx_lowering as lw
-from metrale.runtime import qlinear
+from metrale.runtime.models import qlinear
 from metrale.runtime.backends import load_engine
 from metrale.runtime.errors import ConfigError, EngineDirError
-from metrale.runtime.sampling import SamplingParams
-from metrale.runtime.service import EngineGenerator
-from metrale.runtime.specconfig import SpeculativeConfig
+from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.serving.service import EngineGenerator
+from metrale.runtime.spec.config import SpeculativeConfig
 
 IO = ox.GraphIO(("x",), ("y",), {"x": {1: "t"}, "y": {1: "t"}})
 

@@ -5,7 +5,7 @@ import torch
 
 from metrale.plugins.formats import dequantize_fp8, dequantize_nvfp4
 from metrale.runtime.errors import CheckpointError
-from metrale.runtime.qlinear import (
+from metrale.runtime.models.qlinear import (
     DenseLinear,
     Fp8Linear,
     Nvfp4Linear,

@@ -14,7 +14,7 @@ from metrale.builder import quantize as q
 from metrale.builder.quantize import DraftWeightQuantization as Tier
 from metrale.plugins.formats import dequantize_fp8, dequantize_nvfp4
 from metrale.runtime.errors import ConfigError, QuantizationError
-from metrale.runtime.qlinear import linear_from_tensors
+from metrale.runtime.models.qlinear import linear_from_tensors
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

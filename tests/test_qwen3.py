@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from metrale.runtime.layers import pack_for_inference
-from metrale.runtime.loader import load_target
+from metrale.runtime.models.layers import pack_for_inference
+from metrale.runtime.models.loader import load_target
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from metrale.builder.requantize import check_plans, requantized_states, states_for
-from metrale.runtime.engine_dir import load_manifest
+from metrale.runtime.artifact.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, EngineDirError, QuantizationError
-from metrale.runtime.specconfig import SpeculativeConfig
+from metrale.runtime.spec.config import SpeculativeConfig
 
 DRAFTERS = ("dflash", "dflash2")
 
@@ -111,8 +111,8 @@ def test_decoding_on_a_tier_chosen_at_load_equals_the_built_tier(tiny_engine_dir
                                                                  tiny_prompts):
     """Same bytes, same drafts: a serve of the fp8 engine at nvfp4 decodes as the nvfp4 build."""
     from metrale.runtime.backends import load_engine
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
 
     spec = SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2",
                                         draft_weight_quantization="nvfp4")
@@ -145,7 +145,7 @@ def test_generate_cli_takes_the_tier_flags(tiny_engine_dir):
 
 
 def test_aoti_runs_a_requantized_drafter_eagerly(aoti_engine_dir):
-    from metrale.runtime.dflash import DFlashDrafter
+    from metrale.runtime.models.dflash import DFlashDrafter
     from metrale.runtime.backends import load_engine
 
     m = load_manifest(aoti_engine_dir)

@@ -37,9 +37,9 @@ def test_float32_eager_does_not_claim_it(tiny_engine):
 
 def test_every_chunkwise_mode_emits_plain_greedy_text(bf16_engine, held_out):
     """The 24 held-out prompts × 128 tokens, bfloat16, chunkwise verify, every mode."""
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     params = SamplingParams(temperature=0.0, max_tokens=128)
     plain = [EngineGenerator(bf16_engine).generate(ids, params).token_ids for ids in held_out]

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.sampling import (
+from metrale.runtime.spec.sampling import (
     SamplingParams,
     generator_for,
     probs_from_logits,

@@ -1,4 +1,4 @@
-"""Tests for metrale.runtime.server over real HTTP: uvicorn on a free port, the official openai
+"""Tests for metrale.runtime.serving.server over real HTTP: uvicorn on a free port, the official openai
 client, raw `requests` for malformed input.
 
 The served model is a real 3-gram model over the trained test tokenizer: the next token is the
@@ -17,8 +17,8 @@ from conftest import serve_in_thread
 from openai import OpenAI
 from pydoc_data.topics import topics
 
-from metrale.runtime.server import StopScanner, create_app
-from metrale.runtime.tokenizer import train_bpe_tokenizer
+from metrale.runtime.serving.server import StopScanner, create_app
+from metrale.runtime.artifact.tokenizer import train_bpe_tokenizer
 
 CORPUS = (
     "Once upon a time, the quick brown fox jumps over the lazy dog.<|im_end|>"

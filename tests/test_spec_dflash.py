@@ -4,9 +4,9 @@ while every draft still sees the whole context."""
 
 import torch
 
-from metrale.runtime.qwen3 import TargetOutput
-from metrale.runtime.spec_dflash import DFlashProposer
-from metrale.runtime.specconfig import SpeculativeConfig, resolve_dflash
+from metrale.runtime.models.qwen3 import TargetOutput
+from metrale.runtime.spec.dflash_proposer import DFlashProposer
+from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
 
 
 def _proposer(engine, adaptive_k=None):
@@ -42,8 +42,8 @@ def test_context_waits_for_the_next_propose_and_matches_eager_feeding(tiny_engin
 def test_a_suspended_stream_feeds_nothing_per_plain_step(tiny_engine, tiny_prompts, monkeypatch):
     """Adaptive k with a table that makes plain steps pay: between re-probes the drafter's
     cache stands still, and the output is plain decoding's."""
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
 
     # plain steps pay at any acceptance below 1, yet full acceptance would pay: it probes
     costly = "0:1,1:1.95,2:2.95,3:3.95,4:4.95,5:5.95,6:6.95,7:7.95"
@@ -68,8 +68,8 @@ def test_a_settled_stream_retires_its_drafter(tiny_engine, tiny_prompts, monkeyp
     """A table where no count could pay even with every draft accepted: the controller settles
     on plain decoding at the first step, and the loop then neither proposes nor asks the target
     for taps; the text is plain decoding's."""
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
 
     spec = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k="0:1,1:50,2:50,3:50,4:50,5:50,6:50,7:50")
     decoder = EngineGenerator(tiny_engine, spec).decoder()

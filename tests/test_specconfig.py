@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.specconfig import (
+from metrale.runtime.spec.config import (
     HELP,
     CostModel,
     DraftStop,

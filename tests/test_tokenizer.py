@@ -1,4 +1,4 @@
-"""Tests for metrale.runtime.tokenizer: training, round trips, streaming decode, chat template."""
+"""Tests for metrale.runtime.artifact.tokenizer: training, round trips, streaming decode, chat template."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from metrale.runtime.errors import CheckpointError, ConfigError
-from metrale.runtime.tokenizer import IncrementalDecoder, Tokenizer, train_bpe_tokenizer
+from metrale.runtime.artifact.tokenizer import IncrementalDecoder, Tokenizer, train_bpe_tokenizer
 
 # ~40 KB of real English prose from the language reference, in a fixed order.
 TEXTS = [topics[k] for k in sorted(topics)[:10]]

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from metrale.runtime.configs import DecoderConfig, DFlashConfig
+from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
 from metrale.runtime.errors import ConfigError, EngineDirError, MetraleError
-from metrale.runtime.tp import (
+from metrale.runtime.models.tp import (
     Cut, TensorParallel, World, cut_tensor, drafter_cut, local_decoder, merge_drafter_state,
     merge_tensor, shard_range, torchrun_argv,
 )
@@ -132,7 +132,7 @@ def test_local_shapes_of_a_rank():
     local = local_decoder(cfg.decoder, 1, 2)
     assert (local.num_attention_heads, local.num_key_value_heads) == (2, 1)
     assert (local.intermediate_size, local.vocab_size, local.hidden_size) == (128, 1024, 128)
-    from metrale.runtime.dflash import DFlashDrafter
+    from metrale.runtime.models.dflash import DFlashDrafter
 
     drafter = DFlashDrafter(cfg, TensorParallel(1, 2))  # built without joining any group
     a, mlp = drafter.layers[0].self_attn, drafter.layers[0].mlp
@@ -178,8 +178,8 @@ def test_build_refuses_kv_heads_that_do_not_split_before_writing(tiny_recipe, tm
 
 def test_a_one_rank_build_is_cut_at_load_to_a_two_rank_builds_bytes(tiny_engine_dir, engine_factory):
     from metrale.runtime.backends import load_engine
-    from metrale.runtime.engine import _drafter_tensors
-    from metrale.runtime.engine_dir import load_manifest
+    from metrale.runtime.artifact.engine import _drafter_tensors
+    from metrale.runtime.artifact.engine_dir import load_manifest
 
     two = engine_factory("fp8", draft_tp_size=2)
     infos = load_manifest(tiny_engine_dir).components
@@ -218,7 +218,7 @@ def test_nproc_refusals(monkeypatch):
 
 @pytest.mark.parametrize("tier", ["declared", "fp8", "fp8-aux", "nvfp4"])
 def test_two_rank_shards_put_back_are_the_one_rank_bytes(engine_factory, tier):
-    from metrale.runtime.engine_dir import load_manifest
+    from metrale.runtime.artifact.engine_dir import load_manifest
 
     one, two = engine_factory(tier), engine_factory(tier, draft_tp_size=2)
     m = load_manifest(two)
@@ -277,9 +277,9 @@ def _worker(rank: int, port: int, engine_dir: str, prompts_file: str, out_file: 
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from metrale.runtime.backends import load_engine
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     world = World.from_env("cpu")
     res: dict = {"world": (world.rank, world.size)}
@@ -352,9 +352,9 @@ def test_two_ranks_draft_the_one_rank_tokens(two_ranks, tiny_engine, tiny_prompt
 
 
 def test_two_rank_decodes_equal_one_rank_decodes(two_ranks, tiny_engine, tiny_prompts):
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     for name in DRAFTERS:
         gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter=name))
@@ -377,9 +377,9 @@ def test_two_rank_collectives_and_refusals(two_ranks):
 
 def test_torchrun_generate_prints_the_one_rank_text(engine_factory, tiny_engine):
     """`metrale generate --nproc 2` re-launches itself under torchrun; rank 0 prints."""
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import EngineGenerator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     spec = SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2")
     ids = tiny_engine.tokenizer.encode("def main(")

@@ -217,7 +217,7 @@ def _sha256(path: Path) -> str:
 @pytest.mark.parametrize("tier", TIERS)
 def test_tp_build_writes_every_rank_engine_per_sm(rtx, engine_factory, tier):
     from metrale.builder import tp_export
-    from metrale.runtime.engine_dir import load_manifest
+    from metrale.runtime.artifact.engine_dir import load_manifest
 
     engine_dir = tp_build(engine_factory, tier)
     m = load_manifest(engine_dir)  # verifies every checksum

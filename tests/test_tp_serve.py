@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from metrale.runtime.configs import DecoderConfig, DFlashConfig
-from metrale.runtime.tp import TensorParallel, World, cut_tensor, drafter_cut, merge_drafter_state
+from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
+from metrale.runtime.models.tp import TensorParallel, World, cut_tensor, drafter_cut, merge_drafter_state
 
 GREEDY_TOKENS = 20
 UNEVEN = dict(heads=8, kv_heads=4, head_dim=16, hidden=64, inter=96, vocab=512)
@@ -45,7 +45,7 @@ def uneven_job(version: int):
     process. -> (config, one-rank engine state, embedding, context features, anchor)."""
     from metrale.builder.build import drafter_engine_state
     from metrale.builder.quantize import quantize_drafter
-    from metrale.runtime.dflash import DFlashDrafter
+    from metrale.runtime.models.dflash import DFlashDrafter
 
     cfg = uneven_config(version)
     torch.manual_seed(1234 + version)
@@ -61,8 +61,8 @@ def uneven_job(version: int):
 
 
 def propose_with(cfg, state, embed, features, anchor, tp: TensorParallel | None):
-    from metrale.runtime.dflash import DFlashDrafter
-    from metrale.runtime.engine import fill_engine_state
+    from metrale.runtime.models.dflash import DFlashDrafter
+    from metrale.runtime.artifact.engine import fill_engine_state
 
     if tp is not None:
         state = {n: cut_tensor(n, t, drafter_cut(n, cfg), tp.rank, tp.size) for n, t in state.items()}
@@ -74,7 +74,7 @@ def propose_with(cfg, state, embed, features, anchor, tp: TensorParallel | None)
 
 
 def _decode_all(gen, prompts, world) -> list | None:
-    from metrale.runtime.sampling import SamplingParams
+    from metrale.runtime.spec.sampling import SamplingParams
 
     if not world.leader:  # record what this rank decoded while following
         seen, make = [], gen.decoder
@@ -99,8 +99,8 @@ def _worker(scenario: str, rank: int, world_size: int, port: int, args: dict, ou
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from metrale.runtime.service import load_generator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.serving.service import load_generator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     world = World.from_env("cpu")
     res: dict = {}
@@ -113,7 +113,7 @@ def _worker(scenario: str, rank: int, world_size: int, port: int, args: dict, ou
             states = None
             if spec.draft_weight_quantization is not None:
                 from metrale.builder.requantize import states_for
-                from metrale.runtime.engine_dir import load_manifest
+                from metrale.runtime.artifact.engine_dir import load_manifest
 
                 states = states_for(args["engine_dir"], load_manifest(args["engine_dir"]), spec)
             gen = load_generator(args["engine_dir"], spec, states=states, backend="torch")
@@ -144,7 +144,7 @@ def run_ranks(scenario: str, size: int, args: dict, tmp: Path) -> list[dict]:
 # -- uneven KV heads ---------------------------------------------------------------------------
 
 def test_uneven_shards_put_back_are_the_one_rank_bytes():
-    from metrale.runtime.tp import local_decoder
+    from metrale.runtime.models.tp import local_decoder
 
     cfg, state, *_ = uneven_job(2)
     shards = [{n: cut_tensor(n, t, drafter_cut(n, cfg), r, 3) for n, t in state.items()} for r in range(3)]
@@ -187,10 +187,10 @@ def two_rank_serves(tiny_engine_dir, tiny_prompts, tmp_path_factory):
 
 def one_rank_decodes(engine_dir, prompts, flags):
     from metrale.builder.requantize import states_for
-    from metrale.runtime.engine_dir import load_manifest
-    from metrale.runtime.sampling import SamplingParams
-    from metrale.runtime.service import load_generator
-    from metrale.runtime.specconfig import SpeculativeConfig
+    from metrale.runtime.artifact.engine_dir import load_manifest
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import load_generator
+    from metrale.runtime.spec.config import SpeculativeConfig
 
     spec = SpeculativeConfig.from_flags(dflash=True, **{**flags, "draft_tp_size": None})
     gen = load_generator(engine_dir, spec, backend="torch",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from metrale.runtime.loader import load_dflash, load_mtp, load_target
+from metrale.runtime.models.loader import load_dflash, load_mtp, load_target
 
 SCRIPT = Path(__file__).resolve().parent.parent / "recipes" / "train_tiny.py"
 

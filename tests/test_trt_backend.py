@@ -22,11 +22,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.errors import EngineDirError
-from metrale.runtime.sampling import SamplingParams
-from metrale.runtime.service import EngineGenerator
-from metrale.runtime.specconfig import SpeculativeConfig
+from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.serving.service import EngineGenerator
+from metrale.runtime.spec.config import SpeculativeConfig
 from metrale.runtime.backends.graph_steps import (
     GraphDrafter, GraphMTP, GraphTarget, propose_graph_key,
 )
@@ -242,7 +242,7 @@ def _engines(gpu_engine_dir, tier="fp8"):
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.tensorrt import load_trt_engine
 
-    from metrale.runtime.engine_dir import load_manifest
+    from metrale.runtime.artifact.engine_dir import load_manifest
 
     path = gpu_engine_dir(tier)  # the torch reference computes in the plans' dtype
     dtype = getattr(torch, load_manifest(path).build.get("trt_dtype", "float32"))

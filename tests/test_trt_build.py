@@ -15,7 +15,7 @@ from metrale.builder import trt_build as tb
 from metrale.builder.trt_env import (
     TrtFlavor, TrtUnavailable, ensure_rtx_soname_link, load_trt,
 )
-from metrale.runtime import qlinear
+from metrale.runtime.models import qlinear
 from metrale.runtime.errors import ConfigError
 
 SMS = (89, 120)
@@ -135,7 +135,7 @@ def test_target_and_nvfp4_mtp_engines(rtx, engine_factory, tmp_path):
 
 def test_export_and_build_into_a_writer_without_tensorrt(tiny_engine, tmp_path):
     from metrale.builder.recipe import BuildOptions
-    from metrale.runtime.engine_dir import EngineDirWriter
+    from metrale.runtime.artifact.engine_dir import EngineDirWriter
 
     with EngineDirWriter(tmp_path / "eng") as w:
         result = tb.export_and_build(w, tiny_engine, BuildOptions(trt_flavor="none"))

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metrale.runtime.sampling import SamplingParams, probs_from_logits
-from metrale.runtime.verify import verify_greedy, verify_sampling
+from metrale.runtime.spec.sampling import SamplingParams, probs_from_logits
+from metrale.runtime.spec.verify import verify_greedy, verify_sampling
 
 V = 5
 
@@ -149,7 +149,7 @@ def test_the_chi_square_check_catches_a_wrong_sampler():
 
 
 def test_accepted_prefix_stops_at_the_rows_given():
-    from metrale.runtime.verify import accepted_prefix
+    from metrale.runtime.spec.verify import accepted_prefix
 
     assert accepted_prefix([5, 6, 7], [5, 6, 7, 8]) == 3  # every draft matched: bonus row 3
     assert accepted_prefix([5, 6, 7], [5, 9, 7, 8]) == 1

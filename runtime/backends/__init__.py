@@ -128,7 +128,7 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
     torch otherwise (`backend_note` says why). onnxruntime, tensorrt: the directory's graphs
     (`graph_steps`; one rank, the built weights, so `components`, `tp` and `states` must be
     unset). `states`: weights requantized at load (see `builder.requantize`)."""
-    from metrale.runtime.engine import load_models
+    from metrale.runtime.artifact.engine import load_models
 
     b = Backend.parse(backend) if isinstance(backend, str) else backend
     dev = torch.device(device)

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.errors import EngineDirError
-from metrale.runtime.layers import pack_for_inference
-from metrale.runtime.qwen3 import Qwen3ForCausalLM, TargetOutput
+from metrale.runtime.models.layers import pack_for_inference
+from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class CompiledDFlash:
 
     def propose(self, anchor: torch.Tensor, embed, cache: StaticKVCache, gamma: int):
         """anchor [1] at position cache.length + pending rows -> γ−1 greedy drafts."""
-        from metrale.runtime.dflash import Proposal
+        from metrale.runtime.models.dflash import Proposal
 
         if not 1 < gamma <= self.block:
             raise ValueError(f"γ = {gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
-from metrale.runtime.engine import LoadedEngine
-from metrale.runtime.layers import pack_for_inference
+from metrale.runtime.artifact.engine import LoadedEngine
+from metrale.runtime.models.layers import pack_for_inference
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class GraphTarget(CompiledTarget):
 def load_graph_target(model, taps: tuple[int, ...], *, rows: tuple[int, ...] = ROWS,
                       slots: tuple[int, ...] | None = None, graphs=None) -> GraphTarget:
     """Capture the packed `model`'s steps (see the module docstring); raises on any failure."""
-    from metrale.runtime.cpu_steps import TargetStep
+    from metrale.runtime.backends.aoti_steps import TargetStep
 
     c = model.config
     device = model.model.embed_tokens.weight.device

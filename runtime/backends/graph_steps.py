@@ -42,11 +42,11 @@ import torch
 from torch import nn
 
 from metrale.runtime.backends.graph_cache import CacheSizes, EngineCache, position_limit
-from metrale.runtime.configs import DecoderConfig, DFlashConfig
-from metrale.runtime.dflash import CandidateSelector, Proposal
-from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
+from metrale.runtime.models.dflash import CandidateSelector, Proposal
+from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.errors import EngineDirError
-from metrale.runtime.qwen3 import TargetOutput
+from metrale.runtime.models.qwen3 import TargetOutput
 
 KV = ("past_key", "past_value")
 

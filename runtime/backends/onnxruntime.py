@@ -21,7 +21,7 @@ import torch
 
 from metrale.runtime.backends import resolve_backend
 from metrale.runtime.backends.graph_steps import load_graph_engine
-from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.errors import ConfigError, EngineDirError
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ def ort_graph(path: Path, name: str, info: dict):
 
 def load_ort_engine(engine_dir: str | Path, *, threads: int | None = None) -> LoadedEngine:
     """Verify the directory and load every component's graph into an onnxruntime session."""
-    from metrale.runtime.engine import check_engine_dir
-    from metrale.runtime.tokenizer import Tokenizer
+    from metrale.runtime.artifact.engine import check_engine_dir
+    from metrale.runtime.artifact.tokenizer import Tokenizer
 
     resolve_backend("onnxruntime", "cpu")
     import_onnxruntime()

@@ -26,7 +26,7 @@ import torch
 from metrale.runtime.backends import resolve_backend
 from metrale.runtime.backends.graph_steps import load_graph_engine
 from metrale.runtime.backends.trt_runner import EngineRunner, gpu_sm, import_trt, pick_engine_sm
-from metrale.runtime.engine import LoadedEngine
+from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.errors import ConfigError, EngineDirError
 
 log = logging.getLogger(__name__)
@@ -36,9 +36,9 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
                     graphs: bool = True) -> LoadedEngine:
     """Verify the directory and load every component's engine for this GPU's SM."""
     from metrale.plugins.trt_plugin import KernelLibrary, plugin_kernel_keys, register_plugins
-    from metrale.runtime.tokenizer import Tokenizer
+    from metrale.runtime.artifact.tokenizer import Tokenizer
 
-    from metrale.runtime.engine import check_engine_dir
+    from metrale.runtime.artifact.engine import check_engine_dir
 
     resolve_backend("tensorrt", str(device))
     path = Path(engine_dir)

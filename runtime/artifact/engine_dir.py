@@ -38,7 +38,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, Mapping
 
 from metrale.runtime import __version__
-from metrale.runtime.build_lock import DirLock, remove_stale, signals_as_interrupts
+from metrale.runtime.artifact.build_lock import DirLock, remove_stale, signals_as_interrupts
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
 log = logging.getLogger(__name__)

@@ -27,17 +27,17 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from metrale.runtime.configs import DecoderConfig, DFlashConfig, MTPConfig
-from metrale.runtime.dflash import DFlashDrafter
-from metrale.runtime.engine_check import REBUILD, check_files, component_config, read_json
-from metrale.runtime.engine_dir import Manifest
+from metrale.runtime.models.configs import DecoderConfig, DFlashConfig, MTPConfig
+from metrale.runtime.models.dflash import DFlashDrafter
+from metrale.runtime.artifact.engine_check import REBUILD, check_files, component_config, read_json
+from metrale.runtime.artifact.engine_dir import Manifest
 from metrale.runtime.errors import CheckpointError, EngineDirError
-from metrale.runtime.layers import Attention, MoE, pack_for_inference
-from metrale.runtime.loader import strict_fill
-from metrale.runtime.mtp import MTPHead
-from metrale.runtime.qwen3 import Qwen3ForCausalLM
-from metrale.runtime.tokenizer import Tokenizer
-from metrale.runtime.tp import (TensorParallel, check_drafter_split, cut_tensor, drafter_cut,
+from metrale.runtime.models.layers import Attention, MoE, pack_for_inference
+from metrale.runtime.models.loader import strict_fill
+from metrale.runtime.models.mtp import MTPHead
+from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
+from metrale.runtime.artifact.tokenizer import Tokenizer
+from metrale.runtime.models.tp import (TensorParallel, check_drafter_split, cut_tensor, drafter_cut,
                                 merge_drafter_state)
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def quantized_prefixes(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 def fill_engine_state(module: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> nn.Module:
     """Swap quantized linears in, then fill every parameter strictly (names and shapes)."""
-    from metrale.runtime import qlinear
+    from metrale.runtime.models import qlinear
 
     device = next(module.parameters()).device
 
@@ -76,7 +76,7 @@ def check_formats(tensors: dict[str, torch.Tensor], info: dict, source: str) -> 
     quantized ones are exactly its `quantized_modules`, each in its `quant_algo`'s format (so a
     directory whose weights and manifest disagree is refused, never run at another tier). An
     entry without a section (the target) is not checked."""
-    from metrale.runtime import qlinear
+    from metrale.runtime.models import qlinear
 
     section = (info.get("quantization") or {}).get("quantization")
     if section is None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from metrale.runtime.configs import DecoderConfig
-from metrale.runtime.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin
+from metrale.runtime.models.configs import DecoderConfig
+from metrale.runtime.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin
 
 
 @dataclass

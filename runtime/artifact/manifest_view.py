@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metrale.runtime.engine_dir import Manifest, human_size
+from metrale.runtime.artifact.engine_dir import Manifest, human_size
 
 COMPONENT_COLUMNS = ("component", "kind", "quantization", "files")
 

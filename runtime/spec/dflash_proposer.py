@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from metrale.runtime.adaptive_k import AdaptiveKController, DraftLadder
-from metrale.runtime.decode import NO_DRAFTS
-from metrale.runtime.dflash import DFlashDrafter
-from metrale.runtime.specconfig import ResolvedDFlash
+from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
+from metrale.runtime.spec.decode import NO_DRAFTS
+from metrale.runtime.models.dflash import DFlashDrafter
+from metrale.runtime.spec.config import ResolvedDFlash
 
 
 class DFlashProposer:

@@ -27,19 +27,19 @@ from typing import Iterator
 
 import torch
 
-from metrale.runtime.configs import DFlashConfig
-from metrale.runtime.decode import DecodeResult, Decoder
+from metrale.runtime.models.configs import DFlashConfig
+from metrale.runtime.spec.decode import DecodeResult, Decoder
 from metrale.runtime.backends import Backend, load_engine
-from metrale.runtime.engine import LoadedEngine
-from metrale.runtime.engine_dir import load_manifest
+from metrale.runtime.artifact.engine import LoadedEngine
+from metrale.runtime.artifact.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, MetraleError
-from metrale.runtime.metrics import SpecMetricsAggregate
-from metrale.runtime.sampling import SamplingParams
-from metrale.runtime.spec_dflash import DFlashProposer
-from metrale.runtime.spec_mtp import MTPProposer
-from metrale.runtime.spec_relay import LeaderDrafts, RelayedDrafts
-from metrale.runtime.specconfig import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
-from metrale.runtime.tp import TensorParallel, World
+from metrale.runtime.spec.metrics import SpecMetricsAggregate
+from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.spec.dflash_proposer import DFlashProposer
+from metrale.runtime.spec.mtp_proposer import MTPProposer
+from metrale.runtime.spec.relay import LeaderDrafts, RelayedDrafts
+from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
+from metrale.runtime.models.tp import TensorParallel, World
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
                               f"drafter (it has: {have})")
         calibrated, of = None, ""
         if spec.dflash_adaptive_k == AUTO:
-            from metrale.runtime import calibration
+            from metrale.runtime.spec import calibration
 
             wanted = calibration.setting(name, engine.backend, str(engine.dtype).removeprefix("torch."),
                                          torch.get_num_threads())

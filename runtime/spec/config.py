@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from metrale.plugins.formats import DRAFT_TIERS
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.spec_help import HELP  # noqa: F401  (the flags' --help texts)
+from metrale.runtime.spec.help import HELP  # noqa: F401  (the flags' --help texts)
 
 DEFAULT_NUM_DRAFTS, MAX_NUM_DRAFTS = 3, 32  # a chain past 32 drafts is never all accepted
 DEFAULT_REPROBE_INTERVAL = 16

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.runtime.configs import DecoderConfig
+from metrale.runtime.models.configs import DecoderConfig
 
 
 def float_weight(linear: nn.Module) -> torch.Tensor:

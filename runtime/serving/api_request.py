@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
 from metrale.runtime.errors import MetraleError
-from metrale.runtime.sampling import MIN_TEMPERATURE, SamplingParams
-from metrale.runtime.tokenizer import Tokenizer
+from metrale.runtime.spec.sampling import MIN_TEMPERATURE, SamplingParams
+from metrale.runtime.artifact.tokenizer import Tokenizer
 
 
 class TextGenerator(Protocol):

@@ -22,10 +22,10 @@ from typing import Iterator, Protocol
 
 import torch
 
-from metrale.runtime.metrics import SpecMetrics
-from metrale.runtime.qwen3 import Qwen3ForCausalLM, TargetOutput
-from metrale.runtime.sampling import SamplingParams, generator_for, probs_from_logits, sample
-from metrale.runtime.verify import accepted_prefix, verify_sampling
+from metrale.runtime.spec.metrics import SpecMetrics
+from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
+from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
+from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
 
 
 NO_DRAFTS = torch.empty(0, dtype=torch.long)  # a plain step's drafts (never written to)

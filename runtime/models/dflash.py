@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.runtime.configs import DFlashConfig
-from metrale.runtime.layers import MLP, Attention, KVCache, RMSNorm, attend, rope_cos_sin
-from metrale.runtime.tp import TOP_CANDIDATES, TensorParallel, check_drafter_split, local_decoder
+from metrale.runtime.models.configs import DFlashConfig
+from metrale.runtime.models.layers import MLP, Attention, KVCache, RMSNorm, attend, rope_cos_sin
+from metrale.runtime.models.tp import TOP_CANDIDATES, TensorParallel, check_drafter_split, local_decoder
 
 
 class DynamicConv(nn.Module):

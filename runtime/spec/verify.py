@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.runtime.sampling import sample_from_probs
+from metrale.runtime.spec.sampling import sample_from_probs
 
 
 def _check(draft_tokens: torch.Tensor, target_rows: torch.Tensor) -> int:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.runtime.layers import MoE, apply_rope, float_weight, rope_cos_sin
+from metrale.runtime.models.layers import MoE, apply_rope, float_weight, rope_cos_sin
 
 LINEARS = ("gemm", "rowwise")
 

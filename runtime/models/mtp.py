@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from metrale.runtime.configs import MTPConfig
-from metrale.runtime.layers import DecoderLayer, KVCache, RMSNorm
+from metrale.runtime.models.configs import MTPConfig
+from metrale.runtime.models.layers import DecoderLayer, KVCache, RMSNorm
 
 
 class MTPHead(nn.Module):

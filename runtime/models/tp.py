@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from metrale.runtime.configs import DecoderConfig, DFlashConfig
+from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
 from metrale.runtime.errors import ConfigError, EngineDirError, MetraleError
 
 FP32_EXACT_IDS = 1 << 24  # token ids ride in float32 with the candidate values: exact below this

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from metrale.runtime.decode import NO_DRAFTS
-from metrale.runtime.tp import World
+from metrale.runtime.spec.decode import NO_DRAFTS
+from metrale.runtime.models.tp import World
 
 
 class LeaderDrafts:

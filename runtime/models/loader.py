@@ -16,14 +16,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from metrale.runtime.configs import (
+from metrale.runtime.models.configs import (
     DFLASH_ARCHITECTURES, DecoderConfig, DFlashConfig, MTPConfig, check_token_ids, read_config,
     target_config,
 )
-from metrale.runtime.dflash import DFlashDrafter
+from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.errors import CheckpointError
-from metrale.runtime.mtp import MTPHead
-from metrale.runtime.qwen3 import Qwen3ForCausalLM
+from metrale.runtime.models.mtp import MTPHead
+from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 
 # Checkpoint prefix -> module prefix, first match wins. `None` drops a tensor after consuming it
 # (a copy of a tensor the target already holds). `{N}` is the MTP layer index.

@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from metrale.runtime.configs import MTP_NAMINGS, DecoderConfig, DFlashConfig
-from metrale.runtime.engine_dir import RESERVED_NAMES, Manifest, load_manifest
+from metrale.runtime.models.configs import MTP_NAMINGS, DecoderConfig, DFlashConfig
+from metrale.runtime.artifact.engine_dir import RESERVED_NAMES, Manifest, load_manifest
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
 COMPONENT_KINDS = ("target", "mtp", "dflash")

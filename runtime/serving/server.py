@@ -41,11 +41,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metrale.runtime.api_request import (  # noqa: F401  (re-exported: the server's contract)
+from metrale.runtime.serving.api_request import (  # noqa: F401  (re-exported: the server's contract)
     APIError, GenerationRequest, TextGenerator, decode_body, parse_request,
 )
-from metrale.runtime.http_guard import Guard, ServerLimits, protocol_class, release_memory
-from metrale.runtime.tokenizer import IncrementalDecoder
+from metrale.runtime.serving.http_guard import Guard, ServerLimits, protocol_class, release_memory
+from metrale.runtime.artifact.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from metrale.runtime.mtp import MTPHead
-from metrale.runtime.specconfig import DraftStop
+from metrale.runtime.models.mtp import MTPHead
+from metrale.runtime.spec.config import DraftStop
 
 
 class MTPProposer:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from metrale.runtime.specconfig import CostModel
+from metrale.runtime.spec.config import CostModel
 
 
 def expected_tokens(acc: Sequence[float], k: int) -> float:
