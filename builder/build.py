@@ -155,9 +155,8 @@ def build_engines(w: EngineDirWriter, opts, progress) -> dict:
     from metrale.plugins.trt_plugin import GEMM_OPS
 
     infos = w.components
-    kinds = {name: ("mtp:" + info.get("naming", "qwen3_next") if info["kind"] == "mtp" else info["kind"])
-             for name, info in infos.items()}
-    models = load_staged(w.path, kinds, dtype=getattr(torch, opts.trt_dtype), tp_sizes={n: i.get("tp_size", 1) for n, i in infos.items()})
+    models = load_staged(w.path, infos, dtype=getattr(torch, opts.trt_dtype),
+                         tp_sizes={n: i.get("tp_size", 1) for n, i in infos.items()})
     extra = export_and_build(w, models, opts, progress)
     for name, add in extra["components"].items():
         w.component(name, {**infos[name], **{k: v for k, v in add.items() if k != "files"},

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from metrale.builder.cpu_check import check_packages, load_packed
+from metrale.runtime.components import Role, kind_named, kind_of
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ def max_slots(target_config) -> int:
 
 @dataclass(frozen=True)
 class Job:
-    """One package: component `name` of `kind` ("target", "mtp:<naming>", "dflash"), `rows`
-    (target, MTP) or the feed rows (drafter), written to `rel` in the engine directory."""
+    """One package: component `name` of manifest kind `kind` (`components.KINDS`), `rows`
+    (target, head) or the feed rows (drafter), written to `rel` in the engine directory."""
 
     name: str
     kind: str
@@ -109,12 +110,13 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
                             for _ in range(2 * layers)]
     pos = torch.tensor([0])
     R = torch.export.Dim("rows", min=1, max=job.rows)  # target and head: any row count up to rows
-    if job.kind == "target":
+    role = kind_named(job.kind).role
+    if role is Role.TARGET:
         c = target.config
         step = TargetStep(target, taps, job.linear, positions)
         args = (torch.zeros(1, job.rows, dtype=torch.long), pos, *kv(c.num_hidden_layers, c))
         dyn = ({1: R}, None, tuple({0: S} for _ in range(2 * c.num_hidden_layers)))
-    elif job.kind.startswith("mtp"):
+    elif role is Role.HEAD:
         d = staged.mtp.config.decoder
         step = MTPStep(staged.mtp, positions)
         hid = torch.zeros(1, job.rows, d.hidden_size, dtype=dtype)
@@ -132,7 +134,7 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     return step.eval(), args, dyn
 
 
-def _compile_one(root: str, job: Job, kinds: dict[str, str], taps: tuple[int, ...], slots: int,
+def _compile_one(root: str, job: Job, kinds: dict[str, dict], taps: tuple[int, ...], slots: int,
                  out: str, dtype_name: str) -> float:
     """Worker: export and compile one package to `out`; returns the seconds it took."""
     import torch._inductor
@@ -156,33 +158,34 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
     from metrale.runtime.errors import EngineDirError
 
     root = Path(w.path)
-    kinds = {}
+    kinds, roles = {}, {}  # name -> manifest entry (kind, naming), name -> role
     for name, info in components.items():
-        kind = info["kind"]
-        if name == "target":
+        role = kind_of(info, f"component {name}").role
+        if role is Role.TARGET:
             continue
-        if kind == "dflash" and info.get("tp_size", 1) != 1:
+        if role is Role.DRAFTER and info.get("tp_size", 1) != 1:
             log.info("drafter %s is tensor-parallel: it runs eagerly on the aoti backend", name)
             continue
-        kinds[name] = f"mtp:{info.get('naming', 'qwen3_next')}" if kind == "mtp" else kind
+        kinds[name] = {k: info[k] for k in ("kind", "naming") if k in info}
+        roles[name] = role
     fingerprint = build_fingerprint(dtype, THREADS)
-    staged = load_packed(root, {"target": "target"}, dtype)
+    staged = load_packed(root, {"target": {"kind": "target"}}, dtype)
     slots = max_slots(staged.target.config)
     t0 = time.time()
     jobs = [Job("target", "target", TARGET_ROWS, "target/cpu/steps.pt2")]
-    for name, kind in kinds.items():
-        if kind.startswith("mtp"):
-            jobs.append(Job(name, kind, MTP_ROWS, f"{name}/cpu/steps.pt2"))
-        elif kind == "dflash":
-            jobs.append(Job(name, kind, FEED_ROWS, f"{name}/cpu/propose.pt2"))
+    for name, info in kinds.items():
+        if roles[name] is Role.HEAD:
+            jobs.append(Job(name, info["kind"], MTP_ROWS, f"{name}/cpu/steps.pt2"))
+        else:
+            jobs.append(Job(name, info["kind"], FEED_ROWS, f"{name}/cpu/propose.pt2"))
     compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
     progress("checking the CPU packages against one-row steps and the eager models")
     check = check_packages(root, jobs, kinds, taps, slots, dtype)
     if not check["target"]["rows_bit_identical"]:
         log.info("CPU packages (gemm projections): target rows differ from one-row steps; "
                  "compiling row-wise projections")
-        jobs = [Job(j.name, j.kind, j.rows, j.rel, "rowwise") if j.kind == "target" else j for j in jobs]
-        compiled.update(_compile_all(root, [j for j in jobs if j.kind == "target"], kinds, taps, slots,
+        jobs = [Job(j.name, j.kind, j.rows, j.rel, "rowwise") if j.name == "target" else j for j in jobs]
+        compiled.update(_compile_all(root, [j for j in jobs if j.name == "target"], kinds, taps, slots,
                                      fingerprint, dtype, workers, progress))
         check = check_packages(root, jobs, kinds, taps, slots, dtype)
         if not check["target"]["rows_bit_identical"]:
@@ -200,7 +203,7 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
     for name in ["target", *kinds]:
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel],
-                    **({"feed": j.rows, "block": staged_block(root, name)} if j.kind == "dflash"
+                    **({"feed": j.rows, "block": staged_block(root, name)} if roles.get(name) is Role.DRAFTER
                        else {"rows": j.rows, "dynamic_rows": True})} for j in mine]
         out[name] = {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
                      "check": check[name], **({"taps": list(taps)} if name == "target" else {})}
@@ -234,7 +237,7 @@ def _compile_all(root: Path, jobs: list[Job], kinds, taps, slots: int, fingerpri
         return seconds
     progress(f"compiling {len(todo)} CPU packages (AOTInductor, {min(workers, len(todo))} at a time)")
     dtype_name = str(dtype).removeprefix("torch.")
-    relevant = lambda job: {"target": "target", **({job.name: kinds[job.name]} if job.name != "target" else {})}  # noqa: E731
+    relevant = lambda job: {"target": {"kind": "target"}, **({job.name: kinds[job.name]} if job.name != "target" else {})}  # noqa: E731
     with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=get_context("spawn")) as pool:
         futures = [(job, dest, cached, pool.submit(_compile_one, str(root), job, relevant(job), taps, slots,
                                                    str(dest), dtype_name))

@@ -16,13 +16,15 @@ from pathlib import Path
 
 import torch
 
+from metrale.runtime.components import Role, kind_named
+
 
 def _packages(root, jobs, name):
     import torch._inductor
 
     from metrale.runtime.backends.aoti import Package
 
-    return [Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel)), j.kind != "dflash")
+    return [Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel)), kind_named(j.kind).role is not Role.DRAFTER)
             for j in jobs if j.name == name]
 
 
@@ -94,7 +96,7 @@ def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
     return {"drafts_equal": round(equal / total, 4)}
 
 
-def load_packed(root: Path, kinds: dict[str, str], dtype: torch.dtype):
+def load_packed(root: Path, kinds: dict[str, dict], dtype: torch.dtype):
     """The staged models of a build (`trt_build.load_staged`), packed for inference as the
     decode loop runs them: what the CPU packages are compiled from and checked against."""
     from metrale.builder.trt_build import load_staged
@@ -107,13 +109,13 @@ def load_packed(root: Path, kinds: dict[str, str], dtype: torch.dtype):
     return staged
 
 
-def check_packages(root, jobs, kinds: dict[str, str], taps, slots: int, dtype) -> dict[str, dict]:
-    staged = load_packed(root, {"target": "target", **kinds}, dtype)
+def check_packages(root, jobs, kinds: dict[str, dict], taps, slots: int, dtype) -> dict[str, dict]:
+    staged = load_packed(root, {"target": {"kind": "target"}, **kinds}, dtype)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         out = {"target": _check_target(root, jobs, staged, taps, slots, gen)}
-        for name, kind in kinds.items():
-            if kind.startswith("mtp"):
+        for name, info in kinds.items():
+            if kind_named(info["kind"]).role is Role.HEAD:
                 out[name] = _check_mtp(root, jobs, name, staged, slots, gen)
             else:
                 out[name] = _check_drafter(root, jobs, name, staged, taps, slots, gen)

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-from dataclasses import dataclass
 
 import onnx
 import torch
 from torch import nn
 
 from metrale.plugins.onnx_lowering import DOMAIN, FP8_OP, NVFP4_OP, lower_for_sm
+from metrale.runtime.components import GraphIO, kind_named, resolve
 from metrale.runtime.models import qlinear
 from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.models.layers import MoE, attend, rope_cos_sin
@@ -171,6 +171,13 @@ class TargetStep(nn.Module):
         super().__init__()
         self.model, self.taps = model, tuple(taps)
 
+    @staticmethod
+    def example_inputs(model, rand, gen, t, past, pos, context):
+        cfg = model.config
+        kv = _kv_shape(cfg.num_hidden_layers, cfg, past)
+        ids = torch.randint(0, cfg.vocab_size, (1, t), generator=gen)
+        return ids, rand(*kv), rand(*kv), pos
+
     def forward(self, input_ids, past_key, past_value, position):
         m, cfg = self.model, self.model.config
         t = input_ids.shape[1]
@@ -196,9 +203,15 @@ class TargetStep(nn.Module):
 
 
 class MTPStep(nn.Module):
-    def __init__(self, head: MTPHead):
+    def __init__(self, head: MTPHead, taps: tuple[int, ...] = ()):
         super().__init__()
         self.head = head
+
+    @staticmethod
+    def example_inputs(head, rand, gen, t, past, pos, context):
+        cfg = head.config.decoder
+        kv = _kv_shape(1, cfg, past)
+        return rand(1, t, cfg.hidden_size), rand(1, t, cfg.hidden_size), rand(*kv), rand(*kv), pos
 
     def forward(self, embeds, hidden, past_key, past_value, position):
         hd, cfg = self.head, self.head.config.decoder
@@ -212,9 +225,16 @@ class MTPStep(nn.Module):
 
 
 class DFlashPropose(nn.Module):
-    def __init__(self, drafter: DFlashDrafter):
+    def __init__(self, drafter: DFlashDrafter, taps: tuple[int, ...] = ()):
         super().__init__()
         self.drafter = drafter
+
+    @staticmethod
+    def example_inputs(drafter, rand, gen, t, past, pos, context):
+        dc, cfg = drafter.config, drafter.config.decoder
+        kv = _kv_shape(cfg.num_hidden_layers, cfg, past)
+        feats = rand(1, context, dc.num_context_features * dc.target_hidden_size)
+        return feats, rand(*kv), rand(*kv), pos, rand(1, dc.block_size, cfg.hidden_size)
 
     def forward(self, context_features, past_key, past_value, position, block_embeds):
         d, cfg = self.drafter, self.drafter.config.decoder
@@ -243,18 +263,6 @@ class DFlashPropose(nn.Module):
 # -- export --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GraphIO:
-    """A component graph's interface: names in order and dynamic axes (name -> {axis: label})."""
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    dynamic: dict
-
-    def axis_labels(self) -> set[str]:
-        return {label for axes in self.dynamic.values() for label in axes.values()}
-
-
 def _kv_shape(layers: int, cfg, past: int):
     return (layers, 1, cfg.num_key_value_heads, past, cfg.head_dim)
 
@@ -269,59 +277,16 @@ def example_inputs(kind: str, module: nn.Module, *, t: int = 3, past: int = 4, p
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    if kind == "target":
-        cfg = module.config
-        kv = _kv_shape(cfg.num_hidden_layers, cfg, past)
-        ids = torch.randint(0, cfg.vocab_size, (1, t), generator=gen)
-        return ids, rand(*kv), rand(*kv), pos
-    if kind == "mtp":
-        cfg = module.config.decoder
-        kv = _kv_shape(1, cfg, past)
-        return rand(1, t, cfg.hidden_size), rand(1, t, cfg.hidden_size), rand(*kv), rand(*kv), pos
-    if kind == "dflash":
-        dc, cfg = module.config, module.config.decoder
-        kv = _kv_shape(cfg.num_hidden_layers, cfg, past)
-        feats = rand(1, context, dc.num_context_features * dc.target_hidden_size)
-        return feats, rand(*kv), rand(*kv), pos, rand(1, dc.block_size, cfg.hidden_size)
-    raise ValueError(f"unknown component kind {kind!r} (allowed: target, mtp, dflash)")
+    return resolve(kind_named(kind).adapter).example_inputs(module, rand, gen, t, past, pos, context)
 
 
 def graph_io(kind: str, module: nn.Module, taps: tuple[int, ...] = ()) -> GraphIO:
-    kv = {3: "past"}
-    if kind == "target":
-        outs = ("logits", "new_key", "new_value") + (("taps",) if taps else ()) + ("last_hidden",)
-        dyn = {"input_ids": {1: "tokens"}, "past_key": kv, "past_value": kv, "logits": {1: "tokens"},
-               "new_key": {3: "tokens"}, "new_value": {3: "tokens"}, "last_hidden": {1: "tokens"}}
-        if taps:
-            dyn["taps"] = {1: "tokens"}
-        return GraphIO(("input_ids", "past_key", "past_value", "position"), outs, dyn)
-    if kind == "mtp":
-        dyn = {"embeds": {1: "tokens"}, "hidden": {1: "tokens"}, "past_key": kv, "past_value": kv,
-               "logits": {1: "tokens"}, "hidden_out": {1: "tokens"}, "new_key": {3: "tokens"},
-               "new_value": {3: "tokens"}}
-        return GraphIO(("embeds", "hidden", "past_key", "past_value", "position"),
-                       ("logits", "hidden_out", "new_key", "new_value"), dyn)
-    if kind == "dflash":
-        v2 = module.config.version == 2
-        outs = ("new_key", "new_value", "hidden", "logits") + (("selector_query",) if v2 else ())
-        dyn = {"context_features": {1: "context"}, "past_key": kv, "past_value": kv,
-               "block_embeds": {1: "block"}, "new_key": {3: "context"},
-               "new_value": {3: "context"}, "hidden": {1: "block"}, "logits": {1: "block"}}
-        if v2:
-            dyn["selector_query"] = {1: "block"}
-        return GraphIO(("context_features", "past_key", "past_value", "position", "block_embeds"),
-                       outs, dyn)
-    raise ValueError(f"unknown component kind {kind!r} (allowed: target, mtp, dflash)")
+    return kind_named(kind).graph_io(module.config, taps)
 
 
 def adapter(kind: str, module: nn.Module, taps: tuple[int, ...] = ()) -> nn.Module:
-    if kind == "target":
-        return TargetStep(module, taps)
-    if kind == "mtp":
-        return MTPStep(module)
-    if kind == "dflash":
-        return DFlashPropose(module)
-    raise ValueError(f"unknown component kind {kind!r} (allowed: target, mtp, dflash)")
+    """The step module of a component of `kind` that the export traces."""
+    return resolve(kind_named(kind).adapter)(module, taps)
 
 
 def export_component(kind: str, module: nn.Module, *, taps: tuple[int, ...] = (),

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from metrale.builder import quantize as q
 from metrale.runtime.models.configs import DecoderConfig, read_config
 from metrale.runtime.artifact.engine_dir import Manifest
+from metrale.runtime.components import Role, names_with_role
 from metrale.runtime.errors import ConfigError, EngineDirError
 from metrale.runtime.spec.config import SpecMode, SpeculativeConfig
 
@@ -37,7 +38,7 @@ def built_tiers(manifest: Manifest) -> tuple[str, bool]:
 
 
 def _mtp_name(manifest: Manifest) -> str | None:
-    return next((n for n, i in manifest.components.items() if i.get("kind") == "mtp"), None)
+    return next(iter(names_with_role(manifest.components, Role.HEAD)), None)
 
 
 def _declared(engine_dir: Path, name: str, info: dict, flag: str) -> tuple[State, str]:
@@ -63,7 +64,7 @@ def requantized_states(engine_dir: str | Path, manifest: Manifest, *, draft_tier
     out: dict[str, tuple[State, str]] = {}
     for name in drafters if draft_tier not in (None, tier) else ():
         info = manifest.components.get(name)
-        if info is not None and info.get("kind") == "dflash":
+        if name in names_with_role(manifest.components, Role.DRAFTER):
             declared, rel = _declared(engine_dir, name, info, f"--draft-weight-quantization {draft_tier}")
             state, _ = q.quantize_drafter(declared, draft_tier)
             out[name] = (state, f"engine directory {engine_dir}: {rel} quantized at load to "

@@ -39,6 +39,7 @@ from torch import nn
 from metrale.builder import onnx_export as ox
 from metrale.plugins import onnx_lowering as lw
 from metrale.builder.trt_env import TrtFlavor, TrtModule, load_trt, rtx_compute_capabilities
+from metrale.runtime.components import KINDS, Role, kind_named, kind_of
 from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.backends.trt_runner import shared_logger
 
@@ -57,15 +58,19 @@ class EngineProfile:
     max_context: int = 4096  # past entries (capped by the model's max_position_embeddings)
 
     def ranges(self, kind: str, module: nn.Module) -> dict[str, tuple[int, int, int]]:
-        """Axis label -> (min, opt, max) for one component."""
-        cfg = module.config if kind == "target" else module.config.decoder
+        """Axis label -> (min, opt, max) for one component: new rows (`tokens`, and a drafter's
+        new `context`) and the `past`, and a drafter's `block` (at most its block size)."""
+        k = kind_named(kind)
+        cfg = k.decoder(module.config)
         ctx = max(1, min(self.max_context, cfg.max_position_embeddings))
         tokens = max(1, min(self.max_tokens, ctx))
-        out = {"tokens": (1, min(8, tokens), tokens), "past": (1, max(1, ctx // 2), ctx)}
-        if kind == "dflash":
-            block = module.config.block_size
-            out.update(context=(1, min(8, tokens), tokens), block=(1, block, block))
-        return out
+        out = {"tokens": (1, min(8, tokens), tokens), "past": (1, max(1, ctx // 2), ctx),
+               "context": (1, min(8, tokens), tokens)}
+        block = getattr(module.config, "block_size", None)
+        if block is not None:
+            out["block"] = (1, block, block)
+        labels = k.graph_io(module.config, (0,)).axis_labels()
+        return {label: r for label, r in out.items() if label in labels}
 
 
 @dataclass(frozen=True)
@@ -170,11 +175,15 @@ def save_onnx(model: onnx.ModelProto, path: Path) -> None:
 
 def components_of(models) -> list[tuple[str, str, nn.Module]]:
     """(name, kind, module) for a LoadedEngine-like object: `.target`, `.mtp`, `.drafters`
-    (a None target or head is skipped: building only some components)."""
+    (a None target or head is skipped: building only some components); kinds from `.kinds`
+    where it records them (name -> kind), else each role's one kind."""
+    recorded = getattr(models, "kinds", {})
+    by_role = {k.role: k.name for k in KINDS.values()}
     out = [("target", "target", models.target)] if models.target is not None else []
     if getattr(models, "mtp", None) is not None:
-        out.append(("mtp", "mtp", models.mtp))
-    out += [(name, "dflash", d) for name, d in getattr(models, "drafters", {}).items()]
+        out.append(("mtp", recorded.get("mtp", by_role[Role.HEAD]), models.mtp))
+    out += [(name, recorded.get(name, by_role[Role.DRAFTER]), d)
+            for name, d in getattr(models, "drafters", {}).items()]
     return out
 
 
@@ -195,50 +204,39 @@ class StagedModels:
     drafters: dict[str, nn.Module] = field(default_factory=dict)
     # tensor-parallel drafters: name -> the rank modules in rank order (drafters[name] is rank 0)
     drafter_ranks: dict[str, list[nn.Module]] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)  # name -> its manifest kind
 
 
-def load_staged(root: Path, kinds: Mapping[str, str], dtype=None,
+def load_staged(root: Path, components: Mapping[str, dict], dtype=None,
                 tp_sizes: Mapping[str, int] | None = None) -> StagedModels:
-    """Load `<name>/config.json` + `<name>/rank0.safetensors` for each name -> kind ("target",
-    "mtp" with its naming as "mtp:<naming>", "dflash") exactly as the torch backend would; a
-    drafter with `tp_sizes[name]` > 1 loads each rank's shard as `load_engine(tp=...)` does."""
+    """Load `<name>/config.json` + `<name>/rank0.safetensors` for each name -> manifest entry
+    (its `kind`, and the head's `naming`) exactly as the torch backend would; a drafter with
+    `tp_sizes[name]` > 1 loads each rank's shard as `load_engine(tp=...)` does."""
     import json
 
     import torch
     from safetensors.torch import load_file
 
-    from metrale.runtime.models.configs import DecoderConfig, DFlashConfig, MTPConfig
-    from metrale.runtime.models.dflash import DFlashDrafter
     from metrale.runtime.artifact.engine import fill_engine_state
-    from metrale.runtime.models.mtp import MTPHead
-    from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 
     dtype = dtype or torch.float32
     staged = StagedModels(target=None)
-    for name, kind in kinds.items():
+    for name, info in components.items():
+        kind = kind_of(info, f"component {name}")
+        staged.kinds[name] = kind.name
         size = (tp_sizes or {}).get(name, 1)
-        if kind == "dflash" and size > 1:
+        if kind.role is Role.DRAFTER and size > 1:
             from metrale.builder.tp_export import load_rank_drafters
 
             staged.drafter_ranks[name] = load_rank_drafters(root, name, size, dtype)
             staged.drafters[name] = staged.drafter_ranks[name][0]
             continue
-        cfg = json.loads((root / name / "config.json").read_text())
+        cfg = kind.parse(json.loads((root / name / "config.json").read_text()), f"{name}/config.json", info)
         tensors = load_file(str(root / name / "rank0.safetensors"))
-        where = f"{name}/config.json"
-        if kind == "target":
-            module = Qwen3ForCausalLM(DecoderConfig.from_hf(cfg, where))
-        elif kind.startswith("mtp"):
-            naming = kind.partition(":")[2] or "qwen3_next"
-            module = MTPHead(MTPConfig(decoder=DecoderConfig.from_hf(cfg, where), naming=naming))
-        elif kind == "dflash":
-            module = DFlashDrafter(DFlashConfig.from_hf(cfg, where))
-        else:
-            raise ValueError(f"component {name}: unknown kind {kind!r} (allowed: target, mtp, dflash)")
-        module = fill_engine_state(module.to(dtype), tensors, f"{name}/rank0.safetensors")
-        if kind == "target":
+        module = fill_engine_state(kind.build(cfg).to(dtype), tensors, f"{name}/rank0.safetensors")
+        if kind.role is Role.TARGET:
             staged.target = module
-        elif kind.startswith("mtp"):
+        elif kind.role is Role.HEAD:
             staged.mtp = module
         else:
             staged.drafters[name] = module
@@ -275,13 +273,14 @@ def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 12
         "components": {},
     }
     for name, kind, module in components_of(models):
-        ranks = getattr(models, "drafter_ranks", {}).get(name) if kind == "dflash" else None
+        role = kind_named(kind).role
+        ranks = getattr(models, "drafter_ranks", {}).get(name) if role is Role.DRAFTER else None
         if ranks:
-            result["components"][name] = _write_rank_engines(tm, sms, root, name, ranks, taps,
+            result["components"][name] = _write_rank_engines(tm, sms, root, name, kind, ranks, taps,
                                                               profile, progress)
             continue
         progress(f"exporting {name} to ONNX")
-        tap_ids = taps if kind == "target" else ()
+        tap_ids = taps if role is Role.TARGET else ()
         gio = ox.graph_io(kind, module, tap_ids)
         t0 = time.time()
         portable = ox.export_component(kind, module, taps=tap_ids)
@@ -294,9 +293,9 @@ def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 12
                    "dynamic": {k: {str(a): v for a, v in ax.items()} for k, ax in gio.dynamic.items()}},
             "plugin_ops": lw.metrale_ops(portable), "engines": {},
         }
-        if kind == "target" and taps:
+        if role is Role.TARGET and taps:
             info["taps"] = list(taps)
-        if kind == "dflash":
+        if role is Role.DRAFTER:
             info["tap_index"] = [taps.index(i) for i in module.config.target_layer_ids]
         ranges = profile.ranges(kind, module)
         info["profile"] = {k: list(v) for k, v in ranges.items() if k in gio.axis_labels()}
@@ -313,7 +312,7 @@ def write_engines(root: Path, models, *, flavor: str = "auto", target_sm=(89, 12
     return result
 
 
-def _write_rank_engines(tm, sms, root: Path, name: str, ranks: list[nn.Module], taps,
+def _write_rank_engines(tm, sms, root: Path, name: str, kind: str, ranks: list[nn.Module], taps,
                         profile: EngineProfile, progress) -> dict[str, Any]:
     """A tensor-parallel drafter: per rank its graph, then per SM every rank's engine."""
     from metrale.builder import tp_export
@@ -330,7 +329,7 @@ def _write_rank_engines(tm, sms, root: Path, name: str, ranks: list[nn.Module], 
         raise EngineBuildError(f"component {name}: the rank graphs hold different metrale ops: {ops}")
     files = [p.relative_to(root).as_posix() for r in range(len(ranks))
              for p in sorted((root / name).glob(f"rank{r}.onnx*"))]
-    ranges = profile.ranges("dflash", ranks[0])
+    ranges = profile.ranges(kind, ranks[0])
     info: dict[str, Any] = {
         "onnx": onnx_files[0], "onnx_ranks": onnx_files, "onnx_seconds": round(time.time() - t0, 3),
         "io": {"inputs": list(gio.inputs), "outputs": list(gio.outputs),
@@ -342,7 +341,7 @@ def _write_rank_engines(tm, sms, root: Path, name: str, ranks: list[nn.Module], 
         entry: dict[str, Any] = {"plugins": None, "plugin_acts": None, "ranks": []}
         for r, (module, graph) in enumerate(zip(ranks, graphs)):
             progress(f"building {name} rank {r} engine for SM{sm} ({tm.flavor.value})")
-            built = build_one(tm, graph, sm, "dflash", module, gio, ranges, root, name, rank=r)
+            built = build_one(tm, graph, sm, kind, module, gio, ranges, root, name, rank=r)
             if entry["plugins"] not in (None, built.plugin_ops):
                 raise EngineBuildError(f"component {name}: SM{sm} rank {r} holds plugin ops "
                                        f"{built.plugin_ops}, rank 0 {entry['plugins']}")

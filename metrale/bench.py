@@ -30,24 +30,19 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / 
 
 
 def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
-    """(name, flags) for every mode the engine directory can run."""
+    """(name, flags) for every mode the engine directory can run: plain, then each loaded
+    component's modes as its kind names them (`components.KINDS`), the measured cost models
+    `gamma_costs` (drafter name -> CostModel) adding adaptive k."""
+    from metrale.runtime.components import KINDS
+
+    loaded = {n: (KINDS[i["kind"]], engine.component(n)) for n, i in engine.manifest.components.items()}
+    return _modes({n: (k, m.config) for n, (k, m) in loaded.items() if m is not None}, gamma_costs)
+
+
+def _modes(components: dict, gamma_costs: dict | None) -> list[tuple[str, dict]]:
     modes: list[tuple[str, dict]] = [("plain", {})]
-    if engine.mtp is not None:
-        for k in (1, 2, 3):
-            modes.append((f"mtp k={k}", {"speculative": True, "num_drafts": k}))
-        modes.append(("mtp k=3 stop=0.6", {"speculative": True, "num_drafts": 3, "draft_confidence_stop": "0.6"}))
-        modes.append(("mtp k=3 stop=cum:0.5", {"speculative": True, "num_drafts": 3, "draft_confidence_stop": "cum:0.5"}))
-        modes.append(("mtp k=3 exact", {"speculative": True, "num_drafts": 3, "exact_verify": True}))
-    for name, drafter in engine.drafters.items():
-        base = {"dflash": True, "dflash_drafter": name}
-        g = drafter.config.block_size
-        modes.append((f"{name} γ={g}", base))
-        modes.append((f"{name} γ={g} exact", {**base, "exact_verify": True}))
-        modes.append((f"{name} γ=4", {**base, "dflash_gamma": 4}))
-        rungs = ",".join(str(r) for r in (1, 3, 7) if r <= g - 1)
-        modes.append((f"{name} ladder {rungs}", {**base, "dflash_draft_ladder": rungs}))
-        if gamma_costs and name in gamma_costs:  # its measured CostModel, with its acceptance
-            modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": gamma_costs[name]}))
+    for name, (kind, cfg) in components.items():
+        modes += kind.bench_modes(name, cfg, (gamma_costs or {}).get(name))
     return modes
 
 
@@ -147,20 +142,22 @@ def _wanted_modes(modes: str | None) -> list[str] | None:
 
 
 def _mode_names(engine_dir: Path) -> list[str]:
-    """The names `mode_table` gives an engine directory, read from its manifest and drafter
+    """The names `mode_table` gives an engine directory, read from its manifest and component
     configs without loading a model; [] when they cannot be read (loading then says why)."""
-    from types import SimpleNamespace
+    from metrale.runtime.components import KINDS
+    from metrale.runtime.errors import MetraleError
 
+    root = Path(engine_dir)
     try:
-        manifest = json.loads((Path(engine_dir) / "config.json").read_text(encoding="utf-8"))
-        kinds = {n: c.get("kind") for n, c in manifest["components"].items()}
-        drafters = {n: SimpleNamespace(config=SimpleNamespace(block_size=int(json.loads(
-            (Path(engine_dir) / n / "config.json").read_text(encoding="utf-8"))["block_size"])))
-            for n, k in kinds.items() if k == "dflash"}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        manifest = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        comps = {}
+        for n, info in manifest["components"].items():
+            kind = KINDS[info["kind"]]
+            cfg = json.loads((root / n / "config.json").read_text(encoding="utf-8"))
+            comps[n] = (kind, kind.parse(cfg, f"{n}/config.json", info))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, MetraleError):
         return []
-    stub = SimpleNamespace(mtp=object() if "mtp" in kinds.values() else None, drafters=drafters)
-    return [name for name, _ in mode_table(stub, "0:1")]
+    return [name for name, _ in _modes(comps, {n: "0:1" for n in comps})]
 
 
 def torch_threads() -> int:
@@ -173,6 +170,7 @@ def _load_engine(engine_dir, device, dtype, backend_kind, draft_tier, mtp_nvfp4)
     """The engine every mode runs on; the weight-tier flags apply to every drafter and the head."""
     from metrale.builder.requantize import check_plans, requantized_states
     from metrale.runtime.backends import load_engine
+    from metrale.runtime.components import Role, names_with_role
     from metrale.runtime.artifact.engine_dir import load_manifest
 
     manifest = load_manifest(engine_dir)
@@ -180,7 +178,7 @@ def _load_engine(engine_dir, device, dtype, backend_kind, draft_tier, mtp_nvfp4)
         check_plans(engine_dir, manifest, draft_tier=draft_tier, mtp_experts_nvfp4=mtp_nvfp4,
                     dtype=dtype, backend=backend_kind.value)
         return load_engine(engine_dir, backend=backend_kind, device=device)
-    drafters = tuple(n for n, i in manifest.components.items() if i.get("kind") == "dflash")
+    drafters = tuple(names_with_role(manifest.components, Role.DRAFTER))
     states = requantized_states(engine_dir, manifest, draft_tier=draft_tier, drafters=drafters,
                                 mtp_experts_nvfp4=mtp_nvfp4 if "mtp" in manifest.components else None)
     return load_engine(engine_dir, dtype=o.torch_dtype(dtype, device), device=device,

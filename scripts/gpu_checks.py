@@ -134,6 +134,8 @@ def _flavor(sm: int) -> tuple[str | None, str]:
 
 def spec_modes(engine_dir: Path) -> list[tuple[str, list[str]]]:
     """(name, generate flags) for every speculative mode the directory can run."""
+    from metrale.runtime.components import Role, names_with_role
+
     comps = json.loads((engine_dir / "config.json").read_text())["components"]
     modes = []
     if "mtp" in comps:
@@ -141,7 +143,7 @@ def spec_modes(engine_dir: Path) -> list[tuple[str, list[str]]]:
             modes.append((f"mtp k={k}", ["--speculative", "--num-drafts", str(k)]))
         modes.append(("mtp k=3 stop=cum:0.5", ["--speculative", "--num-drafts", "3",
                                                "--draft-confidence-stop", "cum:0.5"]))
-    for name in sorted(n for n, c in comps.items() if c.get("kind") == "dflash"):
+    for name in sorted(names_with_role(comps, Role.DRAFTER)):
         base = ["--dflash", "--dflash-drafter", name]
         modes += [(f"{name}", base), (f"{name} gamma=4", [*base, "--dflash-gamma", "4"]),
                   (f"{name} ladder 1,3,7", [*base, "--dflash-draft-ladder", "1,3,7"])]

@@ -27,7 +27,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from metrale.runtime.models.configs import DecoderConfig, DFlashConfig, MTPConfig
+from metrale.runtime.components import KINDS, Role
+from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.artifact.engine_check import REBUILD, check_files, component_config, read_json
 from metrale.runtime.artifact.engine_dir import Manifest
@@ -149,6 +150,22 @@ class LoadedEngine:
     def model_id(self) -> str:
         return self.path.name
 
+    def place(self, name: str, role, model) -> None:
+        """Hold `model` as component `name` of `role` (`components.Role`): the MTP head or a
+        drafter (the target is the engine's first argument)."""
+        if role is Role.HEAD:
+            self.mtp = model
+        elif role is Role.DRAFTER:
+            self.drafters[name] = model
+        else:
+            raise ValueError(f"component {name}: a loaded engine holds one target")
+
+    def component(self, name: str):
+        """The model (or face) of component `name` of the manifest, None when not loaded."""
+        info = self.manifest.components.get(name)
+        role = KINDS[info["kind"]].role if info is not None else None
+        return {Role.TARGET: self.target, Role.HEAD: self.mtp}.get(role, self.drafters.get(name))
+
     def models(self) -> dict[str, nn.Module]:
         target = getattr(self.target, "model_ref", self.target)  # the eager model behind packages
         return {"target": target, **({"mtp": self.mtp} if self.mtp is not None else {}),
@@ -192,11 +209,6 @@ class LoadedEngine:
                     for t in (*model.parameters(), *model.buffers())}  # views counted once
             out[name] = sum(seen.values())
         return out
-
-
-def _build(module_cls, cfg, dtype, device):
-    with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():
-        return module_cls(cfg).to(dtype=dtype, device=device)
 
 
 def _drafter_tensors(path: Path, name: str, info: dict, cfg: DFlashConfig,
@@ -266,37 +278,25 @@ def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: tor
     meta = device.type == "meta"
     states = states or {}
     tokenizer = Tokenizer.from_dir(path / "tokenizer")
-    cfg, tensors, source = _component_files(path, "target", 0, meta)
-    target = _build(Qwen3ForCausalLM, _decoder(cfg, path, "target"), dtype, device)
-    fill_engine_state(target, tensors, source)
-    engine = LoadedEngine(path, manifest, tokenizer, target, dtype=dtype, device=device,
-                          requantized={n: source for n, (_, source) in states.items()})
-    for name, info in manifest.components.items():
-        kind = info.get("kind")
-        if name == "target" or (components is not None and name not in components):
+    engine = None
+    # the target first: the engine holds the others
+    for name, info in sorted(manifest.components.items(), key=lambda item: item[0] != "target"):
+        kind = KINDS[info["kind"]]  # known: check_files refused any other
+        if name != "target" and components is not None and name not in components:
             continue
-        if kind == "mtp":
-            cfg, tensors, source = _component_files(path, name, 0, meta)
-            if name not in states:  # weights requantized at load follow their own tier
-                check_formats(tensors, info, source)
-            tensors, source = states.get(name, (tensors, source))
-            mcfg = MTPConfig(decoder=_decoder(cfg, path, name), naming=info.get("naming", "qwen3_next"))
-            engine.mtp = fill_engine_state(_build(MTPHead, mcfg, dtype, device), tensors, source)
-        elif kind == "dflash":
-            dcfg = component_config(path, str(path), name, "dflash")
-            tensors, source = _drafter_tensors(path, name, info, dcfg, tp, meta, states.get(name))
-            if name not in states:
-                check_formats(tensors, info, source)
-            with torch.device("meta") if meta else contextlib.nullcontext():
-                drafter = DFlashDrafter(dcfg, tp).to(dtype=dtype, device=device)
-            engine.drafters[name] = fill_engine_state(drafter, tensors, source)
+        cfg = component_config(path, str(path), name, info)
+        if kind.role is Role.DRAFTER:  # its rank's shard, or the whole drafter
+            tensors, source = _drafter_tensors(path, name, info, cfg, tp, meta, states.get(name))
         else:
-            raise EngineDirError(f"engine directory {path}: component {name} has unknown kind {kind!r}")
+            tensors, source = states.get(name) or _component_files(path, name, 0, meta)[1:]
+        if name not in states:  # weights requantized at load follow their own tier
+            check_formats(tensors, info, source)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            module = kind.build(cfg, tp).to(dtype=dtype, device=device)
+        module = fill_engine_state(module, tensors, source)
+        if kind.role is Role.TARGET:
+            engine = LoadedEngine(path, manifest, tokenizer, module, dtype=dtype, device=device,
+                                  requantized={n: source for n, (_, source) in states.items()})
+        else:
+            engine.place(name, kind.role, module)
     return engine
-
-
-def _decoder(cfg: dict, path: Path, name: str) -> DecoderConfig:
-    try:
-        return DecoderConfig.from_hf(cfg, f"engine directory {path}: {name}/config.json")
-    except CheckpointError as exc:
-        raise EngineDirError(f"{exc}; rebuild it with metrale build") from None

@@ -2,7 +2,7 @@
 
 Contract: `check_files(path)` verifies the manifest and every checksum (`load_manifest`),
 then what loading relies on: a `target` component, every component's kind known
-(`COMPONENT_KINDS`), a drafter's `tp_size` a count with that many rank files, every rank file
+(`components.KINDS`), a drafter's `tp_size` a count with that many rank files, every rank file
 listed by its component and readable as safetensors, every component config parsing as its
 kind's config, every folder on disk claimed by a component (or reserved).
 `engine.check_engine_dir` adds loading itself as a dry run on the meta device; `metrale
@@ -17,11 +17,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from metrale.runtime.models.configs import MTP_NAMINGS, DecoderConfig, DFlashConfig
 from metrale.runtime.artifact.engine_dir import RESERVED_NAMES, Manifest, load_manifest
+from metrale.runtime.components import KINDS, Role
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
-COMPONENT_KINDS = ("target", "mtp", "dflash")
 REBUILD = "rebuild it with metrale build"
 
 
@@ -52,14 +51,12 @@ def check_safetensors(path: Path, shown: str, rel: str) -> None:
         raise _fail(shown, f"{rel} cannot be read as safetensors ({exc})") from None
 
 
-def component_config(root: Path, shown: str, name: str, kind: str):
-    """The component's parsed config (DecoderConfig or DFlashConfig), refusals naming it."""
+def component_config(root: Path, shown: str, name: str, info: dict):
+    """The component's config as its kind parses it (`components.KINDS`), refusals naming it."""
     rel = f"{name}/config.json"
     cfg = read_json(root / rel, shown, rel)
     try:
-        if kind == "dflash":
-            return DFlashConfig.from_hf(cfg, f"engine directory {shown}: {rel}")
-        return DecoderConfig.from_hf(cfg, f"engine directory {shown}: {rel}")
+        return KINDS[info["kind"]].parse(cfg, f"engine directory {shown}: {rel}", info)
     except CheckpointError as exc:
         raise EngineDirError(f"{exc}; {REBUILD}") from None
 
@@ -71,17 +68,15 @@ def check_files(engine_dir: str | os.PathLike[str], verify: bool = True) -> Mani
     if "target" not in comps:
         raise _fail(shown, "the manifest has no target component")
     for name, info in comps.items():
-        kind = info.get("kind")
-        if kind not in COMPONENT_KINDS or (kind == "target") != (name == "target"):
-            raise _fail(shown, f"component {name} has kind {kind!r}; expected "
-                        f"{'target' if name == 'target' else 'mtp or dflash'}")
+        kind = KINDS.get(info.get("kind"))
+        if kind is None or (kind.role is Role.TARGET) != (name == "target"):
+            allowed = [k for k, v in KINDS.items() if (v.role is Role.TARGET) == (name == "target")]
+            raise _fail(shown, f"component {name} has kind {info.get('kind')!r}; expected "
+                        f"{' or '.join(allowed)}")
         tp = info.get("tp_size", 1)
-        if type(tp) is not int or tp < 1 or (tp > 1 and kind != "dflash"):
+        if type(tp) is not int or tp < 1 or (tp > 1 and kind.role is not Role.DRAFTER):
             raise _fail(shown, f"component {name} has tp_size {tp!r}; expected an integer >= 1 "
                         "(above 1 for drafters only)")
-        if kind == "mtp" and info.get("naming", "qwen3_next") not in MTP_NAMINGS:
-            raise _fail(shown, f"component {name} has naming {info.get('naming')!r}; expected one "
-                        f"of {', '.join(MTP_NAMINGS)}")
         files = info.get("files")
         wanted = [f"{name}/rank{r}.safetensors" for r in range(tp)]
         if not (isinstance(files, list) and all(f in files for f in wanted)):
@@ -92,9 +87,9 @@ def check_files(engine_dir: str | os.PathLike[str], verify: bool = True) -> Mani
                             "do not hold")
         if f"{name}/config.json" not in manifest.files:
             raise _fail(shown, f"component {name} has no {name}/config.json")
-        component_config(root, shown, name, kind)
+        component_config(root, shown, name, info)
         declared = info.get("declared")
-        if declared is not None and not (kind != "target" and declared in files
+        if declared is not None and not (kind.role is not Role.TARGET and declared in files
                                          and declared.endswith(".safetensors")):
             raise _fail(shown, f"component {name} keeps its declared weights in {declared!r}; "
                         "expected one of its own .safetensors files")

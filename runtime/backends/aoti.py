@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from metrale.runtime.artifact.engine import LoadedEngine
+from metrale.runtime.components import KINDS, resolve
 from metrale.runtime.errors import EngineDirError
 from metrale.runtime.models.layers import pack_for_inference
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
@@ -121,6 +122,10 @@ class _Rows:
 class CompiledTarget:
     """The target's decode face over AOTInductor packages (see the module docstring)."""
 
+    @classmethod
+    def from_packages(cls, model, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
+        return cls(model, [p for _, p in loaded], tuple(cpu.get("taps", ())), cpu["max_slots"])
+
     def __init__(self, model: Qwen3ForCausalLM, packages: list[Package], taps: tuple[int, ...],
                  max_slots: int):
         self.rows = _Rows(packages, "target")
@@ -187,6 +192,10 @@ class CompiledTarget:
 class CompiledMTP:
     """The MTP head's face (`mtp.MTPHead`: `new_cache`, `__call__`) over its packages."""
 
+    @classmethod
+    def from_packages(cls, head, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
+        return cls(head, [p for _, p in loaded], cpu["max_slots"])
+
     def __init__(self, head, packages: list[Package], max_slots: int):
         self.rows = _Rows(packages, "mtp")
         self.config = head.config
@@ -224,6 +233,14 @@ class CompiledDFlash:
     with the next propose. A longer backlog (a prompt, or the plain steps of a suspended
     adaptive-k stream) is fed first by the eager drafter's own context projection (`context_kv`,
     one batched call) up to the last `feed` rows, which the package feeds with the block."""
+
+    @classmethod
+    def from_packages(cls, drafter, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
+        entry, pkg = loaded[0]
+        if int(entry["block"]) != drafter.config.block_size:
+            raise EngineDirError(f"{where}: the CPU package proposes blocks of {entry['block']}, the "
+                                 f"drafter's block size is {drafter.config.block_size}")
+        return cls(drafter, pkg, int(entry["feed"]), cpu["max_slots"])
 
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
         self.config = drafter.config
@@ -314,18 +331,8 @@ def load_compiled(engine_dir: Path, name: str, info: dict, model, dtype: torch.d
     check_fingerprint(cpu, dtype, where)  # another machine's packages: say so first
     if type(cpu.get("max_slots")) is not int or not cpu.get("packages"):
         raise older
-    loaded = _load_packages(engine_dir, cpu)
-    max_slots = cpu["max_slots"]
-    kind = info.get("kind", name)
-    if kind == "target":
-        return CompiledTarget(model, [p for _, p in loaded], tuple(cpu.get("taps", ())), max_slots)
-    if kind == "mtp":
-        return CompiledMTP(model, [p for _, p in loaded], max_slots)
-    entry, pkg = loaded[0]
-    if int(entry["block"]) != model.config.block_size:
-        raise EngineDirError(f"{where}: the CPU package proposes blocks of {entry['block']}, the "
-                             f"drafter's block size is {model.config.block_size}")
-    return CompiledDFlash(model, pkg, int(entry["feed"]), max_slots)
+    face = resolve(KINDS[info.get("kind", name)].aoti_face)
+    return face.from_packages(model, _load_packages(engine_dir, cpu), cpu, where)
 
 
 # -- the swaps -------------------------------------------------------------------------------
@@ -337,7 +344,7 @@ def use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
     for name, info in engine.manifest.components.items():
         if name == "target" or "cpu" not in info:
             continue
-        model = engine.mtp if info.get("kind") == "mtp" else engine.drafters.get(name)
+        model = engine.component(name)
         if model is None or getattr(model, "tp", None) is not None:
             continue
         if name in engine.requantized:  # the packages hold the weights of the built tier
@@ -353,10 +360,7 @@ def use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
             engine.backend_note = f"{name} runs eagerly: its CPU packages do not load ({exc})"
             log.info("engine directory %s: %s", engine.path, engine.backend_note)
             continue
-        if info.get("kind") == "mtp":
-            engine.mtp = compiled
-        else:
-            engine.drafters[name] = compiled
+        engine.place(name, KINDS[info["kind"]].role, compiled)
 
 
 def use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:

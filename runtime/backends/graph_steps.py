@@ -32,7 +32,6 @@ input and output), `device`, and optionally `past_sizes(opt, top) -> [S, ...]`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,7 +40,9 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from metrale.runtime.artifact.engine_check import component_config
 from metrale.runtime.backends.graph_cache import CacheSizes, EngineCache, position_limit
+from metrale.runtime.components import KINDS, resolve
 from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
 from metrale.runtime.models.dflash import CandidateSelector, Proposal
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -156,6 +157,10 @@ class GraphMTP(_Component):
         super().__init__(runner, profile, 1, cfg)
         self.config = SimpleNamespace(decoder=cfg)
 
+    @classmethod
+    def from_graph(cls, runner: GraphRunner, name: str, info: dict, cfg, ctx) -> "GraphMTP":
+        return cls(runner, info["profile"], cfg.decoder)
+
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
         return self._cache(batch)
 
@@ -206,6 +211,21 @@ class GraphDrafter(_Component):
             sel.predecessor_codebook = nn.Parameter(codebooks[0].to(runner.device, dtype), False)
             sel.successor_codebook = nn.Parameter(codebooks[1].to(runner.device, dtype), False)
             self.selector = sel
+
+    @classmethod
+    def from_graph(cls, runner: GraphRunner, name: str, info: dict, cfg: DFlashConfig,
+                   ctx) -> "GraphDrafter":
+        """Drafter `name` of manifest entry `info` (DFlash2's codebooks read from its safetensors)."""
+        if any(i not in ctx.engine_taps for i in cfg.target_layer_ids):
+            raise EngineDirError(f"{ctx.where}: drafter {name} reads target layers "
+                                 f"{list(cfg.target_layer_ids)}, the target graph taps "
+                                 f"{list(ctx.engine_taps)}; rebuild the directory")
+        books = None
+        if cfg.version == 2:
+            books = tuple(_tensors(ctx.path / name / "rank0.safetensors",
+                                   ("candidate_selector.predecessor_codebook",
+                                    "candidate_selector.successor_codebook"), ctx.where))
+        return cls(runner, info["profile"], cfg, books)
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
         return self._cache(batch)
@@ -275,10 +295,10 @@ def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], G
         raise EngineDirError(f"{where}: component {missing[0]} has no exported graph (built with "
                              "onnx = false); rebuild it with metrale build")
 
-    def config(name: str) -> dict:
-        return json.loads((path / name / "config.json").read_text())
+    def config(name: str, info: dict):
+        return component_config(path, str(path), name, info)
 
-    tcfg = DecoderConfig.from_hf(config("target"), "target/config.json")
+    tcfg = config("target", comps["target"])
     # the usable context: every component's cache must hold it (plus one step's rows)
     limit = position_limit(tcfg.max_position_embeddings,
                            [int(c["profile"]["past"][2]) for c in comps.values()])
@@ -289,26 +309,13 @@ def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], G
     target = GraphTarget(tgt, comps["target"]["profile"], tcfg, embed, engine_taps, limit)
     loaded = LoadedEngine(path, manifest, tokenizer, target, dtype=embed.weight.dtype,
                           device=device, packed=True)  # the graphs hold their own weights
+    ctx = SimpleNamespace(path=path, where=where, engine_taps=engine_taps)
     for name, info in comps.items():
         if name == "target":
             continue
-        if info.get("kind") == "mtp":
-            mcfg = DecoderConfig.from_hf(config(name), f"{name}/config.json")
-            loaded.mtp = GraphMTP(runner(name), info["profile"], mcfg)
-        elif info.get("kind") == "dflash":
-            dcfg = DFlashConfig.from_hf(config(name), f"{name}/config.json")
-            if any(i not in engine_taps for i in dcfg.target_layer_ids):
-                raise EngineDirError(f"{where}: drafter {name} reads target layers "
-                                     f"{list(dcfg.target_layer_ids)}, the target graph taps "
-                                     f"{list(engine_taps)}; rebuild the directory")
-            books = None
-            if dcfg.version == 2:
-                books = tuple(_tensors(path / name / "rank0.safetensors",
-                                       ("candidate_selector.predecessor_codebook",
-                                        "candidate_selector.successor_codebook"), where))
-            loaded.drafters[name] = GraphDrafter(runner(name), info["profile"], dcfg, books)
-        else:
-            raise EngineDirError(f"{where}: component {name} has unknown kind {info.get('kind')!r}")
+        kind = KINDS[info["kind"]]
+        face = resolve(kind.graph_face).from_graph(runner(name), name, info, config(name, info), ctx)
+        loaded.place(name, kind.role, face)
     return loaded
 
 

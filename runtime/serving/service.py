@@ -30,13 +30,12 @@ import torch
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.spec.decode import DecodeResult, Decoder
 from metrale.runtime.backends import Backend, load_engine
+from metrale.runtime.components import KINDS, Role, names_with_role, resolve
 from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.artifact.engine_dir import load_manifest
 from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.spec.metrics import SpecMetricsAggregate
 from metrale.runtime.spec.sampling import SamplingParams
-from metrale.runtime.spec.dflash_proposer import DFlashProposer
-from metrale.runtime.spec.mtp_proposer import MTPProposer
 from metrale.runtime.spec.relay import LeaderDrafts, RelayedDrafts
 from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
 from metrale.runtime.models.tp import TensorParallel, World
@@ -88,12 +87,14 @@ class EngineGenerator:
         embed = e.target.model.embed_tokens
         max_len = self.max_context + 64
         proposer = None
-        if spec.mode is SpecMode.MTP:
-            proposer = MTPProposer(e.mtp, embed, spec.num_drafts, spec.draft_stop, max_len)
-        elif spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
+        if spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
             proposer = RelayedDrafts(self.world, embed.weight.device)
-        elif spec.mode is SpecMode.DFLASH:
-            proposer = DFlashProposer(e.drafters[self.dflash.drafter], embed, self.dflash, max_len)
+        elif spec.mode is not SpecMode.OFF:  # the proposing component's kind makes its proposer
+            role = Role.HEAD if spec.mode is SpecMode.MTP else Role.DRAFTER
+            name = spec.dflash_drafter if role is Role.DRAFTER else next(
+                n for n, i in e.manifest.components.items() if KINDS[i["kind"]].role is role)
+            kind = KINDS[e.manifest.components[name]["kind"]]
+            proposer = resolve(kind.proposer).for_spec(e.component(name), embed, spec, self.dflash, max_len)
             if self.relay:
                 proposer = LeaderDrafts(proposer, self.world)
         return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context)
@@ -186,7 +187,8 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
         relay = tp is None and world.size > 1
         if relay and not world.leader:  # the drafter lives on rank 0 only
             manifest = load_manifest(engine_dir, verify=False)
-            components = tuple(n for n, i in manifest.components.items() if i.get("kind") != "dflash")
+            drafters = names_with_role(manifest.components, Role.DRAFTER)
+            components = tuple(n for n in manifest.components if n not in drafters)
     engine = load_engine(engine_dir, dtype=dtype, device=world.device(device), tp=tp,
                          backend=backend, states=states, components=components)
     return EngineGenerator(engine, spec, world, relay=relay)

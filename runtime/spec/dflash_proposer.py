@@ -35,6 +35,11 @@ class DFlashProposer:
                                                   settings.reprobe_interval or 16, ladder)
         self.last_k = 0
 
+    @classmethod
+    def for_spec(cls, drafter, embed, spec, settings: ResolvedDFlash, max_len: int) -> "DFlashProposer":
+        """The proposer `--dflash` runs (`components`' factory) with its resolved settings."""
+        return cls(drafter, embed, settings, max_len)
+
     def prefill(self, prompt: torch.Tensor, out, pending: int) -> None:
         w = self.embed.weight
         self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)

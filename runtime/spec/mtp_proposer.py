@@ -27,6 +27,11 @@ class MTPProposer:
         self.head, self.embed, self.num_drafts, self.stop = head, embed, num_drafts, stop
         self.max_len = max_len
 
+    @classmethod
+    def for_spec(cls, head, embed, spec, settings, max_len: int) -> "MTPProposer":
+        """The proposer `--speculative` runs (`components`' factory): K drafts, the stop."""
+        return cls(head, embed, spec.num_drafts, spec.draft_stop, max_len)
+
     def _entries(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Append real entries: tokens [T] (token p+1), hidden [1, T, H] (target hidden p)."""
         logits, h = self.head(self.embed(tokens[None]), hidden, self.cache, start=self.base)
