@@ -13,15 +13,19 @@ import sys
 import time
 from pathlib import Path
 
+from metrale.plugins.formats import DRAFT_TIER_FORMATS, DRAFT_TIERS, FORMATS
+from metrale.plugins.trt_plugin import GEMM_OPS
 from metrale.runtime.artifact.engine_dir import load_manifest
 
-TIERS = ("declared", "fp8", "fp8-aux", "nvfp4")
+TIERS = DRAFT_TIERS
 SMS = (89, 120)
 
 
 def expected_plugins(tier: str, component: str, sm: int, quantized: int) -> dict[str, int]:
-    if component in ("dflash", "dflash2") and tier == "nvfp4" and sm < 100:
-        return {"NvFp4W4A16Gemm": quantized}
+    """A drafter's quantized linears stay plugin layers where its tier's format is not native."""
+    fmt = FORMATS.get(DRAFT_TIER_FORMATS[tier] or "")
+    if component in ("dflash", "dflash2") and fmt is not None and not fmt.native(sm):
+        return {fmt.onnx_op: quantized}
     return {}
 
 
@@ -43,8 +47,9 @@ def check(engine_dir: Path, tier: str) -> list[str]:
     # exactly the cubins the plugin layers launch: per kernel, SM and activation dtype
     cubins = sorted(f for f in m.files if f.startswith("plugins/") and f.endswith(".cubin"))
     act = {"bfloat16": "bf16", "float32": "fp32"}[m.build.get("trt_dtype", "float32")]
-    want = sorted({f"plugins/nvfp4_w4a16_gemm.sm{sm}.{act}.cubin" for sm in SMS if sm < 100}
-                  if tier == "nvfp4" else set())
+    fmt = FORMATS.get(DRAFT_TIER_FORMATS[tier] or "")
+    want = sorted({f"plugins/{GEMM_OPS[fmt.onnx_op].kernel}.sm{sm}.{act}.cubin"
+                   for sm in SMS if not fmt.native(sm)} if fmt is not None else set())
     if cubins != want:
         problems.append(f"{engine_dir}: cubins {cubins}, expected {want}")
     return problems

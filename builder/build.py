@@ -34,7 +34,8 @@ from metrale.builder.recipe import BuildOptions, Recipe
 from metrale.runtime.models.configs import DFlashConfig, read_config
 from metrale.runtime.artifact.engine_dir import EngineDirWriter, Manifest, checkpoint_digest
 from metrale.runtime.errors import CheckpointError, ConfigError
-from metrale.runtime.models.loader import load_dflash, load_mtp, load_target, read_safetensors, rename
+from metrale.runtime.components import KINDS, resolve
+from metrale.runtime.models.loader import read_safetensors, rename
 from metrale.runtime.artifact.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -76,18 +77,19 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
         shard.check_drafter_tp(cfg, tp, tier_format, name)
 
     progress("loading checkpoints")
-    target = load_target(recipe.target.checkpoint)
+    loader = {name: resolve(k.checkpoint) for name, k in KINDS.items()}  # by kind: the registry's
+    target = loader["target"](recipe.target.checkpoint)
     check_tokenizer(recipe.target.checkpoint, target.config.vocab_size)
     lm_head = target.lm_head.weight.detach()
     head = None
     if recipe.mtp is not None:
-        head = load_mtp(recipe.mtp.checkpoint, lm_head)
+        head = loader["mtp"](recipe.mtp.checkpoint, lm_head)
         naming = head.config.naming
         raw, _ = rename(read_safetensors(recipe.mtp.checkpoint), f"mtp.{naming}", head.config.layer_index)
         q.check_mtp_request(raw, experts_nvfp4=opts.mtp_experts_nvfp4,
                             mtp_quantization=opts.mtp_quantization, ffn_kind=head.config.ffn_kind)
         del raw
-    drafters = {name: load_dflash(src.checkpoint, lm_head) for name, src in recipe.drafters.items()}
+    drafters = {name: loader["dflash"](src.checkpoint, lm_head) for name, src in recipe.drafters.items()}
 
     memory: dict[str, dict] = {}
     with EngineDirWriter(out, overwrite=overwrite) as w:

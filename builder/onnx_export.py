@@ -43,6 +43,7 @@ import onnx
 import torch
 from torch import nn
 
+from metrale.plugins.formats import FORMATS
 from metrale.plugins.onnx_lowering import DOMAIN, FP8_OP, NVFP4_OP, lower_for_sm
 from metrale.runtime.components import GraphIO, kind_named, resolve
 from metrale.runtime.models import qlinear
@@ -89,6 +90,10 @@ class _Nvfp4Gemm(torch.autograd.Function):
         return _typed_like(g.op(f"{DOMAIN}::{NVFP4_OP}", x, packed, block_scale, global_scale), x, n)
 
 
+_GEMMS = {FP8_OP: _Fp8Gemm, NVFP4_OP: _Nvfp4Gemm}  # ONNX node -> what traces as it
+assert {f.onnx_op for f in FORMATS.values()} <= set(_GEMMS)  # every format of the table exports
+
+
 class _ExportLinear(nn.Module):
     """Stands in for a quantized linear while tracing; shares its tensors (no copies)."""
 
@@ -98,9 +103,11 @@ class _ExportLinear(nn.Module):
 
     def forward(self, x):
         m = self.inner
-        gemm = {"fp8": _Fp8Gemm, "nvfp4": _Nvfp4Gemm}.get(m.kind)  # its node, fed its stored tensors
+        fmt = FORMATS.get(m.kind)
+        gemm = _GEMMS.get(fmt.onnx_op) if fmt is not None else None  # its node, fed its stored tensors
         if gemm is None:
-            raise ValueError(f"a {m.kind!r} linear has no metrale ONNX node; the export knows fp8 and nvfp4")
+            raise ValueError(f"a {m.kind!r} linear has no metrale ONNX node; the export knows "
+                             f"{', '.join(f.name for f in FORMATS.values() if f.onnx_op in _GEMMS)}")
         return m._add_bias(gemm.apply(x, *(getattr(m, name) for name in m._FORMAT_BUFFERS)))
 
 

@@ -33,7 +33,6 @@ import enum
 import importlib.metadata
 import io
 import logging
-import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -42,6 +41,7 @@ from torch import nn
 
 from metrale.plugins import formats
 from metrale.plugins.formats import NVFP4_BLOCK
+from metrale.runtime.components import KINDS
 from metrale.runtime.errors import ConfigError, QuantizationError
 
 log = logging.getLogger(__name__)
@@ -79,29 +79,20 @@ class DraftWeightQuantization(enum.Enum):
     @property
     def format(self) -> str | None:
         """The format of the tier's copies: None (the checkpoint's weights), "fp8" or "nvfp4"."""
-        return _TIER_FORMATS[self]
+        return formats.DRAFT_TIER_FORMATS[self.value]
 
     def __str__(self) -> str:
         return self.value
 
 
-_TIER_FORMATS = {DraftWeightQuantization.DECLARED: None, DraftWeightQuantization.FP8: "fp8",
-                 DraftWeightQuantization.FP8_AUX: "fp8", DraftWeightQuantization.NVFP4: "nvfp4"}
-assert set(_TIER_FORMATS) == set(DraftWeightQuantization)  # a new tier names its format here
 DRAFT_TIERS = tuple(t.value for t in DraftWeightQuantization)  # names, in the flag's order
-assert DRAFT_TIERS == formats.DRAFT_TIERS
+assert DRAFT_TIERS == formats.DRAFT_TIERS  # the tiers are the format table's
 
 # Module names (tensor name without `.weight`) of each set, matched in full.
-_DRAFT_CORE = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head")
-_DRAFT_AUX = re.compile(
-    r"fc|context_kv_proj|layers\.\d+\.(attention_conv|mlp_conv)\.kernel_projection"
-    r"|candidate_selector\.hidden_projection"
-)
-_MTP_EXPERTS = re.compile(r"layer\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj")
-_MTP_FP8 = re.compile(
-    r"fc|layer\.self_attn\.[qkvo]_proj"
-    r"|layer\.mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj"
-)
+# the components' quantizable sets (`components.KINDS`): a drafter's core GEMMs (every tier) and
+# auxiliary projections (fp8-aux), the MTP head's experts and its FP8 linears
+_DRAFT_CORE, _DRAFT_AUX = KINDS["dflash"].tensor_set("core"), KINDS["dflash"].tensor_set("aux")
+_MTP_EXPERTS, _MTP_FP8 = KINDS["mtp"].tensor_set("experts"), KINDS["mtp"].tensor_set("fp8")
 MTP_QUANTIZATIONS = formats.MTP_QUANTIZATIONS
 FFN_KINDS = ("dense", "moe")
 
@@ -130,9 +121,10 @@ def _check_weight(name: str, w: torch.Tensor, fmt: str) -> None:
         raise QuantizationError(
             f"{name}: cannot quantize a {w.dtype} weight to {fmt}; it needs a BF16/FP16/FP32 weight"
         )
-    if fmt == "nvfp4" and w.shape[1] % NVFP4_BLOCK:
+    unit = formats.FORMATS[fmt].col_unit if fmt in formats.FORMATS else 1
+    if w.shape[1] % unit:
         raise QuantizationError(
-            f"{name}: NVFP4 needs the input size to be a multiple of {NVFP4_BLOCK}, "
+            f"{name}: {fmt.upper()} needs the input size to be a multiple of {unit}, "
             f"got {w.shape[1]}"
         )
     if not bool(torch.isfinite(w).all()):
@@ -274,13 +266,9 @@ def _quantize_modules(
     stored = {name: _storage(name, t) for name, t in state.items()}
     # Quantize the BF16 copy, so every tier is derived from the same weights as `declared`.
     weights = [stored[f"{m}.weight"] for m in modules]
-    if fmt == "fp8":
-        quantized = _fp8_copies(weights)
-    elif fmt == "nvfp4":
-        quantized = [_nvfp4_copy(w, None) for w in weights]
-    else:
+    if fmt is None:
         assert not modules, "modules to quantize without a format"
-        quantized = []
+    quantized = _QUANTIZERS[fmt](weights) if fmt is not None else []
     by_weight = {f"{m}.weight": (m, q) for m, q in zip(modules, quantized)}
     out: dict[str, torch.Tensor] = {}
     for name, t in stored.items():
@@ -294,14 +282,19 @@ def _quantize_modules(
     return out, quantization_section(fmt, sorted(chosen), excluded)
 
 
+# ModelOpt's quantizer per format of the table: [BF16 weight] -> [{leaf: tensor}]
+_QUANTIZERS = {"fp8": lambda weights: _fp8_copies(weights),
+               "nvfp4": lambda weights: [_nvfp4_copy(w, None) for w in weights]}
+assert set(_QUANTIZERS) == set(formats.FORMATS)  # a new format names its quantizer here
+
+
 def quantization_section(
     fmt: str | None, quantized: Sequence[str], excluded: Sequence[str]
 ) -> dict:
     """The quantization section in the style of ModelOpt's hf_quant_config.json."""
-    quant: dict = {"quant_algo": {"fp8": "FP8", "nvfp4": "NVFP4", None: None}[fmt]}
-    if fmt == "nvfp4":
-        quant["group_size"] = NVFP4_BLOCK
-    quant["per_channel"] = fmt == "fp8"  # one FP8 scale per output row
+    f = formats.FORMATS.get(fmt) if fmt is not None else None
+    quant: dict = {"quant_algo": f.quant_algo if f is not None else None,
+                   **dict(f.section if f is not None else (("per_channel", False),))}
     quant["quantized_modules"] = list(quantized)
     quant["exclude_modules"] = list(excluded)
     return {
@@ -395,10 +388,8 @@ def _predicted_bytes(
     for name, t in state.items():
         if name not in chosen:
             total += t.numel() * _storage_dtype(name, t).itemsize
-        elif fmt == "fp8":  # 1 byte per weight + float32 per row
-            total += t.numel() + 4 * t.shape[0]
-        else:  # nvfp4: 1/2 byte per weight + 1 FP8 byte per 16 weights + float32 global
-            total += t.numel() // 2 + t.numel() // NVFP4_BLOCK + 4
+        else:  # the format's weight and scales
+            total += formats.FORMATS[fmt].stored_bytes(t.shape[0], t.shape[1])
     return total
 
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
-from metrale.plugins.formats import NVFP4_BLOCK
+from metrale.plugins import formats
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.errors import ConfigError
 from metrale.runtime.models.tp import check_drafter_split, cut_tensor, drafter_cut, shard_range
@@ -35,7 +35,8 @@ def check_drafter_tp(cfg: DFlashConfig, size: int, fmt: str | None, name: str = 
     if type(size) is not int or size < 1:
         raise ConfigError(f"--draft-tp-size: expected a rank count of at least 1, got {size!r}")
     check_drafter_split(cfg, size, f"--draft-tp-size (drafter {name})")
-    if fmt != "nvfp4":
+    unit_cols = formats.FORMATS[fmt].col_unit if fmt is not None else 1
+    if unit_cols == 1:  # any column cut keeps whole scale blocks
         return
     d = cfg.decoder
     group = d.num_attention_heads // d.num_key_value_heads * d.head_dim  # a KV head's queries
@@ -43,11 +44,11 @@ def check_drafter_tp(cfg: DFlashConfig, size: int, fmt: str | None, name: str = 
                                 ("mlp.down_proj", d.intermediate_size, 1)):
         for r in range(size):
             start, end = shard_range(count, r, size)
-            if (start * unit) % NVFP4_BLOCK or (end * unit) % NVFP4_BLOCK:
+            if (start * unit) % unit_cols or (end * unit) % unit_cols:
                 raise ConfigError(
-                    f"--draft-tp-size {size} (drafter {name}): NVFP4 {module} would be cut at "
+                    f"--draft-tp-size {size} (drafter {name}): {fmt.upper()} {module} would be cut at "
                     f"column {start * unit}..{end * unit} of {count * unit} on rank {r}; column "
-                    f"cuts must fall on {NVFP4_BLOCK}-weight block boundaries")
+                    f"cuts must fall on {unit_cols}-weight block boundaries")
 
 
 def shard_drafter(state: Mapping[str, torch.Tensor], cfg: DFlashConfig,

@@ -22,6 +22,7 @@ from rich.text import Text
 from metrale import checks
 from metrale import options as o
 from metrale.console import app, err, out, say_warning, user_errors
+from metrale.plugins.formats import DRAFT_TIERS
 from metrale.runtime.errors import MetraleError
 from metrale.runtime.spec.help import BUILD_HELP
 
@@ -34,7 +35,7 @@ def build(
     recipe: Annotated[Optional[Path], typer.Option(help="Build recipe (TOML). Default: the embedded tiny recipe.")] = None,
     engine_dir: Annotated[Optional[str], typer.Option("--engine-dir", metavar="PATH", help="Output directory. Default: the recipe's engine_dir.")] = None,
     draft_weight_quantization: Annotated[Optional[str], typer.Option(
-        metavar="declared|fp8|fp8-aux|nvfp4", help=DWQ_HELP)] = None,
+        metavar="|".join(DRAFT_TIERS), help=DWQ_HELP)] = None,
     mtp_quantization: Annotated[Optional[str], typer.Option(metavar="bf16|fp8", help="Precision of the MTP head's weights. [default: bf16]")] = None,
     mtp_experts_nvfp4: Annotated[Optional[bool], typer.Option("--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=MTP_NVFP4_HELP)] = None,
     draft_tp_size: Annotated[Optional[str], typer.Option(metavar="N|auto", help=BUILD_HELP["--draft-tp-size"])] = None,

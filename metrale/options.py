@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from metrale.plugins.formats import DRAFT_TIERS
 from metrale.runtime.spec.config import HELP
 
 EngineDir = Annotated[Path, typer.Option("--engine-dir", help="An engine directory written by `metrale build`.")]
@@ -54,7 +55,7 @@ Reprobe = Annotated[Optional[int], typer.Option(
 ExactVerify = Annotated[bool, typer.Option("--exact-verify", help=HELP["--exact-verify"])]
 DraftTp = Annotated[Optional[str], typer.Option("--draft-tp-size", metavar="N|auto", help=HELP["--draft-tp-size"])]
 DraftTier = Annotated[Optional[str], typer.Option(
-    "--draft-weight-quantization", metavar="declared|fp8|fp8-aux|nvfp4",
+    "--draft-weight-quantization", metavar="|".join(DRAFT_TIERS),
     help=HELP["--draft-weight-quantization"])]
 MtpNvfp4 = Annotated[Optional[bool], typer.Option(
     "--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=HELP["--mtp-experts-nvfp4"], show_default=False)]

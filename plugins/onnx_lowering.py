@@ -24,20 +24,20 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from metrale.plugins.formats import dequantize_nvfp4
+from metrale.plugins.formats import FORMATS, dequantize_nvfp4
 
 DOMAIN = "metrale"
 FP4_OPSET = 23  # FLOAT4E2M1 DequantizeLinear
-FP8_OP, NVFP4_OP = "Fp8W8A16Gemm", "NvFp4W4A16Gemm"
+FP8_OP, NVFP4_OP = FORMATS["fp8"].onnx_op, FORMATS["nvfp4"].onnx_op
 _FLOATS = (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16)
 
 
 def native_fp8(sm: int) -> bool:  # TensorRT's FP8 DequantizeLinear path: Ada and newer
-    return sm >= 89
+    return FORMATS["fp8"].native(sm)
 
 
 def native_fp4(sm: int) -> bool:  # E2M1 tensors: Blackwell (SM100/SM120) and newer
-    return sm >= 100
+    return FORMATS["nvfp4"].native(sm)
 
 
 def metrale_ops(model: onnx.ModelProto) -> dict[str, int]:

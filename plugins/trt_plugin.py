@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from metrale.plugins.formats import FORMATS
 from metrale.plugins.trt_common import Keeper, PluginDefaults  # noqa: F401  (the plugins' base)
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ GEMM_OPS = {
     "Fp8W8A16Gemm": GemmOpSpec("Fp8W8A16Gemm", "fp8_w8a16_gemm", ("INT8", "FLOAT")),
     "NvFp4W4A16Gemm": GemmOpSpec("NvFp4W4A16Gemm", "nvfp4_w4a16_gemm", ("INT8", "INT8", "FLOAT")),
 }
+assert {f.onnx_op for f in FORMATS.values()} == set(GEMM_OPS)  # one plugin per format of the table
 ACTIVATION_TYPES = ("FLOAT", "HALF", "BF16")
 # TensorRT DataType member name -> the activation dtype a cubin is compiled for (`plugins.aot`)
 ACT_OF_TYPE = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16"}

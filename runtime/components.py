@@ -15,6 +15,9 @@ table is the one place that maps a kind to everything about it:
   onnxruntime and tensorrt backends) or over its AOTInductor packages (`backends.aoti`).
 - `proposer`: the drafts it makes for the decode loop (`spec`), for roles that propose.
 - `bench_modes`: the speculative modes `metrale bench` runs with it.
+- `checkpoint`: its Hugging Face checkpoint loader (`models.loader`), `(folder, target lm_head)`.
+- `tensor_sets`: its named sets of linears (module names, matched in full) that the build's
+  quantization tiers choose from (`builder.quantize`).
 
 Classes of the layers above the models are named by "module:Class" strings and imported when
 first used (`resolve`), so this table depends on the models only and every layer reads it.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -66,6 +70,12 @@ class ComponentKind:
     proposer: str | None
     # (name, config, measured cost model or None) -> its `metrale bench` modes
     bench_modes: Callable[[str, Any, Any], list[tuple[str, dict]]]
+    checkpoint: str = ""
+    tensor_sets: tuple[tuple[str, str], ...] = ()
+
+    def tensor_set(self, name: str) -> re.Pattern:
+        """Its set `name` of linears as a pattern over module names."""
+        return re.compile(dict(self.tensor_sets)[name])
 
     def build(self, cfg, tp=None):
         """Its torch module for `cfg` (a drafter's with `tp`, its tensor-parallel rank)."""
@@ -146,18 +156,26 @@ KINDS: dict[str, ComponentKind] = {k.name: k for k in (
         "target", Role.TARGET, lambda cfg, where, info: DecoderConfig.from_hf(cfg, where),
         "metrale.runtime.models.qwen3:Qwen3ForCausalLM", lambda cfg: cfg, _target_io,
         "metrale.builder.onnx_export:TargetStep", "metrale.runtime.backends.graph_steps:GraphTarget",
-        "metrale.runtime.backends.aoti:CompiledTarget", None, lambda name, cfg, cost: []),
+        "metrale.runtime.backends.aoti:CompiledTarget", None, lambda name, cfg, cost: [],
+        "metrale.runtime.models.loader:load_target"),
     ComponentKind(
         "mtp", Role.HEAD, _mtp_config, "metrale.runtime.models.mtp:MTPHead",
         lambda cfg: cfg.decoder, _mtp_io, "metrale.builder.onnx_export:MTPStep",
         "metrale.runtime.backends.graph_steps:GraphMTP", "metrale.runtime.backends.aoti:CompiledMTP",
-        "metrale.runtime.spec.mtp_proposer:MTPProposer", _mtp_modes),
+        "metrale.runtime.spec.mtp_proposer:MTPProposer", _mtp_modes,
+        "metrale.runtime.models.loader:load_mtp",
+        (("experts", r"layer\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj"),
+         ("fp8", r"fc|layer\.self_attn\.[qkvo]_proj"
+                 r"|layer\.mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj"))),
     ComponentKind(
         "dflash", Role.DRAFTER, lambda cfg, where, info: DFlashConfig.from_hf(cfg, where),
         "metrale.runtime.models.dflash:DFlashDrafter", lambda cfg: cfg.decoder, _dflash_io,
         "metrale.builder.onnx_export:DFlashPropose", "metrale.runtime.backends.graph_steps:GraphDrafter",
         "metrale.runtime.backends.aoti:CompiledDFlash", "metrale.runtime.spec.dflash_proposer:DFlashProposer",
-        _dflash_modes),
+        _dflash_modes, "metrale.runtime.models.loader:load_dflash",
+        (("core", r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head"),
+         ("aux", r"fc|context_kv_proj|layers\.\d+\.(attention_conv|mlp_conv)\.kernel_projection"
+                 r"|candidate_selector\.hidden_projection"))),
 )}
 
 

@@ -36,6 +36,13 @@ def test_every_reference_resolves_to_a_class_with_its_face():
             cls = resolve(ref)
             if not (kind.role is Role.TARGET and field == "graph_face"):  # the target's is built by hand
                 assert callable(getattr(cls, method)), (kind.name, field)
+        assert callable(resolve(kind.checkpoint))  # its checkpoint loader
+        for set_name, _ in kind.tensor_sets:
+            kind.tensor_set(set_name)
+    assert KINDS["dflash"].tensor_set("core").fullmatch("layers.1.mlp.down_proj")
+    assert not KINDS["dflash"].tensor_set("core").fullmatch("fc")
+    assert KINDS["dflash"].tensor_set("aux").fullmatch("fc")
+    assert KINDS["mtp"].tensor_set("experts").fullmatch("layer.mlp.experts.3.up_proj")
     with pytest.raises(ValueError, match="unknown component kind 'medusa'"):
         components.kind_named("medusa")
 

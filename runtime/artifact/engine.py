@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from metrale.plugins import formats
 from metrale.runtime.components import KINDS, Role
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.dflash import DFlashDrafter
@@ -69,7 +70,6 @@ def fill_engine_state(module: nn.Module, tensors: dict[str, torch.Tensor], sourc
     return module.eval()
 
 
-_ALGO_KINDS = {"FP8": "fp8", "NVFP4": "nvfp4", None: None}  # quant_algo -> qlinear kind
 
 
 def check_formats(tensors: dict[str, torch.Tensor], info: dict, source: str) -> None:
@@ -83,9 +83,12 @@ def check_formats(tensors: dict[str, torch.Tensor], info: dict, source: str) -> 
     if section is None:
         return
     algo = section.get("quant_algo")
-    if algo not in _ALGO_KINDS:
+    try:
+        fmt = formats.format_of_algo(algo)
+    except StopIteration:
+        known = ", ".join(f.quant_algo for f in formats.FORMATS.values())
         raise EngineDirError(f"{source}: the manifest's quant_algo {algo!r} is not one metrale runs "
-                             f"(expected FP8, NVFP4 or null); {REBUILD}")
+                             f"(expected {known} or null); {REBUILD}") from None
     want = sorted(section.get("quantized_modules") or [])
     have = quantized_prefixes(tensors)
     if have != want:
@@ -93,7 +96,7 @@ def check_formats(tensors: dict[str, torch.Tensor], info: dict, source: str) -> 
         raise EngineDirError(f"{source}: its quantized linears do not match the manifest's "
                              f"quantization section (stored but not listed: {extra or 'none'}; "
                              f"listed but not stored: {missing or 'none'}); {REBUILD}")
-    kind = _ALGO_KINDS[algo]
+    kind = fmt.name if fmt is not None else None
     for prefix in have:
         got = qlinear.quantized_kind(tensors, prefix)
         if got != kind:

@@ -17,6 +17,7 @@ This module imports the plugins, never the builder.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Literal
 
@@ -25,11 +26,13 @@ from torch import nn
 
 import metrale.plugins.fp8_gemm  # noqa: F401  (registers torch.ops.metrale.fp8_w8a16_gemm)
 import metrale.plugins.nvfp4_gemm  # noqa: F401  (registers torch.ops.metrale.nvfp4_w4a16_gemm)
+from metrale.plugins import formats
 from metrale.plugins.formats import dequantize_fp8, dequantize_nvfp4
 from metrale.runtime.errors import CheckpointError
 
 QuantKind = Literal["none", "fp8", "nvfp4"]
-LEAVES = ("weight", "weight_scale", "weight_scale_2", "bias")
+# every tensor a stored linear may hold: the formats' leaves, then the bias
+LEAVES = (*dict.fromkeys(leaf for f in formats.FORMATS.values() for leaf in f.leaves), "bias")
 
 
 def _key(prefix: str, leaf: str) -> str:
@@ -49,19 +52,13 @@ def consumed_keys(prefix: str, tensors: Mapping[str, torch.Tensor]) -> list[str]
 
 
 def quantized_kind(tensors: Mapping[str, torch.Tensor], prefix: str) -> QuantKind:
-    """"none", "fp8" or "nvfp4" for the weight stored at `prefix`; anything else is refused."""
-    weight = tensors.get(_key(prefix, "weight"))
-    has_scale = _key(prefix, "weight_scale") in tensors
-    has_scale_2 = _key(prefix, "weight_scale_2") in tensors
-    if weight is not None:
-        if weight.dtype in (torch.bfloat16, torch.float16, torch.float32) and not (
-            has_scale or has_scale_2
-        ):
-            return "none"
-        if weight.dtype == torch.float8_e4m3fn and has_scale and not has_scale_2:
-            return "fp8"
-        if weight.dtype == torch.uint8 and has_scale and has_scale_2:
-            return "nvfp4"
+    """"none", or the name of the format (`formats.FORMATS`: "fp8", "nvfp4") of the weight stored
+    at `prefix`, detected by the format table; anything else is refused."""
+    try:
+        fmt = formats.detect(tensors, prefix)
+        return "none" if fmt is None else fmt.name
+    except ValueError:
+        pass
     raise CheckpointError(
         f"linear {prefix!r}: expected a bf16/fp16/fp32 weight, an FP8 weight (float8_e4m3fn) "
         f"with weight_scale, or an NVFP4 weight (uint8) with weight_scale and weight_scale_2; "
@@ -143,12 +140,27 @@ class Fp8Linear(_StoredLinear):
 
     kind: QuantKind = "fp8"
     op = torch.ops.metrale.fp8_w8a16_gemm
-    _FORMAT_BUFFERS = ("weight", "weight_scale")
+    _FORMAT_BUFFERS = formats.FORMATS["fp8"].leaves
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
         self.register_buffer("weight", weight)  # float8_e4m3fn [out, in]
         self.register_buffer("weight_scale", weight_scale)  # float32 [out]
+
+    @classmethod
+    def from_tensors(cls, prefix: str, tensors: Mapping[str, torch.Tensor], bias) -> "Fp8Linear":
+        weight, scale = tensors[_key(prefix, "weight")], tensors[_key(prefix, "weight_scale")]
+        out_features = weight.shape[0]
+        # A per-tensor scale (scalar, as ModelOpt's per-tensor FP8 exports store it) is the
+        # per-row scale repeated; [out, 1] is the per-row scale before ModelOpt squeezes it.
+        if scale.numel() == 1:
+            scale = scale.reshape(1).expand(out_features)
+        if scale.numel() != out_features:
+            raise CheckpointError(
+                f"linear {prefix!r}: FP8 weight_scale must hold 1 or {out_features} values, "
+                f"got {list(scale.shape)}"
+            )
+        return cls(weight, scale.reshape(out_features).float().contiguous(), bias)
 
     def dense_weight(self) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale)
@@ -162,7 +174,7 @@ class Nvfp4Linear(_StoredLinear):
 
     kind: QuantKind = "nvfp4"
     op = torch.ops.metrale.nvfp4_w4a16_gemm
-    _FORMAT_BUFFERS = ("weight", "weight_scale", "weight_scale_2")
+    _FORMAT_BUFFERS = formats.FORMATS["nvfp4"].leaves
 
     def __init__(
         self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
@@ -172,6 +184,23 @@ class Nvfp4Linear(_StoredLinear):
         self.register_buffer("weight", weight)  # uint8 [out, in/2]
         self.register_buffer("weight_scale", weight_scale)  # float8_e4m3fn [out, in/16]
         self.register_buffer("weight_scale_2", weight_scale_2)  # float32 []
+
+    @classmethod
+    def from_tensors(cls, prefix: str, tensors: Mapping[str, torch.Tensor], bias) -> "Nvfp4Linear":
+        weight, scale = tensors[_key(prefix, "weight")], tensors[_key(prefix, "weight_scale")]
+        out_features = weight.shape[0]
+        in_features = weight.shape[1] * 2
+        if scale.dtype != torch.float8_e4m3fn or scale.shape != (out_features, in_features // 16):
+            raise CheckpointError(
+                f"linear {prefix!r}: NVFP4 weight_scale must be float8_e4m3fn "
+                f"[{out_features}, {in_features // 16}], got {scale.dtype} {list(scale.shape)}"
+            )
+        scale_2 = tensors[_key(prefix, "weight_scale_2")]
+        if scale_2.numel() != 1:
+            raise CheckpointError(
+                f"linear {prefix!r}: NVFP4 weight_scale_2 must be a scalar, got {list(scale_2.shape)}"
+            )
+        return cls(weight, scale, scale_2.reshape(()).float(), bias)
 
     def dense_weight(self) -> torch.Tensor:
         return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2)
@@ -196,27 +225,10 @@ def linear_from_tensors(prefix: str, tensors: Mapping[str, torch.Tensor]) -> _St
         )
     if kind == "none":
         return DenseLinear(weight, bias)
-    scale = tensors[_key(prefix, "weight_scale")]
-    if kind == "fp8":
-        # A per-tensor scale (scalar, as ModelOpt's per-tensor FP8 exports store it) is the
-        # per-row scale repeated; [out, 1] is the per-row scale before ModelOpt squeezes it.
-        if scale.numel() == 1:
-            scale = scale.reshape(1).expand(out_features)
-        if scale.numel() != out_features:
-            raise CheckpointError(
-                f"linear {prefix!r}: FP8 weight_scale must hold 1 or {out_features} values, "
-                f"got {list(scale.shape)}"
-            )
-        return Fp8Linear(weight, scale.reshape(out_features).float().contiguous(), bias)
-    in_features = weight.shape[1] * 2
-    if scale.dtype != torch.float8_e4m3fn or scale.shape != (out_features, in_features // 16):
-        raise CheckpointError(
-            f"linear {prefix!r}: NVFP4 weight_scale must be float8_e4m3fn "
-            f"[{out_features}, {in_features // 16}], got {scale.dtype} {list(scale.shape)}"
-        )
-    scale_2 = tensors[_key(prefix, "weight_scale_2")]
-    if scale_2.numel() != 1:
-        raise CheckpointError(
-            f"linear {prefix!r}: NVFP4 weight_scale_2 must be a scalar, got {list(scale_2.shape)}"
-        )
-    return Nvfp4Linear(weight, scale, scale_2.reshape(()).float(), bias)
+    module, _, name = formats.FORMATS[kind].linear.partition(":")
+    return getattr(importlib.import_module(module), name).from_tensors(prefix, tensors, bias)
+
+
+# the format table names these linears: one per format, under its own name
+assert {(f.name, f.linear) for f in formats.FORMATS.values()} == {
+    (c.kind, f"{__name__}:{c.__name__}") for c in (Fp8Linear, Nvfp4Linear)}
