@@ -339,6 +339,12 @@ def serve(
         "model; beyond it a request gets 503 with Retry-After.")] = 64,
     max_connections: Annotated[int, typer.Option(
         metavar="N", help="Open connections served at once; beyond it 503.")] = 256,
+    max_num_seqs: Annotated[int, typer.Option(
+        metavar="N", help="Requests running at once: every iteration advances each of them by "
+        "one token (its own decode step, speculative or not), so a short request runs alongside "
+        "a long one; the other admitted requests wait in arrival order. Each request keeps its "
+        "own caches and sampling state, so its answer is the one it gets alone. 1 in a "
+        "tensor-parallel world.")] = 16,
     device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
@@ -350,7 +356,8 @@ def serve(
         checks.host(host)
         checks.port(port)
         limits = ServerLimits(max_request_bytes=max_request_bytes, max_queue=max_queue,
-                              max_connections=max_connections, api_key=api_key)
+                              max_connections=max_connections, max_num_seqs=max_num_seqs,
+                              api_key=api_key)
         if api_key is None and not checks.is_loopback(host):
             say_warning(f"--host {host} accepts connections from other machines and no --api-key "
                         "(or METRALE_API_KEY) is set: anyone who can reach it can use the model")

@@ -17,7 +17,8 @@ from conftest import serve_in_thread
 from openai import OpenAI
 from pydoc_data.topics import topics
 
-from metrale.runtime.serving.server import StopScanner, create_app
+from metrale.runtime.serving.scheduler import StopScanner
+from metrale.runtime.serving.server import create_app
 from metrale.runtime.artifact.tokenizer import train_bpe_tokenizer
 
 CORPUS = (

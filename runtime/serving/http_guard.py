@@ -48,7 +48,8 @@ class ServerLimits:
     the context window (`request_bytes`)."""
 
     max_request_bytes: int | None = None
-    max_queue: int = 64  # generation requests admitted at once (one runs, the rest wait): 503 beyond
+    max_queue: int = 64  # generation requests admitted at once (running or waiting): 503 beyond
+    max_num_seqs: int = 16  # requests running at once (the scheduler's running set)
     max_connections: int = 256  # open connections and tasks (uvicorn's limit_concurrency): 503 beyond
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -56,7 +57,8 @@ class ServerLimits:
     api_key: str | None = None
 
     def __post_init__(self) -> None:
-        for name, flag in (("max_queue", "--max-queue"), ("max_connections", "--max-connections")):
+        for name, flag in (("max_queue", "--max-queue"), ("max_connections", "--max-connections"),
+                           ("max_num_seqs", "--max-num-seqs")):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ConfigError(f"{flag} {v!r}: expected an integer of at least 1")

@@ -11,12 +11,13 @@ Invariants:
 - A failure that is not the request's fault is a 500 whose body carries a request id and never
   the exception's text (that goes to the server's log under the same id); once a stream has
   started it is a final `data: {"error": ...}` event. Nothing stops the server.
-- Generation runs on a worker thread, one request at a time behind a lock (the model is
-  single-stream); the event loop only moves text deltas from a queue to the client, so /health
-  and /metrics answer while a long generation runs. At most `max_queue` generation requests are
-  admitted at once; beyond that a request gets 503 with `Retry-After`. A client that goes away
-  — mid-stream, or while waiting for a non-streamed answer — stops its generation at the next
-  token (or before it starts, if it was still queued).
+- Generation runs on the scheduler's thread (`scheduler`): up to `max_num_seqs` requests run
+  at once, each advancing one token per iteration, the rest wait in FIFO order; the event loop
+  only moves text deltas from a queue to the client, so /health and /metrics answer while long
+  generations run. At most `max_queue` generation requests are admitted at once (running or
+  waiting); beyond that a request gets 503 with `Retry-After`. A client that goes away —
+  mid-stream, or while waiting for a non-streamed answer — stops its generation at the next
+  token (or before it starts, if it was still waiting), freeing its place in the running set.
 - Streamed text deltas concatenate to exactly the non-streamed text: both come from the same
   worker, through `IncrementalDecoder` (no split UTF-8 characters) and the stop-string scanner
   (text that might begin a stop string is held back until it cannot).
@@ -33,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -45,7 +46,7 @@ from metrale.runtime.serving.api_request import (  # noqa: F401  (re-exported: t
     APIError, GenerationRequest, TextGenerator, decode_body, parse_request,
 )
 from metrale.runtime.serving.http_guard import Guard, ServerLimits, protocol_class, release_memory
-from metrale.runtime.artifact.tokenizer import IncrementalDecoder
+from metrale.runtime.serving.scheduler import Job, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -64,76 +65,9 @@ def _server_error(e: BaseException, rid: str, what: str = "generation",
 
 # ---------------------------------------------------------------- generation worker
 
-class StopScanner:
-    """Cuts text at the first stop string; holds back a tail that may still begin one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = [s for s in stops if s]
-        self._pending = ""
-
-    def push(self, delta: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit, whether a stop string matched)."""
-        text = self._pending + delta
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self._pending = ""
-            return text[: min(hits)], True
-        hold = 0  # longest suffix of text that is a proper prefix of some stop string
-        for s in self._stops:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
-        self._pending = text[len(text) - hold :]
-        return text[: len(text) - hold], False
-
-    def flush(self) -> str:
-        text, self._pending = self._pending, ""
-        return text
-
-
-def _run_generation(gen: TextGenerator, lock: threading.Lock, req: GenerationRequest,
-                    emit: Callable[[str, Any], None], cancel: threading.Event, rid: str) -> None:
-    """Worker thread body: emit ("text", str)*, then ("done", (finish_reason, n_tokens)) or
-    ("error", exception)."""
-    try:
-        decoder, scanner = IncrementalDecoder(gen.tokenizer), StopScanner(req.stop)
-        eos, limit = gen.tokenizer.eos_token_ids, req.params.max_tokens
-        n, saw_eos, stopped = 0, False, False
-        with lock:
-            if cancel.is_set():  # the client left while this request waited for the model
-                return
-            tokens = gen.stream(req.prompt_ids, req.params)
-            try:
-                for token in tokens:
-                    n += 1
-                    if token in eos:
-                        saw_eos = True
-                        break
-                    text, stopped = scanner.push(decoder.feed(token))
-                    if text:
-                        emit("text", text)
-                    if stopped or cancel.is_set() or n >= limit:
-                        break
-            finally:
-                close = getattr(tokens, "close", None)
-                if close is not None:  # a generator: run its cleanup now, under the lock
-                    close()
-        if not stopped:
-            text, stopped = scanner.push(decoder.flush())
-            text += "" if stopped else scanner.flush()
-            if text:
-                emit("text", text)
-        finish = "stop" if stopped or saw_eos or n < limit else "length"
-        emit("done", (finish, n))
-    except Exception as e:  # reported to the client as a 500; the server keeps serving
-        log.exception("request %s: generation failed", rid)
-        emit("error", e)
-
-
-async def _events(gen: TextGenerator, lock: threading.Lock, req: GenerationRequest,
+async def _events(scheduler: Scheduler, gen: TextGenerator, req: GenerationRequest,
                   cancel: threading.Event, rid: str) -> AsyncIterator[tuple[str, Any]]:
-    """Run one generation on a worker thread and yield its events on the event loop;
+    """Run one generation on the scheduler's thread and yield its events on the event loop;
     setting `cancel` ends the generation at its next token."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -144,8 +78,7 @@ async def _events(gen: TextGenerator, lock: threading.Lock, req: GenerationReque
         except RuntimeError:  # the loop closed (server shutting down): nobody is listening
             cancel.set()
 
-    threading.Thread(target=_run_generation, args=(gen, lock, req, emit, cancel, rid),
-                     name="metrale-generate", daemon=True).start()
+    scheduler.submit(Job(gen, req, emit, cancel, rid))
     try:
         while True:
             kind, payload = await queue.get()
@@ -174,7 +107,9 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
     app = FastAPI(title="metrale", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, limits=limits,
                        max_bytes=limits.request_bytes(generator.max_context))
-    lock = threading.Lock()
+    # a tensor-parallel world decodes its requests in lockstep, one at a time
+    world = getattr(generator, "world", None)
+    scheduler = Scheduler(1 if getattr(world, "size", 1) > 1 else limits.max_num_seqs)
     # Mutated on the event loop thread only. requests: (endpoint, outcome); tokens: kind;
     # admitted: generation requests between parsing and their last byte (running or queued).
     requests: Counter[tuple[str, str]] = Counter()
@@ -225,7 +160,7 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
                       f"metrale_server_{name}_tokens_total {tokens[name]}"]
         lines += ["# HELP metrale_server_requests_admitted Generation requests running or queued.",
                   "# TYPE metrale_server_requests_admitted gauge",
-                  f"metrale_server_requests_admitted {admitted[0]}"]
+                  f"metrale_server_requests_admitted {admitted[0]}", *scheduler.metrics_lines()]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def handle(request: Request, chat: bool) -> Response:
@@ -283,7 +218,7 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
         tokens["prompt"] += n_prompt
         cancel = threading.Event()
         watcher = asyncio.create_task(watch_disconnect(request, cancel))
-        events = _events(generator, lock, req, cancel, rid)
+        events = _events(scheduler, generator, req, cancel, rid)
         try:
             first = await anext(events)  # waiting for it turns a failing prefill into a 500
             if first[0] == "error":

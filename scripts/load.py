@@ -1,0 +1,152 @@
+"""Load `metrale serve` over loopback with the official openai client and report what users see.
+
+    python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
+                           [--max-tokens 32] [--modes plain,mtp,dflash] [--max-num-seqs 16]
+                           [--json FILE]
+
+Per mode it starts one `metrale serve` process (`--max-num-seqs`, one torch thread), then for
+each concurrency C runs C client threads that each send `--requests` greedy completions of
+`--max-tokens` tokens (prompts from the tiny recipe's held-out set) and reports aggregate
+completion tokens/s, median and p99 latency and lost requests; then the latency of a 4-token
+request sent just after a 1,000-token stream started, against the same request alone. Every
+answer is checked against the answer the same request got alone (C = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = {"plain": [], "mtp": ["--speculative", "--num-drafts", "3", "--draft-confidence-stop", "cum:0.5"],
+         "dflash": ["--dflash"]}
+
+
+def start_server(engine_dir: str, flags: list[str], max_num_seqs: int) -> tuple[subprocess.Popen, str]:
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "metrale", "serve", "--engine-dir", engine_dir, "--port", str(port),
+           "--max-num-seqs", str(max_num_seqs), "--max-queue", "256", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"metrale serve {' '.join(flags)} did not come up")
+        try:
+            if requests.get(base + "/health", timeout=1).ok:
+                return proc, base
+        except requests.ConnectionError:
+            time.sleep(0.2)
+
+
+def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, max_tokens: int):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+
+    def one(i: int):
+        t0 = time.perf_counter()
+        r = client.completions.create(model=model, prompt=prompts[i % len(prompts)],
+                                      max_tokens=max_tokens, temperature=0)
+        return i % len(prompts), r.choices[0].text, r.usage.completion_tokens, time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(one, i) for i in range(concurrency * per_client)]
+        done, lost = [], 0
+        for f in futures:
+            try:
+                done.append(f.result())
+            except Exception:  # noqa: BLE001 - counted as lost
+                lost += 1
+    wall = time.perf_counter() - t0
+    lat = sorted(d[3] for d in done)
+    p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))] if lat else float("nan")
+    return {"concurrency": concurrency, "requests": len(futures), "lost": lost,
+            "tokens_per_s": round(sum(d[2] for d in done) / wall, 1),
+            "median_latency_s": round(statistics.median(lat), 3) if lat else None,
+            "p99_latency_s": round(p99, 3)}, {(i, t) for i, t, _, _ in done}
+
+
+def short_behind_long(base: str, repeats: int = 5) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+
+    def short() -> float:
+        t0 = time.perf_counter()
+        client.completions.create(model=model, prompt="import os", max_tokens=4, temperature=0)
+        return time.perf_counter() - t0
+
+    alone = statistics.median(short() for _ in range(repeats))
+    behind = []
+    for _ in range(repeats):
+        started = threading.Event()
+
+        def long_stream():
+            for chunk in client.completions.create(model=model, prompt="def main(", stream=True,
+                                                   max_tokens=1000, temperature=0):
+                started.set()
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        started.wait(120)
+        behind.append(short())
+        t.join()
+    return {"short_alone_s": round(alone, 4), "short_behind_long_p99_s": round(max(behind), 4),
+            "ratio": round(max(behind) / alone, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine-dir", default=str(ROOT / "engines" / "tiny"))
+    ap.add_argument("--concurrency", default="1,4,8,32")
+    ap.add_argument("--requests", type=int, default=8, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--modes", default="plain,mtp,dflash")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    out = {"max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens, "modes": {}}
+    for mode in args.modes.split(","):
+        proc, base = start_server(args.engine_dir, MODES[mode], args.max_num_seqs)
+        try:
+            rows, solo = [], None
+            for c in levels:
+                row, answers = run_load(base, prompts, c, args.requests, args.max_tokens)
+                if solo is None:
+                    solo = dict(answers)
+                row["equal_to_solo"] = all(solo.get(i) == t for i, t in answers)
+                rows.append(row)
+                print(mode, row, flush=True)
+            tail = short_behind_long(base)
+            print(mode, tail, flush=True)
+            out["modes"][mode] = {"levels": rows, "short_behind_long": tail}
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

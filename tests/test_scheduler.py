@@ -1,0 +1,102 @@
+"""Iteration-level scheduling in `serve` (`serving.scheduler`), on the tiny engine through HTTP
+with the official openai client: answers under concurrency equal the same requests served alone,
+a short request runs alongside a long one instead of behind it, cancellation frees its place,
+and /metrics shows the running set and the queue."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from openai import OpenAI
+
+from metrale.runtime.serving.http_guard import ServerLimits
+from metrale.runtime.serving.server import create_app
+from metrale.runtime.serving.service import EngineGenerator
+from metrale.runtime.spec.config import SpeculativeConfig
+from metrale.runtime.spec.sampling import SamplingParams
+
+from conftest import serve_in_thread
+
+MODES = {"plain": {}, "mtp": dict(speculative=True, num_drafts=3),
+         "dflash": dict(dflash=True, dflash_draft_ladder="1,3,7")}
+
+
+def _client(base: str) -> OpenAI:
+    return OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_answers_under_concurrency_equal_their_solo_answers(tiny_engine, tiny_prompts, mode):
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    texts = [tiny_engine.tokenizer.decode(p[:12]) for p in tiny_prompts]
+    solo = {}
+    for i, text in enumerate(texts):  # alone, not through the server: the decode loop itself
+        ids = tiny_engine.tokenizer.encode(text)
+        res = gen.generate(ids, SamplingParams(temperature=0.0, max_tokens=24))
+        solo[i] = tiny_engine.tokenizer.decode(
+            [t for t in res.token_ids if t not in tiny_engine.tokenizer.eos_token_ids])
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
+        client = _client(base)
+
+        def ask(job):
+            i, _ = job
+            return i, client.completions.create(model=gen.model_id, prompt=texts[i], max_tokens=24,
+                                                temperature=0).choices[0].text
+
+        jobs = [(i % len(texts), r) for r in range(4) for i in range(len(texts))] * 2  # 32 requests
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(ask, jobs))
+        metrics = requests.get(base + "/metrics", timeout=5).text
+    assert len(answers) == 32 and all(text == solo[i] for i, text in answers)
+    peak = int(next(x for x in metrics.splitlines() if x.startswith("metrale_scheduler_peak_running ")).split()[1])
+    assert 2 <= peak <= 8  # several ran at once, never more than --max-num-seqs
+    assert "metrale_scheduler_waiting 0" in metrics and "metrale_scheduler_running 0" in metrics
+
+
+def _short_behind_long(tiny_engine, max_num_seqs: int) -> tuple[bool, str]:
+    """A 1,000-token-budget stream starts, then a 4-token request: did the short one finish
+    while the long one was still streaming? And the short one's text."""
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig())
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=max_num_seqs))) as base:
+        client = _client(base)
+        first_token, long_done, result = threading.Event(), threading.Event(), {}
+
+        def long_stream():
+            stream = client.completions.create(model=gen.model_id, prompt="def main(", stream=True,
+                                               max_tokens=200, temperature=0)
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    first_token.set()
+            long_done.set()
+
+        worker = threading.Thread(target=long_stream)
+        worker.start()
+        assert first_token.wait(60)
+        short = client.completions.create(model=gen.model_id, prompt="import os", max_tokens=4,
+                                          temperature=0).choices[0].text
+        alongside = not long_done.is_set()
+        worker.join(120)
+        return alongside, short
+
+
+def test_a_short_request_runs_alongside_a_long_one(tiny_engine):
+    alongside, short = _short_behind_long(tiny_engine, max_num_seqs=4)
+    assert alongside  # it finished while the long stream was still running
+    serial, short_serial = _short_behind_long(tiny_engine, max_num_seqs=1)
+    assert not serial  # one at a time: it waited for the long one to end
+    assert short == short_serial
+
+
+def test_a_cancelled_stream_frees_its_place(tiny_engine):
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig())
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=1))) as base:
+        with requests.post(base + "/v1/completions", stream=True, timeout=60,
+                           json={"prompt": "def main(", "max_tokens": 200, "stream": True}) as r:
+            next(r.iter_lines())  # one event, then the client goes away
+        # the only place in the running set is free again: the next request is answered
+        text = _client(base).completions.create(model=gen.model_id, prompt="import os", max_tokens=4,
+                                                temperature=0).choices[0].text
+        assert isinstance(text, str)
