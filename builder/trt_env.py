@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from metrale.runtime.errors import ConfigError, MetraleError
+from metrale.runtime.errors import MetraleError, choice
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,7 @@ class TrtFlavor(str, enum.Enum):
 
     @classmethod
     def parse(cls, s: str) -> "TrtFlavor":
-        try:
-            return cls(s)
-        except ValueError:
-            allowed = ", ".join(f.value for f in cls)
-            raise ConfigError(f"--trt-flavor {s!r}: allowed values are {allowed}") from None
+        return choice(cls, s, "--trt-flavor")
 
 
 class TrtUnavailable(MetraleError):

@@ -24,3 +24,13 @@ class EngineDirError(MetraleError):
 
 class QuantizationError(MetraleError):
     """A quantization request cannot be honoured for this model (e.g. NVFP4 on a dense head)."""
+
+
+def choice(enum_cls, value: str, flag: str):
+    """The member of the string enum `enum_cls` whose value is `value`, or a ConfigError naming
+    `flag`, the value and the allowed values."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in enum_cls)
+        raise ConfigError(f"{flag} {value!r}: allowed values are {allowed}") from None

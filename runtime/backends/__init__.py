@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from metrale.runtime.errors import ConfigError
+from metrale.runtime.errors import ConfigError, choice
 
 
 class TargetSteps(Protocol):
@@ -69,11 +69,7 @@ class Backend(str, enum.Enum):
 
     @classmethod
     def parse(cls, s: str) -> "Backend":
-        try:
-            return cls(s)
-        except ValueError:
-            allowed = ", ".join(b.value for b in cls)
-            raise ConfigError(f"--backend {s!r}: allowed values are {allowed}") from None
+        return choice(cls, s, "--backend")
 
     @property
     def runs_graphs(self) -> bool:

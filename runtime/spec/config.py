@@ -1,7 +1,7 @@
 """Speculative decoding flags, parsed once into a frozen config before any model loads.
 
 Contract:
-- `HELP` (kept in `spec_help`) holds the `--help` text of every speculative flag (shared by
+- `HELP` (kept in `spec.help`) holds the `--help` text of every speculative flag (shared by
   `generate` and `serve`).
 - `SpeculativeConfig.from_flags(...)` takes the raw values the CLI gives (strings, ints, bools;
   `None` for a flag that was not given) and returns a validated, frozen config, or raises
