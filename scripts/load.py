@@ -65,6 +65,8 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
                                       max_tokens=max_tokens, temperature=0)
         return i % len(prompts), r.choices[0].text, r.usage.completion_tokens, time.perf_counter() - t0
 
+    for p in prompts:  # warm: the first calls of a fresh server allocate and load
+        client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         futures = [pool.submit(one, i) for i in range(concurrency * per_client)]

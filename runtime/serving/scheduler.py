@@ -142,6 +142,10 @@ class Scheduler:
             self.running = [job for job in self.running if job.advance()]
             self.steps += 1
             self.step_seconds += time.perf_counter() - t0
+            # Let the event loop in between iterations: a busy thread otherwise holds the GIL
+            # for the interpreter's switch interval (5 ms), which every hand-off of a request
+            # arriving mid-generation (parse, admission, each delta) would wait for.
+            time.sleep(0)
 
     def metrics_lines(self) -> list[str]:
         out = []
