@@ -1,9 +1,11 @@
 """ONNX export of every engine component (one rank), and its lowering for a target SM.
 
-Each component is wrapped in a small adapter that turns the runtime model's cached, Python-int
-driven forward into one step with explicit tensors, so the graph has dynamic sequence and past
-lengths. The adapters reuse the runtime modules (norms, projections, rotary, `attend`, MLPs) and
-change none of them. Graph I/O (all float tensors in the model's dtype, ids/positions int64):
+Each component's graph is its runtime forward, traced: the target's and the MTP head's `forward`
+run over a `layers.StepKV` (the step's explicit past K/V, masked from `position` on, with the new
+K/V returned instead of written back), the drafter's `context_kv` and `_blocks` (what its
+`add_context` and `propose` run) over the past plus the new context. The adapters below only map
+graph inputs to those calls and their results to graph outputs, so the graph has dynamic sequence
+and past lengths and no second implementation of a forward. Graph I/O (all float tensors in the model's dtype, ids/positions int64):
 
 - target step: `input_ids` [1, T], `past_key`/`past_value` [L, 1, nkv, P, hd], `position` [1]
   -> `logits` [1, T, V], `new_key`/`new_value` [L, 1, nkv, T, hd], `taps` [1, T, n·H] (the
@@ -30,8 +32,8 @@ That portable graph is what the engine directory stores; `plugins.onnx_lowering`
 the runtime executing it (`lower_for_sm`: one SM's TensorRT engine; `lower_for_onnxruntime`: the
 onnxruntime backend).
 
-MoE layers export densely: every expert on every token, weighted by the router's top-k weights
-scattered into [N, E] (the runtime's per-token sum plus exact zeros, at E/k times the work).
+MoE layers trace densely (`layers.MoE` under tracing): every expert on every token, weighted by
+the router's top-k weights scattered into [N, E] (the per-token sum plus exact zeros).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from metrale.plugins.onnx_lowering import DOMAIN, FP8_OP, NVFP4_OP, lower_for_sm
 from metrale.runtime.components import GraphIO, kind_named, resolve
 from metrale.runtime.models import qlinear
 from metrale.runtime.models.dflash import DFlashDrafter
-from metrale.runtime.models.layers import MoE, attend, rope_cos_sin
+from metrale.runtime.models.layers import StepKV
 from metrale.runtime.models.mtp import MTPHead
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 
@@ -131,49 +133,17 @@ def _quantized(mod: nn.Module) -> bool:
 # -- shared step pieces --------------------------------------------------------------------
 
 
-def _ffn(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(mlp, MoE):
-        return mlp(x)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])  # [N, H]
-    weights, ids = mlp.route(x2)  # [N, k] each
-    dense = x2.new_zeros((x2.shape[0], len(mlp.experts))).scatter(1, ids, weights)  # [N, E]
-    out = torch.zeros_like(x2)
-    for e, expert in enumerate(mlp.experts):
-        out = out + expert(x2) * dense[:, e:e + 1]
-    return (out + mlp.shared(x2)).reshape(shape)
-
-
 def _past_mask(past_len: int, position: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, P] bool: past slot j is valid iff j < position."""
     return (torch.arange(past_len, device=position.device)[None, :] < position).expand(rows, past_len)
-
-
-def _layer_step(layer, x, cos, sin, past_k, past_v, mask):
-    """A runtime `DecoderLayer` over new tokens with explicit past K/V.
-
-    x [1, T, H]; past_k/v [1, nkv, P, hd]; mask [T, P+T] -> (x [1, T, H], k, v [1, nkv, T, hd]).
-    """
-    a = layer.self_attn
-    h = layer.input_layernorm(x)
-    q = a.project_q(h, cos, sin)  # [1, nh, T, hd]
-    k, v = a.kv_from_projected(a.k_proj(h), a.v_proj(h), cos, sin)
-    out = attend(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), mask)
-    b, t, _ = x.shape
-    x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd))
-    return x + _ffn(layer.mlp, layer.post_attention_layernorm(x)), k, v
-
-
-def _causal_step_mask(past_len, position, t, device):
-    rows = torch.arange(t, device=device)
-    own = rows[None, :] <= rows[:, None]  # [T, T]
-    return torch.cat([_past_mask(past_len, position, t), own], dim=1)  # [T, P+T]
 
 
 # -- adapters ------------------------------------------------------------------------------
 
 
 class TargetStep(nn.Module):
+    """The target's forward over a `StepKV`: the graph the torch backend's own forward traces to."""
+
     def __init__(self, model: Qwen3ForCausalLM, taps: tuple[int, ...] = ()):
         super().__init__()
         self.model, self.taps = model, tuple(taps)
@@ -186,30 +156,17 @@ class TargetStep(nn.Module):
         return ids, rand(*kv), rand(*kv), pos
 
     def forward(self, input_ids, past_key, past_value, position):
-        m, cfg = self.model, self.model.config
-        t = input_ids.shape[1]
-        positions = position + torch.arange(t, device=input_ids.device)  # [T]
-        x = m.model.embed_tokens(input_ids)  # [1, T, H]
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        mask = _causal_step_mask(past_key.shape[3], position, t, x.device)
-        ks, vs, tapped = [], [], {}
-        for i, layer in enumerate(m.model.layers):
-            x, k, v = _layer_step(layer, x, cos, sin, past_key[i], past_value[i], mask)
-            ks.append(k)
-            vs.append(v)
-            if i in self.taps:
-                tapped[i] = x
-        normed = m.model.norm(x)
-        if len(m.model.layers) - 1 in self.taps:  # transformers' last hidden_states entry is normed
-            tapped[len(m.model.layers) - 1] = normed
-        logits = m.lm_head(normed)
-        outs = [logits, torch.stack(ks), torch.stack(vs)]
+        cache = StepKV(past_key, past_value, position)
+        out = self.model(input_ids, cache, start=position, taps=self.taps)
+        outs = [out.logits, *cache.new_kv()]
         if self.taps:
-            outs.append(torch.cat([tapped[i] for i in self.taps], dim=-1))
-        return (*outs, x)
+            outs.append(out.taps)
+        return (*outs, out.last_hidden)
 
 
 class MTPStep(nn.Module):
+    """The MTP head's forward over a `StepKV`."""
+
     def __init__(self, head: MTPHead, taps: tuple[int, ...] = ()):
         super().__init__()
         self.head = head
@@ -221,14 +178,9 @@ class MTPStep(nn.Module):
         return rand(1, t, cfg.hidden_size), rand(1, t, cfg.hidden_size), rand(*kv), rand(*kv), pos
 
     def forward(self, embeds, hidden, past_key, past_value, position):
-        hd, cfg = self.head, self.head.config.decoder
-        t = embeds.shape[1]
-        positions = position + torch.arange(t, device=embeds.device)
-        x = hd.fc(torch.cat([hd.pre_fc_norm_embedding(embeds), hd.pre_fc_norm_hidden(hidden)], -1))
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        mask = _causal_step_mask(past_key.shape[3], position, t, x.device)
-        h, k, v = _layer_step(hd.layer, x, cos, sin, past_key[0], past_value[0], mask)
-        return hd.lm_head(hd.norm(h)), h, k[None], v[None]
+        cache = StepKV(past_key, past_value, position)
+        logits, h = self.head(embeds, hidden, cache, start=position)
+        return (logits, h, *cache.new_kv())
 
 
 class DFlashPropose(nn.Module):
@@ -244,22 +196,19 @@ class DFlashPropose(nn.Module):
         return feats, rand(*kv), rand(*kv), pos, rand(1, dc.block_size, cfg.hidden_size)
 
     def forward(self, context_features, past_key, past_value, position, block_embeds):
-        d, cfg = self.drafter, self.drafter.config.decoder
+        d = self.drafter
         c, g, p = context_features.shape[1], block_embeds.shape[1], past_key.shape[3]
         dev = block_embeds.device
         kv = d.context_kv(context_features, position + torch.arange(c, device=dev))
         block_pos = position + c + torch.arange(g, device=dev)  # [G]
-        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, block_embeds.dtype)
         rows = torch.arange(g, device=dev)[:, None]
         cols = torch.arange(c + g, device=dev)[None, :]
         visible = (rows >= 0) & (cols >= 0)  # [G, C+G]: new context and the whole block
         mask = torch.cat([_past_mask(p, position, g), visible], dim=1)  # [G, P+C+G]
-        x = block_embeds
-        for i, layer in enumerate(d.layers):
-            k, v = kv[i]
-            x = layer(x, cos, sin, torch.cat([past_key[i], k], 2), torch.cat([past_value[i], v], 2),
-                      mask, g)
-        hidden = d.norm(x)
+        # the drafter's own block forward (`_blocks`, what `propose` runs) over past + new context
+        context = [(torch.cat([past_key[i], k], 2), torch.cat([past_value[i], v], 2))
+                   for i, (k, v) in enumerate(kv)]
+        hidden = d._blocks(block_embeds, block_pos, context, mask, g)
         outs = [torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]), hidden,
                 d.lm_head(hidden)]
         if d.config.version == 2:

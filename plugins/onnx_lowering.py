@@ -6,11 +6,10 @@ runtime that executes it.
   FP4 E2M1 block-16 double DequantizeLinear (opset 23) — and otherwise stays a node for the
   TensorRT plugin (`plugins.trt_plugin`), its uint8 and FP8 weight tensors retyped int8 holding
   the same bytes (see `_bytes_as_int8` for why).
-- `lower_for_onnxruntime`: for onnxruntime's CPU kernels, which implement FP8 DequantizeLinear
-  but not FP4 and compute no bfloat16 math. FP8 linears become DequantizeLinear + MatMul; an
-  NVFP4 weight is dequantized once here, through `formats.dequantize_nvfp4` (the bytes' one
-  definition, which the torch backend uses too), into a float32 initializer feeding a MatMul;
-  a bfloat16 graph is widened to float32 (`widen_to_float32`: its weights are bfloat16 values,
+- `lower_for_onnxruntime`: for onnxruntime's CPU kernels, which have no FP4 and no bfloat16 math
+  and would dequantize an FP8 weight at every call. Each quantized weight is dequantized once
+  here, through its format's `dequantize` (the bytes' one definition, which the torch backend
+  uses too), into a float32 initializer feeding a MatMul; a bfloat16 graph is widened to float32 (`widen_to_float32`: its weights are bfloat16 values,
   exact in float32, so it computes what the torch backend computes at `--dtype float32`).
 
 The portable graph's nodes: `Fp8W8A16Gemm(x, w FLOAT8E4M3FN [N, K], scale f32 [N])` and
@@ -24,7 +23,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from metrale.plugins.formats import FORMATS, dequantize_nvfp4
+from metrale.plugins.formats import FORMATS
 
 DOMAIN = "metrale"
 FP4_OPSET = 23  # FLOAT4E2M1 DequantizeLinear
@@ -103,10 +102,8 @@ def lower_for_onnxruntime(model: onnx.ModelProto, what: str = "graph") -> onnx.M
     consts = _constants(out.graph)
     nodes = []
     for node in out.graph.node:
-        if node.domain == DOMAIN and node.op_type == FP8_OP:
-            nodes += _fp8_native(node, {})
-        elif node.domain == DOMAIN and node.op_type == NVFP4_OP:
-            nodes += _fp4_dequantized(node, consts, out.graph, what)
+        if node.domain == DOMAIN and node.op_type in (FP8_OP, NVFP4_OP):
+            nodes += _dequantized(node, consts, out.graph, what)
         elif node.domain == DOMAIN:
             raise ValueError(f"{what}: its {node.op_type} node has no onnxruntime lowering (the "
                              "onnxruntime backend runs one-rank graphs of quantized linears)")
@@ -167,17 +164,24 @@ def _raw_bytes(t: TensorProto) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8)
 
 
-def _fp4_dequantized(node, consts: dict, graph: onnx.GraphProto, what: str) -> list[onnx.NodeProto]:
-    _, packed, block_scale, global_scale = node.input
-    missing = [n for n in (packed, block_scale, global_scale) if n not in consts]
+def _dequantized(node, consts: dict, graph: onnx.GraphProto, what: str) -> list[onnx.NodeProto]:
+    """A quantized linear's weight dequantized once, here, through its format's `dequantize`
+    (the bytes' one definition, which the torch backend's linears use), into a float32
+    initializer feeding a MatMul: onnxruntime would otherwise dequantize it at every call."""
+    fmt = next(f for f in FORMATS.values() if f.onnx_op == node.op_type)
+    missing = [n for n in node.input[1:] if n not in consts]
     if missing:
         raise ValueError(f"{what}: {node.op_type} node {node.name!r} reads {missing[0]!r}, which is "
                          "not a constant")
-    p, s, gs = consts[packed], consts[block_scale], consts[global_scale]
-    codes = torch.from_numpy(_raw_bytes(p).copy()).view(tuple(p.dims))
-    scales = torch.from_numpy(_raw_bytes(s).copy()).view(torch.float8_e4m3fn).view(tuple(s.dims))
-    glob = torch.from_numpy(numpy_helper.to_array(gs).astype(np.float32).copy())
-    w = dequantize_nvfp4(codes, scales, glob)  # f32 [N, K]
+    tensors = []
+    for name, leaf in zip(node.input[1:], fmt.leaves):
+        t = consts[name]
+        if t.data_type in (TensorProto.UINT8, TensorProto.FLOAT8E4M3FN):  # stored bytes
+            raw = torch.from_numpy(_raw_bytes(t).copy()).view(tuple(t.dims))
+            tensors.append(raw.view(torch.float8_e4m3fn) if t.data_type == TensorProto.FLOAT8E4M3FN else raw)
+        else:
+            tensors.append(torch.from_numpy(numpy_helper.to_array(t).astype(np.float32).copy()))
+    w = fmt.dequantize(*tensors)  # f32 [N, K]
     name = f"{node.name or node.output[0]}/w"
     graph.initializer.append(numpy_helper.from_array(w.numpy(), name))
     return _matmul_tail(node, name, {})

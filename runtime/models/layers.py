@@ -176,6 +176,40 @@ class KVCache:
         values.narrow(2, start, end - start).copy_(v)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
+    def mask(self, t: int, start: int, device) -> torch.Tensor | None:
+        """The attention mask of T new rows at positions start.. over `write`'s keys (None: one
+        row sees every key)."""
+        return causal_mask(t, start, device) if t > 1 or start == 0 else None
+
+
+class StepKV:
+    """A step's K/V as an exported graph holds them: `past_key`/`past_value` [L, B, nkv, P, hd]
+    whole, slots at or after `position` (a [1] tensor: the first new position) masked out, and
+    the new keys/values appended, not written back — `new_kv` returns them [L, B, nkv, T, hd]
+    for the caller to store at `position`. The runtime modules run on it unchanged (`write` and
+    `mask` are `KVCache`'s), so the ONNX export traces the very forward the torch backend runs."""
+
+    def __init__(self, past_key: torch.Tensor, past_value: torch.Tensor, position: torch.Tensor):
+        self.past_key, self.past_value, self.position = past_key, past_value, position
+        self.length = position
+        self._new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
+        self._new[layer] = (k, v)
+        return (torch.cat([self.past_key[layer], k], dim=2),
+                torch.cat([self.past_value[layer], v], dim=2))
+
+    def mask(self, t: int, start, device) -> torch.Tensor:
+        """[T, P+T]: past slot j is visible iff j < position; new row i sees new rows 0..i."""
+        p = self.past_key.shape[3]
+        past = (torch.arange(p, device=device)[None, :] < self.position).expand(t, p)
+        rows = torch.arange(t, device=device)
+        return torch.cat([past, rows[None, :] <= rows[:, None]], dim=1)
+
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = [self._new[i] for i in sorted(self._new)]
+        return torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
+
 
 class Attention(nn.Module):
     """Qwen3 attention: per-head RMSNorm on q and k before RoPE, grouped-query KV.
@@ -246,12 +280,13 @@ class Attention(nn.Module):
             k, v = self.kv_from_projected(k, v, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
-            if self.row_invariant:
+            if self.row_invariant and isinstance(cache, KVCache):
                 out = fixed_length_attention(q, cache.k[layer], cache.v[layer], positions)
                 return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+            mask = cache.mask(t, start, x.device)
         else:
-            start = 0
-        out = attend(q, k, v, causal_mask(t, start, x.device) if t > 1 or start == 0 else None)
+            mask = causal_mask(t, 0, x.device)
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
@@ -338,12 +373,18 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, ids = self.route(x)
         if self.experts_gate_up is not None:
-            few = (x.device.type == "cpu" and not self.row_invariant
+            few = (x.device.type == "cpu" and not self.row_invariant and not tracing()
                    and x.shape[0] * self.top_k <= self.experts_down.shape[0])
             routed = (self._selected_experts if few else self._dense_experts)(x, weights, ids)
             if self.shared_expert is not None:
                 routed = routed + self.shared(x)
             return routed.reshape(shape)
+        if tracing():  # an exported graph: every expert densely (no data-dependent routing)
+            dense = x.new_zeros((x.shape[0], len(self.experts))).scatter(1, ids, weights)  # [N, E]
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                out = out + expert(x) * dense[:, e:e + 1]
+            return (out + self.shared(x)).reshape(shape)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.nonzero(ids == e, as_tuple=True)

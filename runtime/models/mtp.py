@@ -47,9 +47,11 @@ class MTPHead(nn.Module):
         hidden [B, T, H] (hidden state of position p) -> (logits [B, T, V], h [B, T, H] pre-norm)."""
         if cache is not None and start is None:
             start = cache.length
-        start = start or 0
+        start = 0 if start is None else start
         t = embeds.shape[1]
-        positions = torch.arange(start, start + t, device=embeds.device)
+        arange = torch.arange(t, device=embeds.device)
+        # a traced step (`StepKV`) has its position as a tensor input
+        positions = start + arange if isinstance(start, torch.Tensor) else arange + start
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds),
                                self.pre_fc_norm_hidden(hidden)], dim=-1))  # [B, T, H]
         h = self.layer(x, positions, cache, 0, start)

@@ -64,11 +64,16 @@ class Qwen3ForCausalLM(nn.Module):
         and the cache length becomes start+T."""
         if cache is not None and start is None:
             start = cache.length
-        start = start or 0
+        start = 0 if start is None else start
         t = ids.shape[1]
-        positions = torch.arange(start, start + t, device=ids.device)
         x = self.model.embed_tokens(ids)  # [B, T, H]
-        rope = self.rope(start, t, x.dtype, x.device)
+        if isinstance(start, torch.Tensor):  # a traced step (`StepKV`): the position is an input
+            positions = start + torch.arange(t, device=ids.device)
+            c = self.config
+            rope = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        else:
+            positions = torch.arange(start, start + t, device=ids.device)
+            rope = self.rope(start, t, x.dtype, x.device)
         tapped: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
