@@ -283,7 +283,7 @@ def _quantize_modules(
 
 
 # ModelOpt's quantizer per format of the table: [BF16 weight] -> [{leaf: tensor}]
-_QUANTIZERS = {"fp8": lambda weights: _fp8_copies(weights),
+_QUANTIZERS = {"fp8": _fp8_copies,
                "nvfp4": lambda weights: [_nvfp4_copy(w, None) for w in weights]}
 assert set(_QUANTIZERS) == set(formats.FORMATS)  # a new format names its quantizer here
 

@@ -21,7 +21,6 @@ Invariant: nothing here imports TensorRT at module import time; `load_trt` does 
 
 from __future__ import annotations
 
-import enum
 import importlib
 import importlib.util
 import logging
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from metrale.runtime.errors import MetraleError, choice
+from metrale.runtime.errors import FlagChoice, MetraleError
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +38,15 @@ RTX_LIB_VERSIONED = "libtensorrt_rtx.so.1"
 RTX_INSTALL_HINT = "pip install tensorrt-rtx-cu13==1.7.1.116"
 
 
-class TrtFlavor(str, enum.Enum):
+class TrtFlavor(FlagChoice):
     AUTO = "auto"
     RTX = "rtx"
     TENSORRT = "tensorrt"
     NONE = "none"
 
     @classmethod
-    def parse(cls, s: str) -> "TrtFlavor":
-        return choice(cls, s, "--trt-flavor")
+    def flag(cls) -> str:
+        return "--trt-flavor"
 
 
 class TrtUnavailable(MetraleError):

@@ -5,6 +5,8 @@ is a `MetraleError` whose message names the flag or file, the value, and what is
 CLI prints these messages without a traceback; anything else escaping is a bug.
 """
 
+import enum
+
 
 class MetraleError(Exception):
     """Base class: a user-facing error with a complete message."""
@@ -26,11 +28,18 @@ class QuantizationError(MetraleError):
     """A quantization request cannot be honoured for this model (e.g. NVFP4 on a dense head)."""
 
 
-def choice(enum_cls, value: str, flag: str):
-    """The member of the string enum `enum_cls` whose value is `value`, or a ConfigError naming
-    `flag`, the value and the allowed values."""
-    try:
-        return enum_cls(value)
-    except ValueError:
-        allowed = ", ".join(m.value for m in enum_cls)
-        raise ConfigError(f"{flag} {value!r}: allowed values are {allowed}") from None
+class FlagChoice(str, enum.Enum):
+    """A flag's allowed values as a string enum: `parse` returns the member of a value, or
+    refuses it naming the flag (the subclass's `flag()`), the value and the allowed values."""
+
+    @classmethod
+    def flag(cls) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls, value: str):
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise ConfigError(f"{cls.flag()} {value!r}: allowed values are {allowed}") from None

@@ -19,12 +19,11 @@ torch) and CUDA graphs on a GPU.
 
 from __future__ import annotations
 
-import enum
 from typing import Protocol
 
 import torch
 
-from metrale.runtime.errors import ConfigError, choice
+from metrale.runtime.errors import ConfigError, FlagChoice
 
 
 class TargetSteps(Protocol):
@@ -60,7 +59,7 @@ class DrafterSteps(Protocol):
         """anchor [1] (the last accepted token) -> `dflash.Proposal` of γ−1 drafts."""
 
 
-class Backend(str, enum.Enum):
+class Backend(FlagChoice):
     AUTO = "auto"  # aoti on a CPU with fitting packages, CUDA graphs on a GPU, else torch
     TORCH = "torch"
     AOTI = "aoti"
@@ -68,8 +67,8 @@ class Backend(str, enum.Enum):
     TENSORRT = "tensorrt"
 
     @classmethod
-    def parse(cls, s: str) -> "Backend":
-        return choice(cls, s, "--backend")
+    def flag(cls) -> str:
+        return "--backend"
 
     @property
     def runs_graphs(self) -> bool:

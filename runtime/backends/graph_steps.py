@@ -92,6 +92,12 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 class GraphTarget(_Component):
+    @classmethod
+    def from_graph(cls, runner: GraphRunner, name: str, info: dict, cfg: DecoderConfig,
+                   ctx) -> "GraphTarget":
+        """The target over its graph, with the embedding and the usable context (`ctx`)."""
+        return cls(runner, info["profile"], cfg, ctx.embed, ctx.engine_taps, ctx.limit)
+
     def __init__(self, runner: GraphRunner, profile: dict, cfg: DecoderConfig,
                  embed: nn.Embedding, engine_taps: tuple[int, ...], max_positions: int | None = None):
         """`max_positions`: the usable context (`position_limit` over every component's
@@ -306,10 +312,10 @@ def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], G
     (weight,) = _tensors(path / "target" / "rank0.safetensors", ("model.embed_tokens.weight",), where)
     embed = nn.Embedding.from_pretrained(weight.to(device, tgt.dtypes["last_hidden"]), freeze=True)
     engine_taps = tuple(comps["target"].get("taps", ()))
-    target = GraphTarget(tgt, comps["target"]["profile"], tcfg, embed, engine_taps, limit)
+    ctx = SimpleNamespace(path=path, where=where, engine_taps=engine_taps, embed=embed, limit=limit)
+    target = resolve(KINDS["target"].graph_face).from_graph(tgt, "target", comps["target"], tcfg, ctx)
     loaded = LoadedEngine(path, manifest, tokenizer, target, dtype=embed.weight.dtype,
                           device=device, packed=True)  # the graphs hold their own weights
-    ctx = SimpleNamespace(path=path, where=where, engine_taps=engine_taps)
     for name, info in comps.items():
         if name == "target":
             continue

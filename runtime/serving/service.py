@@ -81,6 +81,13 @@ class EngineGenerator:
         self.model_id = engine.model_id
         self.max_context = engine.target.config.max_position_embeddings
         self.metrics = SpecMetricsAggregate()
+        # what each request's proposer is made from: the proposing component's kind's factory
+        self._proposing = None
+        if self.spec.mode is not SpecMode.OFF and not follower_relay:
+            comps = engine.manifest.components
+            role = Role.HEAD if self.spec.mode is SpecMode.MTP else Role.DRAFTER
+            name = self.spec.dflash_drafter if role is Role.DRAFTER else names_with_role(comps, role)[0]
+            self._proposing = (resolve(KINDS[comps[name]["kind"]].proposer), name)
 
     def decoder(self) -> Decoder:
         e, spec = self.engine, self.spec
@@ -89,12 +96,9 @@ class EngineGenerator:
         proposer = None
         if spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
             proposer = RelayedDrafts(self.world, embed.weight.device)
-        elif spec.mode is not SpecMode.OFF:  # the proposing component's kind makes its proposer
-            role = Role.HEAD if spec.mode is SpecMode.MTP else Role.DRAFTER
-            name = spec.dflash_drafter if role is Role.DRAFTER else next(
-                n for n, i in e.manifest.components.items() if KINDS[i["kind"]].role is role)
-            kind = KINDS[e.manifest.components[name]["kind"]]
-            proposer = resolve(kind.proposer).for_spec(e.component(name), embed, spec, self.dflash, max_len)
+        elif self._proposing is not None:
+            factory, name = self._proposing
+            proposer = factory.for_spec(e.component(name), embed, spec, self.dflash, max_len)
             if self.relay:
                 proposer = LeaderDrafts(proposer, self.world)
         return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context)
