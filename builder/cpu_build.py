@@ -43,7 +43,8 @@ from metrale.runtime.components import Role, kind_named, kind_of
 
 log = logging.getLogger(__name__)
 
-TARGET_ROWS = 8  # most rows of a target step: decode, verifies of up to 7 drafts, prompt chunks
+TARGET_ROWS = 64  # most rows of a target step: every running sequence's rows, prompt chunks
+MAX_POOL = 4096  # most sequences one cache pool of the batched target step holds
 MTP_ROWS = 8  # most rows of a head step: chain steps, the accepted rows of a step, prompt chunks
 FEED_ROWS = 8  # context rows a propose feeds at once
 THREADS = 1
@@ -100,7 +101,7 @@ def _file_digest(path: Path) -> str:
 
 def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, example_slots: int = 128):
     """The step module of `job` and example inputs with their dynamic shapes (the slot count)."""
-    from metrale.runtime.backends.aoti_steps import DFlashStep, MTPStep, TargetStep
+    from metrale.runtime.backends.aoti_steps import BatchedTargetStep, DFlashStep, MTPStep
 
     target = staged.target
     dtype = target.dtype
@@ -113,9 +114,12 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     role = kind_named(job.kind).role
     if role is Role.TARGET:
         c = target.config
-        step = TargetStep(target, taps, job.linear, positions)
-        args = (torch.zeros(1, job.rows, dtype=torch.long), pos, *kv(c.num_hidden_layers, c))
-        dyn = ({1: R}, None, tuple({0: S} for _ in range(2 * c.num_hidden_layers)))
+        step = BatchedTargetStep(target, taps, job.linear, positions)
+        rows = torch.zeros(job.rows, dtype=torch.long)
+        pools = [t.expand(2, *t.shape).clone() for t in kv(c.num_hidden_layers, c)]  # [B, S, nkv, hd]
+        B = torch.export.Dim("seqs", min=1, max=MAX_POOL)
+        args = (rows, rows.clone(), rows.clone(), *pools)
+        dyn = ({0: R}, {0: R}, {0: R}, tuple({0: B, 1: S} for _ in range(2 * c.num_hidden_layers)))
     elif role is Role.HEAD:
         d = staged.mtp.config.decoder
         step = MTPStep(staged.mtp, positions)
@@ -204,7 +208,8 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel],
                     **({"feed": j.rows, "block": staged_block(root, name)} if roles.get(name) is Role.DRAFTER
-                       else {"rows": j.rows, "dynamic_rows": True})} for j in mine]
+                       else {"rows": j.rows, "dynamic_rows": True,
+                             **({"batched": True} if name == "target" else {})})} for j in mine]
         out[name] = {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
                      "check": check[name], **({"taps": list(taps)} if name == "target" else {})}
     out["target"]["build_s"] = round(time.time() - t0, 1)

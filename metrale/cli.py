@@ -341,10 +341,18 @@ def serve(
         metavar="N", help="Open connections served at once; beyond it 503.")] = 256,
     max_num_seqs: Annotated[int, typer.Option(
         metavar="N", help="Requests running at once: every iteration advances each of them by "
-        "one token (its own decode step, speculative or not), so a short request runs alongside "
-        "a long one; the other admitted requests wait in arrival order. Each request keeps its "
-        "own caches and sampling state, so its answer is the one it gets alone. 1 in a "
-        "tensor-parallel world.")] = 16,
+        "one decode step (speculative or not), their target rows in one batched forward, so a "
+        "short request runs alongside a long one; the other admitted requests wait in arrival "
+        "order. Each request keeps its own caches and sampling state and each row reads only "
+        "its own sequence's cache, so its answer is the one it gets alone. 1 in a "
+        "tensor-parallel world.")] = 64,
+    speculative_disable_by_batch_size: Annotated[int, typer.Option(
+        metavar="N", help="Speculation backs off under load: while N or more requests run, "
+        "every step is a plain one (the drafters still follow the text, so drafting resumes "
+        "when the batch shrinks). Greedy answers do not change; a seeded sampled request keeps "
+        "drafting as if alone, so its samples do not depend on the load. With two or more "
+        "requests running, DFlash draft counts come from --dflash-draft-ladder or γ: "
+        "--dflash-adaptive-k applies to a stream that runs alone. 1: never draft.")] = 4,
     device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
@@ -357,6 +365,7 @@ def serve(
         checks.port(port)
         limits = ServerLimits(max_request_bytes=max_request_bytes, max_queue=max_queue,
                               max_connections=max_connections, max_num_seqs=max_num_seqs,
+                              speculative_disable_by_batch_size=speculative_disable_by_batch_size,
                               api_key=api_key)
         if api_key is None and not checks.is_loopback(host):
             say_warning(f"--host {host} accepts connections from other machines and no --api-key "

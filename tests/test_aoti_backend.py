@@ -53,9 +53,9 @@ def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir)
     m = json.loads((aoti_engine_dir / "config.json").read_text())
     comps = m["components"]
     cpu = comps["target"]["cpu"]
-    # one package per step, its row count dynamic (1..8): decode, verify and prompt chunks
-    assert [(p["file"], p["rows"], p["dynamic_rows"]) for p in cpu["packages"]] == [
-        ("target/cpu/steps.pt2", 8, True)]
+    # one package per step, its row count dynamic; the target's over many sequences' rows
+    assert [(p["file"], p["rows"], p["dynamic_rows"], p["batched"]) for p in cpu["packages"]] == [
+        ("target/cpu/steps.pt2", 64, True, True)]
     assert [(p["file"], p["rows"], p["dynamic_rows"]) for p in comps["mtp"]["cpu"]["packages"]] == [
         ("mtp/cpu/steps.pt2", 8, True)]
     for name in ("dflash", "dflash2"):
@@ -184,3 +184,53 @@ def test_packages_of_an_older_layout_are_refused_by_name(aoti_engine_dir, tmp_pa
     assert engine.backend == "torch" and "another layout" in engine.backend_note
     with pytest.raises(EngineDirError, match="target: its CPU packages are of another layout.*metrale build"):
         load_engine(copy, backend="aoti")
+
+
+def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine):
+    """One forward over several sequences (prefills, verifies and plain steps of different
+    lengths, in two pools, while a pool grows) gives every sequence the bits it gets alone,
+    and freed places are reused."""
+    from metrale.runtime.backends.aoti_batched import BatchedTarget
+    from metrale.runtime.spec.decode import Forward
+
+    target = aoti_engine.target
+    assert isinstance(target, BatchedTarget)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, target.config.vocab_size, (6, 30), generator=gen)
+    lengths = (40, 40, 40, 40, 40, 90)  # five in one pool (it grows past 4), one in another
+    splits = [[9, 1, 4, 1], [1] * 15, [15], [3, 3, 3, 3, 3], [8, 7], [2, 13]]
+    caches = [target.new_cache(1, n) for n in lengths]
+    got, done = [[] for _ in ids], [0] * len(ids)
+    with torch.inference_mode():
+        for step in range(max(map(len, splits))):
+            who = [b for b, s in enumerate(splits) if step < len(s)]
+            forwards = [Forward(ids[b:b + 1, done[b]:done[b] + splits[b][step]], caches[b], (0, 1, 3)) for b in who]
+            for b, out in zip(who, target.forward_many(forwards)):
+                got[b].append(out)
+                done[b] += splits[b][step]
+        pools = {id(c.pool) for c in caches}
+        assert len(pools) == 2 and max(c.pool.capacity for c in caches) == 8
+        for b in range(len(ids)):
+            alone = target.new_cache(1, lengths[b])
+            ones = [target(ids[b:b + 1, i:i + 1], alone, taps=(0, 1, 3)) for i in range(15)]
+            for field in ("logits", "last_hidden", "taps"):
+                assert torch.equal(torch.cat([getattr(o, field) for o in got[b]], 1),
+                                   torch.cat([getattr(o, field) for o in ones], 1)), (b, field)
+    pool = caches[0].pool
+    before = pool.in_use
+    del caches, alone
+    import gc
+
+    gc.collect()
+    assert pool.in_use < before  # freed caches gave their places back
+
+
+def test_a_batched_forward_refuses_rows_past_a_cache(aoti_engine):
+    from metrale.runtime.spec.decode import Forward
+
+    target = aoti_engine.target
+    cache = target.new_cache(1, 10)
+    cache.length = cache.max_len - 1
+    with pytest.raises(ValueError, match="exceed the cache's"):
+        target.forward_many([Forward(torch.zeros(1, 2, dtype=torch.long), cache)])
+    assert cache.length == cache.max_len - 1  # refused before anything ran

@@ -81,6 +81,7 @@ class Package:
     rows: int  # its row count, or with `dynamic` the most rows it takes
     run: object  # the loaded AOTInductor model
     dynamic: bool = False  # compiled with the row count as a dynamic dimension (1..rows)
+    batched: bool = False  # the target's step over many sequences' rows (`aoti_batched`)
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         # the loader's flat entry point: no pytree specs parsed per call
@@ -124,7 +125,12 @@ class CompiledTarget:
 
     @classmethod
     def from_packages(cls, model, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
-        return cls(model, [p for _, p in loaded], tuple(cpu.get("taps", ())), cpu["max_slots"])
+        taps = tuple(cpu.get("taps", ()))
+        if loaded[0][0].get("batched"):  # one package over many sequences' rows (`aoti_batched`)
+            from metrale.runtime.backends.aoti_batched import BatchedTarget
+
+            return BatchedTarget(model, loaded[0][1], taps, cpu["max_slots"])
+        return cls(model, [p for _, p in loaded], taps, cpu["max_slots"])
 
     def __init__(self, model: Qwen3ForCausalLM, packages: list[Package], taps: tuple[int, ...],
                  max_slots: int):
@@ -316,7 +322,8 @@ def _load_packages(engine_dir: Path, cpu: dict) -> list[tuple[dict, Package]]:
     out = []
     for entry in cpu["packages"]:
         run = torch._inductor.aoti_load_package(str(Path(engine_dir) / entry["file"]))
-        out.append((entry, Package(int(entry.get("rows", 1)), run, bool(entry.get("dynamic_rows", False)))))
+        out.append((entry, Package(int(entry.get("rows", 1)), run, bool(entry.get("dynamic_rows", False)),
+                                   bool(entry.get("batched", False)))))
     return out
 
 

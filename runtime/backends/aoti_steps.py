@@ -52,15 +52,17 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [T, nh, hd] (normed, roped); k/v [S, nkv, hd]; visible [T, S] bool -> [T, nh·hd], the
-    softmax over the slots written as reductions (head h reads KV head h // (nh / nkv))."""
+    """q [T, nh, hd] (normed, roped); k/v [S, nkv, hd] shared by every row, or [T, S, nkv, hd]
+    one per row; visible [T, S] bool -> [T, nh·hd], the softmax over the slots written as
+    reductions (head h reads KV head h // (nh / nkv))."""
     t, nh, hd = q.shape
-    s, nkv, _ = k.shape
+    s, nkv = k.shape[-3], k.shape[-2]
+    per_row = t if k.dim() == 4 else 1
     qg = q.view(t, nkv, nh // nkv, hd)
-    scores = (qg.unsqueeze(1) * k.view(1, s, nkv, 1, hd)).sum(-1) * hd ** -0.5  # [T, S, nkv, g]
+    scores = (qg.unsqueeze(1) * k.view(per_row, s, nkv, 1, hd)).sum(-1) * hd ** -0.5  # [T, S, nkv, g]
     scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=1)  # over the slots
-    out = (probs.unsqueeze(-1) * v.view(1, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
+    out = (probs.unsqueeze(-1) * v.view(per_row, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
     return out.reshape(t, nh * hd)
 
 
@@ -140,12 +142,19 @@ class StepAttention(nn.Module):
         k = apply_rope(self.k_norm(k.view(t, self.nkv, self.hd)), cos, sin)
         return q, k, v.view(t, self.nkv, self.hd)
 
-    def cached(self, h, positions, cos, sin, k_cache, v_cache, linear) -> torch.Tensor:
-        """Causal attention of rows at `positions`, writing their K/V into the static cache."""
+    def cached(self, h, positions, cos, sin, k_cache, v_cache, linear, seq=None) -> torch.Tensor:
+        """Causal attention of rows at `positions`, writing their K/V into the static cache
+        ([S, nkv, hd]), or, with `seq` [T] (each row's sequence), into a pool of caches
+        ([B, S, nkv, hd]) where each row reads its own sequence's slots only."""
         q, k, v = self.qkv_roped(h, cos, sin, linear)
-        k_cache.index_copy_(0, positions, k)
-        v_cache.index_copy_(0, positions, v)
-        return linear(static_attention(q, k_cache, v_cache, positions), self.o)
+        if seq is None:
+            k_cache.index_copy_(0, positions, k)
+            v_cache.index_copy_(0, positions, v)
+            return linear(static_attention(q, k_cache, v_cache, positions), self.o)
+        k_cache.index_put_((seq, positions), k)
+        v_cache.index_put_((seq, positions), v)
+        visible = torch.arange(k_cache.shape[1], device=q.device)[None, :] <= positions[:, None]
+        return linear(masked_attention(q, k_cache[seq], v_cache[seq], visible), self.o)
 
 
 class StepLayer(nn.Module):
@@ -157,9 +166,9 @@ class StepLayer(nn.Module):
         self.attn = StepAttention(layer.self_attn, dtype)
         self.ffn = StepFFN(layer.mlp, dtype)
 
-    def forward(self, x, positions, cos, sin, k_cache, v_cache, linear):
+    def forward(self, x, positions, cos, sin, k_cache, v_cache, linear, seq=None):
         h = self.input_layernorm(x)
-        x = x + self.attn.cached(h, positions, cos, sin, k_cache, v_cache, linear)
+        x = x + self.attn.cached(h, positions, cos, sin, k_cache, v_cache, linear, seq)
         return x + self.ffn(self.post_attention_layernorm(x), linear)
 
 
@@ -192,21 +201,36 @@ class TargetStep(nn.Module):
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, *kv: torch.Tensor):
         t = ids.shape[1]
         positions = pos + torch.arange(t, device=ids.device)  # [T]
+        return tuple(o[None] for o in self.rows(ids[0], positions, None, kv))
+
+    def rows(self, ids: torch.Tensor, positions: torch.Tensor, seq, kv):
+        """ids, positions (and `seq`) [T] -> logits [T, V], last hidden [T, H] (, taps [T, n·H])."""
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, hd]
-        x = self.embed_tokens(ids)[0]  # [T, H]
+        x = self.embed_tokens(ids)  # [T, H]
         last = len(self.layers) - 1
         tapped = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cos, sin, kv[2 * i], kv[2 * i + 1], self.linear)
+            x = layer(x, positions, cos, sin, kv[2 * i], kv[2 * i + 1], self.linear, seq)
             if i in self.taps and i != last:
                 tapped[i] = x
         normed = self.norm(x)
         if last in self.taps:
             tapped[last] = normed
-        outs = (self.linear(normed, self.lm_head)[None], x[None])
+        outs = (self.linear(normed, self.lm_head), x)
         if self.taps:
-            outs += (torch.cat([tapped[i] for i in self.taps], dim=-1)[None],)
+            outs += (torch.cat([tapped[i] for i in self.taps], dim=-1),)
         return outs
+
+
+class BatchedTargetStep(TargetStep):
+    """The target's step over the rows of many sequences at once (`aoti_batched`): `ids`,
+    `pos`, `seq` [N] int64 (each row's token, position and sequence, a sequence's rows in
+    position order), then K and V of every layer as pools [B, S, nkv, hd] (sequence b's cache
+    is [b]) -> logits [N, V], last_hidden [N, H], taps [N, n·H]. A row reads its own
+    sequence's slots only, so its bits depend on its sequence, never on the batch."""
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, *kv: torch.Tensor):
+        return self.rows(ids, pos, seq, kv)
 
 
 class MTPStep(nn.Module):

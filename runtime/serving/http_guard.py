@@ -49,7 +49,9 @@ class ServerLimits:
 
     max_request_bytes: int | None = None
     max_queue: int = 64  # generation requests admitted at once (running or waiting): 503 beyond
-    max_num_seqs: int = 16  # requests running at once (the scheduler's running set)
+    max_num_seqs: int = 64  # requests running at once (the scheduler's running set)
+    # steps are plain while this many sequences or more run (None: they always may draft)
+    speculative_disable_by_batch_size: int | None = 4
     max_connections: int = 256  # open connections and tasks (uvicorn's limit_concurrency): 503 beyond
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -62,6 +64,10 @@ class ServerLimits:
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ConfigError(f"{flag} {v!r}: expected an integer of at least 1")
+        d = self.speculative_disable_by_batch_size
+        if d is not None and (type(d) is not int or d < 1):
+            raise ConfigError(f"--speculative-disable-by-batch-size {d!r}: expected an integer of "
+                              "at least 1 (1: never draft; 0 or absent is not allowed)")
         m = self.max_request_bytes
         if m is not None and (type(m) is not int or m < 1024):
             raise ConfigError(f"--max-request-bytes {m!r}: expected an integer of at least 1024")

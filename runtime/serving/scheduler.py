@@ -8,10 +8,15 @@ once a request that finished, hit a stop string or its token limit, failed, or w
 away (its caches are freed with it). A short request arriving behind a long one therefore runs
 alongside it instead of waiting for it to end.
 
-Each request keeps its own decoder, caches and sampling state (`EngineGenerator.stream`), so its
-answer is the one it gets alone: requests share the thread, not state. Steps are not batched
-into one forward: the model runs one sequence's step at a time. A tensor-parallel world decodes
-requests in lockstep across ranks, one at a time, so there `max_num_seqs` is 1.
+Each request keeps its own decode loop, caches and sampling state (`EngineGenerator.steps`); the
+target rows every running request needs next (a prompt, a plain step's token, a verify's token
+and drafts) run in one batched forward per iteration (`EngineGenerator.run_forwards`), in which
+each row reads its own sequence's cache only, so every answer is the one the request gets
+alone. Drafting backs off under load: with `speculative_disable_by_batch_size` or more
+sequences running, steps are plain (the drafters still follow, see `decode.Decoder.steps`);
+greedy answers do not change, since a speculative step emits plain decoding's tokens. A
+tensor-parallel world decodes requests in lockstep across ranks, one at a time, so there
+`max_num_seqs` is 1.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
+from metrale.runtime.spec.decode import Batch, Forward
 
 log = logging.getLogger(__name__)
 
@@ -58,38 +64,75 @@ class StopScanner:
 
 class Job:
     """One admitted request: emits ("text", str)*, then ("done", (finish_reason, n_tokens)) or
-    ("error", exception); `cancel` set ends it at its next token (or before it starts)."""
+    ("error", exception); `cancel` set ends it at its next step (or before it starts).
 
-    def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str):
+    With a generator that can be batched (`gen.batched`), the request runs as its decode loop's
+    coroutine (`gen.steps`): `advance` runs it up to the next target forward it needs and leaves
+    that in `need`; the scheduler runs every job's `need` in one forward and hands each its
+    output (`reply`). Otherwise (a tensor-parallel world, a test's generator) `advance` takes
+    the next token of `gen.stream`."""
+
+    def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
+                 batch: Batch | None = None):
         self.gen, self.req, self.emit, self.cancel, self.rid = gen, req, emit, cancel, rid
         self.decoder, self.scanner = IncrementalDecoder(gen.tokenizer), StopScanner(req.stop)
         self.eos, self.limit = gen.tokenizer.eos_token_ids, req.params.max_tokens
         self.n, self.tokens = 0, None
+        self.batch = batch or Batch()
+        self.coroutine = bool(getattr(gen, "batched", False))
+        self.need: Forward | None = None
+        self.reply = None
 
     def advance(self) -> bool:
-        """Emit the next token's text; False once the job is over (its stream closed)."""
+        """Run the request to its next forward (or its next token); False once it is over (its
+        stream closed)."""
         try:
             if self.cancel.is_set():  # the client left (while waiting, or mid-generation)
                 return self._finish(stopped=True)
+            if self.coroutine:
+                return self._advance_steps()
             if self.tokens is None:
                 self.tokens = self.gen.stream(self.req.prompt_ids, self.req.params)
             token = next(self.tokens, None)
             if token is None:
                 return self._finish(stopped=False)
-            self.n += 1
-            if token in self.eos:
-                return self._finish(stopped=False, eos=True)
-            text, stopped = self.scanner.push(self.decoder.feed(token))
-            if text:
-                self.emit("text", text)
-            if stopped or self.n >= self.limit:
-                return self._finish(stopped)
-            return True
+            return self._take(token)
         except Exception as e:  # reported to the client as a 500; the server keeps serving
-            log.exception("request %s: generation failed", self.rid)
-            self._close()
-            self.emit("error", e)
-            return False
+            return self.fail(e)
+
+    def _advance_steps(self) -> bool:
+        if self.tokens is None:
+            self.tokens = self.gen.steps(self.req.prompt_ids, self.req.params, self.batch)
+        while True:
+            reply, self.reply = self.reply, None
+            try:
+                item = self.tokens.send(reply)
+            except StopIteration:
+                return self._finish(stopped=False)
+            if isinstance(item, Forward):
+                self.need = item
+                return True
+            for token in item:
+                if not self._take(token):
+                    return False
+
+    def _take(self, token: int) -> bool:
+        """One emitted token: its text (minus any stop string) out; False when the job ended."""
+        self.n += 1
+        if token in self.eos:
+            return self._finish(stopped=False, eos=True)
+        text, stopped = self.scanner.push(self.decoder.feed(token))
+        if text:
+            self.emit("text", text)
+        if stopped or self.n >= self.limit:
+            return self._finish(stopped)
+        return True
+
+    def fail(self, e: Exception) -> bool:
+        log.error("request %s: generation failed", self.rid, exc_info=e)
+        self._close()
+        self.emit("error", e)
+        return False
 
     def _finish(self, stopped: bool, eos: bool = False) -> bool:
         self._close()
@@ -103,26 +146,35 @@ class Job:
 
     def _close(self) -> None:
         close = getattr(self.tokens, "close", None)
-        self.tokens = None
+        self.tokens, self.need = None, None
         if close is not None:  # a generator: its cleanup (metrics, a world's lockstep) runs now
             close()
 
 
 class Scheduler:
     """The model's one thread: admits waiting jobs up to `max_num_seqs` running and advances
-    every running one each iteration. Counters for /metrics: `running`, `waiting`, `steps`
-    (iterations), `step_seconds` (their total time), `peak_running`."""
+    every running one each iteration, the forwards of the batched ones in one call
+    (`run_forwards`). Steps draft only while fewer than `speculative_disable_by_batch_size`
+    sequences run (None: always). Counters for /metrics: `running`, `waiting`, `steps`
+    (iterations), `step_seconds` (their total time), `peak_running`, `batched_rows` (target
+    rows run in batched forwards) and `forwards` (those forwards)."""
 
-    def __init__(self, max_num_seqs: int):
+    def __init__(self, max_num_seqs: int, run_forwards: Callable | None = None,
+                 speculative_disable_by_batch_size: int | None = None):
         self.max_num_seqs = max_num_seqs
+        self.run_forwards = run_forwards
+        self.disable_at = speculative_disable_by_batch_size
+        self.batch = Batch()  # shared by every job: read by each step
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.steps, self.step_seconds, self.peak_running = 0, 0.0, 0
+        self.batched_rows, self.forwards = 0, 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
+        job.batch = self.batch
         with self._cv:
             self.waiting.append(job)
             self._cv.notify()
@@ -134,12 +186,39 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_num_seqs:
                 self.running.append(self.waiting.popleft())
             self.peak_running = max(self.peak_running, len(self.running))
+        self.batch.size = len(self.running)
+        self.batch.speculate = self.disable_at is None or len(self.running) < self.disable_at
+
+    def _forward(self, jobs: list[Job]) -> None:
+        """Every job's `need` in one batched forward; a failure there is retried one job at a
+        time, so only the request at fault fails."""
+        forwards = [job.need for job in jobs]
+        try:
+            outs = self.run_forwards(forwards)
+        except Exception:  # noqa: BLE001 - find the request at fault below
+            outs = None
+        if outs is not None:
+            self.forwards += 1
+            self.batched_rows += sum(f.ids.shape[1] for f in forwards)
+        for i, job in enumerate(jobs):
+            job.need = None
+            if outs is not None:
+                job.reply = outs[i]
+                continue
+            try:
+                job.reply = self.run_forwards([forwards[i]])[0]
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                job.fail(e)
 
     def _loop(self) -> None:
         while True:
             self._admit()
             t0 = time.perf_counter()
             self.running = [job for job in self.running if job.advance()]
+            needing = [job for job in self.running if job.need is not None]
+            if needing:
+                self._forward(needing)
+                self.running = [job for job in self.running if job.tokens is not None]
             self.steps += 1
             self.step_seconds += time.perf_counter() - t0
             # Let the event loop in between iterations: a busy thread otherwise holds the GIL
@@ -155,7 +234,11 @@ class Scheduler:
                 ("peak_running", "gauge", self.peak_running, "Largest running set so far."),
                 ("iterations_total", "counter", self.steps, "Scheduler iterations."),
                 ("iteration_seconds_total", "counter", round(self.step_seconds, 6),
-                 "Time spent in iterations (each advances every running request).")):
+                 "Time spent in iterations (each advances every running request)."),
+                ("batched_forwards_total", "counter", self.forwards,
+                 "Target forwards run for the whole batch at once."),
+                ("batched_rows_total", "counter", self.batched_rows,
+                 "Target rows those forwards ran (rows / forwards: the mean batch in rows).")):
             out += [f"# HELP metrale_scheduler_{name} {text}", f"# TYPE metrale_scheduler_{name} {kind}",
                     f"metrale_scheduler_{name} {value}"]
         return out

@@ -12,7 +12,8 @@ Invariants:
   the exception's text (that goes to the server's log under the same id); once a stream has
   started it is a final `data: {"error": ...}` event. Nothing stops the server.
 - Generation runs on the scheduler's thread (`scheduler`): up to `max_num_seqs` requests run
-  at once, each advancing one token per iteration, the rest wait in FIFO order; the event loop
+  at once, each advancing one step per iteration with one batched target forward for all of
+  them, the rest wait in FIFO order; the event loop
   only moves text deltas from a queue to the client, so /health and /metrics answer while long
   generations run. At most `max_queue` generation requests are admitted at once (running or
   waiting); beyond that a request gets 503 with `Retry-After`. A client that goes away —
@@ -109,7 +110,10 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
                        max_bytes=limits.request_bytes(generator.max_context))
     # a tensor-parallel world decodes its requests in lockstep, one at a time
     world = getattr(generator, "world", None)
-    scheduler = Scheduler(1 if getattr(world, "size", 1) > 1 else limits.max_num_seqs)
+    batched = getattr(generator, "batched", False)
+    scheduler = Scheduler(1 if getattr(world, "size", 1) > 1 else limits.max_num_seqs,
+                          generator.run_forwards if batched else None,
+                          limits.speculative_disable_by_batch_size)
     # Mutated on the event loop thread only. requests: (endpoint, outcome); tokens: kind;
     # admitted: generation requests between parsing and their last byte (running or queued).
     requests: Counter[tuple[str, str]] = Counter()

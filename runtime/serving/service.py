@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from metrale.runtime.models.configs import DFlashConfig
-from metrale.runtime.spec.decode import DecodeResult, Decoder
+from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder, Forward, run_forwards
 from metrale.runtime.backends import Backend, load_engine
 from metrale.runtime.components import KINDS, Role, names_with_role, resolve
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -129,6 +129,27 @@ class EngineGenerator:
                     pass
             if decoder.last_result is not None:
                 self.metrics.add(decoder.last_result.metrics)
+
+    @property
+    def batched(self) -> bool:
+        """Whether a scheduler may gather this generator's sequences into one forward (`steps`,
+        `run_forwards`): in one process; a tensor-parallel world decodes one request at a time."""
+        return self.world.size == 1
+
+    def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
+        """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler."""
+        decoder = self.decoder()
+        try:
+            yield from decoder.steps(prompt_ids, params, batch)
+        finally:
+            if decoder.last_result is not None:
+                self.metrics.add(decoder.last_result.metrics)
+
+    def run_forwards(self, forwards: list[Forward]) -> list:
+        """The target outputs of many sequences' `Forward`s, in one batched forward where the
+        backend has one."""
+        with torch.inference_mode():
+            return run_forwards(self.engine.target, forwards)
 
     def follow(self) -> None:
         """A non-leader rank: decode the leader's requests until its `shutdown`."""

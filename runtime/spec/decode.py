@@ -12,13 +12,19 @@ Vocabulary (one per concept, shared with `metrics`):
 Drafters plug in through `Proposer` (see `spec_mtp`, `spec_dflash`): `prefill` sees the prompt's
 target outputs, `propose(pending, k_max)` returns drafts, `accept` sees the target outputs of
 the accepted rows so the drafter's own state follows the target's.
+
+The loop itself is a coroutine (`Decoder.steps`) that yields the target rows it needs as a
+`Forward` and is sent their outputs: `Decoder.stream` runs each at once for one sequence; the
+server's scheduler gathers one `Forward` from every running sequence and runs them in one
+batched forward (`run_forwards`). A sequence's own arithmetic is the same either way.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from collections.abc import Generator, Iterator
+from typing import Protocol
 
 import torch
 
@@ -31,13 +37,46 @@ from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
 NO_DRAFTS = torch.empty(0, dtype=torch.long)  # a plain step's drafts (never written to)
 
 
+@dataclass
+class Forward:
+    """Target rows a sequence needs next: `ids` [1, T] at positions `cache.length`.., with the
+    outputs of target layers `taps`."""
+
+    ids: torch.Tensor
+    cache: object
+    taps: tuple[int, ...] = ()
+
+
+def run_forwards(target, forwards: list[Forward]) -> list[TargetOutput]:
+    """Each forward's target outputs: in one batched call where the target has one
+    (`aoti_batched.BatchedTarget.forward_many`), else one after another."""
+    many = getattr(target, "forward_many", None)
+    if many is not None:
+        return many(forwards)
+    return [target(f.ids, f.cache, taps=f.taps) for f in forwards]
+
+
+@dataclass
+class Batch:
+    """What a scheduler tells each of its sequences before a step: how many run (`size`) and
+    whether steps may draft (`speculate`; False makes them plain, see `Decoder.steps`)."""
+
+    size: int = 1
+    speculate: bool = True
+
+
+ALONE = Batch()
+
+
 class Proposer(Protocol):
     taps: tuple[int, ...]  # target layer ids whose outputs the proposer needs
 
     def prefill(self, prompt: torch.Tensor, out: TargetOutput, pending: int) -> None: ...
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
-        """-> (drafts [k] int64 to verify, drafts proposed by the drafter)."""
+        """-> (drafts [k] int64 to verify, drafts proposed by the drafter). `max_drafts` 0 is a
+        plain step (a busy batch): no drafts, and nothing of the drafter runs. The decode loop
+        sets `batch_size` (the sequences running) before each call."""
 
     def accept(self, out: TargetOutput, rows: int, emitted: torch.Tensor) -> None:
         """The first `rows` rows of `out` (pending + accepted drafts) were kept; `emitted`
@@ -85,20 +124,19 @@ class Decoder:
         rest of the stream, see `AdaptiveKController.settled`)."""
         return self.proposer is not None and not getattr(self.proposer, "off", False)
 
-    def _verify_rows(self, tokens: torch.Tensor, cache, greedy: bool,
-                     draft_ids: list[int]) -> tuple[TargetOutput, list[int] | None]:
+    def _verify_rows(self, tokens: torch.Tensor, cache, greedy: bool, draft_ids: list[int]):
         """Target outputs for rows [pending, d_1..d_k] (tokens [1, k+1]) and, when greedy, each
-        row's argmax token.
+        row's argmax token (a generator: yields the `Forward`s it needs, returns the pair).
 
         Exact verify runs one row per forward and, when greedy, stops after the first row whose
         argmax rejects the next draft (rows past it are never used)."""
         taps = self._taps()
         if not self.exact_verify:
-            out = self.target(tokens, cache, taps=taps)
+            out = yield Forward(tokens, cache, taps)
             return out, (out.logits[0].argmax(dim=-1).tolist() if greedy else None)
         outs, ids = [], []
         for i in range(tokens.shape[1]):
-            o = self.target(tokens[:, i:i + 1], cache, taps=taps)
+            o = yield Forward(tokens[:, i:i + 1], cache, taps)
             outs.append(o)
             if greedy:
                 ids.append(int(o.logits[0, -1].argmax()))
@@ -113,7 +151,37 @@ class Decoder:
 
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        """Yield generated token ids; stops at EOS (yielded) or after params.max_tokens."""
+        """Yield generated token ids; stops at EOS (yielded) or after params.max_tokens. Runs
+        `steps` with each forward on the target at once (one sequence)."""
+        steps = self.steps(prompt_ids, params)
+        reply = None
+        try:
+            while True:
+                try:
+                    need = steps.send(reply)
+                except StopIteration:
+                    return
+                if isinstance(need, Forward):
+                    reply = self.target(need.ids, need.cache, taps=need.taps)
+                else:
+                    reply = None
+                    yield from need
+        finally:
+            steps.close()
+
+    @torch.inference_mode()
+    def steps(self, prompt_ids: list[int], params: SamplingParams,
+              batch: Batch = ALONE) -> Generator[Forward | list[int], TargetOutput | None, None]:
+        """The decode loop of one sequence as a coroutine, so a scheduler can run the target
+        rows of many sequences in one forward: it yields a `Forward` whenever it needs target
+        rows (send back their `TargetOutput`) and, after each step, the token ids the step
+        emitted (send back None); it returns after EOS (emitted) or params.max_tokens.
+
+        `batch` is read before each step: with `speculate` False the step is plain (the
+        proposer still follows the kept rows, so drafting resumes from complete context), and
+        its `size` reaches the proposer (`batch_size`): adaptive k is a policy for a stream
+        that runs alone. A seeded sampled request ignores `batch` (it drafts as if alone), so
+        its samples are the same under any load."""
         t0 = time.perf_counter()
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
@@ -127,7 +195,7 @@ class Decoder:
         gen = generator_for(params, device)
         result = DecodeResult([], 0.0, 0.0, "length")
         self.last_result = result
-        out = self.target(prompt, cache, taps=self._taps())
+        out = yield Forward(prompt, cache, self._taps())
         pending = int(sample(out.logits[0, -1], params, gen))
         if self.proposer is not None:
             # the drafter's caches hold this request's positions and a chain or block past them
@@ -138,25 +206,30 @@ class Decoder:
         emitted_total = 0
         next_tokens = [pending]
         while True:
+            emitted = []
             for tok in next_tokens:
                 result.token_ids.append(tok)
+                emitted.append(tok)
                 emitted_total += 1
-                yield tok
-                if tok in self.eos_ids:
-                    result.finish_reason = "stop"
+                if tok in self.eos_ids or emitted_total >= budget:
+                    if tok in self.eos_ids:
+                        result.finish_reason = "stop"
                     result.seconds = time.perf_counter() - t0
+                    yield emitted
                     return
-                if emitted_total >= budget:
-                    result.seconds = time.perf_counter() - t0
-                    return
-            next_tokens = self._step(next_tokens[-1], cache, params, gen, budget - emitted_total, result)
+            yield emitted
+            next_tokens = yield from self._step(next_tokens[-1], cache, params, gen,
+                                                budget - emitted_total, result, batch)
 
-    def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult) -> list[int]:
+    def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult, batch: Batch):
         t0 = time.perf_counter()
         drafts, proposed = NO_DRAFTS, 0
         drafting = self._drafting()
+        if params.seed is not None and not params.greedy:
+            batch = ALONE  # its draws must not depend on the load: it drafts as if alone
         if drafting and room > 1:
-            drafts, proposed = self.proposer.propose(pending, room - 1)
+            self.proposer.batch_size = batch.size
+            drafts, proposed = self.proposer.propose(pending, room - 1 if batch.speculate else 0)
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]
         t1 = time.perf_counter()
@@ -165,7 +238,7 @@ class Decoder:
         draft_ids = drafts.tolist() if k else []
         tokens = torch.tensor([[pending, *draft_ids]], device=device)  # [1, k+1]
         base = cache.length
-        out, target_ids = self._verify_rows(tokens, cache, params.greedy, draft_ids)
+        out, target_ids = yield from self._verify_rows(tokens, cache, params.greedy, draft_ids)
         rows = out.logits[0]  # [r, V], r = k+1 (or fewer under exact greedy verify)
         if params.greedy:  # the target's argmax per row; drafts kept while they match it
             accepted = accepted_prefix(draft_ids, target_ids)

@@ -8,8 +8,9 @@ with the target's taps of the kept row, so a later re-probe drafts from complete
 feeding is deferred: kept rows' taps wait in `unfed` and enter the drafter's cache in one
 `add_context` just before the next propose, so every draft sees the whole context while a
 suspended stream pays nothing per plain step (as the tensorrt backend's pending features do).
-Adaptive k is a single-stream policy; the loop here decodes one stream at a time, so it always
-applies (a batched scheduler would fall back to the ladder or γ, as the flag's help says).
+Adaptive k is a single-stream policy: it sets k only while the stream runs alone
+(`batch_size` 1, set by the decode loop); with other sequences in the batch k comes from the
+ladder's rung or γ−1, as the flag's help says, and the controller keeps learning from the steps.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from metrale.runtime.spec.config import ResolvedDFlash
 
 
 class DFlashProposer:
+    batch_size = 1  # the sequences running with this one (set by the decode loop)
+
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Embedding, settings: ResolvedDFlash,
                  max_len: int):
         self.drafter, self.embed, self.settings, self.max_len = drafter, embed, settings, max_len
@@ -62,14 +65,14 @@ class DFlashProposer:
         return False
 
     def draft_count(self) -> int:
-        if self.controller is not None:
+        if self.controller is not None and self.batch_size == 1:
             return self.controller.next_k()
         if self.ladder is not None:
             return self.ladder.current
         return self.settings.max_drafts
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
-        k = min(self.draft_count(), max_drafts)
+        k = min(self.draft_count(), max_drafts) if max_drafts > 0 else 0
         self.last_k = k
         if k == 0:
             return NO_DRAFTS, 0

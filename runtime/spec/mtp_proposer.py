@@ -21,6 +21,7 @@ from metrale.runtime.spec.config import DraftStop
 
 class MTPProposer:
     taps: tuple[int, ...] = ()
+    batch_size = 1  # set by the decode loop; a chain's length does not depend on it
 
     def __init__(self, head: MTPHead, embed: torch.nn.Embedding, num_drafts: int,
                  stop: DraftStop | None, max_len: int):
@@ -44,6 +45,15 @@ class MTPProposer:
         self.base = 0
         tokens = torch.cat([prompt[0, 1:], torch.tensor([pending], device=prompt.device)])
         self._entries(tokens, out.last_hidden)
+        self.unfed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens [r], hidden [1, r, H])
+
+    def _feed(self) -> None:
+        """The kept rows of the steps since the last chain enter the head, in one call."""
+        if self.unfed:
+            tokens = torch.cat([t for t, _ in self.unfed])
+            hidden = torch.cat([h for _, h in self.unfed], dim=1)
+            self.unfed = []
+            self._entries(tokens, hidden)
 
     def _continues(self, prob: float, running: float) -> bool:
         if self.stop is None:
@@ -52,6 +62,9 @@ class MTPProposer:
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
         k = min(self.num_drafts, max_drafts)
+        if k == 0:  # a plain step: the kept rows wait in `unfed`
+            return torch.empty(0, dtype=torch.long), 0
+        self._feed()
         drafts: list[int] = []
         logits, h, running = self.next_logits, self.next_h, 1.0
         while len(drafts) < k:
@@ -66,4 +79,6 @@ class MTPProposer:
         return torch.tensor(drafts, dtype=torch.long), len(drafts)
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
-        self._entries(emitted.to(self.embed.weight.device), out.last_hidden[:, :rows])
+        """The head's entries for the kept rows are computed at the next chain (`_feed`), so a
+        run of plain steps (a busy batch) costs the head nothing until drafting resumes."""
+        self.unfed.append((emitted.to(self.embed.weight.device), out.last_hidden[:, :rows]))

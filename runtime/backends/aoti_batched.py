@@ -1,0 +1,192 @@
+"""The target's batched step on the `aoti` backend: one package call over the rows of many
+sequences, each reading its own cache.
+
+Caches live in pools, one per slot count S (a request's S is its own length rounded up to 64
+slots, `aoti.slots_for`, so it depends on the request alone): per layer K and V
+[B, S, nkv, hd], sequence b's cache being [b]. A `PooledCache` is one sequence's place in its
+pool: it holds the index and the sequence's length, and gives its place back when it is freed.
+
+`BatchedTarget.forward_many(forwards)` runs the target rows every given sequence needs next
+(`decode.Forward`: a prefill, a plain step's pending token, a verify's pending token and drafts)
+in as few package calls as there are pools among them (more when the rows exceed the package's
+`rows`: they go in order, chunk after chunk, so a sequence's later rows read the K/V its
+earlier rows wrote). Each row of the package reads its own sequence's slots only (attention
+over all S slots, masked from its position on, and the per-row reductions of `aoti_steps`), so
+its bits depend on its token, position and its sequence's cache — never on which other
+sequences share the call, how many rows it has, or the pool's size. That is what makes every
+answer under any concurrency equal to the same request served alone (the build checks it:
+`cpu_check`). A stale slot (a freed sequence's K/V) is never visible: it lies at or after the
+new sequence's length, masked, and is overwritten before a row at its position reads it.
+
+`__call__(ids, cache, start, taps)` is `forward_many` of one sequence: the decode face the
+decode loop and the proposers run on, as `aoti.CompiledTarget`'s.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from metrale.runtime.backends.aoti import Package, _Rows, slots_for
+from metrale.runtime.models.qwen3 import TargetOutput
+
+FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
+
+
+class KVPool:
+    """The caches of the sequences of one slot count: per layer K and V [B, S, nkv, hd]."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype, device,
+                 capacity: int = FIRST_CAPACITY):
+        self.slots = slots
+        self.kv = [torch.zeros(capacity, slots, kv_heads, head_dim, dtype=dtype, device=device)
+                   for _ in range(2 * layers)]
+        self.free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest index first
+
+    @property
+    def capacity(self) -> int:
+        return self.kv[0].shape[0]
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self.free)
+
+    def acquire(self) -> int:
+        if not self.free:
+            old = self.capacity
+            grown = []
+            for t in self.kv:
+                g = t.new_zeros(2 * old, *t.shape[1:])
+                g[:old].copy_(t)
+                grown.append(g)
+            self.kv = grown
+            self.free = list(range(2 * old - 1, old - 1, -1))
+        return self.free.pop()
+
+    def release(self, index: int) -> None:
+        self.free.append(index)
+
+
+class PooledCache:
+    """One sequence's cache: place `index` of `pool`; `length` counts its valid positions."""
+
+    def __init__(self, pool: KVPool):
+        self.pool, self.index, self.length = pool, pool.acquire(), 0
+        weakref.finalize(self, pool.release, self.index)
+
+    @property
+    def max_len(self) -> int:
+        return self.pool.slots
+
+    @property
+    def kv(self) -> list[torch.Tensor]:
+        """Per layer K and V [S, nkv, hd] (views of the pool, valid until it next grows)."""
+        return [t[self.index] for t in self.pool.kv]
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.kv[0].device
+
+
+@dataclass(frozen=True)
+class _Rows1D:
+    """The flattened rows of one pool's forwards."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    seq: torch.Tensor
+
+
+class BatchedTarget:
+    """The target's decode face over one batched package (see the module docstring)."""
+
+    def __init__(self, model, package: Package, taps: tuple[int, ...], max_slots: int):
+        self.rows = _Rows([package], "target")
+        self.package = package
+        self.model_ref = model  # embedding (drafters embed with it), config, dtype
+        self.config = model.config
+        self.model = model.model
+        self.lm_head = model.lm_head
+        self.taps = tuple(taps)
+        self.max_slots = max_slots
+        self.packages = [package]
+        self.max_rows = package.rows
+        self.pools: dict[int, KVPool] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model_ref.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> PooledCache:
+        """A place for `max_len` positions (and a step past them) in the pool of its slot count."""
+        if batch != 1:
+            raise ValueError("the aoti backend holds one sequence per cache")
+        slots = slots_for(max_len + 8, self.max_slots, "target")
+        pool = self.pools.get(slots)
+        if pool is None:
+            c = self.config
+            pool = self.pools[slots] = KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                              slots, self.dtype, self.model.embed_tokens.weight.device)
+        return PooledCache(pool)
+
+    def __call__(self, ids: torch.Tensor, cache: PooledCache, start: int | None = None,
+                 taps: tuple[int, ...] = ()) -> TargetOutput:
+        """ids [1, T] at positions start.. (default cache.length); cache.length becomes start+T."""
+        from metrale.runtime.spec.decode import Forward
+
+        if start is not None:
+            cache.length = start
+        return self.forward_many([Forward(ids, cache, tuple(taps))])[0]
+
+    def forward_many(self, forwards) -> list[TargetOutput]:
+        """The target outputs of each `decode.Forward` (rows ids [1, T] of a distinct cache at
+        its length), in order; each cache's length grows by its T."""
+        groups: dict[int, list[int]] = {}
+        for i, f in enumerate(forwards):
+            if f.cache.length + f.ids.shape[1] > f.cache.max_len:
+                raise ValueError(f"positions up to {f.cache.length + f.ids.shape[1]} exceed the "
+                                 f"cache's {f.cache.max_len} slots")
+            groups.setdefault(id(f.cache.pool), []).append(i)
+        results: list[TargetOutput | None] = [None] * len(forwards)
+        for members in groups.values():
+            mine = [forwards[i] for i in members]
+            outs = self._run(mine)
+            offset = 0
+            for i, f in zip(members, mine):
+                t = f.ids.shape[1]
+                rows = slice(offset, offset + t)
+                offset += t
+                results[i] = TargetOutput(logits=outs[0][rows][None], last_hidden=outs[1][rows][None],
+                                          taps=self._taps(outs[2][rows][None], f.taps) if f.taps else None)
+                f.cache.length += t
+        return results
+
+    def _flatten(self, forwards) -> _Rows1D:
+        ids, pos, seq = [], [], []
+        for f in forwards:
+            t, start = f.ids.shape[1], f.cache.length
+            ids.append(f.ids[0])
+            pos.extend(range(start, start + t))
+            seq.extend([f.cache.index] * t)
+        return _Rows1D(ids[0] if len(ids) == 1 else torch.cat(ids), torch.tensor(pos), torch.tensor(seq))
+
+    def _run(self, forwards) -> list[torch.Tensor]:
+        """One pool's rows, in package calls of at most `max_rows` rows, concatenated."""
+        rows = self._flatten(forwards)
+        kv = forwards[0].cache.pool.kv
+        n, step = rows.ids.shape[0], self.max_rows
+        if n <= step:
+            return self.package(rows.ids, rows.pos, rows.seq, *kv)
+        parts = [self.package(rows.ids[c:c + step], rows.pos[c:c + step], rows.seq[c:c + step], *kv)
+                 for c in range(0, n, step)]
+        return [torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))]
+
+    def _taps(self, every: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
+        """The columns of `taps` from the package's taps (in `self.taps`' order)."""
+        if taps == self.taps:
+            return every
+        h = self.config.hidden_size
+        cols = [every[..., self.taps.index(i) * h:(self.taps.index(i) + 1) * h] for i in taps]
+        return cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
