@@ -34,7 +34,7 @@ def _check_batched(target, package, taps, slots, gen) -> bool:
     sequence's rows chunked differently) equals the same sequence's rows run alone, and each
     sequence's k-row step equals its k one-row steps."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
-    from metrale.runtime.spec.decode import Forward
+    from metrale.runtime.backends import Forward
 
     ids = torch.randint(0, target.config.vocab_size, (5, 40), generator=gen)
     together = BatchedTarget(target, package, taps, slots)

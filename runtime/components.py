@@ -156,7 +156,7 @@ KINDS: dict[str, ComponentKind] = {k.name: k for k in (
         "target", Role.TARGET, lambda cfg, where, info: DecoderConfig.from_hf(cfg, where),
         "metrale.runtime.models.qwen3:Qwen3ForCausalLM", lambda cfg: cfg, _target_io,
         "metrale.builder.onnx_export:TargetStep", "metrale.runtime.backends.graph_steps:GraphTarget",
-        "metrale.runtime.backends.aoti:CompiledTarget", None, lambda name, cfg, cost: [],
+        "metrale.runtime.backends.aoti_batched:BatchedTarget", None, lambda name, cfg, cost: [],
         "metrale.runtime.models.loader:load_target"),
     ComponentKind(
         "mtp", Role.HEAD, _mtp_config, "metrale.runtime.models.mtp:MTPHead",

@@ -191,7 +191,7 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine):
     lengths, in two pools, while a pool grows) gives every sequence the bits it gets alone,
     and freed places are reused."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
-    from metrale.runtime.spec.decode import Forward
+    from metrale.runtime.backends import Forward
 
     target = aoti_engine.target
     assert isinstance(target, BatchedTarget)
@@ -226,7 +226,7 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine):
 
 
 def test_a_batched_forward_refuses_rows_past_a_cache(aoti_engine):
-    from metrale.runtime.spec.decode import Forward
+    from metrale.runtime.backends import Forward
 
     target = aoti_engine.target
     cache = target.new_cache(1, 10)

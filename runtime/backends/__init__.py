@@ -6,7 +6,7 @@ nothing else; every backend gives each component one of them (`TargetSteps`, `MT
 
     backend       target                  MTP head / drafters        runs
     torch         the eager model         the eager models           safetensors, CPU or GPU
-    aoti          aoti.CompiledTarget     CompiledMTP/CompiledDFlash the CPU packages (.pt2)
+    aoti          aoti_batched target     CompiledMTP/CompiledDFlash the CPU packages (.pt2)
     cuda-graphs   cuda_graphs target      the eager models           the eager model, captured
     onnxruntime   graph_steps.GraphTarget GraphMTP / GraphDrafter    the ONNX graphs, on a CPU
     tensorrt      graph_steps.GraphTarget GraphMTP / GraphDrafter    the TensorRT plans, on a GPU
@@ -19,6 +19,7 @@ torch) and CUDA graphs on a GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,9 +27,30 @@ import torch
 from metrale.runtime.errors import ConfigError, FlagChoice
 
 
+@dataclass
+class Forward:
+    """Target rows a sequence needs next: `ids` [1, T] at positions `cache.length`.., with the
+    outputs of target layers `taps`."""
+
+    ids: torch.Tensor
+    cache: object
+    taps: tuple[int, ...] = ()
+
+
+def run_forwards(target, forwards: list[Forward]) -> list:
+    """Each forward's `TargetOutput`: in one batched call where the target has one
+    (`forward_many`, the aoti backend's `aoti_batched.BatchedTarget`), else one after another."""
+    many = getattr(target, "forward_many", None)
+    if many is not None:
+        return many(forwards)
+    return [target(f.ids, f.cache, taps=f.taps) for f in forwards]
+
+
 class TargetSteps(Protocol):
     """The target: `config` (its `DecoderConfig`, `max_position_embeddings` = usable context),
-    `model.embed_tokens` (the drafters and the head embed with it), `dtype`."""
+    `model.embed_tokens` (the drafters and the head embed with it), `dtype`. A target may also
+    have `forward_many(forwards)`: the rows of many sequences' `Forward`s in one batched call
+    (`run_forwards`)."""
 
     def new_cache(self, batch: int, max_len: int): ...
 

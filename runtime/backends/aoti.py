@@ -125,12 +125,7 @@ class CompiledTarget:
 
     @classmethod
     def from_packages(cls, model, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
-        taps = tuple(cpu.get("taps", ()))
-        if loaded[0][0].get("batched"):  # one package over many sequences' rows (`aoti_batched`)
-            from metrale.runtime.backends.aoti_batched import BatchedTarget
-
-            return BatchedTarget(model, loaded[0][1], taps, cpu["max_slots"])
-        return cls(model, [p for _, p in loaded], taps, cpu["max_slots"])
+        return cls(model, [p for _, p in loaded], tuple(cpu.get("taps", ())), cpu["max_slots"])
 
     def __init__(self, model: Qwen3ForCausalLM, packages: list[Package], taps: tuple[int, ...],
                  max_slots: int):

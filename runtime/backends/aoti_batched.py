@@ -7,7 +7,7 @@ slots, `aoti.slots_for`, so it depends on the request alone): per layer K and V
 pool: it holds the index and the sequence's length, and gives its place back when it is freed.
 
 `BatchedTarget.forward_many(forwards)` runs the target rows every given sequence needs next
-(`decode.Forward`: a prefill, a plain step's pending token, a verify's pending token and drafts)
+(`backends.Forward`: a prefill, a plain step's pending token, a verify's pending token and drafts)
 in as few package calls as there are pools among them (more when the rows exceed the package's
 `rows`: they go in order, chunk after chunk, so a sequence's later rows read the K/V its
 earlier rows wrote). Each row of the package reads its own sequence's slots only (attention
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.backends.aoti import Package, _Rows, slots_for
+from metrale.runtime.backends.aoti import CompiledTarget, Package, _Rows, slots_for
 from metrale.runtime.models.qwen3 import TargetOutput
 
 FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
@@ -102,6 +102,14 @@ class _Rows1D:
 class BatchedTarget:
     """The target's decode face over one batched package (see the module docstring)."""
 
+    @classmethod
+    def from_packages(cls, model, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
+        """The face of the target's `cpu` entry: this one for a batched package, else (an
+        engine built before batching) `aoti.CompiledTarget`, one sequence per call."""
+        if not loaded[0][0].get("batched"):
+            return CompiledTarget.from_packages(model, loaded, cpu, where)
+        return cls(model, loaded[0][1], tuple(cpu.get("taps", ())), cpu["max_slots"])
+
     def __init__(self, model, package: Package, taps: tuple[int, ...], max_slots: int):
         self.rows = _Rows([package], "target")
         self.package = package
@@ -134,14 +142,14 @@ class BatchedTarget:
     def __call__(self, ids: torch.Tensor, cache: PooledCache, start: int | None = None,
                  taps: tuple[int, ...] = ()) -> TargetOutput:
         """ids [1, T] at positions start.. (default cache.length); cache.length becomes start+T."""
-        from metrale.runtime.spec.decode import Forward
+        from metrale.runtime.backends import Forward
 
         if start is not None:
             cache.length = start
         return self.forward_many([Forward(ids, cache, tuple(taps))])[0]
 
     def forward_many(self, forwards) -> list[TargetOutput]:
-        """The target outputs of each `decode.Forward` (rows ids [1, T] of a distinct cache at
+        """The target outputs of each `backends.Forward` (rows ids [1, T] of a distinct cache at
         its length), in order; each cache's length grows by its T."""
         groups: dict[int, list[int]] = {}
         for i, f in enumerate(forwards):

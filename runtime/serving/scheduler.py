@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
-from metrale.runtime.spec.decode import Batch, Forward
+from metrale.runtime.backends import Forward
+from metrale.runtime.spec.decode import Batch
 
 log = logging.getLogger(__name__)
 

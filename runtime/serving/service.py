@@ -28,7 +28,8 @@ from typing import Iterator
 import torch
 
 from metrale.runtime.models.configs import DFlashConfig
-from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder, Forward, run_forwards
+from metrale.runtime.backends import Forward, run_forwards
+from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
 from metrale.runtime.backends import Backend, load_engine
 from metrale.runtime.components import KINDS, Role, names_with_role, resolve
 from metrale.runtime.artifact.engine import LoadedEngine

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from metrale.runtime.backends import Forward
 from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
@@ -35,25 +36,6 @@ from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
 
 
 NO_DRAFTS = torch.empty(0, dtype=torch.long)  # a plain step's drafts (never written to)
-
-
-@dataclass
-class Forward:
-    """Target rows a sequence needs next: `ids` [1, T] at positions `cache.length`.., with the
-    outputs of target layers `taps`."""
-
-    ids: torch.Tensor
-    cache: object
-    taps: tuple[int, ...] = ()
-
-
-def run_forwards(target, forwards: list[Forward]) -> list[TargetOutput]:
-    """Each forward's target outputs: in one batched call where the target has one
-    (`aoti_batched.BatchedTarget.forward_many`), else one after another."""
-    many = getattr(target, "forward_many", None)
-    if many is not None:
-        return many(forwards)
-    return [target(f.ids, f.cache, taps=f.taps) for f in forwards]
 
 
 @dataclass
