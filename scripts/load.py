@@ -8,7 +8,8 @@ Per mode it starts one `metrale serve` process (`--max-num-seqs`, one torch thre
 each concurrency C runs C client threads that each send `--requests` greedy completions of
 `--max-tokens` tokens (prompts from the tiny recipe's held-out set) and reports aggregate
 completion tokens/s, median and p99 latency and lost requests; then the latency of a 4-token
-request sent just after a 1,000-token stream started, against the same request alone. Every
+request sent just after another client's 1,000-token stream started (from its own process),
+against the same request alone. Every
 answer is checked against the answer the same request got alone (C = 1).
 """
 
@@ -21,7 +22,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,7 +85,20 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
             "p99_latency_s": round(p99, 3)}, {(i, t) for i, t, _, _ in done}
 
 
+def _long_stream(base: str, model: str, started) -> None:
+    """Another client's 1,000-token stream (its own process: a client's parsing must not
+    compete with the measured client's for one interpreter)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    for _ in client.completions.create(model=model, prompt="def main(", stream=True,
+                                       max_tokens=1000, temperature=0):
+        started.set()
+
+
 def short_behind_long(base: str, repeats: int = 5) -> dict:
+    import multiprocessing
+
     from openai import OpenAI
 
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -98,19 +111,14 @@ def short_behind_long(base: str, repeats: int = 5) -> dict:
 
     alone = statistics.median(short() for _ in range(repeats))
     behind = []
+    ctx = multiprocessing.get_context("spawn")
     for _ in range(repeats):
-        started = threading.Event()
-
-        def long_stream():
-            for chunk in client.completions.create(model=model, prompt="def main(", stream=True,
-                                                   max_tokens=1000, temperature=0):
-                started.set()
-
-        t = threading.Thread(target=long_stream)
-        t.start()
+        started = ctx.Event()
+        other = ctx.Process(target=_long_stream, args=(base, model, started))
+        other.start()
         started.wait(120)
         behind.append(short())
-        t.join()
+        other.join()
     return {"short_alone_s": round(alone, 4), "short_behind_long_p99_s": round(max(behind), 4),
             "ratio": round(max(behind) / alone, 2)}
 

@@ -51,7 +51,7 @@ class ServerLimits:
     max_queue: int = 64  # generation requests admitted at once (running or waiting): 503 beyond
     max_num_seqs: int = 64  # requests running at once (the scheduler's running set)
     # steps are plain while this many sequences or more run (None: they always may draft)
-    speculative_disable_by_batch_size: int | None = 4
+    speculative_disable_by_batch_size: int | None = 2
     max_connections: int = 256  # open connections and tasks (uvicorn's limit_concurrency): 503 beyond
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0

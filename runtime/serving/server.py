@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 LARGE_REQUEST_BYTES = 256 << 10  # after a body this large, freed heap goes back to the OS
 RETRY_AFTER_S = 1
+SWITCH_INTERVAL_S = 0.0005  # the GIL's hand-off interval while serving (Python's default: 5 ms)
 
 
 def _server_error(e: BaseException, rid: str, what: str = "generation",
@@ -66,26 +67,59 @@ def _server_error(e: BaseException, rid: str, what: str = "generation",
 
 # ---------------------------------------------------------------- generation worker
 
+class _Channel:
+    """A request's events from the scheduler's thread to the event loop, text coalesced: the
+    worker appends under a lock and wakes the loop only when no wake-up is pending, and the
+    loop takes everything that arrived by then as one text event. A fast stream therefore
+    costs the loop one callback per turn, not one per token, and cannot queue a backlog of
+    callbacks in front of other requests' work."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock = loop, threading.Lock()
+        self.ready = asyncio.Event()
+        self.text: list[str] = []
+        self.final: tuple[str, Any] | None = None  # ("done", ...) or ("error", exc)
+        self.pending = False  # a wake-up is scheduled and not yet taken
+
+    def emit(self, kind: str, payload: Any) -> None:  # the scheduler's thread
+        with self.lock:
+            if kind == "text":
+                self.text.append(payload)
+            else:
+                self.final = (kind, payload)
+            wake, self.pending = not self.pending, True
+        if wake:
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def take(self) -> list[tuple[str, Any]]:  # the event loop
+        await self.ready.wait()
+        self.ready.clear()
+        with self.lock:
+            text, final = "".join(self.text), self.final
+            self.text, self.pending = [], False
+        return ([("text", text)] if text else []) + ([final] if final is not None else [])
+
+
 async def _events(scheduler: Scheduler, gen: TextGenerator, req: GenerationRequest,
                   cancel: threading.Event, rid: str) -> AsyncIterator[tuple[str, Any]]:
-    """Run one generation on the scheduler's thread and yield its events on the event loop;
-    setting `cancel` ends the generation at its next token."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    """Run one generation on the scheduler's thread and yield its events on the event loop
+    (text deltas as they arrive, joined when several did at once); setting `cancel` ends the
+    generation at its next step."""
+    channel = _Channel(asyncio.get_running_loop())
 
     def emit(kind: str, payload: Any) -> None:
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+            channel.emit(kind, payload)
         except RuntimeError:  # the loop closed (server shutting down): nobody is listening
             cancel.set()
 
     scheduler.submit(Job(gen, req, emit, cancel, rid))
     try:
         while True:
-            kind, payload = await queue.get()
-            yield kind, payload
-            if kind != "text":
-                return
+            for kind, payload in await channel.take():
+                yield kind, payload
+                if kind != "text":
+                    return
     finally:
         cancel.set()  # a client gone mid-stream ends the generation at its next token
 
@@ -330,7 +364,12 @@ def serve(generator: TextGenerator, host: str = "127.0.0.1", port: int = 8000,
     """Serve `generator` until interrupted."""
     import uvicorn
 
+    import sys
+
     limits = limits or ServerLimits()
     log.info("serving %s on http://%s:%d", generator.model_id, host, port)
     app = create_app(generator, limits)
+    # The scheduler's thread runs Python between its package calls; a request's handling on
+    # the event loop waits for the GIL at each hand-off, by default up to 5 ms each time.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.Server(uvicorn_config(app, host, port, limits, log_level="info")).run()

@@ -44,11 +44,12 @@ class MTPProposer:
         self.cache = self.head.new_cache(1, self.max_len, w.dtype, w.device)
         self.base = 0
         tokens = torch.cat([prompt[0, 1:], torch.tensor([pending], device=prompt.device)])
-        self._entries(tokens, out.last_hidden)
-        self.unfed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens [r], hidden [1, r, H])
+        # (tokens [r], hidden [1, r, H]) the head has not seen: the prompt's, until the first chain
+        self.unfed: list[tuple[torch.Tensor, torch.Tensor]] = [(tokens, out.last_hidden)]
 
     def _feed(self) -> None:
-        """The kept rows of the steps since the last chain enter the head, in one call."""
+        """The rows kept since the last chain (the prompt's before the first) enter the head in
+        one call: a request that never drafts (a busy batch) never runs the head."""
         if self.unfed:
             tokens = torch.cat([t for t, _ in self.unfed])
             hidden = torch.cat([h for _, h in self.unfed], dim=1)
