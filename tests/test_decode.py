@@ -105,3 +105,40 @@ def test_eos_and_max_tokens_stop(tiny_engine, tiny_prompts):
     assert len(r.token_ids) <= 5
     assert r.finish_reason in ("length", "stop")
     assert torch.tensor(r.token_ids).numel() == len(r.token_ids)
+
+
+@pytest.mark.parametrize("flags", [dict(speculative=True, num_drafts=3), dict(dflash=True)])
+def test_a_busy_batch_makes_steps_plain_and_the_drafter_waits(tiny_engine, tiny_prompts, plain, flags, monkeypatch):
+    """`Batch.speculate` False (a scheduler's batch at its back-off size): every step is plain,
+    the MTP head never runs (its entries wait for a chain that never comes), greedy text is
+    plain decoding's; drafting resumes with complete context once the batch allows it."""
+    from metrale.runtime.spec.decode import Batch
+
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**flags))
+    head_calls = []
+    if tiny_engine.mtp is not None:
+        real = type(tiny_engine.mtp).__call__
+        monkeypatch.setattr(type(tiny_engine.mtp), "__call__",
+                            lambda self, *a, **k: (head_calls.append(1), real(self, *a, **k))[1])
+    for ids, want in zip(tiny_prompts, plain):
+        decoder = gen.decoder()
+        batch = Batch(size=3, speculate=False)
+        steps, reply, got = decoder.steps(ids, GREEDY, batch), None, []
+        while True:
+            try:
+                need = steps.send(reply)
+            except StopIteration:
+                break
+            if isinstance(need, list):
+                got += need
+                reply = None
+                if len(got) >= 12:  # the batch empties: drafting resumes
+                    batch.size, batch.speculate = 1, True
+            else:
+                with torch.inference_mode():
+                    reply = tiny_engine.target(need.ids, need.cache, taps=need.taps)
+        assert got == want
+        drafted = [s.drafted for s in decoder.last_result.steps]
+        assert not any(drafted[:10]) and any(drafted[12:])
+    if flags.get("speculative"):
+        assert head_calls  # it ran once drafting resumed

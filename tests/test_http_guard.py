@@ -234,3 +234,10 @@ def test_a_stream_holds_its_queue_place_until_it_ends(open_base, gen):
     while admitted(open_base):  # the place is given back once the stream has ended
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2"])
+def test_speculative_disable_by_batch_size_is_checked(value):
+    from metrale.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--speculative-disable-by-batch-size .*at least 1"):
+        ServerLimits(speculative_disable_by_batch_size=value)

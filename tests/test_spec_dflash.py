@@ -83,3 +83,20 @@ def test_a_settled_stream_retires_its_drafter(tiny_engine, tiny_prompts, monkeyp
     assert all(s.drafted == 0 for s in res.steps)
     assert asked[0] and not any(asked[2:])  # the prompt's taps, then none once settled
     assert res.token_ids == EngineGenerator(tiny_engine).generate(tiny_prompts[0], params).token_ids
+
+
+def test_adaptive_k_sets_the_count_only_for_a_stream_that_runs_alone(tiny_engine):
+    """With other sequences in the batch the count is γ−1 (no ladder here), not the cost
+    model's; a plain step of a busy batch (max_drafts 0) runs nothing of the drafter."""
+    costly = "0:1,1:1.95,2:2.95,3:3.95,4:4.95,5:5.95,6:6.95,7:7.95"  # plain steps pay
+    p = _proposer(tiny_engine, adaptive_k=costly)
+    width = tiny_engine.drafters["dflash"].config.num_context_features * 128
+    with torch.inference_mode():
+        p.prefill(None, _out(torch.randn(1, 6, width)), pending=5)
+        p.batch_size = 4
+        assert p.draft_count() == p.settings.max_drafts
+        length = p.cache.length
+        drafts, proposed = p.propose(pending=5, max_drafts=0)
+        assert drafts.numel() == 0 and proposed == 0 and p.cache.length == length
+        p.batch_size = 1
+        assert p.draft_count() == p.controller.next_k()
