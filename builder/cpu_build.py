@@ -1,7 +1,8 @@
 """CPU engines: the decode loop's steps compiled ahead of time into AOTInductor packages.
 
-Per component (see `backends.aoti_steps`): the target's step and the MTP head's step, each over 1 to
-`TARGET_ROWS` / `MTP_ROWS` rows, and one feed-and-propose step per DFlash/DFlash2 drafter (tensor-
+Per component (see `backends.aoti_steps`): the target's batched step (`BatchedTargetStep`: 1 to
+`TARGET_ROWS` rows of any number of sequences, over cache pools), the MTP head's step over 1 to
+`MTP_ROWS` rows, and one feed-and-propose step per DFlash/DFlash2 drafter (tensor-
 parallel drafters keep running eagerly): four packages for the tiny default. Each is built over
 the staged model (loaded back exactly as serve loads it, then packed), exported with
 `torch.export` with the caches' slot count as a dynamic dimension (and, for the target and the
@@ -12,7 +13,8 @@ max-autotune with its C++ micro-GEMM templates for the projections. Packages com
 parallel worker processes, one thread each.
 
 After compiling, the build checks what the runtime relies on, on random prompts: each row of
-a target step of 2 to `TARGET_ROWS` rows is bit-identical to the one-row step at its position;
+a target call over several sequences (prefills, verifies and plain steps, chunked differently,
+in two pools) is bit-identical to the same sequence's one-row steps run alone;
 the target's and the MTP head's outputs match the eager models within 1e-4; the drafters'
 proposals from the packages equal the eager drafters' (the share that does is recorded; below
 0.9 the build is refused). Where the target's GEMM templates give rows that differ between row

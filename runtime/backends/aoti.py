@@ -3,7 +3,8 @@
 An engine directory built with CPU engines holds, under `<component>/cpu/`, the packages of
 `cpu_steps`' modules, and each component's manifest entry a `cpu` entry::
 
-    target: {"packages": [{"file": "target/cpu/steps.pt2", "rows": 8, "dynamic_rows": true}],
+    target: {"packages": [{"file": "target/cpu/steps.pt2", "rows": 64, "dynamic_rows": true,
+                           "batched": true}],
              "taps": [0, 1, 3], "max_slots": 1216, "torch": "2.13.0", "isa": "AVX2",
              "machine": "x86_64", "dtype": "float32", "threads": 1, "check": {...}}
     mtp:    {"packages": [{"file": "mtp/cpu/steps.pt2", "rows": 8, "dynamic_rows": true}], ...}
@@ -15,6 +16,10 @@ The target's and the MTP head's packages also take their row count as a dynamic 
 (1..rows): one package serves decode steps, verifies of any draft count and prompt chunks,
 with no padding rows. (Packages of fixed row counts, which earlier builds wrote, still load: a
 step runs the smallest with at least its rows, padded.)
+
+The target's package of current builds is batched: one call runs the rows of many sequences,
+each over its own cache in a pool (`aoti_batched.BatchedTarget`, the target's face). Packages
+of one sequence per call, which earlier builds wrote, run on `CompiledTarget`.
 
 `CompiledTarget` has the target model's decode face (`__call__(ids, cache, start, taps)` ->
 `TargetOutput`, `new_cache`, `config`, `model.embed_tokens`), `CompiledMTP` the MTP head's and
