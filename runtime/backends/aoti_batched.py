@@ -2,7 +2,7 @@
 sequences, each reading its own cache.
 
 Caches live in pools, one per slot count S (a request's S is its own length rounded up to 64
-slots, `aoti.slots_for`, so it depends on the request alone): per layer K and V
+slots, `aoti.slots_for`, so it depends on the request alone): per layer K [B, nkv, hd, S] and V
 [B, S, nkv, hd], sequence b's cache being [b]. A `PooledCache` is one sequence's place in its
 pool: it holds the index and the sequence's length, and gives its place back when it is freed.
 
@@ -36,13 +36,15 @@ FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles w
 
 
 class KVPool:
-    """The caches of the sequences of one slot count: per layer K and V [B, S, nkv, hd]."""
+    """The caches of the sequences of one slot count: per layer K [B, nkv, hd, S] (slot-minor,
+    see `aoti_steps.pooled_attention`) and V [B, S, nkv, hd]."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype, device,
                  capacity: int = FIRST_CAPACITY):
         self.slots = slots
-        self.kv = [torch.zeros(capacity, slots, kv_heads, head_dim, dtype=dtype, device=device)
-                   for _ in range(2 * layers)]
+        keys, values = (capacity, kv_heads, head_dim, slots), (capacity, slots, kv_heads, head_dim)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device)
+                   for _ in range(layers) for shape in (keys, values)]
         self.free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest index first
 
     @property
@@ -82,7 +84,8 @@ class PooledCache:
 
     @property
     def kv(self) -> list[torch.Tensor]:
-        """Per layer K and V [S, nkv, hd] (views of the pool, valid until it next grows)."""
+        """Per layer K [nkv, hd, S] and V [S, nkv, hd] (views of the pool, valid until it next
+        grows)."""
         return [t[self.index] for t in self.pool.kv]
 
     @property

@@ -66,6 +66,24 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return out.reshape(t, nh * hd)
 
 
+def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention of rows of many sequences, each over its own cache in a pool: q [T, nh,
+    hd]; k_pool [B, nkv, hd, S] (slot-minor, so the scores of 16 slots are one vector FMA per
+    feature, with no horizontal sums); v_pool [B, S, nkv, hd]; row t reads sequence seq[t],
+    slot j visible iff j <= positions[t] -> [T, nh·hd]. Reductions over one row's data only."""
+    t, nh, hd = q.shape
+    nkv, s = k_pool.shape[1], k_pool.shape[3]
+    g = nh // nkv
+    kt = k_pool[seq]  # [T, nkv, hd, S]
+    scores = (q.view(t, nkv, g, hd, 1) * kt.view(t, nkv, 1, hd, s)).sum(3) * hd ** -0.5  # [T, nkv, g, S]
+    visible = torch.arange(s, device=q.device)[None, :] <= positions[:, None]  # [T, S]
+    probs = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
+    v = v_pool[seq]  # [T, S, nkv, hd]
+    out = (probs.permute(0, 3, 1, 2).unsqueeze(-1) * v.view(t, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
+    return out.reshape(t, nh * hd)
+
+
 def static_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
     """Causal attention over a cache already holding this step's keys: slot j is visible to the
@@ -144,17 +162,17 @@ class StepAttention(nn.Module):
 
     def cached(self, h, positions, cos, sin, k_cache, v_cache, linear, seq=None) -> torch.Tensor:
         """Causal attention of rows at `positions`, writing their K/V into the static cache
-        ([S, nkv, hd]), or, with `seq` [T] (each row's sequence), into a pool of caches
-        ([B, S, nkv, hd]) where each row reads its own sequence's slots only."""
+        ([S, nkv, hd]), or, with `seq` [T] (each row's sequence), into a pool of caches (keys
+        [B, nkv, hd, S], values [B, S, nkv, hd]) where each row reads its own sequence's slots
+        only (`pooled_attention`)."""
         q, k, v = self.qkv_roped(h, cos, sin, linear)
         if seq is None:
             k_cache.index_copy_(0, positions, k)
             v_cache.index_copy_(0, positions, v)
             return linear(static_attention(q, k_cache, v_cache, positions), self.o)
-        k_cache.index_put_((seq, positions), k)
+        k_cache[seq, :, :, positions] = k  # keys slot-minor: [B, nkv, hd, S]
         v_cache.index_put_((seq, positions), v)
-        visible = torch.arange(k_cache.shape[1], device=q.device)[None, :] <= positions[:, None]
-        return linear(masked_attention(q, k_cache[seq], v_cache[seq], visible), self.o)
+        return linear(pooled_attention(q, k_cache, v_cache, seq, positions), self.o)
 
 
 class StepLayer(nn.Module):
@@ -225,8 +243,8 @@ class TargetStep(nn.Module):
 class BatchedTargetStep(TargetStep):
     """The target's step over the rows of many sequences at once (`aoti_batched`): `ids`,
     `pos`, `seq` [N] int64 (each row's token, position and sequence, a sequence's rows in
-    position order), then K and V of every layer as pools [B, S, nkv, hd] (sequence b's cache
-    is [b]) -> logits [N, V], last_hidden [N, H], taps [N, n·H]. A row reads its own
+    position order), then K and V of every layer as pools, K [B, nkv, hd, S] and V
+    [B, S, nkv, hd] (sequence b's cache is [b]) -> logits [N, V], last_hidden [N, H], taps [N, n·H]. A row reads its own
     sequence's slots only, so its bits depend on its sequence, never on the batch."""
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, *kv: torch.Tensor):
