@@ -167,6 +167,9 @@ class Decoder:
         t0 = time.perf_counter()
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
+        vocab = self.target.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt_ids):  # compiled steps index without checks
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         device = self.target.model.embed_tokens.weight.device
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, P]
         budget = min(params.max_tokens, self.max_context - len(prompt_ids))
