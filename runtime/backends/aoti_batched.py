@@ -164,13 +164,15 @@ class BatchedTarget:
         for members in groups.values():
             mine = [forwards[i] for i in members]
             outs = self._run(mine)
+            greedy = outs[0].argmax(dim=-1).tolist()  # every row's, in one call
             offset = 0
             for i, f in zip(members, mine):
                 t = f.ids.shape[1]
                 rows = slice(offset, offset + t)
-                offset += t
                 results[i] = TargetOutput(logits=outs[0][rows][None], last_hidden=outs[1][rows][None],
-                                          taps=self._taps(outs[2][rows][None], f.taps) if f.taps else None)
+                                          taps=self._taps(outs[2][rows][None], f.taps) if f.taps else None,
+                                          argmax=greedy[offset:offset + t])
+                offset += t
                 f.cache.length += t
         return results
 

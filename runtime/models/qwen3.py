@@ -27,6 +27,7 @@ class TargetOutput:
     logits: torch.Tensor  # [B, T, V]
     last_hidden: torch.Tensor  # [B, T, H], last layer output before the final norm
     taps: torch.Tensor | None  # [B, T, n_taps*H] concatenated in `taps` order, or None
+    argmax: list[int] | None = None  # each row's greedy token, when a batched forward took them at once
 
 
 class Qwen3Body(nn.Module):

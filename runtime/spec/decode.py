@@ -38,6 +38,11 @@ from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
 NO_DRAFTS = torch.empty(0, dtype=torch.long)  # a plain step's drafts (never written to)
 
 
+def greedy_ids(out: TargetOutput) -> list[int]:
+    """Each row's argmax token (taken once for a whole batch where the backend did)."""
+    return out.argmax if out.argmax is not None else out.logits[0].argmax(dim=-1).tolist()
+
+
 @dataclass
 class Batch:
     """What a scheduler tells each of its sequences before a step: how many run (`size`) and
@@ -115,7 +120,7 @@ class Decoder:
         taps = self._taps()
         if not self.exact_verify:
             out = yield Forward(tokens, cache, taps)
-            return out, (out.logits[0].argmax(dim=-1).tolist() if greedy else None)
+            return out, (greedy_ids(out) if greedy else None)
         outs, ids = [], []
         for i in range(tokens.shape[1]):
             o = yield Forward(tokens[:, i:i + 1], cache, taps)
@@ -181,7 +186,7 @@ class Decoder:
         result = DecodeResult([], 0.0, 0.0, "length")
         self.last_result = result
         out = yield Forward(prompt, cache, self._taps())
-        pending = int(sample(out.logits[0, -1], params, gen))
+        pending = greedy_ids(out)[-1] if params.greedy else int(sample(out.logits[0, -1], params, gen))
         if self.proposer is not None:
             # the drafter's caches hold this request's positions and a chain or block past them
             if hasattr(self.proposer, "max_len"):
@@ -228,7 +233,7 @@ class Decoder:
         if params.greedy:  # the target's argmax per row; drafts kept while they match it
             accepted = accepted_prefix(draft_ids, target_ids)
             emitted_ids = target_ids[: accepted + 1]
-            emitted = torch.tensor(emitted_ids, device=device)
+            emitted = torch.tensor(emitted_ids, device=device) if drafting else None
         else:
             accepted, emitted = verify_sampling(drafts.to(device), probs_from_logits(rows, params), gen)
             emitted_ids = emitted.tolist()
