@@ -127,10 +127,11 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
         k_pool = torch.zeros(2, c.num_key_value_heads, c.head_dim, example_slots, dtype=dtype)  # [B, nkv, hd, S]
         v_pool = torch.zeros(2, example_slots, c.num_key_value_heads, c.head_dim, dtype=dtype)  # [B, S, nkv, hd]
         B = torch.export.Dim("seqs", min=1, max=MAX_POOL)
-        args = (rows, rows.clone(), rows.clone(), *[t.clone() for _ in range(c.num_hidden_layers)
-                                                    for t in (k_pool, v_pool)])
-        dyn = ({0: R}, {0: R}, {0: R}, tuple(d for _ in range(c.num_hidden_layers)
-                                             for d in ({0: B, 3: S}, {0: B, 1: S})))
+        M = torch.export.Dim("logit_rows", min=1, max=job.rows)
+        args = (rows, rows.clone(), rows.clone(), torch.arange(job.rows),
+                *[t.clone() for _ in range(c.num_hidden_layers) for t in (k_pool, v_pool)])
+        dyn = ({0: R}, {0: R}, {0: R}, {0: M}, tuple(d for _ in range(c.num_hidden_layers)
+                                                     for d in ({0: B, 3: S}, {0: B, 1: S})))
     elif role is Role.HEAD:
         d = staged.mtp.config.decoder
         step = MTPStep(staged.mtp, positions)

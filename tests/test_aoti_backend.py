@@ -216,6 +216,14 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine):
             for field in ("logits", "last_hidden", "taps"):
                 assert torch.equal(torch.cat([getattr(o, field) for o in got[b]], 1),
                                    torch.cat([getattr(o, field) for o in ones], 1)), (b, field)
+    # a prompt's forward with only its last row's logits (split across two package calls)
+    cache, alone = target.new_cache(1, 100), target.new_cache(1, 100)
+    long = torch.randint(0, target.config.vocab_size, (1, target.max_rows + 9), generator=gen)
+    with torch.inference_mode():
+        (last,) = target.forward_many([Forward(long, cache, (0, 1, 3), last_logits=True)])
+        whole = target(long, alone, taps=(0, 1, 3))
+    assert last.logits.shape[1] == 1 and torch.equal(last.logits[0, -1], whole.logits[0, -1])
+    assert torch.equal(last.taps, whole.taps) and last.argmax == whole.argmax[-1:]
     pool = caches[0].pool
     before = pool.in_use
     del caches, alone

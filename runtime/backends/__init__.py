@@ -30,11 +30,13 @@ from metrale.runtime.errors import ConfigError, FlagChoice
 @dataclass
 class Forward:
     """Target rows a sequence needs next: `ids` [1, T] at positions `cache.length`.., with the
-    outputs of target layers `taps`."""
+    outputs of target layers `taps`. `last_logits`: only the last row's logits are needed (a
+    prompt): a batched forward then computes no others and gives logits [1, 1, V]."""
 
     ids: torch.Tensor
     cache: object
     taps: tuple[int, ...] = ()
+    last_logits: bool = False
 
 
 def run_forwards(target, forwards: list[Forward]) -> list:

@@ -100,6 +100,7 @@ class _Rows1D:
     ids: torch.Tensor
     pos: torch.Tensor
     seq: torch.Tensor
+    want: list[int]  # the rows whose logits are needed
 
 
 class BatchedTarget:
@@ -164,36 +165,48 @@ class BatchedTarget:
         for members in groups.values():
             mine = [forwards[i] for i in members]
             outs = self._run(mine)
-            greedy = outs[0].argmax(dim=-1).tolist()  # every row's, in one call
-            offset = 0
+            greedy = outs[0].argmax(dim=-1).tolist()  # every logit row's, in one call
+            offset = lo = 0  # into the rows, into the logit rows
             for i, f in zip(members, mine):
                 t = f.ids.shape[1]
+                n = 1 if f.last_logits else t
                 rows = slice(offset, offset + t)
-                results[i] = TargetOutput(logits=outs[0][rows][None], last_hidden=outs[1][rows][None],
+                results[i] = TargetOutput(logits=outs[0][lo:lo + n][None], last_hidden=outs[1][rows][None],
                                           taps=self._taps(outs[2][rows][None], f.taps) if f.taps else None,
-                                          argmax=greedy[offset:offset + t])
-                offset += t
+                                          argmax=greedy[lo:lo + n])
+                offset, lo = offset + t, lo + n
                 f.cache.length += t
         return results
 
     def _flatten(self, forwards) -> _Rows1D:
-        ids, pos, seq = [], [], []
+        ids, pos, seq, want = [], [], [], []
         for f in forwards:
             t, start = f.ids.shape[1], f.cache.length
             ids.append(f.ids[0])
+            want.extend([len(pos) + t - 1] if f.last_logits else range(len(pos), len(pos) + t))
             pos.extend(range(start, start + t))
             seq.extend([f.cache.index] * t)
-        return _Rows1D(ids[0] if len(ids) == 1 else torch.cat(ids), torch.tensor(pos), torch.tensor(seq))
+        return _Rows1D(ids[0] if len(ids) == 1 else torch.cat(ids), torch.tensor(pos), torch.tensor(seq),
+                       want)
 
     def _run(self, forwards) -> list[torch.Tensor]:
-        """One pool's rows, in package calls of at most `max_rows` rows, concatenated."""
+        """One pool's rows, in package calls of at most `max_rows` rows, concatenated (logits:
+        of the wanted rows only)."""
         rows = self._flatten(forwards)
         kv = forwards[0].cache.pool.kv
         n, step = rows.ids.shape[0], self.max_rows
-        if n <= step:
-            return self.package(rows.ids, rows.pos, rows.seq, *kv)
-        parts = [self.package(rows.ids[c:c + step], rows.pos[c:c + step], rows.seq[c:c + step], *kv)
-                 for c in range(0, n, step)]
+        parts = []
+        for c in range(0, n, step):
+            want = [w - c for w in rows.want if c <= w < c + step]
+            if not want:  # a chunk inside a prompt: its last row stands in (its logits dropped)
+                want = [min(step, n - c) - 1]
+            out = self.package(rows.ids[c:c + step], rows.pos[c:c + step], rows.seq[c:c + step],
+                               torch.tensor(want), *kv)
+            if not any(c <= w < c + step for w in rows.want):
+                out = [out[0][:0], *out[1:]]
+            parts.append(out)
+        if len(parts) == 1:
+            return parts[0]
         return [torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))]
 
     def _taps(self, every: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:

@@ -221,8 +221,9 @@ class TargetStep(nn.Module):
         positions = pos + torch.arange(t, device=ids.device)  # [T]
         return tuple(o[None] for o in self.rows(ids[0], positions, None, kv))
 
-    def rows(self, ids: torch.Tensor, positions: torch.Tensor, seq, kv):
-        """ids, positions (and `seq`) [T] -> logits [T, V], last hidden [T, H] (, taps [T, n·H])."""
+    def rows(self, ids: torch.Tensor, positions: torch.Tensor, seq, kv, want=None):
+        """ids, positions (and `seq`) [T] -> logits [T, V] (only of the rows `want` [M], when
+        given: [M, V]), last hidden [T, H] (, taps [T, n·H])."""
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, hd]
         x = self.embed_tokens(ids)  # [T, H]
         last = len(self.layers) - 1
@@ -234,7 +235,7 @@ class TargetStep(nn.Module):
         normed = self.norm(x)
         if last in self.taps:
             tapped[last] = normed
-        outs = (self.linear(normed, self.lm_head), x)
+        outs = (self.linear(normed if want is None else normed[want], self.lm_head), x)
         if self.taps:
             outs += (torch.cat([tapped[i] for i in self.taps], dim=-1),)
         return outs
@@ -243,12 +244,15 @@ class TargetStep(nn.Module):
 class BatchedTargetStep(TargetStep):
     """The target's step over the rows of many sequences at once (`aoti_batched`): `ids`,
     `pos`, `seq` [N] int64 (each row's token, position and sequence, a sequence's rows in
-    position order), then K and V of every layer as pools, K [B, nkv, hd, S] and V
-    [B, S, nkv, hd] (sequence b's cache is [b]) -> logits [N, V], last_hidden [N, H], taps [N, n·H]. A row reads its own
-    sequence's slots only, so its bits depend on its sequence, never on the batch."""
+    position order), `want` [M] int64 (the rows whose logits are needed: a prompt needs its
+    last row's only), then K and V of every layer as pools, K [B, nkv, hd, S] and V
+    [B, S, nkv, hd] (sequence b's cache is [b]) -> logits [M, V], last_hidden [N, H], taps
+    [N, n·H]. A row reads its own sequence's slots only, so its bits depend on its sequence,
+    never on the batch."""
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, *kv: torch.Tensor):
-        return self.rows(ids, pos, seq, kv)
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, want: torch.Tensor,
+                *kv: torch.Tensor):
+        return self.rows(ids, pos, seq, kv, want)
 
 
 class MTPStep(nn.Module):

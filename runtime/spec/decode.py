@@ -185,7 +185,7 @@ class Decoder:
         gen = generator_for(params, device)
         result = DecodeResult([], 0.0, 0.0, "length")
         self.last_result = result
-        out = yield Forward(prompt, cache, self._taps())
+        out = yield Forward(prompt, cache, self._taps(), last_logits=True)
         pending = greedy_ids(out)[-1] if params.greedy else int(sample(out.logits[0, -1], params, gen))
         if self.proposer is not None:
             # the drafter's caches hold this request's positions and a chain or block past them
