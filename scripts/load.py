@@ -1,7 +1,7 @@
 """Load `metrale serve` over loopback with the official openai client and report what users see.
 
     python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
-                           [--max-tokens 32] [--modes plain,mtp,dflash] [--max-num-seqs 16]
+                           [--max-tokens 32] [--modes plain,mtp,dflash] [--max-num-seqs 64]
                            [--json FILE]
 
 Per mode it starts one `metrale serve` process (`--max-num-seqs`, one torch thread), then for
@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="plain,mtp,dflash")
-    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]

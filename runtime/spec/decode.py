@@ -62,8 +62,11 @@ class Proposer(Protocol):
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
         """-> (drafts [k] int64 to verify, drafts proposed by the drafter). `max_drafts` 0 is a
-        plain step (a busy batch): no drafts, and nothing of the drafter runs. The decode loop
-        sets `batch_size` (the sequences running) before each call."""
+        plain step: no drafts, and nothing of the drafter runs. The decode loop sets
+        `batch_size` (the sequences running) before each call."""
+
+    # Optional: `follow(out, emitted_ids)` — a plain step of a busy batch that the proposer took
+    # no part in (no propose, no accept): it only keeps the step's row for when drafting resumes.
 
     def accept(self, out: TargetOutput, rows: int, emitted: torch.Tensor) -> None:
         """The first `rows` rows of `out` (pending + accepted drafts) were kept; `emitted`
@@ -217,6 +220,9 @@ class Decoder:
         drafting = self._drafting()
         if params.seed is not None and not params.greedy:
             batch = ALONE  # its draws must not depend on the load: it drafts as if alone
+        following = drafting and not batch.speculate and hasattr(self.proposer, "follow")
+        if following:  # a busy batch: a plain step; the proposer only keeps the kept row
+            drafting = False
         if drafting and room > 1:
             self.proposer.batch_size = batch.size
             drafts, proposed = self.proposer.propose(pending, room - 1 if batch.speculate else 0)
@@ -241,6 +247,8 @@ class Decoder:
         t2 = time.perf_counter()
         if drafting:  # the drafter's own bookkeeping is drafter time
             self.proposer.accept(out, accepted + 1, emitted)
+        elif following:
+            self.proposer.follow(out, emitted_ids)
         t3 = time.perf_counter()
         result.metrics.record_step(proposed=max(proposed, k), verified=k, accepted=accepted,
                                    emitted=accepted + 1, verify_rows=rows.shape[0],

@@ -81,6 +81,11 @@ class DFlashProposer:
         proposal = self.drafter.propose(anchor, self.embed, self.cache, self.settings.gamma)
         return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
 
+    def follow(self, out, emitted_ids: list[int]) -> None:
+        """A plain step of a busy batch: its row's taps wait in `unfed`; the ladder and the
+        acceptance estimates see nothing (a plain step measures nothing)."""
+        self.unfed.append((out.taps, 1))
+
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
         self.unfed.append((out.taps, rows))  # sliced when fed: a suspended step pays nothing
         if self.controller is not None:

@@ -79,6 +79,10 @@ class MTPProposer:
         self.cache.length = self.base
         return torch.tensor(drafts, dtype=torch.long), len(drafts)
 
+    def follow(self, out, emitted_ids: list[int]) -> None:
+        """A plain step of a busy batch: its row waits in `unfed` like an accepted one."""
+        self.unfed.append((torch.tensor(emitted_ids, device=self.embed.weight.device), out.last_hidden))
+
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
         """The head's entries for the kept rows are computed at the next chain (`_feed`), so a
         run of plain steps (a busy batch) costs the head nothing until drafting resumes."""
