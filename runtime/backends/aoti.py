@@ -125,7 +125,32 @@ class _Rows:
         return next(p for p in self.packages if p.rows >= n)
 
 
-class CompiledTarget:
+class TargetFace:
+    """What a compiled target's face keeps of the eager model (the drafters embed with its
+    embedding; config, dtype) and how it cuts the packages' taps to the layers asked for."""
+
+    def __init__(self, model: Qwen3ForCausalLM, taps: tuple[int, ...], max_slots: int):
+        self.model_ref = model
+        self.config = model.config
+        self.model = model.model
+        self.lm_head = model.lm_head
+        self.taps = tuple(taps)
+        self.max_slots = max_slots
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model_ref.dtype
+
+    def select_taps(self, every: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
+        """The columns of layers `taps` from the packages' taps (in `self.taps`' order)."""
+        if tuple(taps) == self.taps:
+            return every
+        h = self.config.hidden_size
+        cols = [every[..., self.taps.index(i) * h:(self.taps.index(i) + 1) * h] for i in taps]
+        return cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
+
+
+class CompiledTarget(TargetFace):
     """The target's decode face over AOTInductor packages (see the module docstring)."""
 
     @classmethod
@@ -134,19 +159,10 @@ class CompiledTarget:
 
     def __init__(self, model: Qwen3ForCausalLM, packages: list[Package], taps: tuple[int, ...],
                  max_slots: int):
+        super().__init__(model, taps, max_slots)
         self.rows = _Rows(packages, "target")
-        self.model_ref = model  # embedding (drafters embed with it), config, dtype
-        self.config = model.config
-        self.model = model.model
-        self.lm_head = model.lm_head
-        self.taps = tuple(taps)
-        self.max_slots = max_slots
         self.packages = self.rows.packages
         self.max_rows = self.rows.max_rows
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model_ref.dtype
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         """A cache of `max_len` positions plus one padded step, rounded up to 64 slots."""
@@ -183,15 +199,7 @@ class CompiledTarget:
                 tapped.append(outs[2])
         cache.length = start + t
         cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # noqa: E731
-        tap = None
-        if taps:
-            every = cat(tapped)  # [1, T, n·H] in the packages' tap order
-            if tuple(taps) == self.taps:
-                tap = every
-            else:
-                h = self.config.hidden_size
-                cols = [every[..., self.taps.index(i) * h:(self.taps.index(i) + 1) * h] for i in taps]
-                tap = cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
+        tap = self.select_taps(cat(tapped), taps) if taps else None
         return TargetOutput(logits=cat(logits), last_hidden=cat(hidden), taps=tap)
 
 

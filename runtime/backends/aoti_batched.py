@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.runtime.backends.aoti import CompiledTarget, Package, _Rows, slots_for
+from metrale.runtime.backends.aoti import CompiledTarget, Package, TargetFace, _Rows, slots_for
 from metrale.runtime.models.qwen3 import TargetOutput
 
 FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
@@ -103,7 +103,7 @@ class _Rows1D:
     want: list[int]  # the rows whose logits are needed
 
 
-class BatchedTarget:
+class BatchedTarget(TargetFace):
     """The target's decode face over one batched package (see the module docstring)."""
 
     @classmethod
@@ -115,21 +115,12 @@ class BatchedTarget:
         return cls(model, loaded[0][1], tuple(cpu.get("taps", ())), cpu["max_slots"])
 
     def __init__(self, model, package: Package, taps: tuple[int, ...], max_slots: int):
+        super().__init__(model, taps, max_slots)
         self.rows = _Rows([package], "target")
         self.package = package
-        self.model_ref = model  # embedding (drafters embed with it), config, dtype
-        self.config = model.config
-        self.model = model.model
-        self.lm_head = model.lm_head
-        self.taps = tuple(taps)
-        self.max_slots = max_slots
         self.packages = [package]
         self.max_rows = package.rows
         self.pools: dict[int, KVPool] = {}
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model_ref.dtype
 
     def new_cache(self, batch: int, max_len: int) -> PooledCache:
         """A place for `max_len` positions (and a step past them) in the pool of its slot count."""
@@ -172,7 +163,7 @@ class BatchedTarget:
                 n = 1 if f.last_logits else t
                 rows = slice(offset, offset + t)
                 results[i] = TargetOutput(logits=outs[0][lo:lo + n][None], last_hidden=outs[1][rows][None],
-                                          taps=self._taps(outs[2][rows][None], f.taps) if f.taps else None,
+                                          taps=self.select_taps(outs[2][rows][None], f.taps) if f.taps else None,
                                           argmax=greedy[lo:lo + n])
                 offset, lo = offset + t, lo + n
                 f.cache.length += t
@@ -208,11 +199,3 @@ class BatchedTarget:
         if len(parts) == 1:
             return parts[0]
         return [torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))]
-
-    def _taps(self, every: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
-        """The columns of `taps` from the package's taps (in `self.taps`' order)."""
-        if taps == self.taps:
-            return every
-        h = self.config.hidden_size
-        cols = [every[..., self.taps.index(i) * h:(self.taps.index(i) + 1) * h] for i in taps]
-        return cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
