@@ -31,7 +31,7 @@ import torch
 from metrale.builder import quantize as q
 from metrale.builder import shard
 from metrale.builder.recipe import BuildOptions, Recipe
-from metrale.runtime.models.configs import DFlashConfig, read_config
+from metrale.runtime.models.configs import read_config
 from metrale.runtime.artifact.engine_dir import EngineDirWriter, Manifest, checkpoint_digest
 from metrale.runtime.errors import CheckpointError, ConfigError
 from metrale.runtime.components import KINDS, resolve
@@ -73,7 +73,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
 
     tier_format = q.DraftWeightQuantization.parse(opts.draft_weight_quantization).format
     for name, src in recipe.drafters.items():  # from the configs: refused before any loading
-        cfg = DFlashConfig.from_hf(read_config(src.checkpoint), f"{src.checkpoint}/config.json")
+        cfg = KINDS[src.kind].parse(read_config(src.checkpoint), f"{src.checkpoint}/config.json", {})
         shard.check_drafter_tp(cfg, tp, tier_format, name)
 
     progress("loading checkpoints")
@@ -89,7 +89,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
         q.check_mtp_request(raw, experts_nvfp4=opts.mtp_experts_nvfp4,
                             mtp_quantization=opts.mtp_quantization, ffn_kind=head.config.ffn_kind)
         del raw
-    drafters = {name: loader["dflash"](src.checkpoint, lm_head) for name, src in recipe.drafters.items()}
+    drafters = {name: loader[src.kind](src.checkpoint, lm_head) for name, src in recipe.drafters.items()}
 
     memory: dict[str, dict] = {}
     with EngineDirWriter(out, overwrite=overwrite) as w:
@@ -119,7 +119,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
             src = recipe.drafters[name].checkpoint
             shards = shard.shard_drafter(qstate, drafter.config, tp)
             _write_component(w, name, src, shards,
-                             {"kind": "dflash", "version": drafter.config.version,
+                             {"kind": recipe.drafters[name].kind, "version": drafter.config.version,
                               "quantization": section, "weight_bytes": q.weight_bytes(qstate),
                               "tp_size": tp, "rank_weight_bytes": shard.shard_bytes(shards)},
                              declared=state)

@@ -7,7 +7,8 @@ A recipe is a TOML file::
     [target]                 checkpoint = a Hugging Face folder (config.json, *.safetensors,
                              tokenizer files)
     [mtp]                    optional: the MTP head's checkpoint
-    [drafters.<name>]        zero or more drafters; the table name is the component name
+    [drafters.<name>]        zero or more drafters; the table name is the component name;
+                             `kind` (default "dflash") names its component kind
     [build]                  defaults for the build flags (`BuildOptions`); CLI flags override
 
 Invariants:
@@ -162,6 +163,7 @@ class ComponentSource:
 
     name: str
     checkpoint: Path  # absolute, resolved against the recipe's folder
+    kind: str = ""  # a drafter's component kind (`runtime.components.KINDS`, role drafter)
 
     def __post_init__(self) -> None:
         if not is_component_name(self.name):
@@ -230,14 +232,27 @@ def _table(data: Mapping[str, Any], key: str, where: str, source: str) -> dict[s
     return value
 
 
+def drafter_kinds() -> list[str]:
+    """The component kinds a [drafters.<name>] table may name (the registry's drafters)."""
+    from metrale.runtime.components import KINDS, Role
+
+    return [name for name, k in KINDS.items() if k.role is Role.DRAFTER]
+
+
 def _component(table: Mapping[str, Any], name: str, where: str, source: str,
-               base: Path) -> ComponentSource:
-    _refuse_unknown(table, {"checkpoint"}, where, source)
+               base: Path, drafter: bool = False) -> ComponentSource:
+    _refuse_unknown(table, {"checkpoint", "kind"} if drafter else {"checkpoint"}, where, source)
     checkpoint = table.get("checkpoint")
     if not isinstance(checkpoint, str) or not checkpoint:
         raise ConfigError(f"{source}: {where} needs checkpoint = \"<folder>\", got {checkpoint!r}")
+    kind = ""
+    if drafter:
+        kind = table.get("kind", "dflash")
+        if kind not in drafter_kinds():
+            raise ConfigError(f"{source}: {where} kind = {kind!r}: expected one of "
+                              f"{', '.join(drafter_kinds())}")
     try:
-        return ComponentSource(name, (base / checkpoint).resolve())
+        return ComponentSource(name, (base / checkpoint).resolve(), kind)
     except ConfigError as e:
         raise ConfigError(f"{source}: {where} checkpoint = {checkpoint!r}: {e}") from None
 
@@ -283,7 +298,7 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
             if not is_component_name(dname) or dname in ("target", "mtp"):
                 raise ConfigError(f"{source}: drafter name {dname!r} in {where} is not "
                                   f"{COMPONENT_NAME_RULE}; 'target' and 'mtp' are taken too")
-            drafters[dname] = _component(table, dname, where, source, base)
+            drafters[dname] = _component(table, dname, where, source, base, drafter=True)
 
     build = BuildOptions()
     if "build" in data:

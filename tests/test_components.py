@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,27 @@ def test_a_kind_registered_in_the_table_alone_loads_proposes_and_benches(tiny_en
 
     with pytest.raises(EngineDirError, match="component dflash has kind 'dflash_copy'"):
         load_engine(copy)
+
+
+def test_a_recipe_names_its_drafters_kind(tmp_path, monkeypatch):
+    """[drafters.<name>] kind = "<kind>" (default dflash) is what the build writes into the
+    manifest entry; a kind the registry lacks is refused by name before anything loads."""
+    from metrale.builder.build import build_engine
+    from metrale.builder.recipe import load_recipe
+    from metrale.runtime.errors import ConfigError
+
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    text = (recipes / "tiny.toml").read_text().replace('checkpoint = "tiny/', f'checkpoint = "{recipes}/tiny/')
+    text = text.replace(f'checkpoint = "{recipes}/tiny/dflash"',
+                        f'checkpoint = "{recipes}/tiny/dflash"\nkind = "dflash_copy"')
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    monkeypatch.setitem(KINDS, "dflash_copy", dataclasses.replace(KINDS["dflash"], name="dflash_copy"))
+    recipe = load_recipe(path)
+    recipe = dataclasses.replace(recipe, build=dataclasses.replace(recipe.build, cpu_engines="none", onnx=False))
+    build_engine(recipe, tmp_path / "engine")
+    components = json.loads((tmp_path / "engine" / "config.json").read_text())["components"]
+    assert components["dflash"]["kind"] == "dflash_copy" and components["dflash2"]["kind"] == "dflash"
+    monkeypatch.delitem(KINDS, "dflash_copy")
+    with pytest.raises(ConfigError, match=r"\[drafters.dflash\] kind = 'dflash_copy': expected one of dflash"):
+        load_recipe(path)

@@ -108,7 +108,9 @@ def test_default_recipe_path_points_at_the_repo_recipes_folder():
     (FULL.replace('checkpoint = "tiny/mtp"', 'checkpoint = "tiny/mtp"\nquant = 1'),
      "unknown key 'quant' in \\[mtp\\]"),
     (FULL.replace('checkpoint = "tiny/dflash"\n', 'checkpoint = "tiny/dflash"\nkind = "x"\n'),
-     "unknown key 'kind' in \\[drafters.dflash\\]"),
+     "\\[drafters.dflash\\] kind = 'x': expected one of dflash"),
+    (FULL.replace('checkpoint = "tiny/mtp"', 'checkpoint = "tiny/mtp"\nkind = "dflash"'),
+     "unknown key 'kind' in \\[mtp\\]"),
     ("[servers]\n" + MINIMAL, "unknown key 'servers' in the top level"),
 ])
 def test_unknown_keys_refused_naming_key_and_file(tree, text, match):
