@@ -153,6 +153,8 @@ class BatchedTarget(TargetFace):
                                  f"cache's {f.cache.max_len} slots")
             groups.setdefault(id(f.cache.pool), []).append(i)
         results: list[TargetOutput | None] = [None] * len(forwards)
+        # lengths move only once every call succeeded: a failed batch leaves each cache as it
+        # was (its slots written again, with the same values, by a retry)
         for members in groups.values():
             mine = [forwards[i] for i in members]
             outs = self._run(mine)
@@ -166,7 +168,8 @@ class BatchedTarget(TargetFace):
                                           taps=self.select_taps(outs[2][rows][None], f.taps) if f.taps else None,
                                           argmax=greedy[lo:lo + n])
                 offset, lo = offset + t, lo + n
-                f.cache.length += t
+        for f in forwards:
+            f.cache.length += f.ids.shape[1]
         return results
 
     def _flatten(self, forwards) -> _Rows1D:
