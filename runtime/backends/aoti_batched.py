@@ -123,10 +123,12 @@ class BatchedTarget(TargetFace):
         self.pools: dict[int, KVPool] = {}
 
     def new_cache(self, batch: int, max_len: int) -> PooledCache:
-        """A place for `max_len` positions (and a step past them) in the pool of its slot count."""
+        """A place for `max_len` positions in the pool of its slot count (no padding rows: the
+        package takes any row count, so a request's slots are its length rounded up to 64, and
+        its attention runs over no more of them)."""
         if batch != 1:
             raise ValueError("the aoti backend holds one sequence per cache")
-        slots = slots_for(max_len + 8, self.max_slots, "target")
+        slots = slots_for(max_len, self.max_slots, "target")
         pool = self.pools.get(slots)
         if pool is None:
             c = self.config

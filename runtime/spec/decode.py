@@ -184,7 +184,7 @@ class Decoder:
         if budget < 1:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
                              f"context of {self.max_context} tokens")
-        cache = self.target.new_cache(1, len(prompt_ids) + budget + 1 + 16)
+        cache = self.target.new_cache(1, len(prompt_ids) + budget)  # its last step ends before that
         gen = generator_for(params, device)
         result = DecodeResult([], 0.0, 0.0, "length")
         self.last_result = result
