@@ -34,16 +34,15 @@ def check(engine_dir: Path, tier: str) -> list[str]:
     problems = []
     assert m.build["trt_flavor"] == "rtx", m.build
     for name, info in m.components.items():
-        q = (info.get("quantization") or {}).get("quantization", {})
-        quantized = len(q.get("quantized_modules", []))
+        quantized = len(info.quant_algo.quantized_modules) if info.quant_algo is not None else 0
         for sm in SMS:
-            eng = info.get("engines", {}).get(str(sm))
+            eng = info.engines.get(str(sm))
             if eng is None:
                 problems.append(f"{engine_dir}: {name} has no SM{sm} engine")
                 continue
             want = expected_plugins(tier, name, sm, quantized)
-            if eng["plugins"] != want:
-                problems.append(f"{engine_dir}: {name} SM{sm} plugin layers {eng['plugins']}, expected {want}")
+            if eng.plugins != want:
+                problems.append(f"{engine_dir}: {name} SM{sm} plugin layers {eng.plugins}, expected {want}")
     # exactly the cubins the plugin layers launch: per kernel, SM and activation dtype
     cubins = sorted(f for f in m.files if f.startswith("plugins/") and f.endswith(".cubin"))
     act = {"bfloat16": "bf16", "float32": "fp32"}[m.build.get("trt_dtype", "float32")]

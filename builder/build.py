@@ -73,7 +73,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
 
     tier_format = q.DraftWeightQuantization.parse(opts.draft_weight_quantization).format
     for name, src in recipe.drafters.items():  # from the configs: refused before any loading
-        cfg = KINDS[src.kind].parse(read_config(src.checkpoint), f"{src.checkpoint}/config.json", {})
+        cfg = KINDS[src.kind].parse(read_config(src.checkpoint), f"{src.checkpoint}/config.json", None)
         shard.check_drafter_tp(cfg, tp, tier_format, name)
 
     progress("loading checkpoints")
@@ -129,10 +129,9 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
             from metrale.builder.cpu_build import build_cpu_packages
 
             taps = tuple(dict.fromkeys(i for d in drafters.values() for i in d.config.target_layer_ids))
-            for name, cpu in build_cpu_packages(w, dict(w.components), taps, progress).items():
+            for name, cpu in build_cpu_packages(w, w.components, taps, progress).items():
                 info = w.components[name]
-                w.component(name, {**info, "cpu": cpu,
-                                   "files": info["files"] + [p["file"] for p in cpu["packages"]]})
+                w.component(name, info.merged(cpu=cpu, files=info.files + [p.file for p in cpu.packages]))
         w.set(sources=sources, tp_size=tp, memory_estimate=memory,
               plugins=engines.get("plugins", []),
               build={"recipe": recipe.name, "draft_weight_quantization": opts.draft_weight_quantization,
@@ -157,12 +156,10 @@ def build_engines(w: EngineDirWriter, opts, progress) -> dict:
     from metrale.plugins.trt_plugin import GEMM_OPS
 
     infos = w.components
-    models = load_staged(w.path, infos, dtype=getattr(torch, opts.trt_dtype),
-                         tp_sizes={n: i.get("tp_size", 1) for n, i in infos.items()})
+    models = load_staged(w.path, infos, dtype=getattr(torch, opts.trt_dtype))
     extra = export_and_build(w, models, opts, progress)
     for name, add in extra["components"].items():
-        w.component(name, {**infos[name], **{k: v for k, v in add.items() if k != "files"},
-                           "files": infos[name]["files"] + add["files"]})
+        w.component(name, infos[name].merged(**{**add, "files": infos[name].files + add["files"]}))
     jobs = cubin_jobs(extra["components"], GEMM_OPS)
     if jobs:
         extra["plugins"] = compile_cubins(w, jobs, progress)

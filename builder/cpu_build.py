@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from metrale.builder.cpu_check import check_packages, load_packed
+from metrale.runtime.artifact.entries import ComponentEntry, CpuPackages
 from metrale.runtime.components import Role, kind_named, kind_of
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     return step.eval(), args, dyn
 
 
-def _compile_one(root: str, job: Job, kinds: dict[str, dict], taps: tuple[int, ...], slots: int,
+def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tuple[int, ...], slots: int,
                  out: str, dtype_name: str) -> float:
     """Worker: export and compile one package to `out`; returns the seconds it took."""
     import torch._inductor
@@ -165,35 +166,36 @@ def _compile_one(root: str, job: Job, kinds: dict[str, dict], taps: tuple[int, .
     return time.time() - t0
 
 
-def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], progress,
-                       dtype: torch.dtype = torch.float32, workers: int = 2) -> dict[str, dict]:
+def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int, ...], progress,
+                       dtype: torch.dtype = torch.float32, workers: int = 2) -> dict[str, CpuPackages]:
     """Compile (or take from the cache) every package into `<component>/cpu/` of the staging
     directory `w.path`; returns each component's manifest `cpu` entry. `components` maps the
-    names written so far to their manifest entries (kind, naming, tp_size)."""
+    names written so far to their manifest entries."""
     from metrale.runtime.backends.aoti import build_fingerprint
     from metrale.runtime.errors import EngineDirError
 
     root = Path(w.path)
-    kinds, roles = {}, {}  # name -> manifest entry (kind, naming), name -> role
+    kinds, roles = {}, {}  # name -> manifest entry, name -> role (the target's entry is `kinds`' first)
+    kinds["target"] = components["target"]
     for name, info in components.items():
         role = kind_of(info, f"component {name}").role
         if role is Role.TARGET:
             continue
-        if role is Role.DRAFTER and info.get("tp_size", 1) != 1:
+        if role is Role.DRAFTER and info.tp_size != 1:
             log.info("drafter %s is tensor-parallel: it runs eagerly on the aoti backend", name)
             continue
-        kinds[name] = {k: info[k] for k in ("kind", "naming") if k in info}
+        kinds[name] = info
         roles[name] = role
     fingerprint = build_fingerprint(dtype, THREADS)
-    staged = load_packed(root, {"target": {"kind": "target"}}, dtype)
+    staged = load_packed(root, {"target": kinds["target"]}, dtype)
     slots = max_slots(staged.target.config)
     t0 = time.time()
     jobs = [Job("target", "target", TARGET_ROWS, "target/cpu/steps.pt2")]
-    for name, info in kinds.items():
-        if roles[name] is Role.HEAD:
-            jobs.append(Job(name, info["kind"], MTP_ROWS, f"{name}/cpu/steps.pt2"))
+    for name, role in roles.items():
+        if role is Role.HEAD:
+            jobs.append(Job(name, kinds[name].kind, MTP_ROWS, f"{name}/cpu/steps.pt2"))
         else:
-            jobs.append(Job(name, info["kind"], FEED_ROWS, f"{name}/cpu/propose.pt2"))
+            jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose.pt2"))
     compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
     progress("checking the CPU packages against one-row steps and the eager models")
     check = check_packages(root, jobs, kinds, taps, slots, dtype)
@@ -216,15 +218,16 @@ def build_cpu_packages(w, components: dict[str, dict], taps: tuple[int, ...], pr
             raise EngineDirError(f"CPU packages: {name}'s package proposes the eager drafter's "
                                  f"drafts only {c['drafts_equal']:.0%} of the time (< 90%)")
     out = {}
-    for name in ["target", *kinds]:
+    for name in kinds:
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel],
                     **({"feed": j.rows, "block": staged_block(root, name)} if roles.get(name) is Role.DRAFTER
                        else {"rows": j.rows, "dynamic_rows": True,
                              **({"batched": True} if name == "target" else {})})} for j in mine]
-        out[name] = {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
-                     "check": check[name], **({"taps": list(taps)} if name == "target" else {})}
-    out["target"]["build_s"] = round(time.time() - t0, 1)
+        out[name] = CpuPackages.model_validate(
+            {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
+             "check": check[name], **({"taps": list(taps), "build_s": round(time.time() - t0, 1)}
+                                      if name == "target" else {})})
     return out
 
 
@@ -238,7 +241,7 @@ def _compile_all(root: Path, jobs: list[Job], kinds, taps, slots: int, fingerpri
                  workers: int, progress) -> dict[str, float]:
     """Compile (or copy from the cache) each job's package; returns seconds per file."""
     base = repr((sorted(fingerprint.items()), taps, slots, _sources_digest()))
-    weights = {name: _file_digest(root / name / "rank0.safetensors") for name in {"target", *kinds}}
+    weights = {name: _file_digest(root / name / "rank0.safetensors") for name in kinds}
     todo, seconds = [], {}
     for job in jobs:
         key = hashlib.sha256(repr((base, job, weights["target"], weights[job.name])).encode()).hexdigest()[:32]
@@ -254,7 +257,7 @@ def _compile_all(root: Path, jobs: list[Job], kinds, taps, slots: int, fingerpri
         return seconds
     progress(f"compiling {len(todo)} CPU packages (AOTInductor, {min(workers, len(todo))} at a time)")
     dtype_name = str(dtype).removeprefix("torch.")
-    relevant = lambda job: {"target": {"kind": "target"}, **({job.name: kinds[job.name]} if job.name != "target" else {})}  # noqa: E731
+    relevant = lambda job: {"target": kinds["target"], job.name: kinds[job.name]}  # noqa: E731
     with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=get_context("spawn")) as pool:
         futures = [(job, dest, cached, pool.submit(_compile_one, str(root), job, relevant(job), taps, slots,
                                                    str(dest), dtype_name))

@@ -142,7 +142,7 @@ def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
     return {"drafts_equal": round(equal / total, 4)}
 
 
-def load_packed(root: Path, kinds: dict[str, dict], dtype: torch.dtype):
+def load_packed(root: Path, kinds: dict, dtype: torch.dtype):
     """The staged models of a build (`trt_build.load_staged`), packed for inference as the
     decode loop runs them: what the CPU packages are compiled from and checked against."""
     from metrale.builder.trt_build import load_staged
@@ -155,13 +155,16 @@ def load_packed(root: Path, kinds: dict[str, dict], dtype: torch.dtype):
     return staged
 
 
-def check_packages(root, jobs, kinds: dict[str, dict], taps, slots: int, dtype) -> dict[str, dict]:
-    staged = load_packed(root, {"target": {"kind": "target"}, **kinds}, dtype)
+def check_packages(root, jobs, kinds: dict, taps, slots: int, dtype) -> dict[str, dict]:
+    """`kinds`: name -> manifest entry of the target and every component with packages."""
+    staged = load_packed(root, kinds, dtype)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         out = {"target": _check_target(root, jobs, staged, taps, slots, gen)}
         for name, info in kinds.items():
-            if kind_named(info["kind"]).role is Role.HEAD:
+            if name == "target":
+                continue
+            if kind_named(info.kind).role is Role.HEAD:
                 out[name] = _check_mtp(root, jobs, name, staged, slots, gen)
             else:
                 out[name] = _check_drafter(root, jobs, name, staged, taps, slots, gen)

@@ -41,9 +41,9 @@ def _mtp_name(manifest: Manifest) -> str | None:
     return next(iter(names_with_role(manifest.components, Role.HEAD)), None)
 
 
-def _declared(engine_dir: Path, name: str, info: dict, flag: str) -> tuple[State, str]:
-    rel = info.get("declared")
-    if not isinstance(rel, str):
+def _declared(engine_dir: Path, name: str, info, flag: str) -> tuple[State, str]:
+    rel = info.declared
+    if rel is None:
         raise EngineDirError(f"{flag}: engine directory {engine_dir} keeps no declared weights for "
                              f"{name} (an older metrale built it); rebuild it with metrale build")
     try:

@@ -207,11 +207,10 @@ class StagedModels:
     kinds: dict[str, str] = field(default_factory=dict)  # name -> its manifest kind
 
 
-def load_staged(root: Path, components: Mapping[str, dict], dtype=None,
-                tp_sizes: Mapping[str, int] | None = None) -> StagedModels:
+def load_staged(root: Path, components: Mapping, dtype=None) -> StagedModels:
     """Load `<name>/config.json` + `<name>/rank0.safetensors` for each name -> manifest entry
-    (its `kind`, and the head's `naming`) exactly as the torch backend would; a drafter with
-    `tp_sizes[name]` > 1 loads each rank's shard as `load_engine(tp=...)` does."""
+    (`ComponentEntry`) exactly as the torch backend would; a drafter of `tp_size` > 1 loads
+    each rank's shard as `load_engine(tp=...)` does."""
     import json
 
     import torch
@@ -224,7 +223,7 @@ def load_staged(root: Path, components: Mapping[str, dict], dtype=None,
     for name, info in components.items():
         kind = kind_of(info, f"component {name}")
         staged.kinds[name] = kind.name
-        size = (tp_sizes or {}).get(name, 1)
+        size = info.tp_size
         if kind.role is Role.DRAFTER and size > 1:
             from metrale.builder.tp_export import load_rank_drafters
 

@@ -35,7 +35,7 @@ def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
     `gamma_costs` (drafter name -> CostModel) adding adaptive k."""
     from metrale.runtime.components import KINDS
 
-    loaded = {n: (KINDS[i["kind"]], engine.component(n)) for n, i in engine.manifest.components.items()}
+    loaded = {n: (KINDS[i.kind], engine.component(n)) for n, i in engine.manifest.components.items()}
     return _modes({n: (k, m.config) for n, (k, m) in loaded.items() if m is not None}, gamma_costs)
 
 
@@ -144,6 +144,7 @@ def _wanted_modes(modes: str | None) -> list[str] | None:
 def _mode_names(engine_dir: Path) -> list[str]:
     """The names `mode_table` gives an engine directory, read from its manifest and component
     configs without loading a model; [] when they cannot be read (loading then says why)."""
+    from metrale.runtime.artifact.entries import parse_entry
     from metrale.runtime.components import KINDS
     from metrale.runtime.errors import MetraleError
 
@@ -152,9 +153,10 @@ def _mode_names(engine_dir: Path) -> list[str]:
         manifest = json.loads((root / "config.json").read_text(encoding="utf-8"))
         comps = {}
         for n, info in manifest["components"].items():
-            kind = KINDS[info["kind"]]
+            entry = parse_entry(info, n)
+            kind = KINDS[entry.kind]
             cfg = json.loads((root / n / "config.json").read_text(encoding="utf-8"))
-            comps[n] = (kind, kind.parse(cfg, f"{n}/config.json", info))
+            comps[n] = (kind, kind.parse(cfg, f"{n}/config.json", entry))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, MetraleError):
         return []
     return [name for name, _ in _modes(comps, {n: "0:1" for n in comps})]

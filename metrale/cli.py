@@ -136,8 +136,8 @@ def _print_build(report) -> None:
     for col in ("component", "kind", "quantization", "weight bytes"):
         t.add_column(col)
     for name, info in m.components.items():
-        t.add_row(*map(Text, (name, str(info.get("kind", "")), quant_cell(info.get("quantization")),
-                              human_size(info.get("weight_bytes", 0)) if info.get("weight_bytes") else "")))
+        t.add_row(*map(Text, (name, info.kind, quant_cell(info),
+                              human_size(info.weight_bytes) if info.weight_bytes else "")))
     out.print(t)
     if report.memory_estimate:
         est = Table(title="memory estimate: weight bytes per tier")

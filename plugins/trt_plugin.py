@@ -181,12 +181,13 @@ class KernelLibrary:
 
 
 def plugin_kernel_keys(engines, sm: int) -> set[str]:
-    """The `KernelImage.key`s the GEMM plugin layers of manifest engine entries (`plugins`: op ->
-    count, `plugin_acts`: op -> activation dtypes) built for `sm` launch."""
+    """The `KernelImage.key`s the GEMM plugin layers of engines built for `sm` launch; `engines`
+    holds per engine its plugin layers (op -> count) and their activation dtypes (op -> dtypes),
+    as its manifest entry records them."""
     keys = set()
-    for entry in engines:
-        acts = entry.get("plugin_acts") or {}
-        for op in entry.get("plugins") or {}:
+    for plugins, acts in engines:
+        acts = acts or {}
+        for op in plugins or {}:
             if op not in GEMM_OPS:
                 continue
             if not acts.get(op):

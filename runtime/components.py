@@ -60,7 +60,8 @@ class GraphIO:
 class ComponentKind:
     name: str
     role: Role
-    parse: Callable[[dict, str, dict], Any]  # (config.json, where, manifest entry) -> config
+    # (config.json, where, its manifest entry or None at build time) -> config
+    parse: Callable[[dict, str, Any], Any]
     module: str
     decoder: Callable[[Any], DecoderConfig]
     graph_io: Callable[[Any, tuple[int, ...]], GraphIO]  # (config, target taps) -> GraphIO
@@ -122,8 +123,11 @@ def _dflash_io(cfg: DFlashConfig, taps: tuple[int, ...]) -> GraphIO:
     return GraphIO(("context_features", "past_key", "past_value", "position", "block_embeds"), outs, dyn)
 
 
-def _mtp_config(cfg: dict, where: str, info: dict) -> MTPConfig:
-    naming = info.get("naming", "qwen3_next")
+def _mtp_config(cfg: dict, where: str, info) -> MTPConfig:
+    naming = info.naming if info is not None else None
+    if naming is None:
+        raise CheckpointError(f"{where}: the MTP head's manifest entry records no naming "
+                              f"(one of {', '.join(MTP_NAMINGS)})")
     if naming not in MTP_NAMINGS:
         raise CheckpointError(f"{where}: the MTP head's naming {naming!r} is not one metrale reads "
                               f"(expected one of {', '.join(MTP_NAMINGS)})")
@@ -186,14 +190,14 @@ def kind_named(kind: str) -> ComponentKind:
         raise ValueError(f"unknown component kind {kind!r} (allowed: {', '.join(KINDS)})") from None
 
 
-def kind_of(info: dict, where: str) -> ComponentKind:
-    """A manifest entry's kind, or an EngineDirError naming the component's place."""
-    kind = info.get("kind")
-    if kind not in KINDS:
-        raise EngineDirError(f"{where} has kind {kind!r}; expected one of {', '.join(KINDS)}")
-    return KINDS[kind]
+def kind_of(info, where: str) -> ComponentKind:
+    """A manifest entry's (`artifact.entries.ComponentEntry`) kind, or an EngineDirError naming
+    the component's place."""
+    if info.kind not in KINDS:
+        raise EngineDirError(f"{where} has kind {info.kind!r}; expected one of {', '.join(KINDS)}")
+    return KINDS[info.kind]
 
 
-def names_with_role(components: dict[str, dict], role: Role) -> list[str]:
+def names_with_role(components: dict, role: Role) -> list[str]:
     """The names of a manifest's components (name -> entry) of `role`, in manifest order."""
-    return [n for n, info in components.items() if info.get("kind") in KINDS and KINDS[info["kind"]].role is role]
+    return [n for n, info in components.items() if info.kind in KINDS and KINDS[info.kind].role is role]

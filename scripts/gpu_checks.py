@@ -134,9 +134,10 @@ def _flavor(sm: int) -> tuple[str | None, str]:
 
 def spec_modes(engine_dir: Path) -> list[tuple[str, list[str]]]:
     """(name, generate flags) for every speculative mode the directory can run."""
+    from metrale.runtime.artifact.engine_dir import load_manifest
     from metrale.runtime.components import Role, names_with_role
 
-    comps = json.loads((engine_dir / "config.json").read_text())["components"]
+    comps = load_manifest(engine_dir, verify=False).components
     modes = []
     if "mtp" in comps:
         for k in (1, 2, 3):

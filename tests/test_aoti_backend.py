@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import CHUNKWISE_MODES, assert_verify_rows_are_one_row_steps
 
+from metrale.runtime.artifact.engine_dir import load_manifest
 from metrale.runtime.backends.aoti_steps import TargetStep
 from metrale.runtime.errors import EngineDirError
 from metrale.runtime.models.layers import pack_for_inference
@@ -158,9 +159,9 @@ def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
     assert load_engine(aoti_engine_dir, backend="auto", dtype=torch.bfloat16).backend == "torch"
     with pytest.raises(EngineDirError, match="built for dtype 'float32'.*'bfloat16'"):
         load_engine(aoti_engine_dir, backend="aoti", dtype=torch.bfloat16)
-    info = json.loads((aoti_engine_dir / "config.json").read_text())["components"]["target"]["cpu"]
+    cpu = load_manifest(aoti_engine_dir).components["target"].cpu
     with pytest.raises(EngineDirError, match="built for isa 'AVX512_NOT_HERE'"):
-        check_fingerprint({**info, "isa": "AVX512_NOT_HERE"}, torch.float32, "x")
+        check_fingerprint(cpu.model_copy(update={"isa": "AVX512_NOT_HERE"}), torch.float32, "x")
     # a package altered on disk is refused by the manifest's checksum, naming it
     copy = tmp_path / "copy"
     shutil.copytree(aoti_engine_dir, copy)
@@ -171,8 +172,8 @@ def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
 
 
 def test_packages_of_an_older_layout_are_refused_by_name(aoti_engine_dir, tmp_path):
-    """An engine whose CPU packages an older metrale built (slot buckets, no `max_slots`): auto
-    runs eager torch and says why; --backend aoti is refused, naming the rebuild."""
+    """An engine whose CPU packages an older metrale built (slot buckets, no `max_slots`): its
+    manifest entry does not parse, so every backend refuses it, naming the field and the rebuild."""
     from metrale.runtime.backends import load_engine
 
     copy = tmp_path / "old"
@@ -180,10 +181,10 @@ def test_packages_of_an_older_layout_are_refused_by_name(aoti_engine_dir, tmp_pa
     manifest = json.loads((copy / "config.json").read_text())
     del manifest["components"]["target"]["cpu"]["max_slots"]
     (copy / "config.json").write_text(json.dumps(manifest))
-    engine = load_engine(copy, backend="auto")
-    assert engine.backend == "torch" and "another layout" in engine.backend_note
-    with pytest.raises(EngineDirError, match="target: its CPU packages are of another layout.*metrale build"):
-        load_engine(copy, backend="aoti")
+    for backend in ("auto", "aoti", "torch"):
+        with pytest.raises(EngineDirError, match=r"components\['target'\]: its CPU packages are of "
+                           r"another layout \(max_slots: Field required.*rebuild it with metrale build"):
+            load_engine(copy, backend=backend)
 
 
 def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine):

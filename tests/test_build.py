@@ -74,14 +74,13 @@ def test_tiers_store_the_seed_sets(engine_factory, tier):
             assert set(aux) == expect_aux
         dtype = torch.uint8 if tier == "nvfp4" else torch.float8_e4m3fn
         assert all(st[f"{k}.weight"].dtype == dtype for k in quantized)
-        section = m.components[name]["quantization"]["quantization"]
-        assert sorted(section["quantized_modules"]) == quantized
+        assert sorted(m.components[name].quant_algo.quantized_modules) == quantized
     # the target is never quantized
     assert not any(k.endswith("weight_scale") for k in load_file(str(d / "target" / "rank0.safetensors")))
 
 
 def test_tier_bytes_follow_the_estimate(engine_factory):
-    sizes = {t: load_manifest(engine_factory(t)).components["dflash"]["weight_bytes"]
+    sizes = {t: load_manifest(engine_factory(t)).components["dflash"].weight_bytes
              for t in ("declared", "fp8", "fp8-aux", "nvfp4")}
     assert sizes["nvfp4"] < sizes["fp8-aux"] < sizes["fp8"] < sizes["declared"]
     est = load_manifest(engine_factory("fp8")).memory_estimate["dflash"]

@@ -207,6 +207,14 @@ def engine_copy(tiny_engine_dir, tmp_path):
     # the stored formats against the manifest's quantization sections
     (lambda d: edit_manifest(d, lambda m: _section(m, "dflash").update(quant_algo="NVFP4")),
      "layers.0.mlp.down_proj is stored as fp8, but the manifest's quant_algo is NVFP4"),
+    (lambda d: edit_manifest(d, lambda m: _section(m, "dflash").update(per_channel=False)),
+     "quantization section records {'per_channel': False} besides the algorithm; FP8 records "
+     "{'per_channel': True}"),
+    # the typed entries: a mistyped or unknown field, named
+    (lambda d: edit_manifest(d, lambda m: m["components"]["dflash"].update(tp_size="1")),
+     "components['dflash']: field 'tp_size' is '1': Input should be a valid integer"),
+    (lambda d: edit_manifest(d, lambda m: m["components"]["mtp"].update(nameing="deepseek")),
+     "components['mtp'] has an unknown field 'nameing'"),
     (lambda d: edit_manifest(d, lambda m: _section(m, "dflash2").update(quant_algo="MXFP8")),
      "quant_algo 'MXFP8' is not one metrale runs"),
     (lambda d: edit_manifest(d, lambda m: _section(m, "dflash")["quantized_modules"].remove("lm_head")),

@@ -207,11 +207,14 @@ def test_auto_on_a_cpu_does_not_try_cuda_graphs(tiny_engine_dir):
     from metrale.runtime.backends.aoti import build_fingerprint
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.aoti import use_cpu_packages
+    from metrale.runtime.artifact.entries import ComponentEntry, CpuPackages
 
     engine = load_engine(tiny_engine_dir, backend="auto")
     assert engine.backend == "torch" and engine.backend_note == ""  # no CPU packages: nothing to note
     # packages built for another machine: eager torch, and the note says why
-    info = {"cpu": {**build_fingerprint(torch.float32, 1), "isa": "AVX512_NOT_HERE", "packages": []}}
+    info = ComponentEntry(kind="target", files=[], cpu=CpuPackages(
+        **{**build_fingerprint(torch.float32, 1), "isa": "AVX512_NOT_HERE"}, packages=[],
+        max_slots=64, linear="gemm"))
     use_cpu_packages(engine, info, "auto")
     assert engine.backend == "torch" and "built for isa 'AVX512_NOT_HERE'" in engine.backend_note
 

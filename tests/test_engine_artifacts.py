@@ -33,13 +33,13 @@ def test_engines_onnx_and_cubins_are_recorded(built):
         assert m.files[f"{name}/rank0.sm89.engine"]["size"] > 100_000
     # NVFP4 has no native path below SM100: the drafters' GEMMs are plugin layers, whose
     # kernels are compiled to cubins for the SM and shipped in plugins/
-    q = m.components["dflash"]["quantization"]["quantization"]
-    assert m.components["dflash"]["engines"]["89"]["plugins"] == {"NvFp4W4A16Gemm": len(q["quantized_modules"])}
+    q = m.components["dflash"].quant_algo
+    assert m.components["dflash"].engines["89"].plugins == {"NvFp4W4A16Gemm": len(q.quantized_modules)}
     # the engines are exported in bfloat16 (--trt-dtype's default): the plugin layers run bf16
     # activations, and exactly that cubin (kernel, SM, dtype) is compiled — no other kernel,
     # dtype or SM
     assert m.build["trt_dtype"] == "bfloat16"
-    assert m.components["dflash"]["engines"]["89"]["plugin_acts"] == {"NvFp4W4A16Gemm": ["bf16"]}
+    assert m.components["dflash"].engines["89"].plugin_acts == {"NvFp4W4A16Gemm": ["bf16"]}
     assert sorted(f for f in m.files if f.startswith("plugins/")) == [
         "plugins/nvfp4_w4a16_gemm.sm89.bf16.cubin", "plugins/nvfp4_w4a16_gemm.sm89.bf16.json"]
     assert [(p["kernel"], p["sm"], p["act"]) for p in m.plugins] == [("nvfp4_w4a16_gemm", 89, "bf16")]

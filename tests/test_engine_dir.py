@@ -19,10 +19,14 @@ from metrale.runtime.artifact.engine_dir import (
     load_manifest,
     verify_files,
 )
+from metrale.runtime.artifact.entries import ComponentEntry
 from metrale.runtime.artifact.manifest_view import component_rows, manifest_rows
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
 SHA_A = "a" * 64
+FP8_SECTION = {"producer": {"name": "modelopt", "version": "0.47.0"},
+               "quantization": {"quant_algo": "FP8", "per_channel": True,
+                                "quantized_modules": ["fc", "lm_head"], "exclude_modules": []}}
 
 
 def _write_tiny(final: Path, **kw) -> Manifest:
@@ -33,8 +37,10 @@ def _write_tiny(final: Path, **kw) -> Manifest:
         w.write_bytes("dflash/rank0.safetensors", b"0123456789")
         w.write_bytes("tokenizer/tokenizer.json", b'{"model": {}}')
         w.write_bytes("plugins/nvfp4_gemm.sm120.cubin", b"\x7fELF")
-        w.component("target", {"kind": "qwen3", "quantization": {"tier": "declared"}})
-        w.component("dflash", {"kind": "dflash", "quantization": "fp8"})
+        w.component("target", {"kind": "target", "config": "target/config.json",
+                               "files": ["target/rank0.safetensors"]})
+        w.component("dflash", {"kind": "dflash", "files": ["dflash/rank0.safetensors"],
+                               "weight_bytes": 10, "quantization": FP8_SECTION})
         w.set(tp_size=1, build={"target_sm": [89, 120], "trt_flavor": "none"},
               plugins=[{"name": "nvfp4_gemm"}], memory_estimate={"dflash": {"fp8": 10}},
               sources={"target": {"path": "tiny/target", "sha256": SHA_A}})
@@ -58,7 +64,11 @@ def test_round_trip_lists_every_file_with_its_digest(tmp_path):
     assert loaded.files["dflash/rank0.safetensors"] == {
         "sha256": hashlib.sha256(b"0123456789").hexdigest(), "size": 10}
     assert loaded.format_version == FORMAT_VERSION == 1
-    assert loaded.components["dflash"] == {"kind": "dflash", "quantization": "fp8"}
+    assert loaded.components["dflash"] == ComponentEntry(
+        kind="dflash", files=["dflash/rank0.safetensors"], weight_bytes=10, quantization=FP8_SECTION)
+    assert json.loads((final / "config.json").read_text())["components"]["dflash"] == {
+        "kind": "dflash", "files": ["dflash/rank0.safetensors"], "weight_bytes": 10,
+        "quantization": FP8_SECTION}  # fields at their defaults (tp_size 1, no plans) left out
     assert loaded.build == {"target_sm": [89, 120], "trt_flavor": "none"}
     # No staging folder left beside the final directory.
     assert _siblings(final) == ["tiny"]
@@ -252,10 +262,34 @@ def _manifest_dict(**changes) -> dict:
 
 
 def test_manifest_json_round_trip():
-    text = json.dumps(_manifest_dict(components={"target": {"ranks": (0, 1)}}))
-    m = Manifest.from_json(text)
-    assert m.components == {"target": {"ranks": [0, 1]}}
+    entry = {"kind": "target", "files": ["target/rank0.safetensors"], "taps": [1, 3],
+             "cpu": {"packages": [{"file": "target/cpu/steps.pt2", "compile_s": 1, "rows": 64,
+                                   "dynamic_rows": True, "batched": True}],
+                     "torch": "2.13.0", "isa": "AVX512", "machine": "x86_64", "dtype": "float32",
+                     "threads": 1, "max_slots": 4096, "linear": "gemm"}}
+    m = Manifest.from_json(json.dumps(_manifest_dict(components={"target": entry})))
+    target = m.components["target"]
+    assert target.taps == [1, 3] and target.cpu.packages[0].batched and target.cpu.max_slots == 4096
+    assert target.cpu.packages[0].compile_s == 1.0 and target.tp_size == 1 and target.cpu.check == {}
     assert Manifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"files": []}, r"components\['target'\] lacks its field 'kind'"),
+    ({"kind": "target", "files": [], "tp_sise": 2}, r"components\['target'\] has an unknown field 'tp_sise'"),
+    ({"kind": "target", "files": [], "tp_size": "2"}, r"field 'tp_size' is '2': Input should be a valid integer"),
+    ({"kind": "target", "files": "target/rank0.safetensors"}, r"field 'files' is 'target/rank0.safetensors'"),
+    ({"kind": "dflash", "files": [], "engines": {"89": {"file": "a", "plugins": {"Op": "1"}}}},
+     r"field 'engines.89.plugins.Op' is '1'"),
+    ({"kind": "dflash", "files": [], "quantization": {"quantization": {"quant_algo": "FP8"}}},
+     r"lacks its field 'quantization.producer'"),
+    ("fp8", r"components\['target'\] must be an object"),
+])
+def test_manifest_component_entries_are_typed(entry, match):
+    """A component entry of a missing, unknown or mistyped field is refused when the manifest is
+    read, naming the component and the field."""
+    with pytest.raises(EngineDirError, match=match):
+        Manifest.from_json(json.dumps(_manifest_dict(components={"target": entry})))
 
 
 def test_manifest_unknown_key_refused():
@@ -331,6 +365,6 @@ def test_inspect_rows(tmp_path):
     assert rows["files"] == f"5 files, {human_size(total)}"
     comps = component_rows(m)
     assert [r[0] for r in comps] == ["dflash", "target"]
-    assert comps[0] == ("dflash", "dflash", "fp8", "1 file, 10 B")
-    assert comps[1][1:3] == ("qwen3", "tier=declared")
+    assert comps[0] == ("dflash", "dflash", "FP8, 2 modules", "1 file, 10 B")
+    assert comps[1][1:3] == ("target", "-")  # the target is not quantized
     assert comps[1][3].startswith("2 files, ")

@@ -35,13 +35,13 @@ def test_the_engine_keeps_declared_weights(tiny_engine_dir, engine_factory):
     declared = engine_factory("declared")
     for name in DRAFTERS:
         info = m.components[name]
-        assert info["declared"] == f"{name}/declared.safetensors" and info["declared"] in info["files"]
+        assert info.declared == f"{name}/declared.safetensors" and info.declared in info.files
         # the declared file is exactly what a declared-tier build stores as its rank file
-        assert same_bytes(load_file(str(tiny_engine_dir / info["declared"])),
+        assert same_bytes(load_file(str(tiny_engine_dir / info.declared)),
                           load_file(str(declared / name / "rank0.safetensors")))
-        assert load_manifest(declared).components[name]["declared"] == f"{name}/rank0.safetensors"
+        assert load_manifest(declared).components[name].declared == f"{name}/rank0.safetensors"
     mtp = m.components["mtp"]  # a BF16 head: its rank file is its declared weights
-    assert mtp["declared"] == "mtp/rank0.safetensors"
+    assert mtp.declared == "mtp/rank0.safetensors"
 
 
 @pytest.mark.parametrize("tier", ["declared", "fp8-aux", "nvfp4"])
@@ -65,7 +65,7 @@ def test_mtp_experts_nvfp4_at_load_has_the_build_bytes_both_ways(tiny_engine_dir
     assert "experts quantized at load to NVFP4 (built: BF16 experts)" in source
     assert same_bytes(state, load_file(str(nvfp4 / "mtp" / "rank0.safetensors")))
     m = load_manifest(nvfp4)
-    assert m.components["mtp"]["declared"] == "mtp/declared.safetensors"
+    assert m.components["mtp"].declared == "mtp/declared.safetensors"
     back, _ = requantized_states(nvfp4, m, mtp_experts_nvfp4=False)["mtp"]
     assert same_bytes(back, load_file(str(tiny_engine_dir / "mtp" / "rank0.safetensors")))
     assert requantized_states(nvfp4, m, mtp_experts_nvfp4=True) == {}
@@ -76,7 +76,7 @@ def test_refusals_at_load(tiny_engine_dir, engine_factory):
     with pytest.raises(QuantizationError, match=r"--mtp-experts-nvfp4 needs --mtp-quantization bf16"):
         requantized_states(fp8_head, load_manifest(fp8_head), mtp_experts_nvfp4=True)
     m = load_manifest(tiny_engine_dir)
-    older = replace(m, components={n: {k: v for k, v in i.items() if k != "declared"}
+    older = replace(m, components={n: i.model_copy(update={"declared": None})
                                    for n, i in m.components.items()})
     with pytest.raises(EngineDirError, match=r"--draft-weight-quantization nvfp4: engine directory "
                                              r".* keeps no declared weights for dflash \(an older"):

@@ -223,17 +223,17 @@ def test_two_rank_shards_put_back_are_the_one_rank_bytes(engine_factory, tier):
     one, two = engine_factory(tier), engine_factory(tier, draft_tp_size=2)
     m = load_manifest(two)
     assert m.tp_size == 2
-    assert m.components["target"]["files"] == ["target/rank0.safetensors"]
-    assert m.components["mtp"]["files"] == ["mtp/rank0.safetensors"]  # BF16: its own declared
+    assert m.components["target"].files == ["target/rank0.safetensors"]
+    assert m.components["mtp"].files == ["mtp/rank0.safetensors"]  # BF16: its own declared
     for name in DRAFTERS:
         info = m.components[name]
-        assert info["tp_size"] == 2
-        assert info["files"] == [f"{name}/rank0.safetensors", f"{name}/rank1.safetensors",
+        assert info.tp_size == 2
+        assert info.files == [f"{name}/rank0.safetensors", f"{name}/rank1.safetensors",
                                  f"{name}/declared.safetensors"]
         cfg = DFlashConfig.from_hf(json.loads((two / name / "config.json").read_text()), name)
         whole = load_file(str(one / name / "rank0.safetensors"))
         shards = [load_file(str(two / name / f"rank{r}.safetensors")) for r in range(2)]
-        assert info["rank_weight_bytes"] == [sum(t.nbytes for t in s.values()) for s in shards]
+        assert info.rank_weight_bytes == [sum(t.nbytes for t in s.values()) for s in shards]
         for key, t in whole.items():
             cut = drafter_cut(key, cfg)
             if cut is not None and cut.dim < t.dim():  # cut: each rank holds half

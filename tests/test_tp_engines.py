@@ -223,27 +223,26 @@ def test_tp_build_writes_every_rank_engine_per_sm(rtx, engine_factory, tier):
     m = load_manifest(engine_dir)  # verifies every checksum
     assert m.tp_size == 2 and m.build["engine_sm"] == list(SMS) and m.build["trt_flavor"] == "rtx"
     # the target and the head stay one-rank engines
-    assert m.components["target"]["engines"]["89"]["file"] == "target/rank0.sm89.engine"
+    assert m.components["target"].engines["89"].file == "target/rank0.sm89.engine"
     for name in DRAFTERS:
         info = m.components[name]
         quantized = tp_export.load_rank_drafters(engine_dir, name, 2)[0]
         layers = quantized.config.decoder.num_hidden_layers
         gemms = sum(type(mod).__name__ == "Nvfp4Linear" for mod in quantized.modules())
-        assert info["onnx_ranks"] == [f"{name}/rank0.onnx", f"{name}/rank1.onnx"]
-        assert info["io"]["outputs"][-3:] == ["top_values", "top_ids", "rank_positions"]
+        assert info.onnx_ranks == [f"{name}/rank0.onnx", f"{name}/rank1.onnx"]
+        assert info.io.outputs[-3:] == ["top_values", "top_ids", "rank_positions"]
         for sm in SMS:
-            entry = info["engines"][str(sm)]
+            entry = info.engines[str(sm)]
             collectives = {"AllReduce": 2 * layers, "AllGather": 1}
             # NVFP4 reaches the GEMM plugin below SM100; FP8 and SM120 FP4 are native
             plugin = {"NvFp4W4A16Gemm": gemms} if (tier == "nvfp4" and sm == 89) else {}
-            assert entry["plugins"] == {**collectives, **plugin}
-            assert [e["file"] for e in entry["ranks"]] == [f"{name}/rank{r}.sm{sm}.engine"
-                                                          for r in range(2)]
-            for e in entry["ranks"]:
-                path = engine_dir / e["file"]
-                assert path.stat().st_size == e["bytes"] > 100_000
-                assert m.files[e["file"]] == {"sha256": _sha256(path), "size": e["bytes"]}
-                assert e["file"] in info["files"]
+            assert entry.plugins == {**collectives, **plugin}
+            assert entry.plan_files() == [f"{name}/rank{r}.sm{sm}.engine" for r in range(2)]
+            for e in entry.ranks:
+                path = engine_dir / e.file
+                assert path.stat().st_size == e.bytes > 100_000
+                assert m.files[e.file] == {"sha256": _sha256(path), "size": e.bytes}
+                assert e.file in info.files
         for r in range(2):
             assert m.files[f"{name}/rank{r}.onnx"]["sha256"] == _sha256(engine_dir / name / f"rank{r}.onnx")
     # only the GEMM plugins need cubins: fp8's engines hold collectives alone

@@ -118,14 +118,12 @@ def test_an_empty_output_launches_nothing(drv, x_dims, n):
 
 
 def test_plugin_kernel_keys_from_manifest_entries():
-    entries = [{"plugins": {"NvFp4W4A16Gemm": 3, "AllReduce": 2},
-                "plugin_acts": {"NvFp4W4A16Gemm": ["bf16", "fp32"]}},
-               {"plugins": {"Fp8W8A16Gemm": 1}, "plugin_acts": {"Fp8W8A16Gemm": ["fp32"]}},
-               {"plugins": {}, "plugin_acts": {}}]
+    entries = [({"NvFp4W4A16Gemm": 3, "AllReduce": 2}, {"NvFp4W4A16Gemm": ["bf16", "fp32"]}),
+               ({"Fp8W8A16Gemm": 1}, {"Fp8W8A16Gemm": ["fp32"]}), ({}, {})]
     assert tp.plugin_kernel_keys(entries, 89) == {
         "nvfp4_w4a16_gemm.sm89.bf16", "nvfp4_w4a16_gemm.sm89.fp32", "fp8_w8a16_gemm.sm89.fp32"}
     with pytest.raises(ValueError, match="NvFp4W4A16Gemm plugin layers but no recorded activation"):
-        tp.plugin_kernel_keys([{"plugins": {"NvFp4W4A16Gemm": 1}}], 89)
+        tp.plugin_kernel_keys([({"NvFp4W4A16Gemm": 1}, None)], 89)
 
 
 def test_plugin_objects_are_held_until_tensorrt_destroys_them():

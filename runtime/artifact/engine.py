@@ -33,6 +33,7 @@ from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.artifact.engine_check import REBUILD, check_files, component_config, read_json
 from metrale.runtime.artifact.engine_dir import Manifest
+from metrale.runtime.artifact.entries import ComponentEntry
 from metrale.runtime.errors import CheckpointError, EngineDirError
 from metrale.runtime.models.layers import Attention, MoE, pack_for_inference
 from metrale.runtime.models.loader import strict_fill
@@ -72,24 +73,24 @@ def fill_engine_state(module: nn.Module, tensors: dict[str, torch.Tensor], sourc
 
 
 
-def check_formats(tensors: dict[str, torch.Tensor], info: dict, source: str) -> None:
+def check_formats(tensors: dict[str, torch.Tensor], info: ComponentEntry, source: str) -> None:
     """A component's stored linears against its manifest entry's quantization section: the
     quantized ones are exactly its `quantized_modules`, each in its `quant_algo`'s format (so a
     directory whose weights and manifest disagree is refused, never run at another tier). An
     entry without a section (the target) is not checked."""
     from metrale.runtime.models import qlinear
 
-    section = (info.get("quantization") or {}).get("quantization")
+    section = info.quant_algo
     if section is None:
         return
-    algo = section.get("quant_algo")
+    algo = section.quant_algo
     try:
         fmt = formats.format_of_algo(algo)
     except StopIteration:
         known = ", ".join(f.quant_algo for f in formats.FORMATS.values())
         raise EngineDirError(f"{source}: the manifest's quant_algo {algo!r} is not one metrale runs "
                              f"(expected {known} or null); {REBUILD}") from None
-    want = sorted(section.get("quantized_modules") or [])
+    want = sorted(section.quantized_modules)
     have = quantized_prefixes(tensors)
     if have != want:
         extra, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
@@ -102,6 +103,11 @@ def check_formats(tensors: dict[str, torch.Tensor], info: dict, source: str) -> 
         if got != kind:
             raise EngineDirError(f"{source}: {prefix} is stored as {got}, but the manifest's "
                                  f"quant_algo is {algo}; {REBUILD}")
+    extra_keys = dict(section.model_extra or {})
+    if fmt is not None and extra_keys != dict(fmt.section):
+        raise EngineDirError(f"{source}: the manifest's quantization section records "
+                             f"{extra_keys or 'nothing'} besides the algorithm; {algo} records "
+                             f"{dict(fmt.section)}; {REBUILD}")
 
 
 def _meta_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -166,7 +172,7 @@ class LoadedEngine:
     def component(self, name: str):
         """The model (or face) of component `name` of the manifest, None when not loaded."""
         info = self.manifest.components.get(name)
-        role = KINDS[info["kind"]].role if info is not None else None
+        role = KINDS[info.kind].role if info is not None else None
         return {Role.TARGET: self.target, Role.HEAD: self.mtp}.get(role, self.drafters.get(name))
 
     def models(self) -> dict[str, nn.Module]:
@@ -214,15 +220,12 @@ class LoadedEngine:
         return out
 
 
-def _drafter_tensors(path: Path, name: str, info: dict, cfg: DFlashConfig,
+def _drafter_tensors(path: Path, name: str, info: ComponentEntry, cfg: DFlashConfig,
                      tp: TensorParallel | None, meta: bool = False, given=None):
     """The drafter's tensors for this process: its rank's file, all rank files merged, or its
     shard cut at load from the one-rank state (a one-rank build, or `given`: the state
     requantized at load, with its source)."""
-    built = info.get("tp_size", 1)
-    if type(built) is not int or built < 1:
-        raise EngineDirError(f"engine directory {path}: drafter {name} has tp_size {built!r}; "
-                             "expected an integer >= 1")
+    built = info.tp_size
     if given is None and (tp is None or built != tp.size):
         if built == 1:
             given = _component_files(path, name, 0, meta)[1:]
@@ -284,7 +287,7 @@ def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: tor
     engine = None
     # the target first: the engine holds the others
     for name, info in sorted(manifest.components.items(), key=lambda item: item[0] != "target"):
-        kind = KINDS[info["kind"]]  # known: check_files refused any other
+        kind = KINDS[info.kind]  # known: check_files refused any other
         if name != "target" and components is not None and name not in components:
             continue
         cfg = component_config(path, str(path), name, info)

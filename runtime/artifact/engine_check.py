@@ -51,12 +51,12 @@ def check_safetensors(path: Path, shown: str, rel: str) -> None:
         raise _fail(shown, f"{rel} cannot be read as safetensors ({exc})") from None
 
 
-def component_config(root: Path, shown: str, name: str, info: dict):
+def component_config(root: Path, shown: str, name: str, info):
     """The component's config as its kind parses it (`components.KINDS`), refusals naming it."""
     rel = f"{name}/config.json"
     cfg = read_json(root / rel, shown, rel)
     try:
-        return KINDS[info["kind"]].parse(cfg, f"engine directory {shown}: {rel}", info)
+        return KINDS[info.kind].parse(cfg, f"engine directory {shown}: {rel}", info)
     except CheckpointError as exc:
         raise EngineDirError(f"{exc}; {REBUILD}") from None
 
@@ -68,27 +68,27 @@ def check_files(engine_dir: str | os.PathLike[str], verify: bool = True) -> Mani
     if "target" not in comps:
         raise _fail(shown, "the manifest has no target component")
     for name, info in comps.items():
-        kind = KINDS.get(info.get("kind"))
+        kind = KINDS.get(info.kind)
         if kind is None or (kind.role is Role.TARGET) != (name == "target"):
             allowed = [k for k, v in KINDS.items() if (v.role is Role.TARGET) == (name == "target")]
-            raise _fail(shown, f"component {name} has kind {info.get('kind')!r}; expected "
+            raise _fail(shown, f"component {name} has kind {info.kind!r}; expected "
                         f"{' or '.join(allowed)}")
-        tp = info.get("tp_size", 1)
-        if type(tp) is not int or tp < 1 or (tp > 1 and kind.role is not Role.DRAFTER):
+        tp = info.tp_size
+        if tp < 1 or (tp > 1 and kind.role is not Role.DRAFTER):
             raise _fail(shown, f"component {name} has tp_size {tp!r}; expected an integer >= 1 "
                         "(above 1 for drafters only)")
-        files = info.get("files")
+        files = info.files
         wanted = [f"{name}/rank{r}.safetensors" for r in range(tp)]
-        if not (isinstance(files, list) and all(f in files for f in wanted)):
+        if not all(f in files for f in wanted):
             raise _fail(shown, f"component {name} must list its files {wanted}, got {files!r}")
         for rel in files:
-            if not isinstance(rel, str) or rel not in manifest.files:
+            if rel not in manifest.files:
                 raise _fail(shown, f"component {name} lists {rel!r}, which the manifest's files "
                             "do not hold")
         if f"{name}/config.json" not in manifest.files:
             raise _fail(shown, f"component {name} has no {name}/config.json")
         component_config(root, shown, name, info)
-        declared = info.get("declared")
+        declared = info.declared
         if declared is not None and not (kind.role is not Role.TARGET and declared in files
                                          and declared.endswith(".safetensors")):
             raise _fail(shown, f"component {name} keeps its declared weights in {declared!r}; "

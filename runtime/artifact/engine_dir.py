@@ -39,6 +39,7 @@ from typing import Any, Mapping
 
 from metrale.runtime import __version__
 from metrale.runtime.artifact.build_lock import DirLock, remove_stale, signals_as_interrupts
+from metrale.runtime.artifact.entries import ComponentEntry, EntryInvalid, parse_entry
 from metrale.runtime.errors import CheckpointError, EngineDirError
 
 log = logging.getLogger(__name__)
@@ -145,15 +146,16 @@ class Manifest:
 
     `files` maps a relative posix path to {"sha256": hex, "size": bytes} for every file but the
     manifest itself. `sources` maps a component to {"path", "sha256"} of the checkpoint it was
-    built from (`checkpoint_digest`). `components` maps a component name to a free-form dict
-    (kind, config file, rank files, quantization, ...). `memory_estimate` values are bytes.
+    built from (`checkpoint_digest`). `components` maps a component name to its typed entry
+    (`entries.ComponentEntry`: kind, config file, rank files, quantization, graphs, plans,
+    packages). `memory_estimate` values are bytes.
     """
 
     metrale_version: str
     created: str
     files: dict[str, dict[str, Any]]
     sources: dict[str, dict[str, str]] = field(default_factory=dict)
-    components: dict[str, dict[str, Any]] = field(default_factory=dict)
+    components: dict[str, ComponentEntry] = field(default_factory=dict)
     tp_size: int = 1
     build: dict[str, Any] = field(default_factory=dict)
     plugins: list[Any] = field(default_factory=list)
@@ -182,6 +184,9 @@ class Manifest:
             if not isinstance(value, kind):
                 json_kind = "object" if kind is dict else "array"
                 raise _ManifestInvalid(f"{name} must be a JSON {json_kind}, got {value!r}")
+            if name == "components":
+                value = {n: e.to_json() if isinstance(e, ComponentEntry) else e
+                         for n, e in value.items()}
             object.__setattr__(self, name, _json_copy(value, name))
         self._check_files()
         for name, src in self.sources.items():
@@ -189,11 +194,15 @@ class Manifest:
                     and isinstance(src["path"], str) and _is_sha256(src["sha256"])):
                 raise _ManifestInvalid(f'sources[{name!r}] must be {{"path": str, "sha256": 64 '
                                        f'hex digits}}, got {src!r}')
+        entries = {}
         for name, info in self.components.items():
             if not is_component_name(name):
                 raise _ManifestInvalid(f"component name {name!r} is not {COMPONENT_NAME_RULE}")
-            if not isinstance(info, dict):
-                raise _ManifestInvalid(f"components[{name!r}] must be an object, got {info!r}")
+            try:
+                entries[name] = parse_entry(info, f"components[{name!r}]")
+            except EntryInvalid as e:
+                raise _ManifestInvalid(str(e)) from None
+        object.__setattr__(self, "components", entries)
 
     def _check_files(self) -> None:
         for rel, entry in self.files.items():
@@ -208,6 +217,7 @@ class Manifest:
     def to_json(self) -> str:
         """The manifest as written to config.json: sorted keys, indent 2, trailing newline."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["components"] = {n: e.to_json() for n, e in self.components.items()}
         return json.dumps(data, sort_keys=True, indent=2) + "\n"
 
     @classmethod
@@ -316,7 +326,7 @@ class EngineDirWriter:
         self.overwrite = overwrite
         self._staging: Path | None = None
         self._fields: dict[str, Any] = {}
-        self._components: dict[str, dict[str, Any]] = {}
+        self._components: dict[str, ComponentEntry] = {}
         self.manifest: Manifest | None = None
 
     @property
@@ -418,15 +428,22 @@ class EngineDirWriter:
         self._fields.update(manifest_fields)
 
     @property
-    def components(self) -> dict[str, dict[str, Any]]:
-        """The component entries recorded so far (copies)."""
-        return {name: dict(info) for name, info in self._components.items()}
+    def components(self) -> dict[str, ComponentEntry]:
+        """The component entries recorded so far."""
+        return dict(self._components)
 
-    def component(self, name: str, info: Mapping[str, Any]) -> None:
-        """Record (or replace) one component's manifest entry."""
+    def component(self, name: str, info: ComponentEntry | Mapping[str, Any]) -> ComponentEntry:
+        """Record (or replace) one component's manifest entry, parsed now (an entry the manifest
+        could not hold is refused here, not when the directory is finished)."""
         if not is_component_name(name):
             raise EngineDirError(f"component name {name!r} is not {COMPONENT_NAME_RULE}")
-        self._components[name] = dict(info)
+        try:
+            entry = parse_entry(_json_copy(dict(info), name) if not isinstance(info, ComponentEntry)
+                                else info, f"component {name}'s manifest entry")
+        except EntryInvalid as e:
+            raise EngineDirError(f"engine directory {self.shown}: {e}") from None
+        self._components[name] = entry
+        return entry
 
     def _finish(self, staging: Path) -> Manifest:
         files = {}

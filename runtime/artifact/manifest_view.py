@@ -5,20 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from metrale.runtime.artifact.engine_dir import Manifest, human_size
+from metrale.runtime.artifact.entries import ComponentEntry
 
 COMPONENT_COLUMNS = ("component", "kind", "quantization", "files")
 
 
-def quant_cell(section: Any) -> str:
-    """A ModelOpt-style quantization section as `ALGO (group 16), N modules`."""
-    if not (isinstance(section, dict) and isinstance(section.get("quantization"), dict)):
-        return _cell(section)
-    q = section["quantization"]
-    algo = q.get("quant_algo")
-    if not algo:
+def quant_cell(entry: ComponentEntry) -> str:
+    """A component's quantization section as `ALGO (group 16), N modules` ("-": none)."""
+    q = entry.quant_algo
+    if q is None:
+        return "-"
+    if not q.quant_algo:
         return "declared"
-    group = f" (group {q['group_size']})" if q.get("group_size") else ""
-    return f"{algo}{group}, {len(q.get('quantized_modules', []))} modules"
+    group = (q.model_extra or {}).get("group_size")
+    return f"{q.quant_algo}{f' (group {group})' if group else ''}, {len(q.quantized_modules)} modules"
 
 
 def _cell(value: Any) -> str:
@@ -64,6 +64,6 @@ def component_rows(manifest: Manifest) -> list[tuple[str, str, str, str]]:
     rows = []
     for name, info in sorted(manifest.components.items()):
         mine = [e["size"] for rel, e in manifest.files.items() if rel.startswith(f"{name}/")]
-        rows.append((name, _cell(info.get("kind")), quant_cell(info.get("quantization")),
+        rows.append((name, info.kind, quant_cell(info),
                      _files_cell(mine)))
     return rows

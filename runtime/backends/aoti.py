@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from metrale.runtime.artifact.engine import LoadedEngine
+from metrale.runtime.artifact.entries import ComponentEntry, CpuPackage, CpuPackages
 from metrale.runtime.components import KINDS, resolve
 from metrale.runtime.errors import EngineDirError
 from metrale.runtime.models.layers import pack_for_inference
@@ -154,8 +155,8 @@ class CompiledTarget(TargetFace):
     """The target's decode face over AOTInductor packages (see the module docstring)."""
 
     @classmethod
-    def from_packages(cls, model, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
-        return cls(model, [p for _, p in loaded], tuple(cpu.get("taps", ())), cpu["max_slots"])
+    def from_packages(cls, model, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
+        return cls(model, [p for _, p in loaded], tuple(cpu.taps), cpu.max_slots)
 
     def __init__(self, model: Qwen3ForCausalLM, packages: list[Package], taps: tuple[int, ...],
                  max_slots: int):
@@ -207,8 +208,8 @@ class CompiledMTP:
     """The MTP head's face (`mtp.MTPHead`: `new_cache`, `__call__`) over its packages."""
 
     @classmethod
-    def from_packages(cls, head, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
-        return cls(head, [p for _, p in loaded], cpu["max_slots"])
+    def from_packages(cls, head, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
+        return cls(head, [p for _, p in loaded], cpu.max_slots)
 
     def __init__(self, head, packages: list[Package], max_slots: int):
         self.rows = _Rows(packages, "mtp")
@@ -249,12 +250,13 @@ class CompiledDFlash:
     one batched call) up to the last `feed` rows, which the package feeds with the block."""
 
     @classmethod
-    def from_packages(cls, drafter, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
+    def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
         entry, pkg = loaded[0]
-        if int(entry["block"]) != drafter.config.block_size:
-            raise EngineDirError(f"{where}: the CPU package proposes blocks of {entry['block']}, the "
-                                 f"drafter's block size is {drafter.config.block_size}")
-        return cls(drafter, pkg, int(entry["feed"]), cpu["max_slots"])
+        if entry.block != drafter.config.block_size or entry.feed is None:
+            raise EngineDirError(f"{where}: the CPU package proposes blocks of {entry.block} from "
+                                 f"{entry.feed} context rows; the drafter's block size is "
+                                 f"{drafter.config.block_size}")
+        return cls(drafter, pkg, entry.feed, cpu.max_slots)
 
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
         self.config = drafter.config
@@ -314,39 +316,37 @@ class CompiledDFlash:
         return Proposal(tokens=drafts[:gamma - 1][None], logits=None)
 
 
-def check_fingerprint(info: dict, dtype: torch.dtype, where: str) -> None:
+def check_fingerprint(cpu: CpuPackages, dtype: torch.dtype, where: str) -> None:
     """Refuse packages built for another torch, ISA, machine or dtype, naming both."""
-    here = build_fingerprint(dtype, info.get("threads", 1))
+    built, here = cpu.fingerprint(), build_fingerprint(dtype, cpu.threads)
     for key in ("torch", "isa", "machine", "dtype"):
-        if info.get(key) != here[key]:
+        if built[key] != here[key]:
             raise EngineDirError(
-                f"{where}: the CPU packages were built for {key} {info.get(key)!r}, this process "
+                f"{where}: the CPU packages were built for {key} {built[key]!r}, this process "
                 f"has {here[key]!r}; rebuild the engine here or use --backend torch")
 
 
-def _load_packages(engine_dir: Path, cpu: dict) -> list[tuple[dict, Package]]:
+def _load_packages(engine_dir: Path, cpu: CpuPackages) -> list[tuple[CpuPackage, Package]]:
     import torch._inductor
 
     out = []
-    for entry in cpu["packages"]:
-        run = torch._inductor.aoti_load_package(str(Path(engine_dir) / entry["file"]))
-        out.append((entry, Package(int(entry.get("rows", 1)), run, bool(entry.get("dynamic_rows", False)),
-                                   bool(entry.get("batched", False)))))
+    for entry in cpu.packages:
+        run = torch._inductor.aoti_load_package(str(Path(engine_dir) / entry.file))
+        out.append((entry, Package(entry.rows or 1, run, entry.dynamic_rows, entry.batched)))
     return out
 
 
-def load_compiled(engine_dir: Path, name: str, info: dict, model, dtype: torch.dtype):
+def load_compiled(engine_dir: Path, name: str, info: ComponentEntry, model, dtype: torch.dtype):
     """The compiled face of component `name` from its manifest entry's `cpu` packages."""
-    cpu = info["cpu"]
+    cpu = info.cpu
     where = f"engine directory {engine_dir}: {name}"
-    older = EngineDirError(f"{where}: its CPU packages are of another layout (an older metrale "
-                           "built them); rebuild the engine with metrale build")
-    if not isinstance(cpu, dict):
-        raise older
+    if cpu is None:
+        raise EngineDirError(f"{where}: it has no CPU packages (build it with --cpu-engines aoti)")
     check_fingerprint(cpu, dtype, where)  # another machine's packages: say so first
-    if type(cpu.get("max_slots")) is not int or not cpu.get("packages"):
-        raise older
-    face = resolve(KINDS[info.get("kind", name)].aoti_face)
+    if not cpu.packages:
+        raise EngineDirError(f"{where}: its manifest entry lists no CPU packages; rebuild the "
+                             "engine with metrale build --cpu-engines aoti")
+    face = resolve(KINDS[info.kind].aoti_face)
     return face.from_packages(model, _load_packages(engine_dir, cpu), cpu, where)
 
 
@@ -357,7 +357,7 @@ def use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
     """Swap the MTP head and each one-rank drafter for its AOTInductor packages where the
     engine directory has them (a tensor-parallel drafter keeps running eagerly)."""
     for name, info in engine.manifest.components.items():
-        if name == "target" or "cpu" not in info:
+        if name == "target" or info.cpu is None:
             continue
         model = engine.component(name)
         if model is None or getattr(model, "tp", None) is not None:
@@ -375,16 +375,16 @@ def use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
             engine.backend_note = f"{name} runs eagerly: its CPU packages do not load ({exc})"
             log.info("engine directory %s: %s", engine.path, engine.backend_note)
             continue
-        engine.place(name, KINDS[info["kind"]].role, compiled)
+        engine.place(name, KINDS[info.kind].role, compiled)
 
 
-def use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
+def use_cpu_packages(engine: LoadedEngine, info: ComponentEntry, backend: str) -> None:
     """Swap the target's decode face for its AOTInductor packages (see this module)."""
     where = f"engine directory {engine.path}"
     why = None
     if engine.device.type != "cpu":
         why = f"the CPU packages run on the CPU, not {engine.device}"
-    elif "cpu" not in info:
+    elif info.cpu is None:
         why = "it has no CPU packages (build it with --cpu-engines aoti)"
     if why is None:
         try:
@@ -400,6 +400,6 @@ def use_cpu_packages(engine: LoadedEngine, info: dict, backend: str) -> None:
             why = f"its CPU packages do not load in this process ({exc})"
     if backend == "aoti":
         raise EngineDirError(f"--backend aoti: {where}: {why}")
-    if "cpu" in info and engine.device.type == "cpu":  # packages there, but not runnable here
+    if info.cpu is not None and engine.device.type == "cpu":  # packages there, but not runnable here
         engine.backend_note = f"CPU packages not used, running eager torch: {why}"
     log.info("%s: running eager torch (%s)", where, why)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
 from metrale.runtime.backends.aoti import CompiledTarget, Package, TargetFace, _Rows, slots_for
 from metrale.runtime.models.qwen3 import TargetOutput
 
@@ -107,12 +108,12 @@ class BatchedTarget(TargetFace):
     """The target's decode face over one batched package (see the module docstring)."""
 
     @classmethod
-    def from_packages(cls, model, loaded: list[tuple[dict, Package]], cpu: dict, where: str):
+    def from_packages(cls, model, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
         """The face of the target's `cpu` entry: this one for a batched package, else (an
         engine built before batching) `aoti.CompiledTarget`, one sequence per call."""
-        if not loaded[0][0].get("batched"):
+        if not loaded[0][0].batched:
             return CompiledTarget.from_packages(model, loaded, cpu, where)
-        return cls(model, loaded[0][1], tuple(cpu.get("taps", ())), cpu["max_slots"])
+        return cls(model, loaded[0][1], tuple(cpu.taps), cpu.max_slots)
 
     def __init__(self, model, package: Package, taps: tuple[int, ...], max_slots: int):
         super().__init__(model, taps, max_slots)

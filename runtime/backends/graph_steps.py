@@ -96,7 +96,7 @@ class GraphTarget(_Component):
     def from_graph(cls, runner: GraphRunner, name: str, info: dict, cfg: DecoderConfig,
                    ctx) -> "GraphTarget":
         """The target over its graph, with the embedding and the usable context (`ctx`)."""
-        return cls(runner, info["profile"], cfg, ctx.embed, ctx.engine_taps, ctx.limit)
+        return cls(runner, info.profile, cfg, ctx.embed, ctx.engine_taps, ctx.limit)
 
     def __init__(self, runner: GraphRunner, profile: dict, cfg: DecoderConfig,
                  embed: nn.Embedding, engine_taps: tuple[int, ...], max_positions: int | None = None):
@@ -165,7 +165,7 @@ class GraphMTP(_Component):
 
     @classmethod
     def from_graph(cls, runner: GraphRunner, name: str, info: dict, cfg, ctx) -> "GraphMTP":
-        return cls(runner, info["profile"], cfg.decoder)
+        return cls(runner, info.profile, cfg.decoder)
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
         return self._cache(batch)
@@ -231,7 +231,7 @@ class GraphDrafter(_Component):
             books = tuple(_tensors(ctx.path / name / "rank0.safetensors",
                                    ("candidate_selector.predecessor_codebook",
                                     "candidate_selector.successor_codebook"), ctx.where))
-        return cls(runner, info["profile"], cfg, books)
+        return cls(runner, info.profile, cfg, books)
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
         return self._cache(batch)
@@ -296,22 +296,22 @@ def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], G
     the manifest (`trt_build.write_engines` records them with each graph)."""
     comps = manifest.components
     where = f"engine directory {path}"
-    missing = [n for n, c in comps.items() if "profile" not in c]
+    missing = [n for n, c in comps.items() if c.profile is None]
     if missing:
         raise EngineDirError(f"{where}: component {missing[0]} has no exported graph (built with "
                              "onnx = false); rebuild it with metrale build")
 
-    def config(name: str, info: dict):
+    def config(name: str, info):
         return component_config(path, str(path), name, info)
 
     tcfg = config("target", comps["target"])
     # the usable context: every component's cache must hold it (plus one step's rows)
     limit = position_limit(tcfg.max_position_embeddings,
-                           [int(c["profile"]["past"][2]) for c in comps.values()])
+                           [c.profile["past"][2] for c in comps.values()])
     tgt = runner("target")
     (weight,) = _tensors(path / "target" / "rank0.safetensors", ("model.embed_tokens.weight",), where)
     embed = nn.Embedding.from_pretrained(weight.to(device, tgt.dtypes["last_hidden"]), freeze=True)
-    engine_taps = tuple(comps["target"].get("taps", ()))
+    engine_taps = tuple(comps["target"].taps or ())
     ctx = SimpleNamespace(path=path, where=where, engine_taps=engine_taps, embed=embed, limit=limit)
     target = resolve(KINDS["target"].graph_face).from_graph(tgt, "target", comps["target"], tcfg, ctx)
     loaded = LoadedEngine(path, manifest, tokenizer, target, dtype=embed.weight.dtype,
@@ -319,7 +319,7 @@ def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], G
     for name, info in comps.items():
         if name == "target":
             continue
-        kind = KINDS[info["kind"]]
+        kind = KINDS[info.kind]
         face = resolve(kind.graph_face).from_graph(runner(name), name, info, config(name, info), ctx)
         loaded.place(name, kind.role, face)
     return loaded

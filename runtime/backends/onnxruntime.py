@@ -92,13 +92,13 @@ def ort_graph(path: Path, name: str, info: dict):
     from metrale.plugins.onnx_lowering import lower_for_onnxruntime
 
     where = f"engine directory {path}"
-    rel = info.get("onnx")
+    rel = info.onnx
     if not rel:
         raise EngineDirError(f"{where}: component {name} has no ONNX graph (built with onnx = false); "
                              "rebuild it with metrale build to run --backend onnxruntime")
-    if info.get("tp_size", 1) > 1:
+    if info.tp_size > 1:
         raise ConfigError(f"--backend onnxruntime: {where}: drafter {name} was built with "
-                          f"--draft-tp-size {info['tp_size']}; its rank graphs need torch.distributed "
+                          f"--draft-tp-size {info.tp_size}; its rank graphs need torch.distributed "
                           "(use --backend torch) or rebuild with --draft-tp-size 1")
     try:
         model = onnx.load(str(path / rel))
@@ -120,7 +120,7 @@ def load_ort_engine(engine_dir: str | Path, *, threads: int | None = None) -> Lo
 
     def runner(name: str) -> OrtRunner:
         return OrtRunner(ort_graph(path, name, comps[name]),
-                         f"engine directory {path}: {comps[name]['onnx']}", threads)
+                         f"engine directory {path}: {comps[name].onnx}", threads)
 
     loaded = load_graph_engine(path, manifest, Tokenizer.from_dir(path / "tokenizer"), runner,
                                torch.device("cpu"))

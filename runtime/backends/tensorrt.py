@@ -46,23 +46,23 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
     dev = torch.device(device)
     dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     comps = manifest.components
-    sharded = sorted(n for n, c in comps.items() if c.get("tp_size", 1) > 1)
+    sharded = sorted(n for n, c in comps.items() if c.tp_size > 1)
     if sharded:
         raise ConfigError(
             f"--backend tensorrt: engine directory {path} holds tensor-parallel drafter engines "
             f"({', '.join(sharded)}, built with --draft-tp-size > 1), which this backend does not run; "
             "rebuild with --draft-tp-size 1 or use --backend torch")
-    sm = pick_engine_sm({n: c.get("engines", {}) for n, c in comps.items()}, gpu_sm(dev), path)
+    sm = pick_engine_sm({n: c.engines for n, c in comps.items()}, gpu_sm(dev), path)
     flavor = manifest.build.get("trt_flavor")
     trt = import_trt(flavor, path)
     with torch.cuda.device(dev):
         stream = torch.cuda.Stream(dev)
         plugins = None
-        entries = [c["engines"][str(sm)] for c in comps.values()]
-        if any(e.get("plugins") for e in entries):
+        entries = [c.engines[str(sm)] for c in comps.values()]
+        if any(e.plugins for e in entries):
             try:
                 library = KernelLibrary.from_dir(path / "plugins")
-                missing = library.missing(plugin_kernel_keys(entries, sm))
+                missing = library.missing(plugin_kernel_keys([(e.plugins, e.plugin_acts) for e in entries], sm))
             except (OSError, ValueError, KeyError) as exc:
                 raise EngineDirError(f"engine directory {path}: plugins/ cannot be read ({exc})") from None
             if missing:  # refused now, not at the first launch mid-request
@@ -72,7 +72,7 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
             plugins = register_plugins(trt, sm, library)  # before deserializing plugin layers
 
         def runner(name: str) -> EngineRunner:
-            rel = comps[name]["engines"][str(sm)]["file"]
+            rel = comps[name].engines[str(sm)].file
             what = f"engine directory {path}: {rel}"
             return EngineRunner(trt, flavor, (path / rel).read_bytes(), what, dev, stream, graphs)
 

@@ -88,7 +88,7 @@ class EngineGenerator:
             comps = engine.manifest.components
             role = Role.HEAD if self.spec.mode is SpecMode.MTP else Role.DRAFTER
             name = self.spec.dflash_drafter if role is Role.DRAFTER else names_with_role(comps, role)[0]
-            self._proposing = (resolve(KINDS[comps[name]["kind"]].proposer), name)
+            self._proposing = (resolve(KINDS[comps[name].kind].proposer), name)
 
     def decoder(self) -> Decoder:
         e, spec = self.engine, self.spec
