@@ -52,16 +52,8 @@ class BuildReport:
     memory_estimate: dict = field(default_factory=dict)
 
 
-def _bf16_state(module: torch.nn.Module, drop: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()
-            if not k.startswith(drop)}
-
-
-def drafter_engine_state(drafter) -> dict[str, torch.Tensor]:
-    """Module-named drafter state plus the stacked context K/V projection (`context_kv_proj`)."""
-    state = _bf16_state(drafter, drop=("context_kv_proj.",))
-    state["context_kv_proj.weight"] = drafter.stacked_context_kv_weight().detach().to(torch.bfloat16).contiguous()
-    return state
+def _bf16_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()}
 
 
 def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: bool = True,
@@ -113,7 +105,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
                               "sha256": checkpoint_digest(recipe.mtp.checkpoint)}
         for name, drafter in drafters.items():
             progress(f"quantizing drafter {name} ({opts.draft_weight_quantization})")
-            state = drafter_engine_state(drafter)
+            state = drafter.engine_state()  # the drafter's module says what its engine stores
             qstate, section = q.quantize_drafter(state, opts.draft_weight_quantization)
             memory[name] = {tier: q.estimate_bytes(state, tier) for tier in q.DRAFT_TIERS}
             src = recipe.drafters[name].checkpoint

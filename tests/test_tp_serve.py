@@ -43,7 +43,6 @@ def uneven_config(version: int) -> DFlashConfig:
 def uneven_job(version: int):
     """A seeded random drafter at fp8 (ModelOpt), its embedding and a context: the same on every
     process. -> (config, one-rank engine state, embedding, context features, anchor)."""
-    from metrale.builder.build import drafter_engine_state
     from metrale.builder.quantize import quantize_drafter
     from metrale.runtime.models.dflash import DFlashDrafter
 
@@ -53,7 +52,7 @@ def uneven_job(version: int):
     for p in whole.parameters():  # matrices random, norms left at one
         if p.dim() >= 2:
             torch.nn.init.normal_(p, std=0.08)
-    state, _ = quantize_drafter(drafter_engine_state(whole), "fp8")
+    state, _ = quantize_drafter(whole.engine_state(), "fp8")
     embed = torch.nn.Embedding(cfg.decoder.vocab_size, cfg.decoder.hidden_size)
     torch.nn.init.normal_(embed.weight, std=0.5)
     features = torch.randn(1, 12, 2 * cfg.target_hidden_size)

@@ -152,6 +152,14 @@ class DFlashDrafter(nn.Module):
             self.candidate_selector = CandidateSelector(d.hidden_size, d.vocab_size,
                                                         cfg.selector_dim, cfg.num_candidates)
 
+    def engine_state(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+        """What an engine directory stores for this drafter (module names, `dtype`): its state
+        with the stacked context K/V projection (`context_kv_proj`) in place of any it holds."""
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()
+                 if not k.startswith("context_kv_proj.")}
+        state["context_kv_proj.weight"] = self.stacked_context_kv_weight().detach().to(dtype).contiguous()
+        return state
+
     # -- context ---------------------------------------------------------------------------
     def stacked_context_kv_weight(self) -> torch.Tensor:
         """[L·2·nkv·hd, H]: every layer's k_proj then v_proj rows, layer by layer."""
