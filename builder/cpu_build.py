@@ -1,8 +1,9 @@
 """CPU engines: the decode loop's steps compiled ahead of time into AOTInductor packages.
 
 Per component (see `backends.aoti_steps`): the target's batched step (`BatchedTargetStep`: 1 to
-`TARGET_ROWS` rows of any number of sequences, over cache pools), the MTP head's step over 1 to
-`MTP_ROWS` rows, and one feed-and-propose step per DFlash/DFlash2 drafter (tensor-
+`TARGET_ROWS` rows of any number of sequences, over cache pools), the MTP head's (`BatchedMTPStep`:
+1 to `MTP_ROWS` rows of any number of draft chains, likewise), and one feed-and-propose step per
+DFlash/DFlash2 drafter (tensor-
 parallel drafters keep running eagerly): four packages for the tiny default. Each is built over
 the staged model (loaded back exactly as serve loads it, then packed), exported with
 `torch.export` with the caches' slot count as a dynamic dimension (and, for the target and the
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 TARGET_ROWS = 64  # most rows of a target step: every running sequence's rows, prompt chunks
 MAX_POOL = 4096  # most sequences one cache pool of the batched target step holds
-MTP_ROWS = 8  # most rows of a head step: chain steps, the accepted rows of a step, prompt chunks
+MTP_ROWS = 64  # most rows of a head step: every drafting sequence's chain step, kept rows, prompts
 FEED_ROWS = 8  # context rows a propose feeds at once
 THREADS = 1
 # Both: a pointwise result read by a reduction is computed once, not inlined into the
@@ -110,7 +111,7 @@ def _file_digest(path: Path) -> str:
 
 def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, example_slots: int = 128):
     """The step module of `job` and example inputs with their dynamic shapes (the slot count)."""
-    from metrale.runtime.backends.aoti_steps import BatchedTargetStep, DFlashStep, MTPStep
+    from metrale.runtime.backends.aoti_steps import BatchedMTPStep, BatchedTargetStep, DFlashStep
 
     target = staged.target
     dtype = target.dtype
@@ -135,10 +136,14 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
                                                      for d in ({0: B, 3: S}, {0: B, 1: S})))
     elif role is Role.HEAD:
         d = staged.mtp.config.decoder
-        step = MTPStep(staged.mtp, positions)
-        hid = torch.zeros(1, job.rows, d.hidden_size, dtype=dtype)
-        args = (hid, hid.clone(), pos, *kv(1, d))
-        dyn = ({1: R}, {1: R}, None, {0: S}, {0: S})
+        step = BatchedMTPStep(staged.mtp, positions)
+        hid = torch.zeros(job.rows, d.hidden_size, dtype=dtype)
+        rows = torch.zeros(job.rows, dtype=torch.long)
+        k_pool = torch.zeros(2, d.num_key_value_heads, d.head_dim, example_slots, dtype=dtype)
+        v_pool = torch.zeros(2, example_slots, d.num_key_value_heads, d.head_dim, dtype=dtype)
+        B = torch.export.Dim("seqs", min=1, max=MAX_POOL)
+        args = (hid, hid.clone(), rows, rows.clone(), k_pool, v_pool)
+        dyn = ({0: R}, {0: R}, {0: R}, {0: R}, {0: B, 3: S}, {0: B, 1: S})
     else:
         drafter = staged.drafters[job.name]
         cfg, d = drafter.config, drafter.config.decoder
@@ -222,8 +227,7 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel],
                     **({"feed": j.rows, "block": staged_block(root, name)} if roles.get(name) is Role.DRAFTER
-                       else {"rows": j.rows, "dynamic_rows": True,
-                             **({"batched": True} if name == "target" else {})})} for j in mine]
+                       else {"rows": j.rows, "dynamic_rows": True, "batched": True})} for j in mine]
         out[name] = CpuPackages.model_validate(
             {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
              "check": check[name], **({"taps": list(taps), "build_s": round(time.time() - t0, 1)}

@@ -4,7 +4,8 @@ On random prompts of the target's vocabulary, one cache size:
 - target: for every row count from 2 up, each row is bit-identical (logits, last hidden, taps)
   to the one-row step at the same position (`rows_bit_identical`), and the
   logits are within `max_abs_diff_vs_eager` of the eager model's;
-- MTP head: its packages' logits and outputs against the eager head's;
+- MTP head: its package's logits and outputs, for several sequences run together, against the
+  eager head's for each sequence alone;
 - drafters: the drafts a package proposes (context fed from the target's real taps, blocks of
   γ and of 4) against the eager drafter's (`drafts_equal`, the share of equal tokens: a
   near-tie may break the other way under another summation order, but no more than that).
@@ -24,9 +25,13 @@ def _packages(root, jobs, name):
 
     from metrale.runtime.backends.aoti import Package
 
-    return [Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel)),
-                    kind_named(j.kind).role is not Role.DRAFTER, batched=name == "target")
-            for j in jobs if j.name == name]
+    out = []
+    for j in jobs:
+        if j.name == name:  # the target's and the head's: any row count, many sequences
+            rows_step = kind_named(j.kind).role is not Role.DRAFTER
+            out.append(Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel)),
+                               rows_step, batched=rows_step))
+    return out
 
 
 def _check_batched(target, package, taps, slots, gen) -> bool:
@@ -99,18 +104,29 @@ def _check_target(root, jobs, staged, taps, slots, gen) -> dict:
 
 
 def _check_mtp(root, jobs, name, staged, slots, gen) -> dict:
-    from metrale.runtime.backends.aoti import CompiledMTP
+    """Three sequences' entries, chunked differently and run together (two in one pool, one in
+    another), against the eager head's for each sequence alone."""
+    from metrale.runtime.backends import HeadForward
+    from metrale.runtime.backends.aoti_batched import BatchedMTP
 
     head = staged.mtp
-    compiled = CompiledMTP(head, _packages(root, jobs, name), slots)
+    (package,) = _packages(root, jobs, name)
+    compiled = BatchedMTP(head, package, slots)
     h = head.config.decoder.hidden_size
-    embeds, hidden = torch.randn(1, 16, h, generator=gen), torch.randn(1, 16, h, generator=gen)
-    a, b = compiled.new_cache(1, 48, embeds.dtype), head.new_cache(1, 48, embeds.dtype)
+    embeds, hidden = torch.randn(3, 1, 16, h, generator=gen), torch.randn(3, 1, 16, h, generator=gen)
+    dtype = embeds.dtype
+    mine = [compiled.new_cache(1, n, dtype) for n in (48, 48, 100)]
+    eager = [head.new_cache(1, 48, dtype) for _ in range(3)]
+    splits = [((0, 9), (9, 10), (10, 13), (13, 16)), ((0, 1), (1, 16)), ((0, 12), (12, 14), (14, 16))]
     worst = 0.0
-    for lo, hi in ((0, 9), (9, 10), (10, 13), (13, 16)):
-        got = compiled(embeds[:, lo:hi], hidden[:, lo:hi], a, start=lo)
-        want = head(embeds[:, lo:hi], hidden[:, lo:hi], b, start=lo)
-        worst = max(worst, (got[0] - want[0]).abs().max().item(), (got[1] - want[1]).abs().max().item())
+    for step in range(max(len(s) for s in splits)):
+        who = [b for b in range(3) if step < len(splits[b])]
+        needs = [HeadForward(compiled, embeds[b][:, slice(*splits[b][step])],
+                             hidden[b][:, slice(*splits[b][step])], mine[b], splits[b][step][0]) for b in who]
+        for b, got in zip(who, compiled.forward_many(needs)):
+            lo, hi = splits[b][step]
+            want = head(embeds[b][:, lo:hi], hidden[b][:, lo:hi], eager[b], start=lo)
+            worst = max(worst, (got[0] - want[0]).abs().max().item(), (got[1] - want[1]).abs().max().item())
     return {"max_abs_diff_vs_eager": worst}
 
 

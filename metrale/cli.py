@@ -352,7 +352,8 @@ def serve(
         "when the batch shrinks). Greedy answers do not change; a seeded sampled request keeps "
         "drafting as if alone, so its samples do not depend on the load. With two or more "
         "requests running, DFlash draft counts come from --dflash-draft-ladder or γ: "
-        "--dflash-adaptive-k applies to a stream that runs alone. The default, 2, drafts only "
+        "--dflash-adaptive-k applies to a stream that runs alone; the MTP draft chains of all "
+        "drafting requests run as one head forward per link. The default, 2, drafts only "
         "for a request that runs alone: on a CPU each batched row costs about what it costs "
         "alone, so the verify rows of several streams cost more than their drafts save. "
         "1: never draft.")] = 2,

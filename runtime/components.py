@@ -165,7 +165,7 @@ KINDS: dict[str, ComponentKind] = {k.name: k for k in (
     ComponentKind(
         "mtp", Role.HEAD, _mtp_config, "metrale.runtime.models.mtp:MTPHead",
         lambda cfg: cfg.decoder, _mtp_io, "metrale.builder.onnx_export:MTPStep",
-        "metrale.runtime.backends.graph_steps:GraphMTP", "metrale.runtime.backends.aoti:CompiledMTP",
+        "metrale.runtime.backends.graph_steps:GraphMTP", "metrale.runtime.backends.aoti_batched:BatchedMTP",
         "metrale.runtime.spec.mtp_proposer:MTPProposer", _mtp_modes,
         "metrale.runtime.models.loader:load_mtp",
         (("experts", r"layer\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj"),

@@ -2,7 +2,7 @@
 
     python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
                            [--max-tokens 32] [--modes plain,mtp,dflash] [--max-num-seqs 64]
-                           [--json FILE]
+                           [--serve-flags '...'] [--json FILE]
 
 Per mode it starts one `metrale serve` process (`--max-num-seqs`, one torch thread), then for
 each concurrency C runs C client threads that each send `--requests` greedy completions of
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -131,13 +132,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="plain,mtp,dflash")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--serve-flags", default="", help="more flags for every server, e.g. "
+                    "'--speculative-disable-by-batch-size 65' (draft at any batch size)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]
     levels = [int(c) for c in args.concurrency.split(",")]
     out = {"max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens, "modes": {}}
     for mode in args.modes.split(","):
-        proc, base = start_server(args.engine_dir, MODES[mode], args.max_num_seqs)
+        proc, base = start_server(args.engine_dir, MODES[mode] + shlex.split(args.serve_flags),
+                                  args.max_num_seqs)
         try:
             rows, solo = [], None
             for c in levels:

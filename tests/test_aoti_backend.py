@@ -54,11 +54,11 @@ def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir)
     m = json.loads((aoti_engine_dir / "config.json").read_text())
     comps = m["components"]
     cpu = comps["target"]["cpu"]
-    # one package per step, its row count dynamic; the target's over many sequences' rows
+    # one package per step, its row count dynamic; the target's and the head's over many sequences' rows
     assert [(p["file"], p["rows"], p["dynamic_rows"], p["batched"]) for p in cpu["packages"]] == [
         ("target/cpu/steps.pt2", 64, True, True)]
-    assert [(p["file"], p["rows"], p["dynamic_rows"]) for p in comps["mtp"]["cpu"]["packages"]] == [
-        ("mtp/cpu/steps.pt2", 8, True)]
+    assert [(p["file"], p["rows"], p["dynamic_rows"], p["batched"]) for p in comps["mtp"]["cpu"]["packages"]] == [
+        ("mtp/cpu/steps.pt2", 64, True, True)]
     for name in ("dflash", "dflash2"):
         (pkg,) = comps[name]["cpu"]["packages"]
         assert pkg["feed"] == 8 and pkg["block"] == 8
@@ -77,12 +77,13 @@ def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir)
 def test_the_drafters_run_on_their_packages(aoti_engine, tiny_engine, tiny_prompts):
     """The aoti backend swaps the MTP head and both drafters for their packages; their drafts
     are the eager drafters' (same verify outcome, step for step, on greedy decoding)."""
-    from metrale.runtime.backends.aoti import CompiledDFlash, CompiledMTP
+    from metrale.runtime.backends.aoti import CompiledDFlash
+    from metrale.runtime.backends.aoti_batched import BatchedMTP
     from metrale.runtime.spec.sampling import SamplingParams
     from metrale.runtime.serving.service import EngineGenerator
     from metrale.runtime.spec.config import SpeculativeConfig
 
-    assert isinstance(aoti_engine.mtp, CompiledMTP)
+    assert isinstance(aoti_engine.mtp, BatchedMTP)
     assert all(isinstance(d, CompiledDFlash) for d in aoti_engine.drafters.values())
     params = SamplingParams(temperature=0.0, max_tokens=32)
     for flags in ({"speculative": True, "num_drafts": 3}, {"dflash": True},
@@ -185,6 +186,41 @@ def test_packages_of_an_older_layout_are_refused_by_name(aoti_engine_dir, tmp_pa
         with pytest.raises(EngineDirError, match=r"components\['target'\]: its CPU packages are of "
                            r"another layout \(max_slots: Field required.*rebuild it with metrale build"):
             load_engine(copy, backend=backend)
+
+
+def test_batched_head_entries_equal_each_chain_alone(aoti_engine, tiny_engine):
+    """The MTP head's entries for several sequences' chains in one call (a prompt's rows, chain
+    links, two pools) equal each sequence's entries run alone, and the eager head's."""
+    from metrale.runtime.backends import HeadForward
+    from metrale.runtime.backends.aoti_batched import BatchedMTP
+
+    head = aoti_engine.mtp
+    assert isinstance(head, BatchedMTP)
+    eager = tiny_engine.mtp  # the same weights, eager
+    gen = torch.Generator().manual_seed(3)
+    h = head.config.decoder.hidden_size
+    embeds, hidden = torch.randn(4, 1, 20, h, generator=gen), torch.randn(4, 1, 20, h, generator=gen)
+    lengths = (40, 40, 40, 90)
+    splits = [[12, 1, 1, 1], [1] * 6, [3, 3], [20]]
+    together = [head.new_cache(1, n, embeds.dtype) for n in lengths]
+    got = [[] for _ in lengths]
+    done = [0] * len(lengths)
+    for step in range(max(map(len, splits))):
+        who = [b for b in range(len(lengths)) if step < len(splits[b])]
+        needs = [HeadForward(head, embeds[b][:, done[b]:done[b] + splits[b][step]],
+                             hidden[b][:, done[b]:done[b] + splits[b][step]], together[b]) for b in who]
+        for b, out in zip(who, head.forward_many(needs)):
+            got[b].append(out)
+            done[b] += splits[b][step]
+    for b, n in enumerate(lengths):
+        assert together[b].length == done[b]
+        alone = head.new_cache(1, n, embeds.dtype)
+        want = head(embeds[b][:, :done[b]], hidden[b][:, :done[b]], alone)
+        for i in range(2):  # logits, h
+            mine = torch.cat([o[i] for o in got[b]], dim=1)
+            assert torch.allclose(mine, want[i], atol=1e-5, rtol=0), (b, i, (mine - want[i]).abs().max())
+        ref = eager(embeds[b][:, :done[b]], hidden[b][:, :done[b]], eager.new_cache(1, n, embeds.dtype))
+        assert (want[0] - ref[0]).abs().max() < 1e-4
 
 
 def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine):

@@ -112,6 +112,7 @@ def test_a_busy_batch_makes_steps_plain_and_the_drafter_waits(tiny_engine, tiny_
     """`Batch.speculate` False (a scheduler's batch at its back-off size): every step is plain,
     the MTP head never runs (its entries wait for a chain that never comes), greedy text is
     plain decoding's; drafting resumes with complete context once the batch allows it."""
+    from metrale.runtime.backends import run_forwards
     from metrale.runtime.spec.decode import Batch
 
     gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**flags))
@@ -136,7 +137,7 @@ def test_a_busy_batch_makes_steps_plain_and_the_drafter_waits(tiny_engine, tiny_
                     batch.size, batch.speculate = 1, True
             else:
                 with torch.inference_mode():
-                    reply = tiny_engine.target(need.ids, need.cache, taps=need.taps)
+                    reply = run_forwards(tiny_engine.target, [need])[0]
         assert got == want
         drafted = [s.drafted for s in decoder.last_result.steps]
         assert not any(drafted[:10]) and any(drafted[12:])

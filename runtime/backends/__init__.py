@@ -6,7 +6,8 @@ nothing else; every backend gives each component one of them (`TargetSteps`, `MT
 
     backend       target                  MTP head / drafters        runs
     torch         the eager model         the eager models           safetensors, CPU or GPU
-    aoti          aoti_batched target     CompiledMTP/CompiledDFlash the CPU packages (.pt2)
+    aoti          aoti_batched target     aoti_batched MTP head,     the CPU packages (.pt2)
+                                          CompiledDFlash
     cuda-graphs   cuda_graphs target      the eager models           the eager model, captured
     onnxruntime   graph_steps.GraphTarget GraphMTP / GraphDrafter    the ONNX graphs, on a CPU
     tensorrt      graph_steps.GraphTarget GraphMTP / GraphDrafter    the TensorRT plans, on a GPU
@@ -38,14 +39,53 @@ class Forward:
     taps: tuple[int, ...] = ()
     last_logits: bool = False
 
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[1]
 
-def run_forwards(target, forwards: list[Forward]) -> list:
-    """Each forward's `TargetOutput`: in one batched call where the target has one
-    (`forward_many`, the aoti backend's `aoti_batched.BatchedTarget`), else one after another."""
-    many = getattr(target, "forward_many", None)
-    if many is not None:
-        return many(forwards)
-    return [target(f.ids, f.cache, taps=f.taps) for f in forwards]
+
+@dataclass
+class HeadForward:
+    """MTP-head entries a sequence's draft chain needs next: `embeds`, `hidden` [1, T, H] at
+    positions `start`.. (default `cache.length`) of `head`'s cache -> (logits [1, T, V], h
+    [1, T, H]), the cache's length then start + T (`MTPSteps.__call__`)."""
+
+    head: object
+    embeds: torch.Tensor
+    hidden: torch.Tensor
+    cache: object
+    start: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.embeds.shape[1]
+
+    def run(self):
+        """This forward alone."""
+        return self.head(self.embeds, self.hidden, self.cache, start=self.start)
+
+
+def run_forwards(target, needs: list) -> list:
+    """Each need's output, in order: the target's `Forward`s in one batched call where the target
+    has one (`forward_many`, the aoti backend's `aoti_batched.BatchedTarget`), the `HeadForward`s
+    of each head likewise (`aoti_batched.BatchedMTP`); else one after another."""
+    out: list = [None] * len(needs)
+    groups: dict[int, tuple[object, list[int]]] = {}
+    for i, need in enumerate(needs):
+        face = target if isinstance(need, Forward) else need.head
+        groups.setdefault(id(face), (face, []))[1].append(i)
+    for face, members in groups.values():
+        mine = [needs[i] for i in members]
+        many = getattr(face, "forward_many", None)
+        if many is not None:
+            results = many(mine)
+        elif face is target:
+            results = [target(f.ids, f.cache, taps=f.taps) for f in mine]
+        else:
+            results = [f.run() for f in mine]
+        for i, r in zip(members, results):
+            out[i] = r
+    return out
 
 
 class TargetSteps(Protocol):
@@ -63,7 +103,8 @@ class TargetSteps(Protocol):
 
 
 class MTPSteps(Protocol):
-    """The MTP head: `config` (`.decoder` its `DecoderConfig`)."""
+    """The MTP head: `config` (`.decoder` its `DecoderConfig`). A head may also have
+    `forward_many(head_forwards)`: the entries of many sequences' `HeadForward`s in one call."""
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None): ...
 

@@ -1,5 +1,6 @@
-"""The target's batched step on the `aoti` backend: one package call over the rows of many
-sequences, each reading its own cache.
+"""The batched steps of the `aoti` backend: one package call over the rows of many sequences,
+each reading its own cache — the target's (`BatchedTarget`) and the MTP head's draft chains
+(`BatchedMTP`).
 
 Caches live in pools, one per slot count S (a request's S is its own length rounded up to 64
 slots, `aoti.slots_for`, so it depends on the request alone): per layer K [B, nkv, hd, S] and V
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
-from metrale.runtime.backends.aoti import CompiledTarget, Package, TargetFace, _Rows, slots_for
+from metrale.runtime.backends.aoti import CompiledMTP, CompiledTarget, Package, TargetFace, _Rows, slots_for
 from metrale.runtime.models.qwen3 import TargetOutput
 
 FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
@@ -94,6 +95,27 @@ class PooledCache:
         return self.pool.kv[0].device
 
 
+def _places(forwards, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's position and sequence (its cache's place in the pool), forwards in order: a
+    forward's T rows sit at positions start.. of its cache."""
+    pos, seq = [], []
+    for f, start in zip(forwards, starts):
+        pos.extend(range(start, start + f.rows))
+        seq.extend([f.cache.index] * f.rows)
+    return torch.tensor(pos), torch.tensor(seq)
+
+
+def _by_pool(forwards, starts: list[int]) -> dict[int, list[int]]:
+    """The forwards' indices grouped by their caches' pool, each checked to fit its cache."""
+    groups: dict[int, list[int]] = {}
+    for i, (f, start) in enumerate(zip(forwards, starts)):
+        if start + f.rows > f.cache.max_len:
+            raise ValueError(f"positions up to {start + f.rows} exceed the cache's "
+                             f"{f.cache.max_len} slots")
+        groups.setdefault(id(f.cache.pool), []).append(i)
+    return groups
+
+
 @dataclass(frozen=True)
 class _Rows1D:
     """The flattened rows of one pool's forwards."""
@@ -149,12 +171,7 @@ class BatchedTarget(TargetFace):
     def forward_many(self, forwards) -> list[TargetOutput]:
         """The target outputs of each `backends.Forward` (rows ids [1, T] of a distinct cache at
         its length), in order; each cache's length grows by its T."""
-        groups: dict[int, list[int]] = {}
-        for i, f in enumerate(forwards):
-            if f.cache.length + f.ids.shape[1] > f.cache.max_len:
-                raise ValueError(f"positions up to {f.cache.length + f.ids.shape[1]} exceed the "
-                                 f"cache's {f.cache.max_len} slots")
-            groups.setdefault(id(f.cache.pool), []).append(i)
+        groups = _by_pool(forwards, [f.cache.length for f in forwards])
         results: list[TargetOutput | None] = [None] * len(forwards)
         # lengths move only once every call succeeded: a failed batch leaves each cache as it
         # was (its slots written again, with the same values, by a retry)
@@ -176,15 +193,14 @@ class BatchedTarget(TargetFace):
         return results
 
     def _flatten(self, forwards) -> _Rows1D:
-        ids, pos, seq, want = [], [], [], []
+        ids, want, n = [], [], 0
         for f in forwards:
-            t, start = f.ids.shape[1], f.cache.length
+            t = f.ids.shape[1]
             ids.append(f.ids[0])
-            want.extend([len(pos) + t - 1] if f.last_logits else range(len(pos), len(pos) + t))
-            pos.extend(range(start, start + t))
-            seq.extend([f.cache.index] * t)
-        return _Rows1D(ids[0] if len(ids) == 1 else torch.cat(ids), torch.tensor(pos), torch.tensor(seq),
-                       want)
+            want.extend([n + t - 1] if f.last_logits else range(n, n + t))
+            n += t
+        pos, seq = _places(forwards, [f.cache.length for f in forwards])
+        return _Rows1D(ids[0] if len(ids) == 1 else torch.cat(ids), pos, seq, want)
 
     def _run(self, forwards) -> list[torch.Tensor]:
         """One pool's rows, in package calls of at most `max_rows` rows, concatenated (logits:
@@ -205,3 +221,64 @@ class BatchedTarget(TargetFace):
         if len(parts) == 1:
             return parts[0]
         return [torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))]
+
+
+class BatchedMTP:
+    """The MTP head's face over its batched package: `new_cache` and `__call__` as
+    `aoti.CompiledMTP`'s, plus `forward_many`, the entries of many sequences' draft chains
+    (`backends.HeadForward`) in one package call per pool. Caches are `PooledCache`s of the
+    head's one layer, pooled by slot count as the target's are."""
+
+    @classmethod
+    def from_packages(cls, head, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
+        """The face of the head's `cpu` entry: this one for a batched package, else (an engine
+        built before batching) `aoti.CompiledMTP`, one sequence per call."""
+        if not loaded[0][0].batched:
+            return CompiledMTP.from_packages(head, loaded, cpu, where)
+        return cls(head, loaded[0][1], cpu.max_slots)
+
+    def __init__(self, head, package: Package, max_slots: int):
+        self.config = head.config
+        self.package, self.max_rows, self.max_slots = package, package.rows, max_slots
+        self.pools: dict[int, KVPool] = {}
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
+        if batch != 1:
+            raise ValueError("the aoti backend holds one sequence per cache")
+        slots = slots_for(max_len, self.max_slots, "mtp")
+        pool = self.pools.get(slots)
+        if pool is None:
+            d = self.config.decoder
+            pool = self.pools[slots] = KVPool(1, d.num_key_value_heads, d.head_dim, slots, dtype, device)
+        return PooledCache(pool)
+
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: PooledCache,
+                 start: int | None = None):
+        """Entries start.. of embeds/hidden [1, T, H] -> (logits [1, T, V], h [1, T, H])."""
+        from metrale.runtime.backends import HeadForward
+
+        return self.forward_many([HeadForward(self, embeds, hidden, cache, start)])[0]
+
+    def forward_many(self, forwards) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each `HeadForward`'s (logits [1, T, V], h [1, T, H]), in order; each cache's length
+        becomes its start + T once every call succeeded."""
+        starts = [f.cache.length if f.start is None else f.start for f in forwards]
+        results: list = [None] * len(forwards)
+        for members in _by_pool(forwards, starts).values():
+            mine = [forwards[i] for i in members]
+            pos, seq = _places(mine, [starts[i] for i in members])
+            embeds = torch.cat([f.embeds[0] for f in mine])
+            hidden = torch.cat([f.hidden[0] for f in mine])
+            kv = mine[0].cache.pool.kv
+            parts = [self.package(embeds[c:c + self.max_rows], hidden[c:c + self.max_rows],
+                                  pos[c:c + self.max_rows], seq[c:c + self.max_rows], *kv)
+                     for c in range(0, embeds.shape[0], self.max_rows)]
+            logits = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+            hs = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+            offset = 0
+            for i, f in zip(members, mine):
+                results[i] = (logits[offset:offset + f.rows][None], hs[offset:offset + f.rows][None])
+                offset += f.rows
+        for f, start in zip(forwards, starts):
+            f.cache.length = start + f.rows
+        return results

@@ -22,7 +22,8 @@ of every layer -> logits [1, T, V], last_hidden [1, T, H] (pre final norm), taps
 (transformers' hidden_states[l+1] for each tap id l, as `qwen3` defines them).
 
 MTP head (`MTPStep`): `embeds`, `hidden` [1, T, H], `pos` [1], K, V -> logits [1, T, V], h [1, T, H],
-the head's forward (`mtp.MTPHead`) over its one-layer cache.
+the head's forward (`mtp.MTPHead`) over its one-layer cache; `BatchedMTPStep` takes the rows of
+many sequences over a pool of such caches, as the target's `BatchedTargetStep` does.
 
 DFlash drafter (`DFlashStep`), one call feeds context and proposes: `feats` [1, F, n·Ht] (the
 next F accepted positions' taps, the first `n_feed` of them real), `n_feed` [1], `start` [1]
@@ -273,10 +274,25 @@ class MTPStep(nn.Module):
     def forward(self, embeds, hidden, pos, k_cache, v_cache):
         t = embeds.shape[1]
         positions = pos + torch.arange(t, device=embeds.device)
+        logits, h = self.rows(embeds[0], hidden[0], positions, None, k_cache, v_cache)
+        return logits[None], h[None]
+
+    def rows(self, embeds, hidden, positions, seq, k_cache, v_cache):
+        """embeds, hidden [T, H], positions (and `seq`) [T] -> logits [T, V], h [T, H]."""
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        x = F.linear(torch.cat([self.norm_e(embeds[0]), self.norm_h(hidden[0])], dim=-1), self.fc)
-        h = self.layer(x, positions, cos, sin, k_cache, v_cache, F.linear)
-        return F.linear(self.norm(h), self.lm_head)[None], h[None]
+        x = F.linear(torch.cat([self.norm_e(embeds), self.norm_h(hidden)], dim=-1), self.fc)
+        h = self.layer(x, positions, cos, sin, k_cache, v_cache, F.linear, seq)
+        return F.linear(self.norm(h), self.lm_head), h
+
+
+class BatchedMTPStep(MTPStep):
+    """The MTP head's entries for the rows of many sequences at once (`aoti_batched`): `embeds`,
+    `hidden` [N, H], `pos`, `seq` [N] int64 (each row's position and sequence, a sequence's rows
+    in position order), then the head's K pool [B, nkv, hd, S] and V pool [B, S, nkv, hd] ->
+    logits [N, V], h [N, H]. A row reads its own sequence's slots only."""
+
+    def forward(self, embeds, hidden, pos, seq, k_pool, v_pool):
+        return self.rows(embeds, hidden, pos, seq, k_pool, v_pool)
 
 
 class DFlashStep(nn.Module):

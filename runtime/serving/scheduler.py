@@ -12,7 +12,8 @@ Each request keeps its own decode loop, caches and sampling state (`EngineGenera
 target rows every running request needs next (a prompt, a plain step's token, a verify's token
 and drafts) run in one batched forward per iteration (`EngineGenerator.run_forwards`), in which
 each row reads its own sequence's cache only, so every answer is the one the request gets
-alone. Drafting backs off under load: with `speculative_disable_by_batch_size` or more
+alone; so do the MTP head's entries of every drafting request's chain (one head forward per
+link of the chains). Drafting backs off under load: with `speculative_disable_by_batch_size` or more
 sequences running, steps are plain (the drafters still follow, see `decode.Decoder.steps`);
 greedy answers do not change, since a speculative step emits plain decoding's tokens. A
 tensor-parallel world decodes requests in lockstep across ranks, one at a time, so there
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
-from metrale.runtime.backends import Forward
+from metrale.runtime.backends import Forward, HeadForward
 from metrale.runtime.spec.decode import Batch
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class Job:
         self.n, self.tokens = 0, None
         self.batch = batch or Batch()
         self.coroutine = bool(getattr(gen, "batched", False))
-        self.need: Forward | None = None
+        self.need: Forward | HeadForward | None = None
         self.reply = None
 
     def advance(self) -> bool:
@@ -110,7 +111,7 @@ class Job:
                 item = self.tokens.send(reply)
             except StopIteration:
                 return self._finish(stopped=False)
-            if isinstance(item, Forward):
+            if isinstance(item, (Forward, HeadForward)):
                 self.need = item
                 return True
             for token in item:
@@ -158,7 +159,8 @@ class Scheduler:
     (`run_forwards`). Steps draft only while fewer than `speculative_disable_by_batch_size`
     sequences run (None: always). Counters for /metrics: `running`, `waiting`, `steps`
     (iterations), `step_seconds` (their total time), `peak_running`, `batched_rows` (target
-    rows run in batched forwards) and `forwards` (those forwards)."""
+    rows run in batched forwards), `forwards` (those forwards), `head_rows` and `head_forwards`
+    (the same for the MTP head's draft-chain entries)."""
 
     def __init__(self, max_num_seqs: int, run_forwards: Callable | None = None,
                  speculative_disable_by_batch_size: int | None = None):
@@ -170,6 +172,7 @@ class Scheduler:
         self.running: list[Job] = []
         self.steps, self.step_seconds, self.peak_running = 0, 0.0, 0
         self.batched_rows, self.forwards = 0, 0
+        self.head_rows, self.head_forwards = 0, 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="metrale-scheduler", daemon=True)
         self._thread.start()
@@ -199,8 +202,12 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - find the request at fault below
             outs = None
         if outs is not None:
-            self.forwards += 1
-            self.batched_rows += sum(f.ids.shape[1] for f in forwards)
+            target = [f.rows for f in forwards if isinstance(f, Forward)]
+            head = [f.rows for f in forwards if isinstance(f, HeadForward)]
+            self.forwards += bool(target)
+            self.batched_rows += sum(target)
+            self.head_forwards += bool(head)
+            self.head_rows += sum(head)
         for i, job in enumerate(jobs):
             job.need = None
             if outs is not None:
@@ -239,7 +246,11 @@ class Scheduler:
                 ("batched_forwards_total", "counter", self.forwards,
                  "Target forwards run for the whole batch at once."),
                 ("batched_rows_total", "counter", self.batched_rows,
-                 "Target rows those forwards ran (rows / forwards: the mean batch in rows).")):
+                 "Target rows those forwards ran (rows / forwards: the mean batch in rows)."),
+                ("head_forwards_total", "counter", self.head_forwards,
+                 "MTP head forwards run for every drafting sequence's chain at once."),
+                ("head_rows_total", "counter", self.head_rows,
+                 "Head entries those forwards ran (rows / forwards: the mean batch in rows).")):
             out += [f"# HELP metrale_scheduler_{name} {text}", f"# TYPE metrale_scheduler_{name} {kind}",
                     f"metrale_scheduler_{name} {value}"]
         return out

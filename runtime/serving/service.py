@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from metrale.runtime.models.configs import DFlashConfig
-from metrale.runtime.backends import Forward, run_forwards
+from metrale.runtime.backends import run_forwards
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
 from metrale.runtime.backends import Backend, load_engine
 from metrale.runtime.components import KINDS, Role, names_with_role, resolve
@@ -146,9 +146,9 @@ class EngineGenerator:
             if decoder.last_result is not None:
                 self.metrics.add(decoder.last_result.metrics)
 
-    def run_forwards(self, forwards: list[Forward]) -> list:
-        """The target outputs of many sequences' `Forward`s, in one batched forward where the
-        backend has one."""
+    def run_forwards(self, forwards: list) -> list:
+        """The outputs of many sequences' `Forward`s (target rows) and `HeadForward`s (MTP
+        chain entries), in one batched forward per model where the backend has one."""
         with torch.inference_mode():
             return run_forwards(self.engine.target, forwards)
 

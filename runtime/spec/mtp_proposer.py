@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.runtime.backends import HeadForward
 from metrale.runtime.models.mtp import MTPHead
 from metrale.runtime.spec.config import DraftStop
 
@@ -33,9 +34,9 @@ class MTPProposer:
         """The proposer `--speculative` runs (`components`' factory): K drafts, the stop."""
         return cls(head, embed, spec.num_drafts, spec.draft_stop, max_len)
 
-    def _entries(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+    def _entries(self, tokens: torch.Tensor, hidden: torch.Tensor):
         """Append real entries: tokens [T] (token p+1), hidden [1, T, H] (target hidden p)."""
-        logits, h = self.head(self.embed(tokens[None]), hidden, self.cache, start=self.base)
+        logits, h = yield HeadForward(self.head, self.embed(tokens[None]), hidden, self.cache, self.base)
         self.base = self.cache.length
         self.next_logits, self.next_h = logits[0, -1], h[:, -1:]
 
@@ -47,14 +48,14 @@ class MTPProposer:
         # (tokens [r], hidden [1, r, H]) the head has not seen: the prompt's, until the first chain
         self.unfed: list[tuple[torch.Tensor, torch.Tensor]] = [(tokens, out.last_hidden)]
 
-    def _feed(self) -> None:
+    def _feed(self):
         """The rows kept since the last chain (the prompt's before the first) enter the head in
         one call: a request that never drafts (a busy batch) never runs the head."""
         if self.unfed:
             tokens = torch.cat([t for t, _ in self.unfed])
             hidden = torch.cat([h for _, h in self.unfed], dim=1)
             self.unfed = []
-            self._entries(tokens, hidden)
+            yield from self._entries(tokens, hidden)
 
     def _continues(self, prob: float, running: float) -> bool:
         if self.stop is None:
@@ -62,10 +63,23 @@ class MTPProposer:
         return (running if self.stop.cumulative else prob) >= self.stop.tau
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
+        """`propose_steps` with each head forward run at once (one sequence)."""
+        steps = self.propose_steps(pending, max_drafts)
+        reply = None
+        while True:
+            try:
+                reply = steps.send(reply).run()
+            except StopIteration as done:
+                return done.value
+
+    def propose_steps(self, pending: int, max_drafts: int):
+        """The draft chain as a coroutine: it yields each `HeadForward` it needs (send back its
+        output), so a scheduler can run the chains of many sequences in one head forward per
+        link; returns (drafts [k], k)."""
         k = min(self.num_drafts, max_drafts)
         if k == 0:  # a plain step: the kept rows wait in `unfed`
             return torch.empty(0, dtype=torch.long), 0
-        self._feed()
+        yield from self._feed()
         drafts: list[int] = []
         logits, h, running = self.next_logits, self.next_h, 1.0
         while len(drafts) < k:
@@ -74,7 +88,7 @@ class MTPProposer:
             running *= float(prob)
             if len(drafts) == k or not self._continues(float(prob), running):
                 break
-            logits, h = self.head(self.embed(tok.view(1, 1)), h, self.cache)  # speculative entry
+            logits, h = yield HeadForward(self.head, self.embed(tok.view(1, 1)), h, self.cache)  # speculative entry
             logits = logits[0, -1]
         self.cache.length = self.base
         return torch.tensor(drafts, dtype=torch.long), len(drafts)
