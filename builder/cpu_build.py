@@ -3,7 +3,7 @@
 Per component (see `backends.aoti_steps`): the target's batched step (`BatchedTargetStep`: 1 to
 `TARGET_ROWS` rows of any number of sequences, over cache pools), the MTP head's (`BatchedMTPStep`:
 1 to `MTP_ROWS` rows of any number of draft chains, likewise), and one feed-and-propose step per
-DFlash/DFlash2 drafter (tensor-
+DFlash/DFlash2 drafter (`BatchedDFlashStep`: the blocks of up to `DRAFT_BLOCKS` sequences) (tensor-
 parallel drafters keep running eagerly): four packages for the tiny default. Each is built over
 the staged model (loaded back exactly as serve loads it, then packed), exported with
 `torch.export` with the caches' slot count as a dynamic dimension (and, for the target and the
@@ -35,7 +35,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 TARGET_ROWS = 64  # most rows of a target step: every running sequence's rows, prompt chunks
 MAX_POOL = 4096  # most sequences one cache pool of the batched target step holds
 MTP_ROWS = 64  # most rows of a head step: every drafting sequence's chain step, kept rows, prompts
-FEED_ROWS = 8  # context rows a propose feeds at once
+FEED_ROWS = 8  # context rows a propose feeds at once, per sequence
+DRAFT_BLOCKS = 64  # most sequences' blocks one drafter call proposes
 THREADS = 1
 # Both: a pointwise result read by a reduction is computed once, not inlined into the
 # reduction's loop (inductor's default re-derived the normed, roped queries for every cache slot:
@@ -58,8 +59,12 @@ THREADS = 1
 # faces check every position against its cache, and token ids are checked on entry). Measured
 # on the tiny target's batched step: 64 rows 6.8 -> 4.3 ms, one row 0.102 -> 0.087 ms.
 _LOOPS = {"realize_reads_threshold": 1, "assert_indirect_indexing": False}
+# "extern": the projections are the GEMM library's (not row-invariant across row counts; the
+# drafters' packages only move drafts). The drafter's batched step takes them: compiled with the
+# micro-GEMM templates it gave wrong drafts, then crashed, for more blocks than its example had.
 INDUCTOR = {"gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", **_LOOPS},
-            "rowwise": {"freezing": True, **_LOOPS}}
+            "rowwise": {"freezing": True, **_LOOPS},
+            "extern": {"freezing": True, **_LOOPS}}
 
 
 def cache_dir() -> Path:
@@ -110,49 +115,54 @@ def _file_digest(path: Path) -> str:
 
 
 def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, example_slots: int = 128):
-    """The step module of `job` and example inputs with their dynamic shapes (the slot count)."""
-    from metrale.runtime.backends.aoti_steps import BatchedMTPStep, BatchedTargetStep, DFlashStep
+    """The step module of `job` and example inputs with their dynamic shapes: every package is
+    batched, over cache pools (per layer K [B, nkv, hd, S], V [B, S, nkv, hd]) whose sequence and
+    slot counts are dynamic, as are its row (or block) counts."""
+    from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPStep, BatchedTargetStep
 
     target = staged.target
     dtype = target.dtype
     positions = slots + 64
     S = torch.export.Dim("slots", min=16, max=slots)
-    kv = lambda layers, d: [torch.zeros(example_slots, d.num_key_value_heads, d.head_dim, dtype=dtype)  # noqa: E731
-                            for _ in range(2 * layers)]
-    pos = torch.tensor([0])
+    B = torch.export.Dim("seqs", min=1, max=MAX_POOL)
     R = torch.export.Dim("rows", min=1, max=job.rows)  # target and head: any row count up to rows
+
+    def pools(d):
+        """Example pools of a decoder's layers (two sequences) and their dynamic shapes."""
+        k = torch.zeros(2, d.num_key_value_heads, d.head_dim, example_slots, dtype=dtype)
+        v = torch.zeros(2, example_slots, d.num_key_value_heads, d.head_dim, dtype=dtype)
+        n = d.num_hidden_layers
+        return [t.clone() for _ in range(n) for t in (k, v)], tuple(x for _ in range(n) for x in ({0: B, 3: S}, {0: B, 1: S}))
+
     role = kind_named(job.kind).role
+    rows = torch.zeros(job.rows, dtype=torch.long)
     if role is Role.TARGET:
-        c = target.config
         step = BatchedTargetStep(target, taps, job.linear, positions)
-        rows = torch.zeros(job.rows, dtype=torch.long)
-        k_pool = torch.zeros(2, c.num_key_value_heads, c.head_dim, example_slots, dtype=dtype)  # [B, nkv, hd, S]
-        v_pool = torch.zeros(2, example_slots, c.num_key_value_heads, c.head_dim, dtype=dtype)  # [B, S, nkv, hd]
-        B = torch.export.Dim("seqs", min=1, max=MAX_POOL)
+        kv, kv_dyn = pools(target.config)
         M = torch.export.Dim("logit_rows", min=1, max=job.rows)
-        args = (rows, rows.clone(), rows.clone(), torch.arange(job.rows),
-                *[t.clone() for _ in range(c.num_hidden_layers) for t in (k_pool, v_pool)])
-        dyn = ({0: R}, {0: R}, {0: R}, {0: M}, tuple(d for _ in range(c.num_hidden_layers)
-                                                     for d in ({0: B, 3: S}, {0: B, 1: S})))
+        args = (rows, rows.clone(), rows.clone(), torch.arange(job.rows), *kv)
+        dyn = ({0: R}, {0: R}, {0: R}, {0: M}, kv_dyn)
     elif role is Role.HEAD:
         d = staged.mtp.config.decoder
         step = BatchedMTPStep(staged.mtp, positions)
         hid = torch.zeros(job.rows, d.hidden_size, dtype=dtype)
-        rows = torch.zeros(job.rows, dtype=torch.long)
-        k_pool = torch.zeros(2, d.num_key_value_heads, d.head_dim, example_slots, dtype=dtype)
-        v_pool = torch.zeros(2, example_slots, d.num_key_value_heads, d.head_dim, dtype=dtype)
-        B = torch.export.Dim("seqs", min=1, max=MAX_POOL)
-        args = (hid, hid.clone(), rows, rows.clone(), k_pool, v_pool)
-        dyn = ({0: R}, {0: R}, {0: R}, {0: R}, {0: B, 3: S}, {0: B, 1: S})
+        (k, v), kv_dyn = pools(replace(d, num_hidden_layers=1))  # the head's one layer
+        args = (hid, hid.clone(), rows, rows.clone(), k, v)
+        dyn = ({0: R}, {0: R}, {0: R}, {0: R}, *kv_dyn)
     else:
         drafter = staged.drafters[job.name]
-        cfg, d = drafter.config, drafter.config.decoder
-        step = DFlashStep(drafter, target.model.embed_tokens, job.rows, positions)
-        feats = torch.zeros(1, job.rows, cfg.num_context_features * cfg.target_hidden_size, dtype=dtype)
-        block = torch.zeros(1, cfg.block_size, dtype=torch.long)
-        args = (feats, torch.tensor([job.rows]), pos, block, torch.tensor([cfg.block_size]),
-                *kv(d.num_hidden_layers, d))
-        dyn = (None, None, None, None, None, tuple({0: S} for _ in range(2 * d.num_hidden_layers)))
+        cfg = drafter.config
+        step = BatchedDFlashStep(drafter, target.model.embed_tokens, job.rows, positions)
+        fed, blocks = 2 * job.rows, 3  # example sizes; both dynamic
+        feats = torch.zeros(fed, cfg.num_context_features * cfg.target_hidden_size, dtype=dtype)
+        per_block = torch.zeros(blocks, dtype=torch.long)
+        kv, kv_dyn = pools(cfg.decoder)
+        NF = torch.export.Dim("fed_rows", min=1, max=job.rows * DRAFT_BLOCKS)
+        Q = torch.export.Dim("blocks", min=1, max=DRAFT_BLOCKS)
+        args = (feats, torch.zeros(fed, dtype=torch.long), torch.zeros(fed, dtype=torch.long),
+                torch.zeros(blocks, cfg.block_size, dtype=torch.long), per_block, per_block.clone(),
+                per_block + cfg.block_size, *kv)
+        dyn = ({0: NF}, {0: NF}, {0: NF}, {0: Q}, {0: Q}, {0: Q}, {0: Q}, kv_dyn)
     return step.eval(), args, dyn
 
 
@@ -200,7 +210,7 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
         if role is Role.HEAD:
             jobs.append(Job(name, kinds[name].kind, MTP_ROWS, f"{name}/cpu/steps.pt2"))
         else:
-            jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose.pt2"))
+            jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose.pt2", "extern"))
     compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
     progress("checking the CPU packages against one-row steps and the eager models")
     check = check_packages(root, jobs, kinds, taps, slots, dtype)
@@ -222,12 +232,16 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
         if c.get("drafts_equal", 1.0) < 0.9:
             raise EngineDirError(f"CPU packages: {name}'s package proposes the eager drafter's "
                                  f"drafts only {c['drafts_equal']:.0%} of the time (< 90%)")
+        if c.get("batched_equal_alone", 1.0) < 0.9:
+            raise EngineDirError(f"CPU packages: {name}'s package proposes, for sequences run "
+                                 f"together, their drafts alone only {c['batched_equal_alone']:.0%} "
+                                 "of the time (< 90%)")
     out = {}
     for name in kinds:
         mine = [j for j in jobs if j.name == name]
-        entries = [{"file": j.rel, "compile_s": compiled[j.rel],
+        entries = [{"file": j.rel, "compile_s": compiled[j.rel], "batched": True,
                     **({"feed": j.rows, "block": staged_block(root, name)} if roles.get(name) is Role.DRAFTER
-                       else {"rows": j.rows, "dynamic_rows": True, "batched": True})} for j in mine]
+                       else {"rows": j.rows, "dynamic_rows": True})} for j in mine]
         out[name] = CpuPackages.model_validate(
             {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
              "check": check[name], **({"taps": list(taps), "build_s": round(time.time() - t0, 1)}

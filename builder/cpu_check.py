@@ -6,9 +6,10 @@ On random prompts of the target's vocabulary, one cache size:
   logits are within `max_abs_diff_vs_eager` of the eager model's;
 - MTP head: its package's logits and outputs, for several sequences run together, against the
   eager head's for each sequence alone;
-- drafters: the drafts a package proposes (context fed from the target's real taps, blocks of
-  γ and of 4) against the eager drafter's (`drafts_equal`, the share of equal tokens: a
-  near-tie may break the other way under another summation order, but no more than that).
+- drafters: the drafts a package proposes for several sequences at once (context fed from the
+  target's real taps, blocks of γ and of 4) against the eager drafter's (`drafts_equal`, the
+  share of equal tokens: a near-tie may break the other way under another summation order, but
+  no more than that) and the package's for each sequence alone (`batched_equal_alone`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ def _packages(root, jobs, name):
 
     out = []
     for j in jobs:
-        if j.name == name:  # the target's and the head's: any row count, many sequences
-            rows_step = kind_named(j.kind).role is not Role.DRAFTER
+        if j.name == name:  # every package is batched; the target's and the head's take any row count
             out.append(Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel)),
-                               rows_step, batched=rows_step))
+                               kind_named(j.kind).role is not Role.DRAFTER, batched=True))
     return out
 
 
@@ -131,31 +131,47 @@ def _check_mtp(root, jobs, name, staged, slots, gen) -> dict:
 
 
 def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
-    from metrale.runtime.backends.aoti import CompiledDFlash
+    """Five sequences' proposes run together (feeds of different sizes, backlogs longer than a
+    feed) against the eager drafter's for each sequence alone (`drafts_equal`, the share of
+    equal draft tokens) and against the same package run one sequence at a time
+    (`batched_equal_alone`)."""
+    from metrale.runtime.backends import DraftForward
+    from metrale.runtime.backends.aoti_batched import BatchedDFlash
 
     drafter, target = staged.drafters[name], staged.target
     job = next(j for j in jobs if j.name == name)
-    compiled = CompiledDFlash(drafter, _packages(root, jobs, name)[0], job.rows, slots)
+    (package,) = _packages(root, jobs, name)
+    together = BatchedDFlash(drafter, package, job.rows, slots)
+    alone = BatchedDFlash(drafter, package, job.rows, slots)
     cfg = drafter.config
-    ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=gen)
-    out = target(ids, target.new_cache(1, 40), taps=cfg.target_layer_ids)
-    embed = target.model.embed_tokens
-    equal = total = 0
+    ids = torch.randint(0, target.config.vocab_size, (5, 30), generator=gen)
+    taps = [target(ids[b:b + 1], target.new_cache(1, 40), taps=cfg.target_layer_ids).taps for b in range(5)]
+    dtype, embed = taps[0].dtype, target.model.embed_tokens
+    # each sequence's context so far after each propose: feeds of 11 (longer than a package's
+    # feed: its older rows go through the eager projection), 1, 3, 8, 1 and 6 rows, and others
+    schedule = [(11, 12, 15, 23, 24, 30), (1, 9, 10, 18, 26, 30), (20, 21, 22, 23, 29, 30),
+                (2, 3, 4, 5, 6, 7), (8, 16, 24, 25, 27, 30)]
+    eq_eager = eq_alone = total = 0
     for gamma in (cfg.block_size, min(4, cfg.block_size)):
-        a = compiled.new_cache(1, 48, out.taps.dtype)
-        b = drafter.new_cache(1, 48, out.taps.dtype)
-        done = 0
-        for upto in (11, 12, 15, 23, 24, 30):  # feeds of 11 (two chunks), 1, 3, 8, 1 and 6 rows
-            rows = out.taps[:, done:upto]
-            compiled.add_context(rows, a)
-            drafter.add_context(rows, b)
-            anchor = ids[0, upto - 1:upto]
-            got = compiled.propose(anchor, embed, a, gamma).tokens
-            want = drafter.propose(anchor, embed, b, gamma).tokens
-            equal += int((got == want).sum())
-            total += want.numel()
-            done = upto
-    return {"drafts_equal": round(equal / total, 4)}
+        caches = [(together.new_cache(1, 48, dtype), alone.new_cache(1, 48, dtype),
+                   drafter.new_cache(1, 48, dtype)) for _ in range(len(schedule))]
+        done = [0] * len(schedule)
+        for step in range(len(schedule[0])):
+            needs = []
+            for b, (mine, solo, eager) in enumerate(caches):
+                upto = schedule[b][step]
+                rows = taps[b][:, done[b]:upto]
+                for face, cache in ((together, mine), (alone, solo), (drafter, eager)):
+                    face.add_context(rows, cache)
+                needs.append(DraftForward(together, ids[b, upto - 1:upto], embed, mine, gamma))
+                done[b] = upto
+            for (_, solo, eager), need, got in zip(caches, needs, together.forward_many(needs)):
+                one = alone.propose(need.anchor, embed, solo, gamma).tokens
+                want = drafter.propose(need.anchor, embed, eager, gamma).tokens
+                eq_eager += int((got.tokens == want).sum())
+                eq_alone += int((got.tokens == one).sum())
+                total += want.numel()
+    return {"drafts_equal": round(eq_eager / total, 4), "batched_equal_alone": round(eq_alone / total, 4)}
 
 
 def load_packed(root: Path, kinds: dict, dtype: torch.dtype):

@@ -175,7 +175,7 @@ KINDS: dict[str, ComponentKind] = {k.name: k for k in (
         "dflash", Role.DRAFTER, lambda cfg, where, info: DFlashConfig.from_hf(cfg, where),
         "metrale.runtime.models.dflash:DFlashDrafter", lambda cfg: cfg.decoder, _dflash_io,
         "metrale.builder.onnx_export:DFlashPropose", "metrale.runtime.backends.graph_steps:GraphDrafter",
-        "metrale.runtime.backends.aoti:CompiledDFlash", "metrale.runtime.spec.dflash_proposer:DFlashProposer",
+        "metrale.runtime.backends.aoti_batched:BatchedDFlash", "metrale.runtime.spec.dflash_proposer:DFlashProposer",
         _dflash_modes, "metrale.runtime.models.loader:load_dflash",
         (("core", r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head"),
          ("aux", r"fc|context_kv_proj|layers\.\d+\.(attention_conv|mlp_conv)\.kernel_projection"

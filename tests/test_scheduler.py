@@ -142,6 +142,9 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
     if mode == "mtp" and disable_at is None:  # every drafting sequence's chain link in one head forward
         assert value("head_forwards_total") > 0
         assert value("head_rows_total") > 1.5 * value("head_forwards_total")
+    if mode == "dflash" and disable_at is None:  # every drafting sequence's block in one drafter call
+        assert value("draft_forwards_total") > 0
+        assert value("draft_blocks_total") > 1.5 * value("draft_forwards_total")
 
 
 @pytest.mark.parametrize("mode", ["mtp", "dflash"])

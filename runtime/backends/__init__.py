@@ -6,8 +6,7 @@ nothing else; every backend gives each component one of them (`TargetSteps`, `MT
 
     backend       target                  MTP head / drafters        runs
     torch         the eager model         the eager models           safetensors, CPU or GPU
-    aoti          aoti_batched target     aoti_batched MTP head,     the CPU packages (.pt2)
-                                          CompiledDFlash
+    aoti          aoti_batched target     aoti_batched head, drafters the CPU packages (.pt2)
     cuda-graphs   cuda_graphs target      the eager models           the eager model, captured
     onnxruntime   graph_steps.GraphTarget GraphMTP / GraphDrafter    the ONNX graphs, on a CPU
     tensorrt      graph_steps.GraphTarget GraphMTP / GraphDrafter    the TensorRT plans, on a GPU
@@ -60,19 +59,57 @@ class HeadForward:
     def rows(self) -> int:
         return self.embeds.shape[1]
 
+    @property
+    def face(self):
+        return self.head
+
     def run(self):
         """This forward alone."""
         return self.head(self.embeds, self.hidden, self.cache, start=self.start)
 
 
+@dataclass
+class DraftForward:
+    """A block propose a sequence needs next: `drafter.propose(anchor [1], embed, cache, gamma)`
+    (`DrafterSteps.propose`, the context added since the last propose fed first) -> its
+    `dflash.Proposal`."""
+
+    drafter: object
+    anchor: torch.Tensor
+    embed: object
+    cache: object
+    gamma: int
+    rows = 1  # one block
+
+    @property
+    def face(self):
+        return self.drafter
+
+    def run(self):
+        """This propose alone."""
+        return self.drafter.propose(self.anchor, self.embed, self.cache, self.gamma)
+
+
+def run_alone(steps):
+    """Drive a proposer's coroutine (`propose_steps`) for one sequence: each `HeadForward` or
+    `DraftForward` it yields runs at once; returns what it returns."""
+    reply = None
+    while True:
+        try:
+            reply = steps.send(reply).run()
+        except StopIteration as done:
+            return done.value
+
+
 def run_forwards(target, needs: list) -> list:
     """Each need's output, in order: the target's `Forward`s in one batched call where the target
-    has one (`forward_many`, the aoti backend's `aoti_batched.BatchedTarget`), the `HeadForward`s
-    of each head likewise (`aoti_batched.BatchedMTP`); else one after another."""
+    has one (`forward_many`, the aoti backend's `aoti_batched.BatchedTarget`), each head's
+    `HeadForward`s and each drafter's `DraftForward`s likewise (`aoti_batched.BatchedMTP`,
+    `BatchedDFlash`); else one after another."""
     out: list = [None] * len(needs)
     groups: dict[int, tuple[object, list[int]]] = {}
     for i, need in enumerate(needs):
-        face = target if isinstance(need, Forward) else need.head
+        face = target if isinstance(need, Forward) else need.face
         groups.setdefault(id(face), (face, []))[1].append(i)
     for face, members in groups.values():
         mine = [needs[i] for i in members]
@@ -113,7 +150,8 @@ class MTPSteps(Protocol):
 
 
 class DrafterSteps(Protocol):
-    """A DFlash/DFlash2 drafter: `config` (its `DFlashConfig`)."""
+    """A DFlash/DFlash2 drafter: `config` (its `DFlashConfig`). A drafter may also have
+    `forward_many(draft_forwards)`: the proposes of many sequences' `DraftForward`s in one call."""
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None): ...
 

@@ -87,7 +87,7 @@ class Package:
     rows: int  # its row count, or with `dynamic` the most rows it takes
     run: object  # the loaded AOTInductor model
     dynamic: bool = False  # compiled with the row count as a dynamic dimension (1..rows)
-    batched: bool = False  # the target's step over many sequences' rows (`aoti_batched`)
+    batched: bool = False  # a step over many sequences at once, over cache pools (`aoti_batched`)
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         # the loader's flat entry point: no pytree specs parsed per call

@@ -1,6 +1,6 @@
 """The batched steps of the `aoti` backend: one package call over the rows of many sequences,
-each reading its own cache — the target's (`BatchedTarget`) and the MTP head's draft chains
-(`BatchedMTP`).
+each reading its own cache — the target's (`BatchedTarget`), the MTP head's draft chains
+(`BatchedMTP`) and DFlash/DFlash2 block proposes (`BatchedDFlash`).
 
 Caches live in pools, one per slot count S (a request's S is its own length rounded up to 64
 slots, `aoti.slots_for`, so it depends on the request alone): per layer K [B, nkv, hd, S] and V
@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
-from metrale.runtime.backends.aoti import CompiledMTP, CompiledTarget, Package, TargetFace, _Rows, slots_for
+from metrale.runtime.backends.aoti import (CompiledDFlash, CompiledMTP, CompiledTarget, Package, TargetFace,
+                                           _Rows, slots_for)
+from metrale.runtime.errors import EngineDirError
 from metrale.runtime.models.qwen3 import TargetOutput
 
 FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
@@ -74,10 +76,12 @@ class KVPool:
 
 
 class PooledCache:
-    """One sequence's cache: place `index` of `pool`; `length` counts its valid positions."""
+    """One sequence's cache: place `index` of `pool`; `length` counts its valid positions;
+    `pending`: a drafter's context rows added since its last propose (`BatchedDFlash`)."""
 
     def __init__(self, pool: KVPool):
         self.pool, self.index, self.length = pool, pool.acquire(), 0
+        self.pending: list[torch.Tensor] = []
         weakref.finalize(self, pool.release, self.index)
 
     @property
@@ -281,4 +285,112 @@ class BatchedMTP:
                 offset += f.rows
         for f, start in zip(forwards, starts):
             f.cache.length = start + f.rows
+        return results
+
+
+class BatchedDFlash:
+    """The DFlash/DFlash2 drafter's face over its batched package: `new_cache`, `add_context`
+    and `propose` as `aoti.CompiledDFlash`'s, plus `forward_many`, the blocks of many
+    sequences' `backends.DraftForward`s in one package call per pool. Context added with
+    `add_context` waits in the cache's `pending` rows and enters the cache with the next
+    propose, up to `feed` rows through the package; a longer backlog's older rows are fed first
+    by the eager drafter's context projection, as `CompiledDFlash` does."""
+
+    @classmethod
+    def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
+        entry, pkg = loaded[0]
+        if not entry.batched:  # an engine built before batching: one sequence per call
+            return CompiledDFlash.from_packages(drafter, loaded, cpu, where)
+        if entry.block != drafter.config.block_size or entry.feed is None:
+            raise EngineDirError(f"{where}: the CPU package proposes blocks of {entry.block} from "
+                                 f"{entry.feed} context rows; the drafter's block size is "
+                                 f"{drafter.config.block_size}")
+        return cls(drafter, pkg, entry.feed, cpu.max_slots)
+
+    def __init__(self, drafter, package: Package, feed: int, max_slots: int):
+        self.config = drafter.config
+        self.eager = drafter  # its context projection feeds long backlogs
+        self.tp = None
+        self.package, self.feed, self.max_slots = package, feed, max_slots
+        self.block = drafter.config.block_size
+        self.pools: dict[int, KVPool] = {}
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
+        if batch != 1:
+            raise ValueError("the aoti backend holds one sequence per cache")
+        slots = slots_for(max_len + self.block, self.max_slots, "dflash")  # a block past the context
+        pool = self.pools.get(slots)
+        if pool is None:
+            d = self.config.decoder
+            pool = self.pools[slots] = KVPool(d.num_hidden_layers, d.num_key_value_heads, d.head_dim,
+                                              slots, dtype, device)
+        return PooledCache(pool)
+
+    def add_context(self, features: torch.Tensor, cache: PooledCache) -> None:
+        cache.pending.append(features)
+
+    def propose(self, anchor: torch.Tensor, embed, cache: PooledCache, gamma: int):
+        """anchor [1] -> a `dflash.Proposal` of γ−1 drafts (the pending context fed first)."""
+        from metrale.runtime.backends import DraftForward
+
+        return self.forward_many([DraftForward(self, anchor, embed, cache, gamma)])[0]
+
+    def _backlog(self, f) -> tuple[torch.Tensor, int]:
+        """A forward's pending rows [1, n, ·] (none: [1, 0, ·]), the older ones past the last
+        `feed` written now by the eager projection (again, with the same values, on a retry)
+        -> (the rows the package feeds, how many were fed eagerly)."""
+        c = self.config
+        rows = f.cache.pending[0] if len(f.cache.pending) == 1 else (
+            torch.cat(f.cache.pending, dim=1) if f.cache.pending else
+            torch.zeros(1, 0, c.num_context_features * c.target_hidden_size, dtype=f.cache.pool.kv[0].dtype))
+        older = max(0, rows.shape[1] - self.feed)
+        if older:
+            start = f.cache.length
+            if start + rows.shape[1] + self.block > f.cache.max_len:
+                raise ValueError(f"drafter context up to {start + rows.shape[1] + self.block} exceeds "
+                                 f"the cache's {f.cache.max_len} slots")
+            positions = torch.arange(start, start + older)
+            kv = f.cache.kv
+            for i, (k, v) in enumerate(self.eager.context_kv(rows[:, :older], positions)):  # [1, nkv, n, hd]
+                kv[2 * i][:, :, start:start + older] = k[0].transpose(1, 2)  # keys slot-minor
+                kv[2 * i + 1][start:start + older] = v[0].transpose(0, 1)
+        return rows[0, older:], older
+
+    def forward_many(self, forwards) -> list:
+        """Each `DraftForward`'s `Proposal` (γ−1 drafts), in order; each cache's pending rows
+        enter it, its length moving past them, once every call succeeded."""
+        from metrale.runtime.models.dflash import Proposal
+
+        for f in forwards:
+            if not 1 < f.gamma <= self.block:
+                raise ValueError(f"γ = {f.gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")
+        fed = [self._backlog(f) for f in forwards]
+        results: list = [None] * len(forwards)
+        for members in _by_pool(forwards, [f.cache.length for f in forwards]).values():
+            feats, pos, seq, anchor_pos = [], [], [], []
+            for i in members:
+                f, (rows, older) = forwards[i], fed[i]
+                start = f.cache.length + older
+                if start + rows.shape[0] + self.block > f.cache.max_len:
+                    raise ValueError(f"drafter context up to {start + rows.shape[0] + self.block} "
+                                     f"exceeds the cache's {f.cache.max_len} slots")
+                feats.append(rows)
+                pos.extend(range(start, start + rows.shape[0]))
+                seq.extend([f.cache.index] * rows.shape[0])
+                anchor_pos.append(start + rows.shape[0])
+            if not pos:  # nothing to feed: one stand-in row at a slot the block overwrites
+                feats.append(fed[members[0]][0].new_zeros(1, fed[members[0]][0].shape[1]))
+                pos.append(anchor_pos[0])
+                seq.append(forwards[members[0]].cache.index)
+            block = torch.full((len(members), self.block), self.config.mask_token_id, dtype=torch.long)
+            block[:, 0] = torch.cat([forwards[i].anchor.reshape(-1)[:1].cpu() for i in members])
+            drafts = self.package(torch.cat(feats), torch.tensor(pos), torch.tensor(seq), block,
+                                  torch.tensor([forwards[i].cache.index for i in members]),
+                                  torch.tensor(anchor_pos), torch.tensor([forwards[i].gamma for i in members]),
+                                  *forwards[members[0]].cache.pool.kv)[0]
+            for q, i in enumerate(members):
+                results[i] = Proposal(tokens=drafts[q, :forwards[i].gamma - 1][None], logits=None)
+        for f, (rows, older) in zip(forwards, fed):
+            f.cache.pending = []
+            f.cache.length += older + rows.shape[0]
         return results

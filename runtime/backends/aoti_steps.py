@@ -31,7 +31,8 @@ next F accepted positions' taps, the first `n_feed` of them real), `n_feed` [1],
 real), `gamma` [1], then K and V of every layer -> drafts [Γ−1] int64. The fed rows' K/V land at
 slots start.. (rows past n_feed too: their slots lie past the anchor, masked, and are written
 again by the next feed); the block sits at positions start+n_feed.., sees every context slot
-before it and its first `gamma` slots, and is never written to the cache.
+before it and its first `gamma` slots, and is never written to the cache. `BatchedDFlashStep`
+feeds and proposes for many sequences at once over a pool of such caches.
 """
 
 from __future__ import annotations
@@ -386,3 +387,70 @@ class DFlashStep(nn.Module):
         if self.version == 2:
             return self._select(hidden, logits, block[0, 0])
         return logits.argmax(-1)
+
+
+class BatchedDFlashStep(DFlashStep):
+    """Feed context and propose one block for many sequences at once (`aoti_batched`), each over
+    its own cache in a pool: `feats` [NF, n·Ht] (every sequence's newly kept rows' taps, in
+    sequence order), `feed_pos`, `feed_seq` [NF] (their positions and sequences), `block`
+    [Q, Γ] (each proposing sequence's anchor then masks), `block_seq`, `anchor_pos`, `gamma` [Q],
+    then each layer's K pool [B, nkv, hd, S] and V pool [B, S, nkv, hd] -> drafts [Q, Γ−1].
+    The fed rows' K/V land at their slots; the block's K/V are written at the slots from its
+    anchor on (masked for every later row of the sequence and overwritten by its next feed and
+    block, as `DFlashStep`'s padded feed rows are), and each block row sees its sequence's slots
+    before the anchor and the block's first `gamma` slots."""
+
+    def forward(self, feats, feed_pos, feed_seq, block, block_seq, anchor_pos, gamma, *kv):
+        q_n, g = block.shape
+        dev = feats.device
+        a0 = self.attn[0]
+        c = self.hidden_norm(F.linear(feats, self.fc))  # [NF, H]
+        ctx = F.linear(c, self.ctx_kv).view(-1, len(self.attn), 2, a0.nkv, a0.hd)
+        cf, sf = self.cos[feed_pos][:, None], self.sin[feed_pos][:, None]
+        blk_pos = (anchor_pos[:, None] + torch.arange(g, device=dev)).reshape(-1)  # [Q·Γ]
+        per_row = lambda t: t[:, None].expand(q_n, g).reshape(-1)  # noqa: E731 - [Q] -> [Q·Γ]
+        rows_seq = per_row(block_seq)
+        last_visible = per_row(anchor_pos + gamma - 1)  # each row sees its sequence's slots up to it
+        cb, sb = self.cos[blk_pos][:, None], self.sin[blk_pos][:, None]
+        x = F.embedding(block.reshape(-1), self.embed)  # [Q·Γ, H]
+        for i, attn in enumerate(self.attn):
+            k_pool, v_pool = kv[2 * i], kv[2 * i + 1]
+            k = apply_rope(attn.k_norm(ctx[:, i, 0]), cf, sf)  # the fed context's
+            k_pool[feed_seq, :, :, feed_pos] = k
+            v_pool.index_put_((feed_seq, feed_pos), ctx[:, i, 1])
+            if self.version == 2:
+                x = x + self._conv_blocks(x, i, 0, q_n, g)
+            q, kb, vb = attn.qkv_roped(self.ln1[i](x), cb, sb, F.linear)
+            k_pool[rows_seq, :, :, blk_pos] = kb
+            v_pool.index_put_((rows_seq, blk_pos), vb)
+            out = pooled_attention(q, k_pool, v_pool, rows_seq, last_visible)
+            x = x + F.linear(out, attn.o)
+            if self.version == 2:
+                x = x + self._conv_blocks(x, i, 1, q_n, g)
+            x = x + self.ffn[i](self.ln2[i](x), F.linear)
+        hidden = self.norm(x).view(q_n, g, -1)[:, 1:]  # [Q, Γ−1, H]: the draft slots
+        logits = F.linear(hidden, self.lm_head)
+        if self.version == 2:
+            return self._select_blocks(hidden, logits, block[:, 0])
+        return logits.argmax(-1)
+
+    def _conv_blocks(self, x, layer: int, which: int, q_n: int, g: int) -> torch.Tensor:
+        """`_conv` over each sequence's block: slot 0 of every block sees no previous slot."""
+        t, h = x.shape
+        groups = self.groups
+        kernel = self.conv_base[layer, which] + F.linear(x, self.conv_proj[layer, which]).view(t, groups, 2)
+        xg = x.view(q_n, g, groups, h // groups)
+        prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:, :-1].reshape(t, groups, h // groups)
+        return (kernel[..., 0:1] * xg.reshape(t, groups, h // groups) + kernel[..., 1:2] * prev).reshape(t, h)
+
+    def _select_blocks(self, hidden, logits, anchors) -> torch.Tensor:
+        """`_select` for every sequence's block at once (left to right over the draft slots)."""
+        cand_logits, cand_ids = logits.topk(self.num_candidates, dim=-1)  # [Q, n, K]
+        z0 = F.linear(hidden, self.sel_proj)  # [Q, n, D]
+        prev, out = anchors, []
+        for j in range(hidden.shape[1]):
+            z = z0[:, j] + F.embedding(prev, self.pred_cb)  # [Q, D]
+            s = cand_logits[:, j].float() + (F.embedding(cand_ids[:, j], self.succ_cb) * z[:, None]).sum(-1).float()
+            prev = cand_ids[:, j].gather(1, s.argmax(-1, keepdim=True))[:, 0]  # [Q]
+            out.append(prev)
+        return torch.stack(out, dim=1)

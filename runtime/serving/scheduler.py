@@ -13,7 +13,7 @@ target rows every running request needs next (a prompt, a plain step's token, a 
 and drafts) run in one batched forward per iteration (`EngineGenerator.run_forwards`), in which
 each row reads its own sequence's cache only, so every answer is the one the request gets
 alone; so do the MTP head's entries of every drafting request's chain (one head forward per
-link of the chains). Drafting backs off under load: with `speculative_disable_by_batch_size` or more
+link of the chains) and every drafting request's DFlash block (one drafter call). Drafting backs off under load: with `speculative_disable_by_batch_size` or more
 sequences running, steps are plain (the drafters still follow, see `decode.Decoder.steps`);
 greedy answers do not change, since a speculative step emits plain decoding's tokens. A
 tensor-parallel world decodes requests in lockstep across ranks, one at a time, so there
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
-from metrale.runtime.backends import Forward, HeadForward
+from metrale.runtime.backends import DraftForward, Forward, HeadForward
 from metrale.runtime.spec.decode import Batch
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Job:
         self.n, self.tokens = 0, None
         self.batch = batch or Batch()
         self.coroutine = bool(getattr(gen, "batched", False))
-        self.need: Forward | HeadForward | None = None
+        self.need: Forward | HeadForward | DraftForward | None = None
         self.reply = None
 
     def advance(self) -> bool:
@@ -111,7 +111,7 @@ class Job:
                 item = self.tokens.send(reply)
             except StopIteration:
                 return self._finish(stopped=False)
-            if isinstance(item, (Forward, HeadForward)):
+            if isinstance(item, (Forward, HeadForward, DraftForward)):
                 self.need = item
                 return True
             for token in item:
@@ -160,7 +160,8 @@ class Scheduler:
     sequences run (None: always). Counters for /metrics: `running`, `waiting`, `steps`
     (iterations), `step_seconds` (their total time), `peak_running`, `batched_rows` (target
     rows run in batched forwards), `forwards` (those forwards), `head_rows` and `head_forwards`
-    (the same for the MTP head's draft-chain entries)."""
+    (the same for the MTP head's draft-chain entries), `draft_blocks` and `draft_forwards`
+    (DFlash blocks proposed in batched drafter calls, and those calls)."""
 
     def __init__(self, max_num_seqs: int, run_forwards: Callable | None = None,
                  speculative_disable_by_batch_size: int | None = None):
@@ -173,6 +174,7 @@ class Scheduler:
         self.steps, self.step_seconds, self.peak_running = 0, 0.0, 0
         self.batched_rows, self.forwards = 0, 0
         self.head_rows, self.head_forwards = 0, 0
+        self.draft_blocks, self.draft_forwards = 0, 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="metrale-scheduler", daemon=True)
         self._thread.start()
@@ -208,6 +210,9 @@ class Scheduler:
             self.batched_rows += sum(target)
             self.head_forwards += bool(head)
             self.head_rows += sum(head)
+            blocks = sum(isinstance(f, DraftForward) for f in forwards)
+            self.draft_forwards += bool(blocks)
+            self.draft_blocks += blocks
         for i, job in enumerate(jobs):
             job.need = None
             if outs is not None:
@@ -250,7 +255,11 @@ class Scheduler:
                 ("head_forwards_total", "counter", self.head_forwards,
                  "MTP head forwards run for every drafting sequence's chain at once."),
                 ("head_rows_total", "counter", self.head_rows,
-                 "Head entries those forwards ran (rows / forwards: the mean batch in rows).")):
+                 "Head entries those forwards ran (rows / forwards: the mean batch in rows)."),
+                ("draft_forwards_total", "counter", self.draft_forwards,
+                 "Drafter calls proposing every drafting sequence's DFlash block at once."),
+                ("draft_blocks_total", "counter", self.draft_blocks,
+                 "Blocks those calls proposed (blocks / calls: the mean batch).")):
             out += [f"# HELP metrale_scheduler_{name} {text}", f"# TYPE metrale_scheduler_{name} {kind}",
                     f"metrale_scheduler_{name} {value}"]
         return out

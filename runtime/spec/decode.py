@@ -14,7 +14,8 @@ target outputs, `propose(pending, k_max)` returns drafts, `accept` sees the targ
 the accepted rows so the drafter's own state follows the target's.
 
 The loop itself is a coroutine (`Decoder.steps`) that yields the target rows it needs as a
-`Forward` (and an MTP chain's head entries as a `HeadForward`) and is sent their outputs:
+`Forward` (an MTP chain's head entries as a `HeadForward`, a DFlash block as a `DraftForward`)
+and is sent their outputs:
 `Decoder.stream` runs each at once for one sequence; the server's scheduler gathers one from
 every running sequence and runs them in one batched forward per model (`run_forwards`). A
 sequence's own arithmetic is the same either way.
@@ -29,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from metrale.runtime.backends import Forward, HeadForward
+from metrale.runtime.backends import DraftForward, Forward, HeadForward
 from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
@@ -154,7 +155,7 @@ class Decoder:
                     return
                 if isinstance(need, Forward):
                     reply = self.target(need.ids, need.cache, taps=need.taps)
-                elif isinstance(need, HeadForward):
+                elif isinstance(need, (HeadForward, DraftForward)):
                     reply = need.run()
                 else:
                     reply = None
@@ -164,13 +165,14 @@ class Decoder:
 
     @torch.inference_mode()
     def steps(self, prompt_ids: list[int], params: SamplingParams,
-              batch: Batch = ALONE) -> Generator[Forward | HeadForward | list[int], object, None]:
+              batch: Batch = ALONE) -> Generator[Forward | HeadForward | DraftForward | list[int], object, None]:
         """The decode loop of one sequence as a coroutine, so a scheduler can run the target
         rows of many sequences in one forward: it yields a `Forward` whenever it needs target
         rows (send back their `TargetOutput`), a `HeadForward` for each link of an MTP draft
-        chain (send back the head's output: the chains of many sequences then run in one head
-        forward per link) and, after each step, the token ids the step emitted (send back
-        None); it returns after EOS (emitted) or params.max_tokens.
+        chain and a `DraftForward` for a DFlash block (send back the head's output or the
+        `Proposal`: the chains or blocks of many sequences then run in one call per link or
+        block) and, after each step, the token ids the step emitted (send back None); it
+        returns after EOS (emitted) or params.max_tokens.
 
         `batch` is read before each step: with `speculate` False the step is plain (the
         proposer still follows the kept rows, so drafting resumes from complete context), and
@@ -231,7 +233,7 @@ class Decoder:
         if drafting and room > 1:
             self.proposer.batch_size = batch.size
             max_drafts = room - 1 if batch.speculate else 0
-            steps = getattr(self.proposer, "propose_steps", None)  # a chain a scheduler can batch
+            steps = getattr(self.proposer, "propose_steps", None)  # drafts a scheduler can batch
             drafts, proposed = (yield from steps(pending, max_drafts)) if steps is not None else \
                 self.proposer.propose(pending, max_drafts)
             if drafts.numel() > room - 1:

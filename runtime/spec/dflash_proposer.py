@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.runtime.backends import DraftForward, run_alone
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.decode import NO_DRAFTS
 from metrale.runtime.models.dflash import DFlashDrafter
@@ -72,13 +73,20 @@ class DFlashProposer:
         return self.settings.max_drafts
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
+        """`propose_steps` with the block proposed at once (one sequence)."""
+        return run_alone(self.propose_steps(pending, max_drafts))
+
+    def propose_steps(self, pending: int, max_drafts: int):
+        """The propose as a coroutine: it yields its `DraftForward` (send back the `Proposal`),
+        so a scheduler can propose every drafting sequence's block in one drafter call;
+        returns (drafts [k], drafts proposed)."""
         k = min(self.draft_count(), max_drafts) if max_drafts > 0 else 0
         self.last_k = k
         if k == 0:
             return NO_DRAFTS, 0
         self._feed()  # the drafter's cache now ends at the anchor's position
         anchor = torch.tensor([pending], device=self.embed.weight.device)
-        proposal = self.drafter.propose(anchor, self.embed, self.cache, self.settings.gamma)
+        proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma)
         return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
 
     def follow(self, out, emitted_ids: list[int]) -> None:

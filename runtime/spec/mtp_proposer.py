@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.runtime.backends import HeadForward
+from metrale.runtime.backends import HeadForward, run_alone
 from metrale.runtime.models.mtp import MTPHead
 from metrale.runtime.spec.config import DraftStop
 
@@ -64,13 +64,7 @@ class MTPProposer:
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
         """`propose_steps` with each head forward run at once (one sequence)."""
-        steps = self.propose_steps(pending, max_drafts)
-        reply = None
-        while True:
-            try:
-                reply = steps.send(reply).run()
-            except StopIteration as done:
-                return done.value
+        return run_alone(self.propose_steps(pending, max_drafts))
 
     def propose_steps(self, pending: int, max_drafts: int):
         """The draft chain as a coroutine: it yields each `HeadForward` it needs (send back its
