@@ -25,14 +25,11 @@ MTP head (`MTPStep`): `embeds`, `hidden` [1, T, H], `pos` [1], K, V -> logits [1
 the head's forward (`mtp.MTPHead`) over its one-layer cache; `BatchedMTPStep` takes the rows of
 many sequences over a pool of such caches, as the target's `BatchedTargetStep` does.
 
-DFlash drafter (`DFlashStep`), one call feeds context and proposes: `feats` [1, F, n·Ht] (the
-next F accepted positions' taps, the first `n_feed` of them real), `n_feed` [1], `start` [1]
-(the cache length before feeding), `block` [1, Γ] (anchor then masks; the first `gamma` slots
-real), `gamma` [1], then K and V of every layer -> drafts [Γ−1] int64. The fed rows' K/V land at
-slots start.. (rows past n_feed too: their slots lie past the anchor, masked, and are written
-again by the next feed); the block sits at positions start+n_feed.., sees every context slot
-before it and its first `gamma` slots, and is never written to the cache. `BatchedDFlashStep`
-feeds and proposes for many sequences at once over a pool of such caches.
+DFlash drafter (`BatchedDFlashStep`), one call feeds context and proposes a block for many
+sequences, each over its own cache in a pool: the fed rows' K/V land at their positions, the
+block sits at the positions from its anchor on, sees every context slot before the anchor and
+its first `gamma` slots, and its K/V are written at its own slots (past the context, masked for
+every later row and written again by the sequence's next feed).
 """
 
 from __future__ import annotations
@@ -297,7 +294,7 @@ class BatchedMTPStep(MTPStep):
 
 
 class DFlashStep(nn.Module):
-    """Feed context and propose one block (see the module docstring)."""
+    """The drafter's weights as its step reads them (`BatchedDFlashStep` runs them)."""
 
     def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int):
         super().__init__()
@@ -333,61 +330,6 @@ class DFlashStep(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _conv(self, x: torch.Tensor, layer: int, which: int) -> torch.Tensor:
-        """The two-tap grouped dynamic conv (`dflash.DynamicConv`) over the block's slots [Γ, H]."""
-        t, h = x.shape
-        g = self.groups
-        kernel = self.conv_base[layer, which] + F.linear(x, self.conv_proj[layer, which]).view(t, g, 2)
-        xg = x.view(t, g, h // g)
-        prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:-1]  # x[t-1], 0 at slot 0
-        return (kernel[..., 0:1] * xg + kernel[..., 1:2] * prev).reshape(t, h)
-
-    def _select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        """DFlash2's candidate selector, left to right (`dflash.CandidateSelector`)."""
-        cand_logits, cand_ids = logits.topk(self.num_candidates, dim=-1)  # [n, K]
-        z0 = F.linear(hidden, self.sel_proj)  # [n, D]
-        prev, out = anchor.view(1), []
-        for j in range(hidden.shape[0]):
-            z = z0[j] + F.embedding(prev, self.pred_cb)[0]  # [D]
-            s = cand_logits[j].float() + (F.embedding(cand_ids[j], self.succ_cb) * z).sum(-1).float()
-            prev = cand_ids[j].gather(0, s.argmax().view(1))  # [1]
-            out.append(prev)
-        return torch.cat(out)
-
-    def forward(self, feats, n_feed, start, block, gamma, *kv):
-        f, g = feats.shape[1], block.shape[1]
-        dev = feats.device
-        fed_pos = start + torch.arange(f, device=dev)  # [F]
-        anchor_pos = start + n_feed  # [1]
-        c = self.hidden_norm(F.linear(feats[0], self.fc))  # [F, H]
-        cf, sf = self.cos[fed_pos][:, None], self.sin[fed_pos][:, None]
-        a0 = self.attn[0]
-        ctx = F.linear(c, self.ctx_kv).view(f, len(self.attn), 2, a0.nkv, a0.hd)  # every layer's K/V
-        blk_pos = anchor_pos + torch.arange(g, device=dev)  # [Γ]
-        cb, sb = self.cos[blk_pos][:, None], self.sin[blk_pos][:, None]
-        slots = kv[0].shape[0]
-        visible = torch.cat([(torch.arange(slots, device=dev) < anchor_pos).expand(g, slots),
-                             (torch.arange(g, device=dev) < gamma).expand(g, g)], dim=1)  # [Γ, S+Γ]
-        x = F.embedding(block[0], self.embed)  # [Γ, H]
-        for i, attn in enumerate(self.attn):
-            k_cache, v_cache = kv[2 * i], kv[2 * i + 1]
-            k, v = apply_rope(attn.k_norm(ctx[:, i, 0]), cf, sf), ctx[:, i, 1]  # the fed context's
-            k_cache.index_copy_(0, fed_pos, k)
-            v_cache.index_copy_(0, fed_pos, v)
-            if self.version == 2:
-                x = x + self._conv(x, i, 0)
-            q, kb, vb = attn.qkv_roped(self.ln1[i](x), cb, sb, F.linear)
-            out = masked_attention(q, torch.cat([k_cache, kb]), torch.cat([v_cache, vb]), visible)
-            x = x + F.linear(out, attn.o)
-            if self.version == 2:
-                x = x + self._conv(x, i, 1)
-            x = x + self.ffn[i](self.ln2[i](x), F.linear)
-        hidden = self.norm(x)[1:]  # [Γ−1, H]: the draft slots
-        logits = F.linear(hidden, self.lm_head)
-        if self.version == 2:
-            return self._select(hidden, logits, block[0, 0])
-        return logits.argmax(-1)
-
 
 class BatchedDFlashStep(DFlashStep):
     """Feed context and propose one block for many sequences at once (`aoti_batched`), each over
@@ -397,8 +339,8 @@ class BatchedDFlashStep(DFlashStep):
     then each layer's K pool [B, nkv, hd, S] and V pool [B, S, nkv, hd] -> drafts [Q, Γ−1].
     The fed rows' K/V land at their slots; the block's K/V are written at the slots from its
     anchor on (masked for every later row of the sequence and overwritten by its next feed and
-    block, as `DFlashStep`'s padded feed rows are), and each block row sees its sequence's slots
-    before the anchor and the block's first `gamma` slots."""
+    block), and each block row sees its sequence's slots before the anchor and the block's first
+    `gamma` slots."""
 
     def forward(self, feats, feed_pos, feed_seq, block, block_seq, anchor_pos, gamma, *kv):
         q_n, g = block.shape
@@ -419,23 +361,24 @@ class BatchedDFlashStep(DFlashStep):
             k_pool[feed_seq, :, :, feed_pos] = k
             v_pool.index_put_((feed_seq, feed_pos), ctx[:, i, 1])
             if self.version == 2:
-                x = x + self._conv_blocks(x, i, 0, q_n, g)
+                x = x + self._conv(x, i, 0, q_n, g)
             q, kb, vb = attn.qkv_roped(self.ln1[i](x), cb, sb, F.linear)
             k_pool[rows_seq, :, :, blk_pos] = kb
             v_pool.index_put_((rows_seq, blk_pos), vb)
             out = pooled_attention(q, k_pool, v_pool, rows_seq, last_visible)
             x = x + F.linear(out, attn.o)
             if self.version == 2:
-                x = x + self._conv_blocks(x, i, 1, q_n, g)
+                x = x + self._conv(x, i, 1, q_n, g)
             x = x + self.ffn[i](self.ln2[i](x), F.linear)
         hidden = self.norm(x).view(q_n, g, -1)[:, 1:]  # [Q, Γ−1, H]: the draft slots
         logits = F.linear(hidden, self.lm_head)
         if self.version == 2:
-            return self._select_blocks(hidden, logits, block[:, 0])
+            return self._select(hidden, logits, block[:, 0])
         return logits.argmax(-1)
 
-    def _conv_blocks(self, x, layer: int, which: int, q_n: int, g: int) -> torch.Tensor:
-        """`_conv` over each sequence's block: slot 0 of every block sees no previous slot."""
+    def _conv(self, x, layer: int, which: int, q_n: int, g: int) -> torch.Tensor:
+        """The two-tap grouped dynamic conv (`dflash.DynamicConv`) over each sequence's block
+        (x [Q·Γ, H]): slot 0 of every block sees no previous slot."""
         t, h = x.shape
         groups = self.groups
         kernel = self.conv_base[layer, which] + F.linear(x, self.conv_proj[layer, which]).view(t, groups, 2)
@@ -443,8 +386,9 @@ class BatchedDFlashStep(DFlashStep):
         prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:, :-1].reshape(t, groups, h // groups)
         return (kernel[..., 0:1] * xg.reshape(t, groups, h // groups) + kernel[..., 1:2] * prev).reshape(t, h)
 
-    def _select_blocks(self, hidden, logits, anchors) -> torch.Tensor:
-        """`_select` for every sequence's block at once (left to right over the draft slots)."""
+    def _select(self, hidden, logits, anchors) -> torch.Tensor:
+        """DFlash2's candidate selector (`dflash.CandidateSelector`) for every sequence's block
+        at once, left to right over the draft slots."""
         cand_logits, cand_ids = logits.topk(self.num_candidates, dim=-1)  # [Q, n, K]
         z0 = F.linear(hidden, self.sel_proj)  # [Q, n, D]
         prev, out = anchors, []
