@@ -33,7 +33,6 @@ import torch
 from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
 from metrale.runtime.backends.aoti import (CompiledDFlash, CompiledMTP, CompiledTarget, Package, TargetFace,
                                            _Rows, slots_for)
-from metrale.runtime.errors import EngineDirError
 from metrale.runtime.models.qwen3 import TargetOutput
 
 FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
@@ -288,7 +287,7 @@ class BatchedMTP:
         return results
 
 
-class BatchedDFlash:
+class BatchedDFlash(CompiledDFlash):
     """The DFlash/DFlash2 drafter's face over its batched package: `new_cache`, `add_context`
     and `propose` as `aoti.CompiledDFlash`'s, plus `forward_many`, the blocks of many
     sequences' `backends.DraftForward`s in one package call per pool. Context added with
@@ -298,21 +297,12 @@ class BatchedDFlash:
 
     @classmethod
     def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
-        entry, pkg = loaded[0]
-        if not entry.batched:  # an engine built before batching: one sequence per call
+        if not loaded[0][0].batched:  # an engine built before batching: one sequence per call
             return CompiledDFlash.from_packages(drafter, loaded, cpu, where)
-        if entry.block != drafter.config.block_size or entry.feed is None:
-            raise EngineDirError(f"{where}: the CPU package proposes blocks of {entry.block} from "
-                                 f"{entry.feed} context rows; the drafter's block size is "
-                                 f"{drafter.config.block_size}")
-        return cls(drafter, pkg, entry.feed, cpu.max_slots)
+        return super().from_packages(drafter, loaded, cpu, where)  # its block and feed checked
 
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
-        self.config = drafter.config
-        self.eager = drafter  # its context projection feeds long backlogs
-        self.tp = None
-        self.package, self.feed, self.max_slots = package, feed, max_slots
-        self.block = drafter.config.block_size
+        super().__init__(drafter, package, feed, max_slots)
         self.pools: dict[int, KVPool] = {}
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
@@ -325,9 +315,6 @@ class BatchedDFlash:
             pool = self.pools[slots] = KVPool(d.num_hidden_layers, d.num_key_value_heads, d.head_dim,
                                               slots, dtype, device)
         return PooledCache(pool)
-
-    def add_context(self, features: torch.Tensor, cache: PooledCache) -> None:
-        cache.pending.append(features)
 
     def propose(self, anchor: torch.Tensor, embed, cache: PooledCache, gamma: int):
         """anchor [1] -> a `dflash.Proposal` of γ−1 drafts (the pending context fed first)."""
