@@ -158,7 +158,8 @@ class Scheduler:
     every running one each iteration, the forwards of the batched ones in one call
     (`run_forwards`). Steps draft only while fewer than `speculative_disable_by_batch_size`
     sequences run (None: always). Counters for /metrics: `running`, `waiting`, `steps`
-    (iterations), `step_seconds` (their total time), `peak_running`, `batched_rows` (target
+    (iterations), `step_seconds` (their total time), `forward_seconds` (of it, in the batched
+    forwards), `peak_running`, `batched_rows` (target
     rows run in batched forwards), `forwards` (those forwards), `head_rows` and `head_forwards`
     (the same for the MTP head's draft-chain entries), `draft_blocks` and `draft_forwards`
     (DFlash blocks proposed in batched drafter calls, and those calls)."""
@@ -172,6 +173,7 @@ class Scheduler:
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.steps, self.step_seconds, self.peak_running = 0, 0.0, 0
+        self.forward_seconds = 0.0  # of step_seconds, inside the batched forwards (the models)
         self.batched_rows, self.forwards = 0, 0
         self.head_rows, self.head_forwards = 0, 0
         self.draft_blocks, self.draft_forwards = 0, 0
@@ -199,10 +201,12 @@ class Scheduler:
         """Every job's `need` in one batched forward; a failure there is retried one job at a
         time, so only the request at fault fails."""
         forwards = [job.need for job in jobs]
+        t0 = time.perf_counter()
         try:
             outs = self.run_forwards(forwards)
         except Exception:  # noqa: BLE001 - find the request at fault below
             outs = None
+        self.forward_seconds += time.perf_counter() - t0
         if outs is not None:
             target = [f.rows for f in forwards if isinstance(f, Forward)]
             head = [f.rows for f in forwards if isinstance(f, HeadForward)]
@@ -248,6 +252,8 @@ class Scheduler:
                 ("iterations_total", "counter", self.steps, "Scheduler iterations."),
                 ("iteration_seconds_total", "counter", round(self.step_seconds, 6),
                  "Time spent in iterations (each advances every running request)."),
+                ("forward_seconds_total", "counter", round(self.forward_seconds, 6),
+                 "Of that, time in the batched forwards (the models; the rest is the host's)."),
                 ("batched_forwards_total", "counter", self.forwards,
                  "Target forwards run for the whole batch at once."),
                 ("batched_rows_total", "counter", self.batched_rows,
