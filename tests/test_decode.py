@@ -125,18 +125,18 @@ def test_a_busy_batch_makes_steps_plain_and_the_drafter_waits(tiny_engine, tiny_
         decoder = gen.decoder()
         batch = Batch(size=3, speculate=False)
         steps, reply, got = decoder.steps(ids, GREEDY, batch), None, []
-        while True:
-            try:
-                need = steps.send(reply)
-            except StopIteration:
-                break
-            if isinstance(need, list):
-                got += need
-                reply = None
-                if len(got) >= 12:  # the batch empties: drafting resumes
-                    batch.size, batch.speculate = 1, True
-            else:
-                with torch.inference_mode():
+        with torch.inference_mode():  # as a scheduler's model thread runs the coroutine
+            while True:
+                try:
+                    need = steps.send(reply)
+                except StopIteration:
+                    break
+                if isinstance(need, list):
+                    got += need
+                    reply = None
+                    if len(got) >= 12:  # the batch empties: drafting resumes
+                        batch.size, batch.speculate = 1, True
+                else:
                     reply = run_forwards(tiny_engine.target, [need])[0]
         assert got == want
         drafted = [s.drafted for s in decoder.last_result.steps]

@@ -193,3 +193,28 @@ def test_text_events_are_coalesced_in_order():
     first, second, wakes = asyncio.run(main())
     assert first == [("text", "abc")] and second == [("text", "d"), ("done", ("stop", 4))]
     assert wakes == 2
+
+
+def test_wake_ups_are_sent_once_per_phase_for_every_channel():
+    """Channels with a `_Wakes` leave their wake-up to its `flush` (the scheduler's, after each
+    phase): one callback wakes every channel that got events, each then takes its own text."""
+    import asyncio
+
+    from metrale.runtime.serving.server import _Channel, _Wakes
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakes, calls = _Wakes(), []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(1), real(*a))[1]
+        a, b = _Channel(loop, wakes), _Channel(loop, wakes)
+        worker = threading.Thread(target=lambda: [a.emit("text", "x"), b.emit("text", "y"),
+                                                  a.emit("text", "z"), wakes.flush()])
+        worker.start()
+        worker.join()
+        got = await asyncio.wait_for(asyncio.gather(a.take(), b.take()), 5)
+        return got, len(calls)
+
+    (first, second), wakes = asyncio.run(main())
+    assert first == [("text", "xz")] and second == [("text", "y")]
+    assert wakes == 1

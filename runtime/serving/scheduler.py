@@ -23,6 +23,7 @@ tensor-parallel world decodes requests in lockstep across ranks, one at a time, 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -165,8 +166,12 @@ class Scheduler:
     (DFlash blocks proposed in batched drafter calls, and those calls)."""
 
     def __init__(self, max_num_seqs: int, run_forwards: Callable | None = None,
-                 speculative_disable_by_batch_size: int | None = None):
+                 speculative_disable_by_batch_size: int | None = None,
+                 thread_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 flush: Callable[[], None] = lambda: None):
         self.max_num_seqs = max_num_seqs
+        self.thread_mode = thread_mode  # the model thread runs in it (the generator's torch mode)
+        self.deliver = flush  # after each phase of an iteration: what the jobs emitted goes out
         self.run_forwards = run_forwards
         self.disable_at = speculative_disable_by_batch_size
         self.batch = Batch()  # shared by every job: read by each step
@@ -228,13 +233,19 @@ class Scheduler:
                 job.fail(e)
 
     def _loop(self) -> None:
+        with self.thread_mode():
+            self._iterate()
+
+    def _iterate(self) -> None:
         while True:
             self._admit()
             t0 = time.perf_counter()
             self.running = [job for job in self.running if job.advance()]
+            self.deliver()  # the text of every job's step out before the next forward
             needing = [job for job in self.running if job.need is not None]
             if needing:
                 self._forward(needing)
+                self.deliver()  # the failures of jobs whose forward failed
                 self.running = [job for job in self.running if job.tokens is not None]
             self.steps += 1
             self.step_seconds += time.perf_counter() - t0

@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -74,8 +75,10 @@ class _Channel:
     costs the loop one callback per turn, not one per token, and cannot queue a backlog of
     callbacks in front of other requests' work."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, wakes: "_Wakes | None" = None,
+                 on_closed: Callable[[], None] = lambda: None):
         self.loop, self.lock = loop, threading.Lock()
+        self.wakes, self.on_closed = wakes, on_closed
         self.ready = asyncio.Event()
         self.text: list[str] = []
         self.final: tuple[str, Any] | None = None  # ("done", ...) or ("error", exc)
@@ -88,8 +91,15 @@ class _Channel:
             else:
                 self.final = (kind, payload)
             wake, self.pending = not self.pending, True
-        if wake:
+        if not wake:
+            return
+        if self.wakes is not None:  # woken with the others at the end of the scheduler's phase
+            self.wakes.add(self)
+            return
+        try:
             self.loop.call_soon_threadsafe(self.ready.set)
+        except RuntimeError:  # the loop closed (server shutting down): nobody is listening
+            self.on_closed()
 
     async def take(self) -> list[tuple[str, Any]]:  # the event loop
         await self.ready.wait()
@@ -100,20 +110,46 @@ class _Channel:
         return ([("text", text)] if text else []) + ([final] if final is not None else [])
 
 
+class _Wakes:
+    """The event-loop wake-ups the scheduler's thread owes its channels, sent together after
+    each phase of an iteration (`Scheduler` calls `flush`): one callback for every channel that
+    got events, where one per channel cost a write to the loop's self-pipe each and woke the
+    loop once per request and token."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.due: list[_Channel] = []
+
+    def add(self, channel: _Channel) -> None:
+        with self.lock:
+            self.due.append(channel)
+
+    def flush(self) -> None:
+        with self.lock:
+            due, self.due = self.due, []
+        by_loop: dict[int, list[_Channel]] = {}
+        for channel in due:
+            by_loop.setdefault(id(channel.loop), []).append(channel)
+        for channels in by_loop.values():
+            try:
+                channels[0].loop.call_soon_threadsafe(_set_ready, channels)
+            except RuntimeError:  # the loop closed (server shutting down): nobody is listening
+                for channel in channels:
+                    channel.on_closed()
+
+
+def _set_ready(channels: list[_Channel]) -> None:
+    for channel in channels:
+        channel.ready.set()
+
+
 async def _events(scheduler: Scheduler, gen: TextGenerator, req: GenerationRequest,
-                  cancel: threading.Event, rid: str) -> AsyncIterator[tuple[str, Any]]:
+                  cancel: threading.Event, rid: str, wakes: _Wakes | None = None) -> AsyncIterator[tuple[str, Any]]:
     """Run one generation on the scheduler's thread and yield its events on the event loop
     (text deltas as they arrive, joined when several did at once); setting `cancel` ends the
     generation at its next step."""
-    channel = _Channel(asyncio.get_running_loop())
-
-    def emit(kind: str, payload: Any) -> None:
-        try:
-            channel.emit(kind, payload)
-        except RuntimeError:  # the loop closed (server shutting down): nobody is listening
-            cancel.set()
-
-    scheduler.submit(Job(gen, req, emit, cancel, rid))
+    channel = _Channel(asyncio.get_running_loop(), wakes, cancel.set)
+    scheduler.submit(Job(gen, req, channel.emit, cancel, rid))
     try:
         while True:
             for kind, payload in await channel.take():
@@ -145,9 +181,11 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
     # a tensor-parallel world decodes its requests in lockstep, one at a time
     world = getattr(generator, "world", None)
     batched = getattr(generator, "batched", False)
+    wakes = _Wakes()
     scheduler = Scheduler(1 if getattr(world, "size", 1) > 1 else limits.max_num_seqs,
                           generator.run_forwards if batched else None,
-                          limits.speculative_disable_by_batch_size)
+                          limits.speculative_disable_by_batch_size,
+                          getattr(generator, "thread_mode", contextlib.nullcontext), wakes.flush)
     # Mutated on the event loop thread only. requests: (endpoint, outcome); tokens: kind;
     # admitted: generation requests between parsing and their last byte (running or queued).
     requests: Counter[tuple[str, str]] = Counter()
@@ -256,7 +294,7 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
         tokens["prompt"] += n_prompt
         cancel = threading.Event()
         watcher = asyncio.create_task(watch_disconnect(request, cancel))
-        events = _events(scheduler, generator, req, cancel, rid)
+        events = _events(scheduler, generator, req, cancel, rid, wakes)
         try:
             first = await anext(events)  # waiting for it turns a failing prefill into a 500
             if first[0] == "error":

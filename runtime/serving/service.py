@@ -137,8 +137,14 @@ class EngineGenerator:
         `run_forwards`): in one process; a tensor-parallel world decodes one request at a time."""
         return self.world.size == 1
 
+    @staticmethod
+    def thread_mode():
+        """What a scheduler's model thread runs in: `steps` is resumed there, entered once."""
+        return torch.inference_mode()
+
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
-        """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler."""
+        """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
+        resumed under `thread_mode`."""
         decoder = self.decoder()
         try:
             yield from decoder.steps(prompt_ids, params, batch)

@@ -106,6 +106,7 @@ class Decoder:
         self.exact_verify = exact_verify
         self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
         self.max_context = max_context or target.config.max_position_embeddings
+        self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
         self.last_result: DecodeResult | None = None
 
     def _taps(self) -> tuple[int, ...]:
@@ -163,7 +164,6 @@ class Decoder:
         finally:
             steps.close()
 
-    @torch.inference_mode()
     def steps(self, prompt_ids: list[int], params: SamplingParams,
               batch: Batch = ALONE) -> Generator[Forward | HeadForward | DraftForward | list[int], object, None]:
         """The decode loop of one sequence as a coroutine, so a scheduler can run the target
@@ -178,14 +178,15 @@ class Decoder:
         proposer still follows the kept rows, so drafting resumes from complete context), and
         its `size` reaches the proposer (`batch_size`): adaptive k is a policy for a stream
         that runs alone. A seeded sampled request ignores `batch` (it drafts as if alone), so
-        its samples are the same under any load."""
+        its samples are the same under any load. Resume it under `torch.inference_mode` (as
+        `stream` and the server's scheduler thread do: entered once, not at every resume)."""
         t0 = time.perf_counter()
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
         vocab = self.target.config.vocab_size
         if not all(0 <= t < vocab for t in prompt_ids):  # compiled steps index without checks
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        device = self.target.model.embed_tokens.weight.device
+        device = self.device
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, P]
         budget = min(params.max_tokens, self.max_context - len(prompt_ids))
         if budget < 1:
@@ -239,7 +240,7 @@ class Decoder:
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]
         t1 = time.perf_counter()
-        device = self.target.model.embed_tokens.weight.device
+        device = self.device
         k = drafts.numel()
         draft_ids = drafts.tolist() if k else []
         tokens = torch.tensor([[pending, *draft_ids]], device=device)  # [1, k+1]
