@@ -32,7 +32,8 @@ from metrale.builder import quantize as q
 from metrale.builder import shard
 from metrale.builder.recipe import BuildOptions, Recipe
 from metrale.runtime.models.configs import read_config
-from metrale.runtime.artifact.engine_dir import EngineDirWriter, Manifest, checkpoint_digest
+from metrale.runtime.artifact.digests import checkpoint_digest
+from metrale.runtime.artifact.engine_dir import EngineDirWriter, Manifest
 from metrale.runtime.errors import CheckpointError, ConfigError
 from metrale.runtime.components import KINDS, resolve
 from metrale.runtime.models.loader import read_safetensors, rename

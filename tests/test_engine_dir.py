@@ -14,11 +14,11 @@ from metrale.runtime.artifact.engine_dir import (
     FORMAT_VERSION,
     EngineDirWriter,
     Manifest,
-    checkpoint_digest,
     human_size,
     load_manifest,
     verify_files,
 )
+from metrale.runtime.artifact.digests import checkpoint_digest
 from metrale.runtime.artifact.entries import ComponentEntry
 from metrale.runtime.artifact.manifest_view import component_rows, manifest_rows
 from metrale.runtime.errors import CheckpointError, EngineDirError

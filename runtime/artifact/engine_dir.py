@@ -25,7 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -39,8 +38,9 @@ from typing import Any, Mapping
 
 from metrale.runtime import __version__
 from metrale.runtime.artifact.build_lock import DirLock, remove_stale, signals_as_interrupts
+from metrale.runtime.artifact.digests import files_under, sha256_file
 from metrale.runtime.artifact.entries import ComponentEntry, EntryInvalid, parse_entry
-from metrale.runtime.errors import CheckpointError, EngineDirError
+from metrale.runtime.errors import EngineDirError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ COMPONENT_NAME_RULE = ("allowed (letters, digits, '_', '-', '.', starting with a
 
 _COMPONENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_CHUNK = 1 << 20  # 1 MiB reads: engine files run to hundreds of MB
 _REBUILD = "rebuild it with metrale build"
 
 
@@ -72,39 +71,6 @@ def human_size(n: int | float) -> str:
         if n < 1024:
             return f"{n:.1f} {unit}"
     return f"{n / 1024:.1f} TiB"
-
-
-def _sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _files_under(root: Path) -> list[str]:
-    """Relative posix paths of every file below `root`, sorted; symlinked folders not entered."""
-    return sorted((Path(d) / name).relative_to(root).as_posix()
-                  for d, _subdirs, names in os.walk(root) for name in names)
-
-
-def checkpoint_digest(path: str | os.PathLike[str]) -> str:
-    """One sha256 over a checkpoint folder: every file's relative path, size and contents.
-
-    Files are taken in sorted relative-path order; each contributes `path NUL size(8 bytes LE)`
-    and then its bytes, so renaming, moving or editing any file changes the digest.
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint {root} is not a directory; cannot digest it")
-    rels = _files_under(root)
-    if not rels:
-        raise CheckpointError(f"checkpoint {root} holds no files; cannot digest it")
-    h = hashlib.sha256()
-    for rel in rels:
-        file = root / rel
-        h.update(rel.encode("utf-8") + b"\0" + file.stat().st_size.to_bytes(8, "little"))
-        with open(file, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 class _ManifestInvalid(EngineDirError):
@@ -146,7 +112,7 @@ class Manifest:
 
     `files` maps a relative posix path to {"sha256": hex, "size": bytes} for every file but the
     manifest itself. `sources` maps a component to {"path", "sha256"} of the checkpoint it was
-    built from (`checkpoint_digest`). `components` maps a component name to its typed entry
+    built from (`digests.checkpoint_digest`). `components` maps a component name to its typed entry
     (`entries.ComponentEntry`: kind, config file, rank files, quantization, graphs, plans,
     packages). `memory_estimate` values are bytes.
     """
@@ -284,11 +250,11 @@ def verify_files(engine_dir: str | os.PathLike[str], manifest: Manifest) -> None
         size = path.stat().st_size
         if size != entry["size"]:
             raise _dir_error(shown, f"file {rel} has {size} bytes, {entry['size']} expected")
-    for rel in _files_under(root):
+    for rel in files_under(root):
         if rel != MANIFEST_NAME and rel not in manifest.files:
             raise _dir_error(shown, f"file {rel} is not listed in the manifest ({MANIFEST_NAME})")
     for rel, entry in sorted(manifest.files.items()):
-        found = _sha256_file(root / rel)
+        found = sha256_file(root / rel)
         if found != entry["sha256"]:
             raise _dir_error(shown, f"file {rel} fails its checksum (sha256 "
                              f"{entry['sha256'][:12]}… expected, {found[:12]}… found)")
@@ -447,7 +413,7 @@ class EngineDirWriter:
 
     def _finish(self, staging: Path) -> Manifest:
         files = {}
-        for rel in _files_under(staging):
+        for rel in files_under(staging):
             path = staging / rel
             if rel == MANIFEST_NAME:
                 raise EngineDirError(f"engine directory {self.shown}: {MANIFEST_NAME} was written "
@@ -455,7 +421,7 @@ class EngineDirWriter:
             if path.is_symlink() or not path.is_file():
                 raise EngineDirError(f"engine directory {self.shown}: {rel} is not a regular "
                                      "file; copy the file in instead of linking it")
-            files[rel] = {"sha256": _sha256_file(path), "size": path.stat().st_size}
+            files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
         values = dict(self._fields)
         components = dict(values.pop("components", {}))
         components.update(self._components)

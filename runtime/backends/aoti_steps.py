@@ -21,9 +21,8 @@ Target (`TargetStep`): `ids` [1, T] int64, `pos` [1] int64 (position of ids[0, 0
 of every layer -> logits [1, T, V], last_hidden [1, T, H] (pre final norm), taps [1, T, n·H]
 (transformers' hidden_states[l+1] for each tap id l, as `qwen3` defines them).
 
-MTP head (`MTPStep`): `embeds`, `hidden` [1, T, H], `pos` [1], K, V -> logits [1, T, V], h [1, T, H],
-the head's forward (`mtp.MTPHead`) over its one-layer cache; `BatchedMTPStep` takes the rows of
-many sequences over a pool of such caches, as the target's `BatchedTargetStep` does.
+MTP head (`BatchedMTPStep`): the head's forward (`mtp.MTPHead`) for the rows of many sequences,
+each over its own one-layer cache in a pool, as the target's `BatchedTargetStep` does.
 
 DFlash drafter (`BatchedDFlashStep`), one call feeds context and proposes a block for many
 sequences, each over its own cache in a pool: the fed rows' K/V land at their positions, the
@@ -255,7 +254,7 @@ class BatchedTargetStep(TargetStep):
 
 
 class MTPStep(nn.Module):
-    """The MTP head's entries over its one-layer static cache (see the module docstring)."""
+    """The MTP head's weights and its entries' arithmetic (`BatchedMTPStep` runs them)."""
 
     def __init__(self, head, positions: int):
         super().__init__()
@@ -268,12 +267,6 @@ class MTPStep(nn.Module):
         cos, sin = _rope_table(d, positions, dtype)  # the target's context and a padded step
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, embeds, hidden, pos, k_cache, v_cache):
-        t = embeds.shape[1]
-        positions = pos + torch.arange(t, device=embeds.device)
-        logits, h = self.rows(embeds[0], hidden[0], positions, None, k_cache, v_cache)
-        return logits[None], h[None]
 
     def rows(self, embeds, hidden, positions, seq, k_cache, v_cache):
         """embeds, hidden [T, H], positions (and `seq`) [T] -> logits [T, V], h [T, H]."""
