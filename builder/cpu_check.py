@@ -22,14 +22,13 @@ from metrale.runtime.components import Role, kind_named
 
 
 def _packages(root, jobs, name):
-    import torch._inductor
-
     from metrale.runtime.backends.aoti import Package
+    from metrale.runtime.backends.aoti_native import load_runner
 
     out = []
     for j in jobs:
         if j.name == name:  # every package is batched; the target's and the head's take any row count
-            out.append(Package(j.rows, torch._inductor.aoti_load_package(str(root / j.rel)),
+            out.append(Package(j.rows, load_runner(root / j.rel),
                                kind_named(j.kind).role is not Role.DRAFTER, batched=True))
     return out
 

@@ -2,10 +2,11 @@
 
     python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
                            [--max-tokens 32] [--modes plain,mtp,dflash] [--max-num-seqs 64]
-                           [--serve-flags '...'] [--json FILE]
+                           [--server-threads N] [--serve-flags '...'] [--json FILE]
 
-Per mode it starts one `metrale serve` process (`--max-num-seqs`, one torch thread), then for
-each concurrency C runs C client threads that each send `--requests` greedy completions of
+Per mode it starts one `metrale serve` process (`--max-num-seqs`; `--server-threads` torch
+threads, by default the server's own: one per core), then for each concurrency C runs C client
+threads that each send `--requests` greedy completions of
 `--max-tokens` tokens (prompts from the tiny recipe's held-out set) and reports aggregate
 completion tokens/s, median and p99 latency and lost requests; then the latency of a 4-token
 request sent just after another client's 1,000-token stream started (from its own process),
@@ -32,7 +33,8 @@ MODES = {"plain": [], "mtp": ["--speculative", "--num-drafts", "3", "--draft-con
          "dflash": ["--dflash"]}
 
 
-def start_server(engine_dir: str, flags: list[str], max_num_seqs: int) -> tuple[subprocess.Popen, str]:
+def start_server(engine_dir: str, flags: list[str], max_num_seqs: int,
+                 threads: int = 0) -> tuple[subprocess.Popen, str]:
     import requests
 
     with socket.socket() as s:
@@ -40,8 +42,10 @@ def start_server(engine_dir: str, flags: list[str], max_num_seqs: int) -> tuple[
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "metrale", "serve", "--engine-dir", engine_dir, "--port", str(port),
            "--max-num-seqs", str(max_num_seqs), "--max-queue", "256", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -134,6 +138,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--serve-flags", default="", help="more flags for every server, e.g. "
                     "'--speculative-disable-by-batch-size 65' (draft at any batch size)")
+    ap.add_argument("--server-threads", type=int, default=0,
+                    help="torch threads of the server (0: its default, one per core)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]
@@ -141,7 +147,7 @@ def main() -> int:
     out = {"max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens, "modes": {}}
     for mode in args.modes.split(","):
         proc, base = start_server(args.engine_dir, MODES[mode] + shlex.split(args.serve_flags),
-                                  args.max_num_seqs)
+                                  args.max_num_seqs, args.server_threads)
         try:
             rows, solo = [], None
             for c in levels:

@@ -270,15 +270,26 @@ def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, na
     assert equal >= 0.9 * total  # the eager drafter's drafts, but for a rare near-tie
 
 
-def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine):
+@pytest.fixture(params=[1, 2], ids=["one-lane", "two-lanes"])
+def lanes(request, aoti_engine):
+    """The target face with its calls on one thread, or split over two (`aoti_native.Lanes`)."""
+    from metrale.runtime.backends.aoti_native import Lanes
+
+    target = aoti_engine.target
+    before, target.lanes = target.lanes, Lanes(request.param)
+    yield request.param
+    target.lanes = before
+
+
+def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
     """One forward over several sequences (prefills, verifies and plain steps of different
-    lengths, in two pools, while a pool grows) gives every sequence the bits it gets alone,
-    and freed places are reused."""
+    lengths, in two pools, while a pool grows; its calls on one thread or split over two) gives
+    every sequence the bits it gets alone, and freed places are reused."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
     from metrale.runtime.backends import Forward
 
     target = aoti_engine.target
-    assert isinstance(target, BatchedTarget)
+    assert isinstance(target, BatchedTarget) and target.lanes.n == lanes
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, target.config.vocab_size, (6, 30), generator=gen)
     lengths = (40, 40, 40, 40, 40, 90)  # five in one pool (it grows past 4), one in another

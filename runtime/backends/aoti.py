@@ -85,13 +85,17 @@ class StaticKVCache:
 @dataclass(frozen=True)
 class Package:
     rows: int  # its row count, or with `dynamic` the most rows it takes
-    run: object  # the loaded AOTInductor model
+    run: object  # the loaded model: a list of inputs -> outputs (`aoti_native.load_runner`)
     dynamic: bool = False  # compiled with the row count as a dynamic dimension (1..rows)
     batched: bool = False  # a step over many sequences at once, over cache pools (`aoti_batched`)
 
+    @property
+    def lanes(self) -> int:
+        """Calls it can run at once, on as many threads (`aoti_native.Lanes`)."""
+        return getattr(self.run, "lanes", 1)
+
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        # the loader's flat entry point: no pytree specs parsed per call
-        return self.run.loader.boxed_run(list(inputs))
+        return self.run(list(inputs))
 
 
 def slots_for(length: int, max_slots: int, what: str) -> int:
@@ -327,11 +331,11 @@ def check_fingerprint(cpu: CpuPackages, dtype: torch.dtype, where: str) -> None:
 
 
 def _load_packages(engine_dir: Path, cpu: CpuPackages) -> list[tuple[CpuPackage, Package]]:
-    import torch._inductor
+    from metrale.runtime.backends.aoti_native import load_runner
 
     out = []
     for entry in cpu.packages:
-        run = torch._inductor.aoti_load_package(str(Path(engine_dir) / entry.file))
+        run = load_runner(Path(engine_dir) / entry.file, lanes=torch.get_num_threads())
         out.append((entry, Package(entry.rows or 1, run, entry.dynamic_rows, entry.batched)))
     return out
 

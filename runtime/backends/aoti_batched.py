@@ -19,6 +19,10 @@ answer under any concurrency equal to the same request served alone (the build c
 `cpu_check`). A stale slot (a freed sequence's K/V) is never visible: it lies at or after the
 new sequence's length, masked, and is overwritten before a row at its position reads it.
 
+With more than one torch thread, a forward's sequences are split into parts of about equal
+rows that run at once, one package call per thread (`aoti_native.Lanes`: the calls release the
+GIL and each is single-threaded as compiled), which a row's bits do not depend on either.
+
 `__call__(ids, cache, start, taps)` is `forward_many` of one sequence: the decode face the
 decode loop and the proposers run on, as `aoti.CompiledTarget`'s.
 """
@@ -33,6 +37,7 @@ import torch
 from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
 from metrale.runtime.backends.aoti import (CompiledDFlash, CompiledMTP, CompiledTarget, Package, TargetFace,
                                            _Rows, slots_for)
+from metrale.runtime.backends.aoti_native import Lanes
 from metrale.runtime.models.qwen3 import TargetOutput
 
 FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
@@ -119,6 +124,11 @@ def _by_pool(forwards, starts: list[int]) -> dict[int, list[int]]:
     return groups
 
 
+def _parts(lanes: Lanes, groups: dict[int, list[int]], forwards) -> list[list[int]]:
+    """Every pool's forwards cut into the parts the lanes run at once (`Lanes.split`)."""
+    return [p for members in groups.values() for p in lanes.split(members, [forwards[i].rows for i in members])]
+
+
 @dataclass(frozen=True)
 class _Rows1D:
     """The flattened rows of one pool's forwards."""
@@ -138,10 +148,12 @@ class BatchedTarget(TargetFace):
         engine built before batching) `aoti.CompiledTarget`, one sequence per call."""
         if not loaded[0][0].batched:
             return CompiledTarget.from_packages(model, loaded, cpu, where)
-        return cls(model, loaded[0][1], tuple(cpu.taps), cpu.max_slots)
+        return cls(model, loaded[0][1], tuple(cpu.taps), cpu.max_slots, Lanes(loaded[0][1].lanes))
 
-    def __init__(self, model, package: Package, taps: tuple[int, ...], max_slots: int):
+    def __init__(self, model, package: Package, taps: tuple[int, ...], max_slots: int,
+                 lanes: Lanes | None = None):
         super().__init__(model, taps, max_slots)
+        self.lanes = lanes or Lanes(1)
         self.rows = _Rows([package], "target")
         self.package = package
         self.packages = [package]
@@ -176,9 +188,8 @@ class BatchedTarget(TargetFace):
         its length), in order; each cache's length grows by its T."""
         groups = _by_pool(forwards, [f.cache.length for f in forwards])
         results: list[TargetOutput | None] = [None] * len(forwards)
-        # lengths move only once every call succeeded: a failed batch leaves each cache as it
-        # was (its slots written again, with the same values, by a retry)
-        for members in groups.values():
+
+        def part(members: list[int]) -> None:
             mine = [forwards[i] for i in members]
             outs = self._run(mine)
             greedy = outs[0].argmax(dim=-1).tolist()  # every logit row's, in one call
@@ -191,6 +202,10 @@ class BatchedTarget(TargetFace):
                                           taps=self.select_taps(outs[2][rows][None], f.taps) if f.taps else None,
                                           argmax=greedy[lo:lo + n])
                 offset, lo = offset + t, lo + n
+
+        # lengths move only once every call succeeded: a failed batch leaves each cache as it
+        # was (its slots written again, with the same values, by a retry)
+        self.lanes.run(part, _parts(self.lanes, groups, forwards))
         for f in forwards:
             f.cache.length += f.ids.shape[1]
         return results
