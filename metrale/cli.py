@@ -357,6 +357,14 @@ def serve(
         "for a request that runs alone: on a CPU each batched row costs about what it costs "
         "alone, so the verify rows of several streams cost more than their drafts save. "
         "1: never draft.")] = 2,
+    prefix_cache_tokens: Annotated[int, typer.Option(
+        metavar="N", help="Prefix caching: prompts' K/V and rows are kept, up to N prompt "
+        "positions in all (least recently used evicted first), and a prompt that starts as a "
+        "kept one reuses those positions, in whole blocks of 16 tokens (a prompt seen whole runs "
+        "nothing), so only the rest of it is prefilled. Answers do not change: a row's bits "
+        "depend only on its token, position and its sequence's cache. The aoti backend's; 0 "
+        "turns it off (vLLM's --no-enable-prefix-caching). /metrics counts the positions "
+        "looked up and reused.")] = 8192,
     device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
@@ -367,6 +375,7 @@ def serve(
 
         checks.host(host)
         checks.port(port)
+        checks.int_range("--prefix-cache-tokens", prefix_cache_tokens, 0)
         limits = ServerLimits(max_request_bytes=max_request_bytes, max_queue=max_queue,
                               max_connections=max_connections, max_num_seqs=max_num_seqs,
                               speculative_disable_by_batch_size=speculative_disable_by_batch_size,
@@ -383,6 +392,9 @@ def serve(
                        + (f", {gen.world.size} ranks" if gen.world.size > 1 else "")))
         if getattr(engine, "backend_note", ""):
             err.print(Text(engine.backend_note))
+        if prefix_cache_tokens and gen.cache_prefixes(prefix_cache_tokens) is None:
+            err.print(Text(f"prefix caching is the aoti backend's: on the "
+                           f"{getattr(engine, 'backend', backend)} backend every prompt is prefilled"))
         for name, source in getattr(engine, "requantized", {}).items():
             err.print(Text(f"{name}: {source}"))
         try:

@@ -98,10 +98,10 @@ def test_lanes_split_sequences_into_parts_of_about_equal_rows():
     assert Lanes(1).split(list(range(32)), [1] * 32) == [list(range(32))]
 
 
-def test_lanes_run_every_part_and_raise_once_all_finished():
-    lanes, seen = Lanes(3), []
-    lanes.run(seen.append, [[1], [2], [3], [4], [5]])
-    assert sorted(map(tuple, seen)) == [(1,), (2,), (3,), (4,), (5,)]
+def test_lanes_map_every_item_in_order_and_raise_once_all_finished():
+    lanes = Lanes(3)
+    assert lanes.map(lambda x: x * x, [1, 2, 3, 4, 5]) == [1, 4, 9, 16, 25]
+    assert lanes.map(lambda x: x, []) == [] and Lanes(1).map(str, [1, 2]) == ["1", "2"]
     finished = []
 
     def part(p):
@@ -111,6 +111,6 @@ def test_lanes_run_every_part_and_raise_once_all_finished():
         finished.append(p)
 
     with pytest.raises(ValueError, match="this part failed"):
-        lanes.run(part, ["bad", "a", "b"])
+        lanes.map(part, ["bad", "a", "b"])
     assert sorted(finished) == ["a", "b"]  # the others ran to their end first
     assert torch.is_inference_mode_enabled() is False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -104,6 +105,16 @@ def test_corrupted_heads_and_drafters_are_refused_naming_the_file(tmp_path):
     edit_config(drafter, dflash_config=cfg["dflash_config"] | {"mask_token_id": 5000})
     with pytest.raises(CheckpointError, match=r"dflash/config\.json dflash_config: mask_token_id 5000"):
         load_dflash(drafter, lm_head)
+
+
+@pytest.mark.parametrize("key", ["num_experts", "num_hidden_layers"])
+def test_counts_past_the_tensors_are_refused_before_the_model_is_built(tmp_path, key):
+    """A million experts or layers would take hundreds of GB to build before the shapes are
+    compared: the counts are checked against the tensor names first."""
+    target = copy_checkpoint(tmp_path)
+    edit_config(target, **{key: 10 ** 6})
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(target))}: missing tensors of .*{key} is 1000000"):
+        build_stage(target)
 
 
 @FUZZ

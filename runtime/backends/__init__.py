@@ -27,20 +27,36 @@ import torch
 from metrale.runtime.errors import ConfigError, FlagChoice
 
 
-@dataclass
 class Forward:
     """Target rows a sequence needs next: `ids` [1, T] at positions `cache.length`.., with the
     outputs of target layers `taps`. `last_logits`: only the last row's logits are needed (a
-    prompt): a batched forward then computes no others and gives logits [1, 1, V]."""
+    prompt): a batched forward then computes no others and gives logits [1, 1, V].
 
-    ids: torch.Tensor
-    cache: object
-    taps: tuple[int, ...] = ()
-    last_logits: bool = False
+    `ids` may be given as a list of token ids (the decode loop's steps: a batched forward
+    builds one tensor for all its rows); `ids` is then made, on `device`, when first read."""
+
+    __slots__ = ("_ids", "tokens", "cache", "taps", "last_logits", "device")
+
+    def __init__(self, ids: torch.Tensor | list[int], cache, taps: tuple[int, ...] = (),
+                 last_logits: bool = False, device: torch.device | str = "cpu"):
+        self._ids, self.tokens = (None, list(ids)) if isinstance(ids, list) else (ids, None)
+        self.cache, self.taps, self.last_logits, self.device = cache, taps, last_logits, device
+
+    @property
+    def ids(self) -> torch.Tensor:
+        if self._ids is None:
+            self._ids = torch.tensor([self.tokens], dtype=torch.long, device=self.device)
+        return self._ids
 
     @property
     def rows(self) -> int:
-        return self.ids.shape[1]
+        return len(self.tokens) if self.tokens is not None else self._ids.shape[1]
+
+    def token_ids(self) -> list[int]:
+        return self.tokens if self.tokens is not None else self._ids[0].tolist()
+
+    def __repr__(self) -> str:
+        return f"Forward(rows={self.rows}, taps={self.taps}, last_logits={self.last_logits})"
 
 
 @dataclass

@@ -38,6 +38,7 @@ from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
 from metrale.runtime.backends.aoti import (CompiledDFlash, CompiledMTP, CompiledTarget, Package, TargetFace,
                                            _Rows, slots_for)
 from metrale.runtime.backends.aoti_native import Lanes
+from metrale.runtime.backends.prefix_cache import PrefixCache
 from metrale.runtime.models.qwen3 import TargetOutput
 
 FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
@@ -106,6 +107,9 @@ class PooledCache:
 def _places(forwards, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's position and sequence (its cache's place in the pool), forwards in order: a
     forward's T rows sit at positions start.. of its cache."""
+    if sum(f.rows for f in forwards) > 256:  # prompts: ranges (a long list converts slowly)
+        return (torch.cat([torch.arange(s, s + f.rows) for f, s in zip(forwards, starts)]),
+                torch.cat([torch.full((f.rows,), f.cache.index) for f in forwards]))
     pos, seq = [], []
     for f, start in zip(forwards, starts):
         pos.extend(range(start, start + f.rows))
@@ -129,16 +133,6 @@ def _parts(lanes: Lanes, groups: dict[int, list[int]], forwards) -> list[list[in
     return [p for members in groups.values() for p in lanes.split(members, [forwards[i].rows for i in members])]
 
 
-@dataclass(frozen=True)
-class _Rows1D:
-    """The flattened rows of one pool's forwards."""
-
-    ids: torch.Tensor
-    pos: torch.Tensor
-    seq: torch.Tensor
-    want: list[int]  # the rows whose logits are needed
-
-
 class BatchedTarget(TargetFace):
     """The target's decode face over one batched package (see the module docstring)."""
 
@@ -154,6 +148,7 @@ class BatchedTarget(TargetFace):
                  lanes: Lanes | None = None):
         super().__init__(model, taps, max_slots)
         self.lanes = lanes or Lanes(1)
+        self.prefix_cache: PrefixCache | None = None  # set by `serve --prefix-cache-tokens`
         self.rows = _Rows([package], "target")
         self.package = package
         self.packages = [package]
@@ -185,60 +180,166 @@ class BatchedTarget(TargetFace):
 
     def forward_many(self, forwards) -> list[TargetOutput]:
         """The target outputs of each `backends.Forward` (rows ids [1, T] of a distinct cache at
-        its length), in order; each cache's length grows by its T."""
-        groups = _by_pool(forwards, [f.cache.length for f in forwards])
-        results: list[TargetOutput | None] = [None] * len(forwards)
+        its length), in order; each cache's length grows by its T. With a `prefix_cache`, a
+        prompt reuses the kept positions it starts with (`prefix_cache`: the same bits)."""
+        from metrale.runtime.backends import Forward
 
-        def part(members: list[int]) -> None:
-            mine = [forwards[i] for i in members]
-            outs = self._run(mine)
-            greedy = outs[0].argmax(dim=-1).tolist()  # every logit row's, in one call
-            offset = lo = 0  # into the rows, into the logit rows
-            for i, f in zip(members, mine):
-                t = f.ids.shape[1]
-                n = 1 if f.last_logits else t
-                rows = slice(offset, offset + t)
-                results[i] = TargetOutput(logits=outs[0][lo:lo + n][None], last_hidden=outs[1][rows][None],
-                                          taps=self.select_taps(outs[2][rows][None], f.taps) if f.taps else None,
-                                          argmax=greedy[lo:lo + n])
-                offset, lo = offset + t, lo + n
-
+        hits = self._lookups(forwards)
+        todo = [i for i, f in enumerate(forwards) if i not in hits or not hits[i].whole]
+        runs = {i: forwards[i] if i not in hits else
+                Forward(forwards[i].ids[:, hits[i].reused:], forwards[i].cache, forwards[i].taps, True)
+                for i in todo}
+        order = [runs[i] for i in todo]
+        parts = [[todo[j] for j in p] for p in _parts(self.lanes, _by_pool(order, [
+            f.cache.length for f in order]), order)]
         # lengths move only once every call succeeded: a failed batch leaves each cache as it
         # was (its slots written again, with the same values, by a retry)
-        self.lanes.run(part, _parts(self.lanes, groups, forwards))
+        try:
+            for i, hit in hits.items():
+                self._reuse(hit, forwards[i].cache)
+            plans = [self._plan([runs[i] for i in p]) for p in parts]
+            done = self.lanes.map(_call_all, plans)  # the package calls only, a part per lane
+        finally:
+            for i in hits:
+                forwards[i].cache.length = 0
+        results: list = [None] * len(forwards)
+        for members, plan, outs in zip(parts, plans, done):
+            self._give(members, runs, _joined_calls(plan, outs), results)
+        for i, hit in hits.items():
+            results[i] = self._reused(hit, results[i], forwards[i])
         for f in forwards:
-            f.cache.length += f.ids.shape[1]
+            f.cache.length += f.rows
         return results
 
-    def _flatten(self, forwards) -> _Rows1D:
-        ids, want, n = [], [], 0
+    def _give(self, members: list[int], runs: dict, outs: list[torch.Tensor], results: list) -> None:
+        """Each run forward's output, its rows' views of one part's outputs (a prompt's kept)."""
+        greedy = outs[0].argmax(dim=-1).tolist()  # every logit row's, in one call
+        taps = outs[2] if len(outs) > 2 else None
+        offset = lo = 0  # into the rows, into the logit rows
+        for i in members:
+            f = runs[i]
+            t = f.rows
+            n = 1 if f.last_logits else t
+            results[i] = _RowsOutput(self, outs[0], outs[1], taps, offset, t, lo, n, f.taps, greedy[lo:lo + n])
+            if f.last_logits and f.cache.length == 0 and self.prefix_cache is not None:
+                self._keep(f, results[i])
+            offset, lo = offset + t, lo + n
+
+    def _keep(self, f, out: "_RowsOutput") -> None:
+        """A whole prompt's rows into the prefix cache (its K/V as its cache now holds them)."""
+        n = f.rows
+        kv = [t[f.cache.index][..., :n] if j % 2 == 0 else t[f.cache.index][:n]
+              for j, t in enumerate(f.cache.pool.kv)]
+        self.prefix_cache.keep(tuple(f.token_ids()), kv, out.rows("hidden"), out.rows("taps"),
+                               out.rows("logits"), out.argmax)
+
+    def _lookups(self, forwards) -> dict:
+        """The prefix-cache hits of the prompts among `forwards` (their index -> `Hit`)."""
+        if self.prefix_cache is None:
+            return {}
+        _by_pool(forwards, [f.cache.length for f in forwards])  # every forward fits its cache
+        hits = {}
+        for i, f in enumerate(forwards):
+            if f.last_logits and f.cache.length == 0:
+                hit = self.prefix_cache.lookup(tuple(f.token_ids()))
+                if hit is not None:
+                    hits[i] = hit
+        return hits
+
+    @staticmethod
+    def _reuse(hit, cache: PooledCache) -> None:
+        """The hit's positions' K/V into `cache` (its length then the positions reused)."""
+        n = hit.reused
+        for j, (mine, kept) in enumerate(zip(cache.pool.kv, hit.entry.kv)):
+            if j % 2 == 0:
+                mine[cache.index, :, :, :n] = kept[:, :, :n]  # keys slot-minor
+            else:
+                mine[cache.index, :n] = kept[:n]
+        cache.length = n
+
+    def _reused(self, hit, ran, f) -> TargetOutput:
+        """A prompt's output from the kept positions it reused, then the rows it ran (if any);
+        a prompt only partly kept is kept whole now."""
+        e, n = hit.entry, hit.reused
+        if ran is None:  # the whole prompt was kept
+            logits, hidden, taps, argmax = e.logits, e.last_hidden, e.taps, list(e.argmax)
+        else:
+            logits, argmax = ran.rows("logits"), ran.argmax
+            hidden = torch.cat([e.last_hidden[:n], ran.rows("hidden")])
+            taps = None if e.taps is None else torch.cat([e.taps[:n], ran.rows("taps")])
+            kv = [t[f.cache.index][..., :f.rows] if j % 2 == 0 else t[f.cache.index][:f.rows]
+                  for j, t in enumerate(f.cache.pool.kv)]
+            self.prefix_cache.keep(tuple(f.token_ids()), kv, hidden, taps, logits, argmax)
+        return TargetOutput(logits=logits[None], last_hidden=hidden[None],
+                            taps=self.select_taps(taps[None], f.taps) if f.taps else None, argmax=argmax)
+
+    def _plan(self, forwards) -> list[tuple]:
+        """One part's package calls: its rows in chunks of at most `max_rows`, each chunk's
+        inputs and whether its logits are wanted (a chunk inside a prompt has none: its last
+        row stands in, its logits dropped)."""
+        want, n = [], 0
         for f in forwards:
-            t = f.ids.shape[1]
-            ids.append(f.ids[0])
+            t = f.rows
             want.extend([n + t - 1] if f.last_logits else range(n, n + t))
             n += t
         pos, seq = _places(forwards, [f.cache.length for f in forwards])
-        return _Rows1D(ids[0] if len(ids) == 1 else torch.cat(ids), pos, seq, want)
-
-    def _run(self, forwards) -> list[torch.Tensor]:
-        """One pool's rows, in package calls of at most `max_rows` rows, concatenated (logits:
-        of the wanted rows only)."""
-        rows = self._flatten(forwards)
-        kv = forwards[0].cache.pool.kv
-        n, step = rows.ids.shape[0], self.max_rows
-        parts = []
+        if all(f.tokens is not None for f in forwards):  # the decode loop's steps: one tensor
+            ids = torch.tensor([t for f in forwards for t in f.tokens], dtype=torch.long)
+        else:
+            ids = forwards[0].ids[0] if len(forwards) == 1 else torch.cat([f.ids[0] for f in forwards])
+        kv, step = forwards[0].cache.pool.kv, self.max_rows
+        calls = []
         for c in range(0, n, step):
-            want = [w - c for w in rows.want if c <= w < c + step]
-            if not want:  # a chunk inside a prompt: its last row stands in (its logits dropped)
-                want = [min(step, n - c) - 1]
-            out = self.package(rows.ids[c:c + step], rows.pos[c:c + step], rows.seq[c:c + step],
-                               torch.tensor(want), *kv)
-            if not any(c <= w < c + step for w in rows.want):
-                out = [out[0][:0], *out[1:]]
-            parts.append(out)
-        if len(parts) == 1:
-            return parts[0]
-        return [torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))]
+            mine = [w - c for w in want if c <= w < c + step]
+            wanted = bool(mine)
+            calls.append((self.package, wanted, (ids[c:c + step], pos[c:c + step], seq[c:c + step],
+                                                 torch.tensor(mine or [min(step, n - c) - 1]), *kv)))
+        return calls
+
+
+def _call_all(calls: list[tuple]) -> list:
+    """A part's package calls, in order (a prompt's later chunks read what its earlier wrote)."""
+    return [package(*inputs) for package, _, inputs in calls]
+
+
+def _joined_calls(calls: list[tuple], outs: list) -> list[torch.Tensor]:
+    """A part's outputs concatenated over its calls (logits of the wanted chunks only)."""
+    if len(outs) == 1:
+        return outs[0]
+    outs = [o if wanted else [o[0][:0], *o[1:]] for (_, wanted, _), o in zip(calls, outs)]
+    return [torch.cat([o[j] for o in outs]) for j in range(len(outs[0]))]
+
+
+class _RowsOutput:
+    """A forward's `TargetOutput` as views of its part's outputs, taken when first read (a
+    greedy plain step reads only `argmax`): logits [1, n, V], last_hidden [1, t, H], taps
+    [1, t, ·] of the forward's taps."""
+
+    __slots__ = ("_face", "_logits", "_hidden", "_taps", "_rows", "_logit_rows", "_which", "argmax")
+
+    def __init__(self, face, logits, hidden, taps, offset, t, lo, n, which, argmax):
+        self._face, self._logits, self._hidden, self._taps = face, logits, hidden, taps
+        self._rows, self._logit_rows = slice(offset, offset + t), slice(lo, lo + n)
+        self._which, self.argmax = which, argmax
+
+    def rows(self, what: str) -> torch.Tensor | None:
+        """Its rows of the part's logits, last hidden or (every package tap's) taps."""
+        if what == "logits":
+            return self._logits[self._logit_rows]
+        src = self._hidden if what == "hidden" else self._taps
+        return None if src is None else src[self._rows]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.rows("logits")[None]
+
+    @property
+    def last_hidden(self) -> torch.Tensor:
+        return self.rows("hidden")[None]
+
+    @property
+    def taps(self) -> torch.Tensor | None:
+        return self._face.select_taps(self.rows("taps")[None], self._which) if self._which else None
 
 
 class BatchedMTP:

@@ -16,6 +16,7 @@ own entry point, so an archive of another layout still runs (holding the lock).
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import logging
 import os
@@ -88,6 +89,10 @@ class NativeRunner:
         if handle is not None and handle.value:
             self._lib.AOTInductorModelContainerDelete(handle)
             self._handle = None
+        lib = getattr(self, "_lib", None)
+        if lib is not None:  # ctypes never unloads a library: each load's copy would stay mapped
+            _ctypes.dlclose(lib._handle)
+            self._lib = None
 
 
 class _LoaderRunner:
@@ -147,35 +152,35 @@ class Lanes:
             acc += r
         return [*out, cur]
 
-    def run(self, fn, parts: list) -> None:
-        """fn(part) for every part, lane j taking parts j, j+n, ... (lane 0 on this thread);
-        returns once all have finished, raising the first failure."""
-        if len(parts) == 1 or self.n == 1:
-            for p in parts:
-                fn(p)
-            return
+    def map(self, fn, items: list) -> list:
+        """[fn(item) for item in items], lane j taking items j, j+n, ... (lane 0 on this
+        thread); returns once all have finished, raising the first failure."""
+        if len(items) <= 1 or self.n == 1:
+            return [fn(item) for item in items]
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="metrale-lane")
-        lanes = [parts[j::self.n] for j in range(min(self.n, len(parts)))]
+        lanes = [items[j::self.n] for j in range(min(self.n, len(items)))]
         futures = [self._pool.submit(_in_inference_mode, fn, mine) for mine in lanes[1:]]
-        error = None
+        error, results = None, [None] * len(lanes)
         try:
-            for p in lanes[0]:
-                fn(p)
+            results[0] = [fn(item) for item in lanes[0]]
         except BaseException as e:  # noqa: BLE001 - raised once every lane has finished
             error = e
-        for f in futures:
+        for j, f in enumerate(futures, 1):
             try:
-                f.result()
+                results[j] = f.result()
             except BaseException as e:  # noqa: BLE001
                 error = error or e
         if error is not None:
             raise error
+        out = [None] * len(items)
+        for j, mine in enumerate(results):
+            out[j::self.n] = mine
+        return out
 
 
-def _in_inference_mode(fn, parts):
+def _in_inference_mode(fn, items):
     with torch.inference_mode():
-        for p in parts:
-            fn(p)
+        return [fn(item) for item in items]

@@ -120,8 +120,20 @@ def checkpoint_name(name: str, layout: str, n: int = 0) -> str:
 def strict_fill(module: nn.Module, tensors: dict[str, torch.Tensor], source: str,
                 origin: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> None:
     """Copy `tensors` into `module`'s parameters and buffers; refuse any mismatch by name."""
-    origin = origin or {}
     expected = module.state_dict()
+    check_tensors(expected, tensors, source, origin)
+    with torch.no_grad():
+        for name, param in expected.items():
+            param.copy_(tensors[name].to(param.dtype))
+    if dtype is not None:
+        module.to(dtype)
+
+
+def check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], source: str,
+                  origin: dict[str, str] | None = None) -> None:
+    """Refuse a checkpoint whose tensors' names or shapes are not `expected`'s, naming the first
+    that differs (`expected` may be a meta-device model's state: nothing allocated yet)."""
+    origin = origin or {}
     for name in tensors:
         if name not in expected:
             raise CheckpointError(
@@ -136,11 +148,25 @@ def strict_fill(module: nn.Module, tensors: dict[str, torch.Tensor], source: str
                 f"{source}: tensor {origin.get(name, name)} has shape {list(t.shape)}, "
                 f"expected {list(param.shape)}"
             )
-    with torch.no_grad():
-        for name, param in expected.items():
-            param.copy_(tensors[name].to(param.dtype))
-    if dtype is not None:
-        module.to(dtype)
+
+
+def _check_counts(cfg: DecoderConfig, tensors: dict, source: str) -> None:
+    """A config asking for more layers or experts than the checkpoint's tensors hold is refused
+    before a model of that many modules is built (fewer: the tensors left over are named by
+    `strict_fill`)."""
+    layers, experts = set(), set()
+    for name in tensors:
+        if m := re.match(r"model\.layers\.(\d+)\.(mlp\.experts\.(\d+)\.)?", name):
+            layers.add(int(m.group(1)))
+            if m.group(3) is not None:
+                experts.add(int(m.group(3)))
+    if cfg.num_hidden_layers > len(layers):
+        raise CheckpointError(f"{source}: missing tensors of layer {len(layers)}: config num_hidden_layers "
+                              f"is {cfg.num_hidden_layers}, the tensors hold {len(layers)} layers")
+    moe = any(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
+    if moe and cfg.num_experts > len(experts):
+        raise CheckpointError(f"{source}: missing tensors of expert {len(experts)}: config num_experts is "
+                              f"{cfg.num_experts}, the tensors hold {len(experts)} experts per layer")
 
 
 def _drop_tied(tensors: dict, cfg: DecoderConfig) -> dict:
@@ -152,8 +178,13 @@ def _drop_tied(tensors: dict, cfg: DecoderConfig) -> dict:
 
 def load_target(folder: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     cfg = target_config(folder)
-    model = Qwen3ForCausalLM(cfg).to(dtype)
-    strict_fill(model, _drop_tied(read_safetensors(folder), cfg), f"checkpoint {folder}")
+    tensors, source = _drop_tied(read_safetensors(folder), cfg), f"checkpoint {folder}"
+    _check_counts(cfg, tensors, source)
+    with torch.device("meta"):  # the config's sizes are checked against the tensors before any
+        model = Qwen3ForCausalLM(cfg).to(dtype)  # allocation (num_experts 10**6: 200 GB)
+    check_tensors(model.state_dict(), tensors, source)
+    model = model.to_empty(device="cpu")
+    strict_fill(model, tensors, source)
     return model.eval()
 
 

@@ -175,8 +175,31 @@ class EngineGenerator:
         if self.world.size > 1 and self.world.leader:
             self.world.broadcast(None)
 
+    def cache_prefixes(self, tokens: int):
+        """Keep prompts' K/V and rows for reuse by the prompts that start the same way, up to
+        `tokens` positions (`backends.prefix_cache`) -> the cache, or None where the target
+        has none to offer (only the aoti backend's batched target does) or `tokens` is 0."""
+        from metrale.runtime.backends.prefix_cache import PrefixCache
+
+        target = self.engine.target
+        if tokens <= 0 or not hasattr(target, "prefix_cache"):
+            return None
+        target.prefix_cache = PrefixCache(tokens)
+        return target.prefix_cache
+
     def metrics_text(self) -> str:
-        return self.metrics.prometheus_text()
+        text = self.metrics.prometheus_text()
+        cache = getattr(self.engine.target, "prefix_cache", None)
+        if cache is None:
+            return text
+        lines = []
+        for name, kind, value, help_ in (
+                ("queries_total", "counter", cache.queried, "Prompt positions looked up in the prefix cache."),
+                ("hits_total", "counter", cache.reused, "Of those, positions reused (their rows not run)."),
+                ("tokens", "gauge", cache.tokens, "Prompt positions the prefix cache holds.")):
+            lines += [f"# HELP metrale_prefix_cache_{name} {help_}", f"# TYPE metrale_prefix_cache_{name} {kind}",
+                      f"metrale_prefix_cache_{name} {value}"]
+        return text.rstrip("\n") + ("\n" if text.strip() else "") + "\n".join(lines) + "\n"
 
 
 def drafter_kv_heads(engine_dir: Path, name: str) -> int | None:

@@ -117,22 +117,22 @@ class Decoder:
         rest of the stream, see `AdaptiveKController.settled`)."""
         return self.proposer is not None and not getattr(self.proposer, "off", False)
 
-    def _verify_rows(self, tokens: torch.Tensor, cache, greedy: bool, draft_ids: list[int]):
-        """Target outputs for rows [pending, d_1..d_k] (tokens [1, k+1]) and, when greedy, each
-        row's argmax token (a generator: yields the `Forward`s it needs, returns the pair).
+    def _verify_rows(self, tokens: list[int], cache, greedy: bool, draft_ids: list[int]):
+        """Target outputs for rows [pending, d_1..d_k] (`tokens`) and, when greedy, each row's
+        argmax token (a generator: yields the `Forward`s it needs, returns the pair).
 
         Exact verify runs one row per forward and, when greedy, stops after the first row whose
         argmax rejects the next draft (rows past it are never used)."""
-        taps = self._taps()
+        taps, device = self._taps(), self.device
         if not self.exact_verify:
-            out = yield Forward(tokens, cache, taps)
+            out = yield Forward(tokens, cache, taps, device=device)
             return out, (greedy_ids(out) if greedy else None)
         outs, ids = [], []
-        for i in range(tokens.shape[1]):
-            o = yield Forward(tokens[:, i:i + 1], cache, taps)
+        for i in range(len(tokens)):
+            o = yield Forward(tokens[i:i + 1], cache, taps, device=device)
             outs.append(o)
             if greedy:
-                ids.append(int(o.logits[0, -1].argmax()))
+                ids.append(greedy_ids(o)[-1])
                 if i < len(draft_ids) and ids[-1] != draft_ids[i]:
                     break
         if len(outs) == 1:
@@ -243,17 +243,18 @@ class Decoder:
         device = self.device
         k = drafts.numel()
         draft_ids = drafts.tolist() if k else []
-        tokens = torch.tensor([[pending, *draft_ids]], device=device)  # [1, k+1]
         base = cache.length
-        out, target_ids = yield from self._verify_rows(tokens, cache, params.greedy, draft_ids)
-        rows = out.logits[0]  # [r, V], r = k+1 (or fewer under exact greedy verify)
+        out, target_ids = yield from self._verify_rows([pending, *draft_ids], cache, params.greedy, draft_ids)
         if params.greedy:  # the target's argmax per row; drafts kept while they match it
             accepted = accepted_prefix(draft_ids, target_ids)
             emitted_ids = target_ids[: accepted + 1]
             emitted = torch.tensor(emitted_ids, device=device) if drafting else None
+            verify_rows = len(target_ids)  # k+1 (or fewer under exact greedy verify)
         else:
+            rows = out.logits[0]  # [k+1, V]
             accepted, emitted = verify_sampling(drafts.to(device), probs_from_logits(rows, params), gen)
             emitted_ids = emitted.tolist()
+            verify_rows = rows.shape[0]
         cache.length = base + accepted + 1  # pending + accepted drafts stay; the rest is stale
         t2 = time.perf_counter()
         if drafting:  # the drafter's own bookkeeping is drafter time
@@ -262,7 +263,7 @@ class Decoder:
             self.proposer.follow(out, emitted_ids)
         t3 = time.perf_counter()
         result.metrics.record_step(proposed=max(proposed, k), verified=k, accepted=accepted,
-                                   emitted=accepted + 1, verify_rows=rows.shape[0],
+                                   emitted=accepted + 1, verify_rows=verify_rows,
                                    draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
         result.steps.append(StepTrace(drafted=k, accepted=accepted, emitted=accepted + 1))
         return emitted_ids
