@@ -218,3 +218,26 @@ def test_wake_ups_are_sent_once_per_phase_for_every_channel():
     (first, second), wakes = asyncio.run(main())
     assert first == [("text", "xz")] and second == [("text", "y")]
     assert wakes == 1
+
+
+def test_a_quiet_channel_wakes_once_with_all_its_text():
+    """A non-streamed answer's channel keeps its text until the final event: one wake-up for
+    the whole answer, whose text comes joined, in order, before the final event."""
+    import asyncio
+
+    from metrale.runtime.serving.server import _Channel
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        channel, calls = _Channel(loop, quiet=True), []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(1), real(*a))[1]
+        worker = threading.Thread(target=lambda: [channel.emit("text", t) for t in ("a", "b", "c")])
+        worker.start()
+        worker.join()
+        assert calls == [] and not channel.ready.is_set()  # no wake-up for text alone
+        channel.emit("done", ("length", 3))
+        return await asyncio.wait_for(channel.take(), 5), len(calls)
+
+    events, wakes = asyncio.run(main())
+    assert events == [("text", "abc"), ("done", ("length", 3))] and wakes == 1

@@ -76,9 +76,10 @@ class _Channel:
     callbacks in front of other requests' work."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, wakes: "_Wakes | None" = None,
-                 on_closed: Callable[[], None] = lambda: None):
+                 on_closed: Callable[[], None] = lambda: None, quiet: bool = False):
         self.loop, self.lock = loop, threading.Lock()
         self.wakes, self.on_closed = wakes, on_closed
+        self.quiet = quiet  # a non-streamed answer: text waits for the final event's wake-up
         self.ready = asyncio.Event()
         self.text: list[str] = []
         self.final: tuple[str, Any] | None = None  # ("done", ...) or ("error", exc)
@@ -88,6 +89,8 @@ class _Channel:
         with self.lock:
             if kind == "text":
                 self.text.append(payload)
+                if self.quiet:
+                    return
             else:
                 self.final = (kind, payload)
             wake, self.pending = not self.pending, True
@@ -146,9 +149,10 @@ def _set_ready(channels: list[_Channel]) -> None:
 async def _events(scheduler: Scheduler, gen: TextGenerator, req: GenerationRequest,
                   cancel: threading.Event, rid: str, wakes: _Wakes | None = None) -> AsyncIterator[tuple[str, Any]]:
     """Run one generation on the scheduler's thread and yield its events on the event loop
-    (text deltas as they arrive, joined when several did at once); setting `cancel` ends the
-    generation at its next step."""
-    channel = _Channel(asyncio.get_running_loop(), wakes, cancel.set)
+    (text deltas as they arrive, joined when several did at once; for a non-streamed request
+    all its text at once with its final event, so the loop wakes once per request, not once
+    per token); setting `cancel` ends the generation at its next step."""
+    channel = _Channel(asyncio.get_running_loop(), wakes, cancel.set, quiet=not req.stream)
     scheduler.submit(Job(gen, req, channel.emit, cancel, rid))
     try:
         while True:
