@@ -365,6 +365,11 @@ def serve(
         "depend only on its token, position and its sequence's cache. The aoti backend's; 0 "
         "turns it off (vLLM's --no-enable-prefix-caching). /metrics counts the positions "
         "looked up and reused.")] = 8192,
+    engine_process: Annotated[bool, typer.Option(
+        "--engine-process/--no-engine-process", help="Run the scheduler and the models in a "
+        "process of their own, the HTTP server (parsing, tokenizing, responses) in this one, so "
+        "neither waits for the other's interpreter lock (as vLLM's API server and engine core). "
+        "A tensor-parallel world (--nproc) serves in one process.")] = True,
     device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
     nproc: Nproc = None, spec=None,
 ):
@@ -383,25 +388,59 @@ def serve(
         if api_key is None and not checks.is_loopback(host):
             say_warning(f"--host {host} accepts connections from other machines and no --api-key "
                         "(or METRALE_API_KEY) is set: anyone who can reach it can use the model")
+        if engine_process and not nproc:
+            _serve_from_engine_process(engine_dir, device, dtype, spec, backend, host, port, limits,
+                                       prefix_cache_tokens)
+            return
         gen = _load_leader(nproc, "serve", engine_dir, device, dtype, spec, backend)
         if gen is None:
             return
         engine = gen.engine
-        err.print(Text(f"serving {engine_dir} (speculation {spec.mode.value}, backend "
-                       f"{getattr(engine, 'backend', backend)}) on http://{host}:{port}"
-                       + (f", {gen.world.size} ranks" if gen.world.size > 1 else "")))
-        if getattr(engine, "backend_note", ""):
-            err.print(Text(engine.backend_note))
-        if prefix_cache_tokens and gen.cache_prefixes(prefix_cache_tokens) is None:
-            err.print(Text(f"prefix caching is the aoti backend's: on the "
-                           f"{getattr(engine, 'backend', backend)} backend every prompt is prefilled"))
-        for name, source in getattr(engine, "requantized", {}).items():
-            err.print(Text(f"{name}: {source}"))
+        cached = bool(prefix_cache_tokens) and gen.cache_prefixes(prefix_cache_tokens) is not None
+        _say_serving(engine_dir, spec, host, port, {
+            "backend": getattr(engine, "backend", backend), "backend_note": getattr(engine, "backend_note", ""),
+            "requantized": getattr(engine, "requantized", {}), "prefix_cache": cached},
+            prefix_cache_tokens, gen.world.size)
         try:
             run_server(gen, host=host, port=port, limits=limits)
         finally:
             gen.shutdown()
         gen.world.close()
+
+
+def _say_serving(engine_dir, spec, host: str, port: int, info: dict, prefix_cache_tokens: int,
+                 ranks: int = 1) -> None:
+    err.print(Text(f"serving {engine_dir} (speculation {spec.mode.value}, backend {info['backend']}) "
+                   f"on http://{host}:{port}" + (f", {ranks} ranks" if ranks > 1 else "")))
+    if info["backend_note"]:
+        err.print(Text(info["backend_note"]))
+    if prefix_cache_tokens and not info["prefix_cache"]:
+        err.print(Text(f"prefix caching is the aoti backend's: on the {info['backend']} backend "
+                       "every prompt is prefilled"))
+    for name, source in info["requantized"].items():
+        err.print(Text(f"{name}: {source}"))
+
+
+def _serve_from_engine_process(engine_dir, device, dtype, spec, backend, host, port, limits,
+                               prefix_cache_tokens: int) -> None:
+    """`serve` with the models in the engine process (`serving.engine_process`)."""
+    import functools
+
+    from metrale.runtime.backends import resolve_backend
+    from metrale.runtime.serving.engine_process import EngineProcess, EngineProxy
+    from metrale.runtime.serving.server import serve as run_server
+
+    checks.device(device)
+    o.torch_dtype(dtype)
+    kind, device = resolve_backend(backend, device, dtype)
+    engine = EngineProcess(functools.partial(_load, engine_dir, device, dtype, spec, kind.value),
+                           limits.max_num_seqs, limits.speculative_disable_by_batch_size,
+                           prefix_cache_tokens)
+    try:
+        _say_serving(engine_dir, spec, host, port, engine.info, prefix_cache_tokens)
+        run_server(EngineProxy(engine), host=host, port=port, limits=limits, engine=engine)
+    finally:
+        engine.close()
 
 
 def main() -> None:  # pragma: no cover

@@ -186,6 +186,15 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
+    def start(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str) -> None:
+        """Admit request `req` of `gen`: its events go to `emit`; `cancel` set ends it."""
+        self.submit(Job(gen, req, emit, cancel, rid))
+
+    @staticmethod
+    def new_cancel(rid: str) -> threading.Event:
+        """The event that cancels request `rid` when set."""
+        return threading.Event()
+
     def submit(self, job: Job) -> None:
         job.batch = self.batch
         with self._cv:

@@ -48,7 +48,7 @@ from metrale.runtime.serving.api_request import (  # noqa: F401  (re-exported: t
     APIError, GenerationRequest, TextGenerator, decode_body, parse_request,
 )
 from metrale.runtime.serving.http_guard import Guard, ServerLimits, protocol_class, release_memory
-from metrale.runtime.serving.scheduler import Job, Scheduler
+from metrale.runtime.serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ async def _events(scheduler: Scheduler, gen: TextGenerator, req: GenerationReque
     all its text at once with its final event, so the loop wakes once per request, not once
     per token); setting `cancel` ends the generation at its next step."""
     channel = _Channel(asyncio.get_running_loop(), wakes, cancel.set, quiet=not req.stream)
-    scheduler.submit(Job(gen, req, channel.emit, cancel, rid))
+    scheduler.start(gen, req, channel.emit, cancel, rid)
     try:
         while True:
             for kind, payload in await channel.take():
@@ -175,9 +175,11 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
-def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> FastAPI:
+def create_app(generator: TextGenerator, limits: ServerLimits | None = None,
+               engine=None) -> FastAPI:
     """The FastAPI app serving `generator`, behind `http_guard.Guard` (limits, API key); all
-    state lives in this closure."""
+    state lives in this closure. `engine`: an `engine_process.EngineProcess` running the model
+    (then `generator` is its `EngineProxy`), else a `Scheduler` here runs it."""
     limits = limits or ServerLimits()
     app = FastAPI(title="metrale", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, limits=limits,
@@ -186,10 +188,13 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
     world = getattr(generator, "world", None)
     batched = getattr(generator, "batched", False)
     wakes = _Wakes()
-    scheduler = Scheduler(1 if getattr(world, "size", 1) > 1 else limits.max_num_seqs,
-                          generator.run_forwards if batched else None,
-                          limits.speculative_disable_by_batch_size,
-                          getattr(generator, "thread_mode", contextlib.nullcontext), wakes.flush)
+    if engine is not None:
+        scheduler, engine.flush = engine, wakes.flush
+    else:
+        scheduler = Scheduler(1 if getattr(world, "size", 1) > 1 else limits.max_num_seqs,
+                              generator.run_forwards if batched else None,
+                              limits.speculative_disable_by_batch_size,
+                              getattr(generator, "thread_mode", contextlib.nullcontext), wakes.flush)
     # Mutated on the event loop thread only. requests: (endpoint, outcome); tokens: kind;
     # admitted: generation requests between parsing and their last byte (running or queued).
     requests: Counter[tuple[str, str]] = Counter()
@@ -296,7 +301,7 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None) -> 
         created = int(time.time())
         n_prompt = len(req.prompt_ids)
         tokens["prompt"] += n_prompt
-        cancel = threading.Event()
+        cancel = scheduler.new_cancel(rid)
         watcher = asyncio.create_task(watch_disconnect(request, cancel))
         events = _events(scheduler, generator, req, cancel, rid, wakes)
         try:
@@ -402,15 +407,15 @@ def uvicorn_config(app: FastAPI, host: str, port: int, limits: ServerLimits, **k
 
 
 def serve(generator: TextGenerator, host: str = "127.0.0.1", port: int = 8000,
-          limits: ServerLimits | None = None) -> None:
-    """Serve `generator` until interrupted."""
+          limits: ServerLimits | None = None, engine=None) -> None:
+    """Serve `generator` (with `engine`, the engine process's proxy) until interrupted."""
     import uvicorn
 
     import sys
 
     limits = limits or ServerLimits()
     log.info("serving %s on http://%s:%d", generator.model_id, host, port)
-    app = create_app(generator, limits)
+    app = create_app(generator, limits, engine)
     # The scheduler's thread runs Python between its package calls; a request's handling on
     # the event loop waits for the GIL at each hand-off, by default up to 5 ms each time.
     sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -1,0 +1,260 @@
+"""The model in a process of its own: `serve` answers HTTP in one process and runs the scheduler
+and the models in another, as vLLM splits its API server from its engine core.
+
+In one process the event loop's Python (parsing, tokenizing, responses) and the scheduler's
+(the decode loops, between the package calls) take turns on one interpreter lock, and every
+hand-off waits for the other to let go of it: at C = 32 on two cores the server used 1.1 cores
+of its two. Split, each has its own.
+
+The engine process (`engine_main`) loads the generator with the caller's `load` (a picklable
+callable: the CLI's loader), runs a `scheduler.Scheduler` over it and serves a pipe:
+("submit", rid, request), ("cancel", rid), ("metrics", n), ("stop",). What the jobs emit is sent
+back once per scheduler phase, every request's events of the phase in one message. The server's
+side (`EngineProcess`) is the `Scheduler` its app submits to: `start` sends a request and routes
+its events to the request's channel, `new_cancel` gives an event whose `set` cancels the request
+there too, `metrics_lines` and `metrics_text` ask the engine for its counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # loading (and building nothing): the engine says ready or why not
+METRICS_TIMEOUT_S = 10.0
+
+
+class _Outbox:
+    """The engine side: events of the scheduler's jobs, sent together at each flush."""
+
+    def __init__(self, conn, send_lock: threading.Lock, cancels: dict):
+        self.conn, self.send_lock, self.cancels = conn, send_lock, cancels
+        self.lock = threading.Lock()
+        self.items: list[tuple[str, str, Any]] = []
+
+    def emitter(self, rid: str, stream: bool) -> Callable[[str, Any], None]:
+        """The events of request `rid`; a non-streamed one's text is held and sent joined with
+        its final event (the server wakes once per answer)."""
+        held: list[str] = []
+
+        def emit(kind: str, payload: Any) -> None:
+            if kind == "text" and not stream:
+                held.append(payload)
+                return
+            if kind == "error":  # logged here with its traceback (`Job.fail`); its words travel
+                payload = f"{type(payload).__name__}: {payload}"
+            with self.lock:
+                if kind != "text":
+                    self.cancels.pop(rid, None)
+                    if held:
+                        self.items.append((rid, "text", "".join(held)))
+                self.items.append((rid, kind, payload))
+        return emit
+
+    def flush(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        if items:
+            with self.send_lock:
+                self.conn.send(("events", items))
+
+
+def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
+                prefix_cache_tokens: int) -> None:
+    """The engine process: load, say ready (or why not), then serve the pipe until it closes."""
+    import signal
+
+    from metrale.runtime.serving.scheduler import Job, Scheduler
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it stops the engine
+
+    try:
+        gen = load()
+        cache = gen.cache_prefixes(prefix_cache_tokens) if prefix_cache_tokens else None
+    except BaseException as e:  # noqa: BLE001 - the server reports it as the CLI would
+        conn.send(("failed", type(e).__name__, str(e)))
+        return
+    engine = gen.engine
+    send_lock, cancels = threading.Lock(), {}
+    outbox = _Outbox(conn, send_lock, cancels)
+    batched = getattr(gen, "batched", False)
+    scheduler = Scheduler(max_num_seqs, gen.run_forwards if batched else None, disable_at,
+                          gen.thread_mode, outbox.flush)
+    conn.send(("ready", {"model_id": gen.model_id, "max_context": gen.max_context,
+                         "engine_dir": str(engine.path), "backend": getattr(engine, "backend", ""),
+                         "backend_note": getattr(engine, "backend_note", ""),
+                         "requantized": dict(getattr(engine, "requantized", {})),
+                         "prefix_cache": cache is not None}))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "submit":
+            _, rid, req = msg
+            cancels[rid] = cancel = threading.Event()
+            scheduler.submit(Job(gen, req, outbox.emitter(rid, req.stream), cancel, rid))
+        elif msg[0] == "cancel":
+            cancel = cancels.pop(msg[1], None)
+            if cancel is not None:
+                cancel.set()
+        elif msg[0] == "metrics":
+            with send_lock:
+                conn.send(("metrics", msg[1], gen.metrics_text(), scheduler.metrics_lines()))
+        elif msg[0] == "stop":
+            return
+
+
+class _RemoteCancel(threading.Event):
+    """A request's cancel event on the server's side: setting it cancels it in the engine."""
+
+    def __init__(self, engine: "EngineProcess", rid: str):
+        super().__init__()
+        self.engine, self.rid = engine, rid
+
+    def set(self) -> None:
+        if not self.is_set():
+            super().set()
+            self.engine.send(("cancel", self.rid))
+
+
+class EngineProcess:
+    """The server's side of the engine process (see the module docstring). `info`: what the
+    engine said once loaded (model id, context, engine directory, backend)."""
+
+    def __init__(self, load: Callable, max_num_seqs: int, disable_at: int | None,
+                 prefix_cache_tokens: int):
+        from metrale.runtime.errors import MetraleError
+
+        self.dead: str | None = None
+        self.closing = False
+        self.send_lock, self._state = threading.Lock(), threading.Lock()
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_main, name="metrale-engine", daemon=True,
+                                args=(child, load, max_num_seqs, disable_at, prefix_cache_tokens))
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(READY_TIMEOUT_S):
+            self.close()
+            raise MetraleError(f"the engine process did not load within {READY_TIMEOUT_S:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise MetraleError(f"the engine process exited while loading (exit code "
+                               f"{self.proc.exitcode})") from None
+        if msg[0] == "failed":
+            self.close()
+            raise MetraleError(msg[2]) if msg[1] in ("MetraleError", "ConfigError", "EngineDirError",
+                                                     "CheckpointError") else RuntimeError(f"{msg[1]}: {msg[2]}")
+        self.info: dict = msg[1]
+        self.flush: Callable[[], None] = lambda: None  # the app's wake-ups, after each message
+        self.channels: dict[str, Callable[[str, Any], None]] = {}
+        self._metrics: dict[int, tuple] = {}
+        self._metrics_ready = threading.Condition()
+        self._asked = 0
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, name="metrale-engine-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, msg: tuple) -> None:
+        if self.dead is not None:
+            return
+        try:
+            with self.send_lock:
+                self.conn.send(msg)
+        except (OSError, ValueError):  # the engine is gone: the reader reports it
+            pass
+
+    # the app's scheduler face
+    def start(self, gen, req, emit: Callable[[str, Any], None], cancel, rid: str) -> None:
+        with self._state:  # registered before the reader drains, or failed here
+            dead = self.dead
+            if dead is None:
+                self.channels[rid] = emit
+        if dead is not None:
+            emit("error", RuntimeError(dead))
+            self.flush()
+            return
+        self.send(("submit", rid, req))
+
+    def new_cancel(self, rid: str) -> threading.Event:
+        return _RemoteCancel(self, rid)
+
+    def metrics_lines(self) -> list[str]:
+        return list(self._lines)
+
+    def metrics_text(self) -> str:
+        """The engine's spec-decode text (its scheduler's lines kept for `metrics_lines`)."""
+        with self._metrics_ready:
+            self._asked += 1
+            n = self._asked
+        self.send(("metrics", n))
+        with self._metrics_ready:
+            if not self._metrics_ready.wait_for(lambda: n in self._metrics or self.dead is not None,
+                                                METRICS_TIMEOUT_S):
+                raise RuntimeError("the engine process did not answer for its metrics")
+            if self.dead is not None and n not in self._metrics:
+                raise RuntimeError(self.dead)
+            text, self._lines = self._metrics.pop(n)
+        return text
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "events":
+                for rid, kind, payload in msg[1]:
+                    emit = self.channels.get(rid) if kind == "text" else self.channels.pop(rid, None)
+                    if emit is not None:
+                        emit(kind, RuntimeError(payload) if kind == "error" else payload)
+                self.flush()
+            elif msg[0] == "metrics":
+                with self._metrics_ready:
+                    self._metrics[msg[1]] = (msg[2], msg[3])
+                    self._metrics_ready.notify_all()
+        with self._state:  # (its exit code is reaped by `close`, the one thread that joins it)
+            self.dead = "the engine process exited"
+            orphans, self.channels = list(self.channels.values()), {}
+        if not self.closing:
+            log.error("%s", self.dead)
+        for emit in orphans:
+            emit("error", RuntimeError(self.dead))
+        self.flush()
+        with self._metrics_ready:
+            self._metrics_ready.notify_all()
+
+    def close(self) -> None:
+        self.closing = True
+        self.send(("stop",))
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+
+
+class EngineProxy:
+    """What the server's app reads of its generator when the model runs in the engine process:
+    the model id, context and tokenizer (loaded here from the engine directory) and the
+    engine's metrics."""
+
+    batched = False  # the app submits to the engine process, which batches
+
+    def __init__(self, engine: EngineProcess):
+        from pathlib import Path
+
+        from metrale.runtime.artifact.tokenizer import Tokenizer
+
+        self.engine = engine
+        self.model_id, self.max_context = engine.info["model_id"], engine.info["max_context"]
+        self.tokenizer = Tokenizer.from_dir(Path(engine.info["engine_dir"]) / "tokenizer")
+
+    def metrics_text(self) -> str:
+        return self.engine.metrics_text()

@@ -1,0 +1,101 @@
+"""The model in its own process (`serving.engine_process`): the HTTP app submits to it over a
+pipe and gets the answers the in-process decode loop gives, streamed or not; its metrics come
+back; a request cancelled mid-stream frees its place; a load that fails says why; a dead engine
+fails its requests instead of hanging them."""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from openai import OpenAI
+
+from conftest import serve_in_thread
+from metrale.runtime.errors import MetraleError
+from metrale.runtime.serving.engine_process import EngineProcess, EngineProxy
+from metrale.runtime.serving.http_guard import ServerLimits
+from metrale.runtime.serving.server import create_app
+from metrale.runtime.serving.service import EngineGenerator, load_generator
+from metrale.runtime.spec.config import SpeculativeConfig
+from metrale.runtime.spec.sampling import SamplingParams
+
+MTP = dict(speculative=True, num_drafts=3)
+
+
+@pytest.fixture(scope="module")
+def engine(aoti_engine_dir):
+    spec = SpeculativeConfig.from_flags(**MTP)
+    proc = EngineProcess(functools.partial(load_generator, aoti_engine_dir, spec, backend="aoti"),
+                         max_num_seqs=16, disable_at=2, prefix_cache_tokens=4096)
+    yield proc
+    proc.close()
+    assert not proc.proc.is_alive()
+
+
+def test_answers_through_the_engine_process_equal_the_decode_loops(engine, aoti_engine_dir, tiny_prompts):
+    from metrale.runtime.backends import load_engine
+
+    assert engine.info["backend"] == "aoti" and engine.info["prefix_cache"]
+    local = EngineGenerator(load_engine(aoti_engine_dir, backend="aoti"), SpeculativeConfig.from_flags(**MTP))
+    tok = local.tokenizer
+    texts = [tok.decode(p[:12]) for p in tiny_prompts]
+    solo = {}
+    for i, text in enumerate(texts):
+        res = local.generate(tok.encode(text), SamplingParams(temperature=0.0, max_tokens=20))
+        solo[i] = tok.decode([t for t in res.token_ids if t not in tok.eos_token_ids])
+    proxy = EngineProxy(engine)
+    assert proxy.model_id == local.model_id and proxy.max_context == local.max_context
+    with serve_in_thread(create_app(proxy, ServerLimits(max_num_seqs=16), engine)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(i: int, stream: bool = False) -> tuple[int, str]:
+            r = client.completions.create(model=proxy.model_id, prompt=texts[i % len(texts)],
+                                          max_tokens=20, temperature=0, stream=stream)
+            return i % len(texts), "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(ask, range(16))) + list(pool.map(lambda i: ask(i, True), range(8)))
+        metrics = requests.get(base + "/metrics", timeout=10).text
+    assert all(text == solo[i] for i, text in answers)
+    assert "metrale_spec_decode" in metrics and "metrale_scheduler_peak_running" in metrics
+    assert "metrale_prefix_cache_hits_total" in metrics and "metrale_scheduler_running 0" in metrics
+
+
+def test_a_cancelled_stream_frees_its_place_in_the_engine(engine):
+    proxy = EngineProxy(engine)
+    with serve_in_thread(create_app(proxy, ServerLimits(max_num_seqs=16), engine)) as base:
+        with requests.post(base + "/v1/completions", stream=True, timeout=60,
+                           json={"prompt": "def main(", "max_tokens": 900, "stream": True}) as r:
+            assert next(r.iter_lines(), b"").startswith(b"data:")  # it runs; then the client goes
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert client.completions.create(model=proxy.model_id, prompt="import os", max_tokens=4,
+                                         temperature=0).choices[0].text is not None
+        import time
+
+        for _ in range(100):  # the engine sees the cancel at its next step
+            if "metrale_scheduler_running 0" in requests.get(base + "/metrics", timeout=10).text:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the cancelled stream still runs in the engine")
+
+
+def test_a_load_that_fails_says_why(tmp_path):
+    with pytest.raises(MetraleError, match=str(tmp_path)):
+        EngineProcess(functools.partial(load_generator, tmp_path, SpeculativeConfig.from_flags()),
+                      max_num_seqs=4, disable_at=2, prefix_cache_tokens=0)
+
+
+def test_requests_fail_once_the_engine_is_gone(aoti_engine_dir):
+    proc = EngineProcess(functools.partial(load_generator, aoti_engine_dir, SpeculativeConfig.from_flags(),
+                                           backend="aoti"), max_num_seqs=4, disable_at=2, prefix_cache_tokens=0)
+    proxy = EngineProxy(proc)
+    proc.proc.kill()
+    proc.proc.join(10)
+    with serve_in_thread(create_app(proxy, ServerLimits(), proc)) as base:
+        r = requests.post(base + "/v1/completions", timeout=30, json={"prompt": "import os", "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert requests.get(base + "/health", timeout=5).ok
+    proc.close()
