@@ -112,6 +112,17 @@ def tiny_prompts(tiny_recipe, tiny_engine) -> list[list[int]]:
     return [tiny_engine.tokenizer.encode(t) for t in texts[:4]]
 
 
+def solo_answers(gen, texts: list[str], max_tokens: int) -> list[str]:
+    """Each text's greedy completion from `gen`'s decode loop alone (no server), EOS dropped."""
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    tok, out = gen.tokenizer, []
+    for text in texts:
+        res = gen.generate(tok.encode(text), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        out.append(tok.decode([t for t in res.token_ids if t not in tok.eos_token_ids]))
+    return out
+
+
 @contextlib.contextmanager
 def serve_in_thread(app, limits=None):
     """Run an ASGI app with uvicorn on a free 127.0.0.1 port in a thread; yields its base URL.

@@ -12,14 +12,13 @@ import pytest
 import requests
 from openai import OpenAI
 
-from conftest import serve_in_thread
+from conftest import serve_in_thread, solo_answers
 from metrale.runtime.errors import MetraleError
 from metrale.runtime.serving.engine_process import EngineProcess, EngineProxy
 from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator, load_generator
 from metrale.runtime.spec.config import SpeculativeConfig
-from metrale.runtime.spec.sampling import SamplingParams
 
 MTP = dict(speculative=True, num_drafts=3)
 
@@ -41,10 +40,7 @@ def test_answers_through_the_engine_process_equal_the_decode_loops(engine, aoti_
     local = EngineGenerator(load_engine(aoti_engine_dir, backend="aoti"), SpeculativeConfig.from_flags(**MTP))
     tok = local.tokenizer
     texts = [tok.decode(p[:12]) for p in tiny_prompts]
-    solo = {}
-    for i, text in enumerate(texts):
-        res = local.generate(tok.encode(text), SamplingParams(temperature=0.0, max_tokens=20))
-        solo[i] = tok.decode([t for t in res.token_ids if t not in tok.eos_token_ids])
+    solo = dict(enumerate(solo_answers(local, texts, 20)))
     proxy = EngineProxy(engine)
     assert proxy.model_id == local.model_id and proxy.max_context == local.max_context
     with serve_in_thread(create_app(proxy, ServerLimits(max_num_seqs=16), engine)) as base:

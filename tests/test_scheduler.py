@@ -18,7 +18,7 @@ from metrale.runtime.serving.service import EngineGenerator
 from metrale.runtime.spec.config import SpeculativeConfig
 from metrale.runtime.spec.sampling import SamplingParams
 
-from conftest import serve_in_thread
+from conftest import serve_in_thread, solo_answers
 
 MODES = {"plain": {}, "mtp": dict(speculative=True, num_drafts=3),
          "dflash": dict(dflash=True, dflash_draft_ladder="1,3,7")}
@@ -119,10 +119,7 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
     assert gen.batched
     tok = aoti_engine.tokenizer
     texts = [tok.decode(p[:12]) for p in tiny_prompts]
-    solo = {}
-    for i, text in enumerate(texts):
-        res = gen.generate(tok.encode(text), SamplingParams(temperature=0.0, max_tokens=24))
-        solo[i] = tok.decode([t for t in res.token_ids if t not in tok.eos_token_ids])
+    solo = dict(enumerate(solo_answers(gen, texts, 24)))
     limits = ServerLimits(max_num_seqs=32, speculative_disable_by_batch_size=disable_at)
     with serve_in_thread(create_app(gen, limits)) as base:
         client = _client(base)
