@@ -44,15 +44,17 @@ class MTPProposer:
         w = self.embed.weight
         self.cache = self.head.new_cache(1, self.max_len, w.dtype, w.device)
         self.base = 0
-        tokens = torch.cat([prompt[0, 1:], torch.tensor([pending], device=prompt.device)])
-        # (tokens [r], hidden [1, r, H]) the head has not seen: the prompt's, until the first chain
-        self.unfed: list[tuple[torch.Tensor, torch.Tensor]] = [(tokens, out.last_hidden)]
+        tokens = [*prompt[0, 1:].tolist(), pending]
+        # (token ids [r], hidden [1, r, H]) the head has not seen: the prompt's, until the first
+        # chain; ids as lists, made one tensor when they enter the head
+        self.unfed: list[tuple[list[int], torch.Tensor]] = [(tokens, out.last_hidden)]
 
     def _feed(self):
         """The rows kept since the last chain (the prompt's before the first) enter the head in
         one call: a request that never drafts (a busy batch) never runs the head."""
         if self.unfed:
-            tokens = torch.cat([t for t, _ in self.unfed])
+            tokens = torch.tensor([t for ids, _ in self.unfed for t in ids], dtype=torch.long,
+                                  device=self.embed.weight.device)
             hidden = torch.cat([h for _, h in self.unfed], dim=1)
             self.unfed = []
             yield from self._entries(tokens, hidden)
@@ -89,9 +91,9 @@ class MTPProposer:
 
     def follow(self, out, emitted_ids: list[int]) -> None:
         """A plain step of a busy batch: its row waits in `unfed` like an accepted one."""
-        self.unfed.append((torch.tensor(emitted_ids, device=self.embed.weight.device), out.last_hidden))
+        self.unfed.append((emitted_ids, out.last_hidden))
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
         """The head's entries for the kept rows are computed at the next chain (`_feed`), so a
         run of plain steps (a busy batch) costs the head nothing until drafting resumes."""
-        self.unfed.append((emitted.to(self.embed.weight.device), out.last_hidden[:, :rows]))
+        self.unfed.append((emitted.tolist(), out.last_hidden[:, :rows]))
