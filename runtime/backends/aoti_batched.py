@@ -30,7 +30,6 @@ decode loop and the proposers run on, as `aoti.CompiledTarget`'s.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 
