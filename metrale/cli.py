@@ -253,15 +253,20 @@ def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"
                           backend=backend, states=states)
 
 
-def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: str = "auto"):
-    """Check --backend against --device/--dtype/--nproc, relaunch under torchrun when asked,
-    load, and on a follower rank serve the leader's proposes until it shuts down: returns the
-    generator on the leader rank, None elsewhere."""
+def _resolved_backend(device, dtype, backend: str, nproc=None):
+    """--device and --dtype checked, --backend resolved against them -> (Backend, device)."""
     from metrale.runtime.backends import resolve_backend
 
     checks.device(device)
     o.torch_dtype(dtype)
-    backend, device = resolve_backend(backend, device, dtype, nproc)
+    return resolve_backend(backend, device, dtype, nproc)
+
+
+def _load_leader(nproc, command: str, engine_dir, device, dtype, spec, backend: str = "auto"):
+    """Check --backend against --device/--dtype/--nproc, relaunch under torchrun when asked,
+    load, and on a follower rank serve the leader's proposes until it shuts down: returns the
+    generator on the leader rank, None elsewhere."""
+    backend, device = _resolved_backend(device, dtype, backend, nproc)
     _relaunch(nproc, command)
     gen = _load(engine_dir, device, dtype, spec, backend.value)
     if gen.world.leader:
@@ -426,13 +431,10 @@ def _serve_from_engine_process(engine_dir, device, dtype, spec, backend, host, p
     """`serve` with the models in the engine process (`serving.engine_process`)."""
     import functools
 
-    from metrale.runtime.backends import resolve_backend
     from metrale.runtime.serving.engine_process import EngineProcess, EngineProxy
     from metrale.runtime.serving.server import serve as run_server
 
-    checks.device(device)
-    o.torch_dtype(dtype)
-    kind, device = resolve_backend(backend, device, dtype)
+    kind, device = _resolved_backend(device, dtype, backend)
     engine = EngineProcess(functools.partial(_load, engine_dir, device, dtype, spec, kind.value),
                            limits.max_num_seqs, limits.speculative_disable_by_batch_size,
                            prefix_cache_tokens)

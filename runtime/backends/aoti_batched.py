@@ -98,6 +98,11 @@ class PooledCache:
         grows)."""
         return [t[self.index] for t in self.pool.kv]
 
+    def prefix(self, n: int) -> list[torch.Tensor]:
+        """Per layer its K [nkv, hd, n] and V [n, nkv, hd] of positions 0..n-1 (views)."""
+        return [t[self.index][..., :n] if j % 2 == 0 else t[self.index][:n]
+                for j, t in enumerate(self.pool.kv)]
+
     @property
     def device(self) -> torch.device:
         return self.pool.kv[0].device
@@ -128,8 +133,10 @@ def _by_pool(forwards, starts: list[int]) -> dict[int, list[int]]:
 
 
 def _parts(lanes: Lanes, groups: dict[int, list[int]], forwards) -> list[list[int]]:
-    """Every pool's forwards cut into the parts the lanes run at once (`Lanes.split`)."""
-    return [p for members in groups.values() for p in lanes.split(members, [forwards[i].rows for i in members])]
+    """Every pool's forwards (`forwards[i]` for the indices in `groups`) cut into the parts the
+    lanes run at once (`Lanes.split`)."""
+    return [p for members in groups.values() if members
+            for p in lanes.split(members, [forwards[i].rows for i in members])]
 
 
 class BatchedTarget(TargetFace):
@@ -183,14 +190,11 @@ class BatchedTarget(TargetFace):
         prompt reuses the kept positions it starts with (`prefix_cache`: the same bits)."""
         from metrale.runtime.backends import Forward
 
+        groups = _by_pool(forwards, [f.cache.length for f in forwards])  # each fits its cache
         hits = self._lookups(forwards)
-        todo = [i for i, f in enumerate(forwards) if i not in hits or not hits[i].whole]
-        runs = {i: forwards[i] if i not in hits else
-                Forward(forwards[i].ids[:, hits[i].reused:], forwards[i].cache, forwards[i].taps, True)
-                for i in todo}
-        order = [runs[i] for i in todo]
-        parts = [[todo[j] for j in p] for p in _parts(self.lanes, _by_pool(order, [
-            f.cache.length for f in order]), order)]
+        runs = {i: f if i not in hits else Forward(f.ids[:, hits[i].reused:], f.cache, f.taps, True)
+                for i, f in enumerate(forwards) if i not in hits or not hits[i].whole}
+        parts = _parts(self.lanes, {k: [i for i in m if i in runs] for k, m in groups.items()}, runs)
         # lengths move only once every call succeeded: a failed batch leaves each cache as it
         # was (its slots written again, with the same values, by a retry)
         try:
@@ -221,22 +225,18 @@ class BatchedTarget(TargetFace):
             n = 1 if f.last_logits else t
             results[i] = _RowsOutput(self, outs[0], outs[1], taps, offset, t, lo, n, f.taps, greedy[lo:lo + n])
             if f.last_logits and f.cache.length == 0 and self.prefix_cache is not None:
-                self._keep(f, results[i])
+                out = results[i]
+                self._keep(f, out.rows("hidden"), out.rows("taps"), out.rows("logits"), out.argmax)
             offset, lo = offset + t, lo + n
 
-    def _keep(self, f, out: "_RowsOutput") -> None:
-        """A whole prompt's rows into the prefix cache (its K/V as its cache now holds them)."""
-        n = f.rows
-        kv = [t[f.cache.index][..., :n] if j % 2 == 0 else t[f.cache.index][:n]
-              for j, t in enumerate(f.cache.pool.kv)]
-        self.prefix_cache.keep(tuple(f.token_ids()), kv, out.rows("hidden"), out.rows("taps"),
-                               out.rows("logits"), out.argmax)
+    def _keep(self, f, hidden, taps, logits, argmax) -> None:
+        """A whole prompt's rows into the prefix cache, with its K/V as its cache now holds them."""
+        self.prefix_cache.keep(tuple(f.token_ids()), f.cache.prefix(f.rows), hidden, taps, logits, argmax)
 
     def _lookups(self, forwards) -> dict:
         """The prefix-cache hits of the prompts among `forwards` (their index -> `Hit`)."""
         if self.prefix_cache is None:
             return {}
-        _by_pool(forwards, [f.cache.length for f in forwards])  # every forward fits its cache
         hits = {}
         for i, f in enumerate(forwards):
             if f.last_logits and f.cache.length == 0:
@@ -249,11 +249,8 @@ class BatchedTarget(TargetFace):
     def _reuse(hit, cache: PooledCache) -> None:
         """The hit's positions' K/V into `cache` (its length then the positions reused)."""
         n = hit.reused
-        for j, (mine, kept) in enumerate(zip(cache.pool.kv, hit.entry.kv)):
-            if j % 2 == 0:
-                mine[cache.index, :, :, :n] = kept[:, :, :n]  # keys slot-minor
-            else:
-                mine[cache.index, :n] = kept[:n]
+        for j, (mine, kept) in enumerate(zip(cache.prefix(n), hit.entry.kv)):
+            mine.copy_(kept[..., :n] if j % 2 == 0 else kept[:n])
         cache.length = n
 
     def _reused(self, hit, ran, f) -> TargetOutput:
@@ -266,9 +263,7 @@ class BatchedTarget(TargetFace):
             logits, argmax = ran.rows("logits"), ran.argmax
             hidden = torch.cat([e.last_hidden[:n], ran.rows("hidden")])
             taps = None if e.taps is None else torch.cat([e.taps[:n], ran.rows("taps")])
-            kv = [t[f.cache.index][..., :f.rows] if j % 2 == 0 else t[f.cache.index][:f.rows]
-                  for j, t in enumerate(f.cache.pool.kv)]
-            self.prefix_cache.keep(tuple(f.token_ids()), kv, hidden, taps, logits, argmax)
+            self._keep(f, hidden, taps, logits, argmax)
         return TargetOutput(logits=logits[None], last_hidden=hidden[None],
                             taps=self.select_taps(taps[None], f.taps) if f.taps else None, argmax=argmax)
 

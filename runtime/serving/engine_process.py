@@ -76,14 +76,14 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
         gen = load()
         cache = gen.cache_prefixes(prefix_cache_tokens) if prefix_cache_tokens else None
     except BaseException as e:  # noqa: BLE001 - the server reports it as the CLI would
-        conn.send(("failed", type(e).__name__, str(e)))
+        from metrale.runtime.errors import MetraleError
+
+        conn.send(("failed", isinstance(e, MetraleError), f"{type(e).__name__}: {e}", str(e)))
         return
     engine = gen.engine
     send_lock, cancels = threading.Lock(), {}
     outbox = _Outbox(conn, send_lock, cancels)
-    batched = getattr(gen, "batched", False)
-    scheduler = Scheduler(max_num_seqs, gen.run_forwards if batched else None, disable_at,
-                          gen.thread_mode, outbox.flush)
+    scheduler = Scheduler.for_generator(gen, max_num_seqs, disable_at, outbox.flush)
     conn.send(("ready", {"model_id": gen.model_id, "max_context": gen.max_context,
                          "engine_dir": str(engine.path), "backend": getattr(engine, "backend", ""),
                          "backend_note": getattr(engine, "backend_note", ""),
@@ -150,8 +150,8 @@ class EngineProcess:
                                f"{self.proc.exitcode})") from None
         if msg[0] == "failed":
             self.close()
-            raise MetraleError(msg[2]) if msg[1] in ("MetraleError", "ConfigError", "EngineDirError",
-                                                     "CheckpointError") else RuntimeError(f"{msg[1]}: {msg[2]}")
+            _, user_error, described, words = msg  # a user's error is told as the CLI tells it
+            raise MetraleError(words) if user_error else RuntimeError(described)
         self.info: dict = msg[1]
         self.flush: Callable[[], None] = lambda: None  # the app's wake-ups, after each message
         self.channels: dict[str, Callable[[str, Any], None]] = {}

@@ -186,6 +186,16 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def for_generator(cls, gen, max_num_seqs: int, disable_at: int | None,
+                      flush: Callable[[], None] = lambda: None) -> "Scheduler":
+        """The scheduler of `gen`: batched where it can batch (`gen.batched`), one request at a
+        time in a tensor-parallel world (its ranks decode in lockstep)."""
+        world = getattr(gen, "world", None)
+        return cls(1 if getattr(world, "size", 1) > 1 else max_num_seqs,
+                   gen.run_forwards if getattr(gen, "batched", False) else None, disable_at,
+                   getattr(gen, "thread_mode", contextlib.nullcontext), flush)
+
     def start(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str) -> None:
         """Admit request `req` of `gen`: its events go to `emit`; `cancel` set ends it."""
         self.submit(Job(gen, req, emit, cancel, rid))

@@ -184,17 +184,12 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None,
     app = FastAPI(title="metrale", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, limits=limits,
                        max_bytes=limits.request_bytes(generator.max_context))
-    # a tensor-parallel world decodes its requests in lockstep, one at a time
-    world = getattr(generator, "world", None)
-    batched = getattr(generator, "batched", False)
     wakes = _Wakes()
     if engine is not None:
         scheduler, engine.flush = engine, wakes.flush
     else:
-        scheduler = Scheduler(1 if getattr(world, "size", 1) > 1 else limits.max_num_seqs,
-                              generator.run_forwards if batched else None,
-                              limits.speculative_disable_by_batch_size,
-                              getattr(generator, "thread_mode", contextlib.nullcontext), wakes.flush)
+        scheduler = Scheduler.for_generator(generator, limits.max_num_seqs,
+                                            limits.speculative_disable_by_batch_size, wakes.flush)
     # Mutated on the event loop thread only. requests: (endpoint, outcome); tokens: kind;
     # admitted: generation requests between parsing and their last byte (running or queued).
     requests: Counter[tuple[str, str]] = Counter()
