@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from metrale.runtime.backends import DraftForward, Forward, HeadForward
+from metrale.runtime.backends import DraftForward, Forward, HeadForward, run_forwards
 from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
@@ -154,10 +154,8 @@ class Decoder:
                     need = steps.send(reply)
                 except StopIteration:
                     return
-                if isinstance(need, Forward):
-                    reply = self.target(need.ids, need.cache, taps=need.taps)
-                elif isinstance(need, (HeadForward, DraftForward)):
-                    reply = need.run()
+                if isinstance(need, (Forward, HeadForward, DraftForward)):  # each alone, at once
+                    reply = run_forwards(self.target, [need])[0]
                 else:
                     reply = None
                     yield from need
