@@ -9,7 +9,7 @@ Contract:
   (413), a body that grows past it while streaming in is cut off (413), one that does not
   arrive within `body_timeout_s` gets 408. The app then sees the body replayed, and after it
   the connection's own messages (so a disconnect still reaches the app).
-- `protocol_class(limits)` is uvicorn's h11 protocol with a header deadline: a connection that
+- `protocol_class(limits)` is uvicorn's httptools protocol with a header deadline: a connection that
   has not sent a complete request head `header_timeout_s` after it opened (or after its last
   response) is closed, however slowly it trickles bytes in.
 - `release_memory()` hands freed heap pages back to the OS (glibc `malloc_trim`), so the
@@ -175,12 +175,15 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def protocol_class(limits: ServerLimits) -> type:
-    """uvicorn's h11 protocol, closing connections that do not send a request head in time."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    """uvicorn's httptools protocol (its C parser: about a fifth of a short request's server
+    time less than h11's), closing connections that do not send a request head in time. A
+    connection is overdue when every request head it sent has had its response: none is
+    outstanding, not even a pipelined one."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HeaderDeadlineProtocol(H11Protocol):
+    class HeaderDeadlineProtocol(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
+        _heads = _answered = 0  # request heads parsed, responses completed
 
         def _arm(self) -> None:
             if self._deadline is not None:
@@ -188,7 +191,7 @@ def protocol_class(limits: ServerLimits) -> type:
             self._deadline = self.loop.call_later(limits.header_timeout_s, self._head_overdue)
 
         def _head_overdue(self) -> None:
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._heads == self._answered and not self.transport.is_closing():
                 self.transport.close()  # no complete request head in time
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -200,7 +203,12 @@ def protocol_class(limits: ServerLimits) -> type:
                 self._deadline.cancel()
             super().connection_lost(exc)
 
+        def on_headers_complete(self) -> None:
+            self._heads += 1
+            super().on_headers_complete()
+
         def on_response_complete(self) -> None:
+            self._answered += 1
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm()
