@@ -143,3 +143,17 @@ def test_a_busy_batch_makes_steps_plain_and_the_drafter_waits(tiny_engine, tiny_
         assert not any(drafted[:10]) and any(drafted[12:])
     if flags.get("speculative"):
         assert head_calls  # it ran once drafting resumed
+
+
+def test_argmax_rows_is_torch_argmax():
+    """The greedy token of each row, numpy's way on float32 CPU rows and torch's otherwise:
+    the same ids, ties going to the first maximum, strided views included."""
+    from metrale.runtime.backends import argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 2048, generator=gen)
+    logits[3, 7] = logits[3, 900] = logits[3].max() + 1  # a tie: the lower id wins
+    logits[5, :] = 0.5  # a constant row: id 0
+    for x in (logits, logits[::3], logits[:, :1000], logits.to(torch.bfloat16)):
+        assert argmax_rows(x) == x.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[3] == 7 and argmax_rows(logits)[5] == 0

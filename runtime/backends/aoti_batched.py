@@ -36,6 +36,7 @@ import torch
 from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
 from metrale.runtime.backends.aoti import (CompiledDFlash, CompiledMTP, CompiledTarget, Package, TargetFace,
                                            _Rows, slots_for)
+from metrale.runtime.backends import argmax_rows
 from metrale.runtime.backends.aoti_native import Lanes
 from metrale.runtime.backends.prefix_cache import PrefixCache
 from metrale.runtime.models.qwen3 import TargetOutput
@@ -216,7 +217,7 @@ class BatchedTarget(TargetFace):
 
     def _give(self, members: list[int], runs: dict, outs: list[torch.Tensor], results: list) -> None:
         """Each run forward's output, its rows' views of one part's outputs (a prompt's kept)."""
-        greedy = outs[0].argmax(dim=-1).tolist()  # every logit row's, in one call
+        greedy = argmax_rows(outs[0])  # every logit row's, in one call
         taps = outs[2] if len(outs) > 2 else None
         offset = lo = 0  # into the rows, into the logit rows
         for i in members:

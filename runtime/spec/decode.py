@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from metrale.runtime.backends import DraftForward, Forward, HeadForward, run_forwards
+from metrale.runtime.backends import DraftForward, Forward, HeadForward, argmax_rows, run_forwards
 from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
@@ -42,7 +42,7 @@ NO_DRAFTS = torch.empty(0, dtype=torch.long)  # a plain step's drafts (never wri
 
 def greedy_ids(out: TargetOutput) -> list[int]:
     """Each row's argmax token (taken once for a whole batch where the backend did)."""
-    return out.argmax if out.argmax is not None else out.logits[0].argmax(dim=-1).tolist()
+    return out.argmax if out.argmax is not None else argmax_rows(out.logits[0])
 
 
 @dataclass
