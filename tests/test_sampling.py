@@ -106,3 +106,12 @@ def test_sample_from_probs_never_draws_a_zero():
     probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
     ids = sample_from_probs(probs.repeat(50, 1), torch.Generator().manual_seed(0))  # [100]
     assert ids[0::2].eq(1).all() and ids[1::2].ne(1).all()
+
+
+def test_sample_from_probs_follows_each_row_of_a_batch():
+    """Rows of one call are drawn independently, each from its own (unnormalized) row."""
+    rows = torch.tensor([[2.0, 1.0, 1.0, 0.0], [0.0, 0.0, 3.0, 1.0]])  # sums 4, 4
+    ids = sample_from_probs(rows.repeat(4000, 1), torch.Generator().manual_seed(3)).view(4000, 2)
+    for col, want in ((0, [0.5, 0.25, 0.25, 0.0]), (1, [0.0, 0.0, 0.75, 0.25])):
+        freq = torch.bincount(ids[:, col], minlength=4).float() / 4000
+        assert torch.allclose(freq, torch.tensor(want), atol=0.03), freq.tolist()  # > 4 s.e.

@@ -155,3 +155,16 @@ def test_accepted_prefix_stops_at_the_rows_given():
     assert accepted_prefix([5, 6, 7], [5, 9, 7, 8]) == 1
     assert accepted_prefix([5, 6, 7], [5, 6]) == 1  # exact verify stopped at row 1, which rejected
     assert accepted_prefix([], [4]) == 0
+
+
+def test_a_plain_step_draws_its_token_from_row_0():
+    """k = 0 (a plain step, e.g. under back-off): nothing accepted, one token distributed as
+    row 0, the same stream again for the same seed."""
+    g = torch.Generator().manual_seed(11)
+    draws = [verify_sampling(torch.empty(0, dtype=torch.long), P0[None], g) for _ in range(N)]
+    assert all(m == 0 and out.shape == (1,) for m, out in draws)
+    counts = torch.bincount(torch.tensor([int(out[0]) for _, out in draws]), minlength=V).float()
+    assert chi_square(counts, P0) < CRITICAL_DF4_P001, counts.tolist()
+    again = torch.Generator().manual_seed(11)
+    assert [int(verify_sampling(torch.empty(0, dtype=torch.long), P0[None], again)[1][0])
+            for _ in range(50)] == [int(out[0]) for _, out in draws[:50]]

@@ -73,6 +73,8 @@ def verify_sampling(
     if every draft is accepted the bonus token is drawn from row k.
     """
     k = _check(draft_tokens, target_probs)
+    if k == 0:  # a plain step: no draft to judge, its one token drawn from row 0
+        return 0, sample_from_probs(target_probs[0], generator).reshape(1)
     device = target_probs.device
     drafts = draft_tokens.to(device)
     # One uniform per draft, drawn up front so the random stream does not depend on where the
