@@ -2,12 +2,13 @@
 
     python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
                            [--max-tokens 32] [--modes plain,mtp,dflash] [--max-num-seqs 64]
-                           [--server-threads N] [--serve-flags '...'] [--json FILE]
+                           [--server-threads N] [--serve-flags '...'] [--temperature T] [--json FILE]
 
 Per mode it starts one `metrale serve` process (`--max-num-seqs`; `--server-threads` torch
 threads, by default the server's own: one per core), then for each concurrency C runs C client
-threads that each send `--requests` greedy completions of
-`--max-tokens` tokens (prompts from the tiny recipe's held-out set) and reports aggregate
+threads that each send `--requests` completions of
+`--max-tokens` tokens (greedy; with `--temperature` above 0 sampled, each prompt with its own
+seed, so its answer is still the same under any load) (prompts from the tiny recipe's held-out set) and reports aggregate
 completion tokens/s, median and p99 latency and lost requests; then the latency of a 4-token
 request sent just after another client's 1,000-token stream started (from its own process),
 against the same request alone. Every
@@ -58,7 +59,8 @@ def start_server(engine_dir: str, flags: list[str], max_num_seqs: int,
             time.sleep(0.2)
 
 
-def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, max_tokens: int):
+def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, max_tokens: int,
+             temperature: float = 0.0):
     from openai import OpenAI
 
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -66,8 +68,9 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
 
     def one(i: int):
         t0 = time.perf_counter()
+        seed = {"seed": i % len(prompts)} if temperature > 0 else {}
         r = client.completions.create(model=model, prompt=prompts[i % len(prompts)],
-                                      max_tokens=max_tokens, temperature=0)
+                                      max_tokens=max_tokens, temperature=temperature, **seed)
         return i % len(prompts), r.choices[0].text, r.usage.completion_tokens, time.perf_counter() - t0
 
     for p in prompts:  # warm: the first calls of a fresh server allocate and load
@@ -140,18 +143,24 @@ def main() -> int:
                     "'--speculative-disable-by-batch-size 65' (draft at any batch size)")
     ap.add_argument("--server-threads", type=int, default=0,
                     help="torch threads of the server (0: its default, one per core)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above 0: sampled, a seed per prompt")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]
     levels = [int(c) for c in args.concurrency.split(",")]
-    out = {"max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens, "modes": {}}
+    if args.temperature < 0:
+        ap.error(f"--temperature {args.temperature}: expected 0 (greedy) or more")
+    out = {"max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
+           "temperature": args.temperature, "modes": {}}
     for mode in args.modes.split(","):
         proc, base = start_server(args.engine_dir, MODES[mode] + shlex.split(args.serve_flags),
                                   args.max_num_seqs, args.server_threads)
         try:
             rows, solo = [], None
             for c in levels:
-                row, answers = run_load(base, prompts, c, args.requests, args.max_tokens)
+                row, answers = run_load(base, prompts, c, args.requests, args.max_tokens,
+                                        args.temperature)
                 if solo is None:
                     solo = dict(answers)
                 row["equal_to_solo"] = all(solo.get(i) == t for i, t in answers)
