@@ -294,10 +294,11 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None,
 
     async def generate(request: Request, raw: bytes, chat: bool, rid: str,
                        release: Callable[[], None]) -> Response:
-        if len(raw) <= INLINE_PARSE_BYTES:
-            req = parse_request(generator, decode_body(raw), chat)
-        else:  # a long prompt's tokenizing must not hold up the other requests' responses
-            req = await asyncio.to_thread(lambda: parse_request(generator, decode_body(raw), chat))
+        def parse() -> GenerationRequest:
+            return parse_request(generator, decode_body(raw), chat)
+
+        # a long prompt's tokenizing must not hold up the other requests' responses
+        req = parse() if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(parse)
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
         n_prompt = len(req.prompt_ids)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.runtime.backends import argmax_rows
 from metrale.runtime.spec.sampling import sample_from_probs
 
 
@@ -47,7 +48,7 @@ def verify_greedy(
     emitted = d_1..d_m followed by the target's argmax of row m (recovered or bonus token).
     """
     _check(draft_tokens, target_logits)
-    target_ids = target_logits.argmax(dim=-1).tolist()  # the target's greedy token per row
+    target_ids = argmax_rows(target_logits)  # the target's greedy token per row
     accepted = accepted_prefix(draft_tokens.tolist(), target_ids)
     emitted = torch.tensor(target_ids[: accepted + 1], device=target_logits.device)  # [m+1]
     return accepted, emitted
