@@ -2,12 +2,14 @@
 tier) under engines/ci/<tier> and check each one: the manifest loads and every checksum holds,
 every component has an engine per SM, and the plugin layers are the expected ones — NVFP4
 drafter GEMMs become metrale plugin layers on SM89 (no native FP4 below SM100) and native FP4
-dequantize on SM120; FP8 is native on both; the directory holds exactly the cubins its plugin
-layers launch (per kernel, SM and activation dtype: the NVFP4 GEMM for SM89 in the engines'
-dtype, bf16 by default)."""
+dequantize on SM120; FP8 is native on both; DFlash2's dynamic convs (two per layer) are plugin
+layers on both; the directory holds exactly the cubins its plugin layers launch (per kernel, SM
+and activation dtype, in the engines' dtype, bf16 by default: the NVFP4 GEMM for SM89 and the
+dynamic conv for both)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -21,12 +23,20 @@ TIERS = DRAFT_TIERS
 SMS = (89, 120)
 
 
-def expected_plugins(tier: str, component: str, sm: int, quantized: int) -> dict[str, int]:
-    """A drafter's quantized linears stay plugin layers where its tier's format is not native."""
+def expected_plugins(tier: str, component: str, sm: int, quantized: int, convs: int) -> dict[str, int]:
+    """A drafter's quantized linears stay plugin layers where its tier's format is not native;
+    DFlash2's dynamic convs are plugin layers on every SM."""
     fmt = FORMATS.get(DRAFT_TIER_FORMATS[tier] or "")
+    want = {"DFlash2DynamicConv": convs} if convs else {}
     if component in ("dflash", "dflash2") and fmt is not None and not fmt.native(sm):
-        return {fmt.onnx_op: quantized}
-    return {}
+        want[fmt.onnx_op] = quantized
+    return want
+
+
+def dynamic_convs(engine_dir: Path, config: str) -> int:
+    """Two per layer of a DFlash2 drafter (its architecture names it), none otherwise."""
+    cfg = json.loads((engine_dir / config).read_text())
+    return 2 * cfg["num_hidden_layers"] if "DFlash2DraftModel" in cfg.get("architectures", []) else 0
 
 
 def check(engine_dir: Path, tier: str) -> list[str]:
@@ -35,12 +45,13 @@ def check(engine_dir: Path, tier: str) -> list[str]:
     assert m.build["trt_flavor"] == "rtx", m.build
     for name, info in m.components.items():
         quantized = len(info.quant_algo.quantized_modules) if info.quant_algo is not None else 0
+        convs = dynamic_convs(engine_dir, info.config)
         for sm in SMS:
             eng = info.engines.get(str(sm))
             if eng is None:
                 problems.append(f"{engine_dir}: {name} has no SM{sm} engine")
                 continue
-            want = expected_plugins(tier, name, sm, quantized)
+            want = expected_plugins(tier, name, sm, quantized, convs)
             if eng.plugins != want:
                 problems.append(f"{engine_dir}: {name} SM{sm} plugin layers {eng.plugins}, expected {want}")
     # exactly the cubins the plugin layers launch: per kernel, SM and activation dtype
@@ -49,6 +60,7 @@ def check(engine_dir: Path, tier: str) -> list[str]:
     fmt = FORMATS.get(DRAFT_TIER_FORMATS[tier] or "")
     want = sorted({f"plugins/{GEMM_OPS[fmt.onnx_op].kernel}.sm{sm}.{act}.cubin"
                    for sm in SMS if not fmt.native(sm)} if fmt is not None else set())
+    want = sorted({*want, *(f"plugins/dflash2_dynamic_conv.sm{sm}.{act}.cubin" for sm in SMS)})
     if cubins != want:
         problems.append(f"{engine_dir}: cubins {cubins}, expected {want}")
     return problems

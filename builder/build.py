@@ -146,34 +146,36 @@ def build_engines(w: EngineDirWriter, opts, progress) -> dict:
     (loaded back from the staging directory exactly as serve loads them; a tensor-parallel
     drafter rank by rank, one graph and engine per rank)."""
     from metrale.builder.trt_build import export_and_build, load_staged
-    from metrale.plugins.trt_plugin import GEMM_OPS
+    from metrale.plugins.trt_plugin import KERNELS_OF_OP
 
     infos = w.components
     models = load_staged(w.path, infos, dtype=getattr(torch, opts.trt_dtype))
     extra = export_and_build(w, models, opts, progress)
     for name, add in extra["components"].items():
         w.component(name, infos[name].merged(**{**add, "files": infos[name].files + add["files"]}))
-    jobs = cubin_jobs(extra["components"], GEMM_OPS)
+    jobs = cubin_jobs(extra["components"], KERNELS_OF_OP)
     if jobs:
         extra["plugins"] = compile_cubins(w, jobs, progress)
     return extra
 
 
-def cubin_jobs(components: dict, gemm_ops: dict) -> list[tuple[str, int, str]]:
-    """(kernel function, sm, act) for every GEMM plugin layer of every engine: the op's kernel
+def cubin_jobs(components: dict, kernels_of_op: dict) -> list[tuple[str, int, str]]:
+    """(kernel function, sm, act) for every kernel plugin layer of every engine: the op's
+    kernels (`kernels_of_op`: op -> kernel base names; the GEMMs', the MoE's two, the conv's)
     for that engine's SM and each activation dtype its layers run in (`plugin_acts`), sorted,
-    once each. Only the GEMM plugins launch Triton kernels (the collectives call NCCL)."""
+    once each. The collectives launch no Triton kernel (they call NCCL)."""
     jobs = set()
     for name, comp in components.items():
         for sm, engine in comp["engines"].items():
             acts = engine.get("plugin_acts") or {}
             for op in engine.get("plugins") or {}:
-                if op not in gemm_ops:
+                if op not in kernels_of_op:
                     continue
                 if not acts.get(op):
                     raise ConfigError(f"component {name}: the SM{sm} engine has {op} plugin "
                                       "layers of no recorded activation dtype")
-                jobs.update((gemm_ops[op].kernel + "_kernel", int(sm), act) for act in acts[op])
+                jobs.update((kernel + "_kernel", int(sm), act) for kernel in kernels_of_op[op]
+                            for act in acts[op])
     return sorted(jobs)
 
 

@@ -33,7 +33,10 @@ the runtime executing it (`lower_for_sm`: one SM's TensorRT engine; `lower_for_o
 onnxruntime backend).
 
 MoE layers trace densely (`layers.MoE` under tracing): every expert on every token, weighted by
-the router's top-k weights scattered into [N, E] (the per-token sum plus exact zeros).
+the router's top-k weights scattered into [N, E] (the per-token sum plus exact zeros); a MoE of
+NVFP4 experts exports as one `NvFp4MoeW4A16(x, expert_ids, weights, <stacked experts>)` node
+(`plugins.nvfp4_moe`) instead. DFlash2's dynamic convs export as `DFlash2DynamicConv(x, kernel)`
+nodes (attribute `block`).
 """
 
 from __future__ import annotations
@@ -46,11 +49,11 @@ import torch
 from torch import nn
 
 from metrale.plugins.formats import FORMATS
-from metrale.plugins.onnx_lowering import DOMAIN, FP8_OP, NVFP4_OP, lower_for_sm
+from metrale.plugins.onnx_lowering import CONV_OP, DOMAIN, FP8_OP, MOE_OP, NVFP4_OP, lower_for_sm
 from metrale.runtime.components import GraphIO, kind_named, resolve
 from metrale.runtime.models import qlinear
-from metrale.runtime.models.dflash import DFlashDrafter
-from metrale.runtime.models.layers import StepKV
+from metrale.runtime.models.dflash import DFlashDrafter, DynamicConv
+from metrale.runtime.models.layers import MoE, StepKV, stack_nvfp4_experts
 from metrale.runtime.models.mtp import MTPHead
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 
@@ -92,6 +95,34 @@ class _Nvfp4Gemm(torch.autograd.Function):
         return _typed_like(g.op(f"{DOMAIN}::{NVFP4_OP}", x, packed, block_scale, global_scale), x, n)
 
 
+def _dynamic_conv_symbolic(g, x, kernel, block):
+    """`metrale::dflash2_dynamic_conv` (what `dflash.DynamicConv` calls) as its node."""
+    from torch.onnx import symbolic_helper
+
+    block = symbolic_helper._get_const(block, "i", "block")
+    out = g.op(f"{DOMAIN}::{CONV_OP}", x, kernel, block_i=block)
+    out.setType(x.type())
+    return out
+
+
+def _moe_symbolic(g, x, expert_ids, weights, *experts):
+    """`metrale::nvfp4_moe_w4a16` (what `layers.MoE` runs NVFP4 experts through) as its node."""
+    out = g.op(f"{DOMAIN}::{MOE_OP}", x, expert_ids, weights, *experts)
+    out.setType(x.type())
+    return out
+
+
+# Custom ops the runtime's forwards call themselves, and the symbolic that exports each as its
+# metrale node (the TorchScript tracer records a torch.library op under its qualified name).
+_OP_SYMBOLICS = {"metrale::dflash2_dynamic_conv": _dynamic_conv_symbolic,
+                 "metrale::nvfp4_moe_w4a16": _moe_symbolic}
+
+
+def _register_op_symbolics() -> None:
+    for name, fn in _OP_SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(name, fn, DOMAIN_VERSION)
+
+
 _GEMMS = {FP8_OP: _Fp8Gemm, NVFP4_OP: _Nvfp4Gemm}  # ONNX node -> what traces as it
 assert {f.onnx_op for f in FORMATS.values()} <= set(_GEMMS)  # every format of the table exports
 
@@ -113,8 +144,41 @@ class _ExportLinear(nn.Module):
         return m._add_bias(gemm.apply(x, *(getattr(m, name) for name in m._FORMAT_BUFFERS)))
 
 
+class _ExportGroupedMoE(nn.Module):
+    """Stands in for a MoE of NVFP4 experts while tracing: its stacked expert tensors are this
+    module's buffers (graph initializers), and the MoE's own forward runs them through the
+    grouped op, which exports as one `NvFp4MoeW4A16` node."""
+
+    def __init__(self, inner: MoE, stacked: tuple[torch.Tensor, ...]):
+        super().__init__()
+        self.inner = inner
+        self.names = [f"experts_{i}" for i in range(len(stacked))]
+        for name, t in zip(self.names, stacked):
+            self.register_buffer(name, t)
+
+    def forward(self, x):
+        return self.inner(x, nvfp4_experts=tuple(getattr(self, n) for n in self.names))
+
+
 @contextlib.contextmanager
 def _metrale_nodes(root: nn.Module):
+    """Swap every quantized linear under `root` for its exporting stand-in, and every MoE of
+    NVFP4 experts for its grouped one; restore on exit."""
+    grouped = [(name, mod, stack_nvfp4_experts(mod.experts)) for name, mod in root.named_modules()
+               if isinstance(mod, MoE)]
+    grouped = [(name, mod, stacked) for name, mod, stacked in grouped if stacked is not None]
+    for name, mod, stacked in grouped:
+        root.set_submodule(name, _ExportGroupedMoE(mod, stacked))
+    try:
+        with _linear_nodes(root):
+            yield
+    finally:
+        for name, mod, _ in grouped:
+            root.set_submodule(name, mod)
+
+
+@contextlib.contextmanager
+def _linear_nodes(root: nn.Module):
     """Swap every quantized linear under `root` for its exporting stand-in; restore on exit."""
     swapped = [(name, mod) for name, mod in root.named_modules() if _quantized(mod)]
     for name, mod in swapped:
@@ -257,7 +321,9 @@ def export_module(step: nn.Module, inputs: tuple[torch.Tensor, ...], gio: GraphI
                   custom_domain: bool = False) -> onnx.ModelProto:
     """Trace `step(*inputs)` with the legacy exporter, quantized linears as metrale nodes
     (`custom_domain`: `step` emits other metrale nodes itself, e.g. `tp_export`'s collectives)."""
-    quantized = custom_domain or any(_quantized(m) for m in step.modules())
+    quantized = custom_domain or any(_quantized(m) or isinstance(m, DynamicConv)
+                                     for m in step.modules())
+    _register_op_symbolics()
     buf = io.BytesIO()
     with _metrale_nodes(step), torch.no_grad(), _quiet_export():
         torch.onnx.export(step.eval(), inputs, buf, dynamo=False, opset_version=EXPORT_OPSET,

@@ -7,7 +7,7 @@ builds `<component>/rank0.sm<NN>.engine`. TensorRT-RTX builds with no GPU for th
 `trt.ComputeCapability`; full TensorRT builds for the local GPU's SM only. Quantized linears the
 SM has no native path for reach the TensorRT plugins of `plugins.trt_plugin` (registered for the
 SM before parsing); the manifest records which plugin ops each engine holds (`plugins`: op ->
-node count) and the activation dtypes its GEMM plugin layers run in (`plugin_acts`: op -> sorted
+node count) and the activation dtypes its kernel plugin layers run in (`plugin_acts`: op -> sorted
 fp32/fp16/bf16), from which the build compiles exactly the cubins the engines launch.
 
 A drafter built with `--draft-tp-size N > 1` gets one graph and one engine per rank and SM
@@ -80,16 +80,17 @@ class BuiltEngine:
     seconds: float
     size: int
     plugin_ops: dict[str, int]  # metrale op type -> node count left for plugins
-    plugin_acts: dict[str, list[str]] = field(default_factory=dict)  # GEMM op -> x dtypes
+    plugin_acts: dict[str, list[str]] = field(default_factory=dict)  # kernel op -> x dtypes
 
 
 def plugin_activations(trt, network, model: onnx.ModelProto, what: str) -> dict[str, list[str]]:
-    """Per metrale GEMM op type in the parsed (strongly typed) `network`: the activation dtypes
-    (`fp32`, `fp16`, `bf16`, sorted) its plugin layers' x inputs have, i.e. which cubins they
-    launch. Every GEMM node of `model` must have become a plugin layer (checked by count)."""
-    from metrale.plugins.trt_plugin import GEMM_OPS, act_of
+    """Per metrale kernel op type (GEMMs, MoE, conv) in the parsed (strongly typed) `network`:
+    the activation dtypes (`fp32`, `fp16`, `bf16`, sorted) its plugin layers' x inputs have, i.e.
+    which cubins they launch. Every such node of `model` must have become a plugin layer
+    (checked by count)."""
+    from metrale.plugins.trt_plugin import KERNELS_OF_OP, act_of
 
-    want = sum(1 for n in model.graph.node if n.domain == lw.DOMAIN and n.op_type in GEMM_OPS)
+    want = sum(1 for n in model.graph.node if n.domain == lw.DOMAIN and n.op_type in KERNELS_OF_OP)
     out: dict[str, set[str]] = {}
     found = 0
     for i in range(network.num_layers):
@@ -98,11 +99,11 @@ def plugin_activations(trt, network, model: onnx.ModelProto, what: str) -> dict[
             continue
         layer.__class__ = trt.IPluginV3Layer  # get_layer returns the base class
         op = layer.plugin.plugin_name
-        if op in GEMM_OPS:
+        if op in KERNELS_OF_OP:
             found += 1
             out.setdefault(op, set()).add(act_of(layer.get_input(0).dtype))
     if found != want:
-        raise EngineBuildError(f"{what}: {want} metrale GEMM nodes became {found} plugin layers")
+        raise EngineBuildError(f"{what}: {want} metrale kernel nodes became {found} plugin layers")
     return {op: sorted(acts) for op, acts in sorted(out.items())}
 
 
@@ -123,7 +124,7 @@ def build_engine_bytes(tm: TrtModule, model: onnx.ModelProto, sm: int,
                        ranges: Mapping[str, tuple[int, int, int]], gio: ox.GraphIO,
                        what: str) -> tuple[bytes, dict[str, list[str]]]:
     """Parse the (SM-lowered) graph and build a serialized engine for `sm`; returns it with the
-    GEMM plugin layers' activation dtypes (`plugin_activations`)."""
+    kernel plugin layers' activation dtypes (`plugin_activations`)."""
     from metrale.plugins.trt_plugin import register_plugins
 
     trt = tm.trt

@@ -37,6 +37,33 @@ def dflash2_dynamic_conv(x: torch.Tensor, kernel: torch.Tensor, block: int) -> t
     return y.reshape(b, t, h).to(x.dtype)
 
 
+def _setup_backward(ctx, inputs, output):
+    x, kernel, block = inputs
+    ctx.save_for_backward(x, kernel)
+    ctx.block = block
+
+
+def _backward(ctx, grad):
+    """d/dx and d/dkernel of the op's math, in float32 (the drafters train through it):
+    dk[.., 0] = Σ_c dy·x, dk[.., 1] = Σ_c dy·x[t−1], dx[t] = k0[t]·dy[t] + k1[t+1]·dy[t+1] with
+    the second term absent at each block's last slot."""
+    x, kernel = ctx.saved_tensors
+    b, t, h = x.shape
+    g, block = kernel.shape[2], ctx.block
+    shape = (b, t // block, block, g, h // g)
+    dy = grad.to(torch.float32).reshape(shape)
+    xg = x.to(torch.float32).view(shape)
+    prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:, :, :-1]
+    k = kernel.to(torch.float32).view(*shape[:4], 2, 1)
+    dk = torch.stack([(dy * xg).sum(-1), (dy * prev).sum(-1)], dim=-1)  # [B, nb, Bs, G, 2]
+    later = F.pad((k[..., 1, :] * dy)[:, :, 1:], (0, 0, 0, 0, 0, 1))  # k1[t+1]·dy[t+1], 0 at the end
+    dx = k[..., 0, :] * dy + later
+    return dx.reshape(b, t, h).to(x.dtype), dk.reshape(b, t, g, 2).to(kernel.dtype), None
+
+
+dflash2_dynamic_conv.register_autograd(_backward, setup_context=_setup_backward)
+
+
 @dflash2_dynamic_conv.register_fake
 def _dflash2_dynamic_conv_fake(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
     _check(x, kernel, block, check_length=False)

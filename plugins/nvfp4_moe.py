@@ -3,8 +3,9 @@
 Math, for x [T, H] (bf16/fp16/fp32), expert_ids int64 [T, k], weights [T, k] in x's dtype (the
 router's top-k weights, already renormalised if the model does so) and per expert e of E:
 
-    GU_e = dequant(gate_up_packed[e], gate_up_scale[e], gate_up_global[e])  float32 [2I, H]
-           (rows 0..I-1 are gate_proj, rows I..2I-1 up_proj)
+    GU_e = dequant(gate_up_packed[e], gate_up_scale[e])  float32 [2I, H]: rows 0..I-1 are
+           gate_proj, scaled by gate_up_global[e, 0]; rows I..2I-1 up_proj, by gate_up_global[e, 1]
+           (ModelOpt quantizes the two projections apart, each with its own global scale)
     D_e  = dequant(down_packed[e], down_scale[e], down_global[e])           float32 [H, I]
     y[t] = sum_j weights[t, j] * D_e (silu(g) * u),  [g; u] = GU_e x[t],  e = expert_ids[t, j]
 
@@ -46,9 +47,11 @@ def nvfp4_moe_w4a16(
     out = torch.zeros_like(xf)  # [T, H] f32
     for e in expert_ids.unique().tolist():
         token, slot = torch.nonzero(expert_ids == e, as_tuple=True)  # [n], [n]
-        gu = dequantize_nvfp4(gate_up_packed[e], gate_up_scale[e], gate_up_global[e])  # [2I, H]
-        h = xf[token] @ gu.T  # [n, 2I]
-        act = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
+        gate = dequantize_nvfp4(gate_up_packed[e, :inter], gate_up_scale[e, :inter],
+                                gate_up_global[e, 0])  # [I, H]
+        up = dequantize_nvfp4(gate_up_packed[e, inter:], gate_up_scale[e, inter:],
+                              gate_up_global[e, 1])  # [I, H]
+        act = F.silu(xf[token] @ gate.T) * (xf[token] @ up.T)  # [n, I]
         down = dequantize_nvfp4(down_packed[e], down_scale[e], down_global[e])  # [H, I]
         out.index_add_(0, token, (act @ down.T) * weights[token, slot].to(torch.float32)[:, None])
     return out.to(x.dtype)
@@ -86,7 +89,7 @@ def _check(x, expert_ids, weights, gate_up_packed, gate_up_scale, gate_up_global
     expected = {
         "gate_up packed": (gate_up_packed, (e, two_i, h // 2), torch.uint8),
         "gate_up block scales": (gate_up_scale, (e, two_i, h // NVFP4_BLOCK), torch.float8_e4m3fn),
-        "gate_up global scales": (gate_up_global, (e,), torch.float32),
+        "gate_up global scales": (gate_up_global, (e, 2), torch.float32),
         "down packed": (down_packed, (e, h, inter // 2), torch.uint8),
         "down block scales": (down_scale, (e, h, inter // NVFP4_BLOCK), torch.float8_e4m3fn),
         "down global scales": (down_global, (e,), torch.float32),

@@ -28,6 +28,8 @@ from metrale.plugins.formats import FORMATS
 DOMAIN = "metrale"
 FP4_OPSET = 23  # FLOAT4E2M1 DequantizeLinear
 FP8_OP, NVFP4_OP = FORMATS["fp8"].onnx_op, FORMATS["nvfp4"].onnx_op
+CONV_OP = "DFlash2DynamicConv"  # `plugins.dynamic_conv`: x [B, T, H], kernel [B, T, G, 2]; block
+MOE_OP = "NvFp4MoeW4A16"  # `plugins.nvfp4_moe`: the grouped NVFP4 experts of a MoE
 _FLOATS = (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16)
 
 
@@ -104,9 +106,13 @@ def lower_for_onnxruntime(model: onnx.ModelProto, what: str = "graph") -> onnx.M
     for node in out.graph.node:
         if node.domain == DOMAIN and node.op_type in (FP8_OP, NVFP4_OP):
             nodes += _dequantized(node, consts, out.graph, what)
+        elif node.domain == DOMAIN and node.op_type == CONV_OP:
+            nodes += _dynamic_conv_standard(node, out.graph)
+        elif node.domain == DOMAIN and node.op_type == MOE_OP:
+            nodes += _grouped_moe_standard(node, consts, out.graph, what)
         elif node.domain == DOMAIN:
             raise ValueError(f"{what}: its {node.op_type} node has no onnxruntime lowering (the "
-                             "onnxruntime backend runs one-rank graphs of quantized linears)")
+                             "onnxruntime backend runs one-rank graphs)")
         else:
             nodes.append(node)
     del out.graph.node[:]
@@ -164,27 +170,116 @@ def _raw_bytes(t: TensorProto) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8)
 
 
-def _dequantized(node, consts: dict, graph: onnx.GraphProto, what: str) -> list[onnx.NodeProto]:
-    """A quantized linear's weight dequantized once, here, through its format's `dequantize`
-    (the bytes' one definition, which the torch backend's linears use), into a float32
-    initializer feeding a MatMul: onnxruntime would otherwise dequantize it at every call."""
-    fmt = next(f for f in FORMATS.values() if f.onnx_op == node.op_type)
-    missing = [n for n in node.input[1:] if n not in consts]
+def _stored(node, consts: dict, names, what: str) -> list[torch.Tensor]:
+    """A metrale node's constant inputs as torch tensors: uint8 / FP8 bytes as stored, the rest
+    as float32."""
+    missing = [n for n in names if n not in consts]
     if missing:
         raise ValueError(f"{what}: {node.op_type} node {node.name!r} reads {missing[0]!r}, which is "
                          "not a constant")
     tensors = []
-    for name, leaf in zip(node.input[1:], fmt.leaves):
+    for name in names:
         t = consts[name]
         if t.data_type in (TensorProto.UINT8, TensorProto.FLOAT8E4M3FN):  # stored bytes
             raw = torch.from_numpy(_raw_bytes(t).copy()).view(tuple(t.dims))
             tensors.append(raw.view(torch.float8_e4m3fn) if t.data_type == TensorProto.FLOAT8E4M3FN else raw)
         else:
             tensors.append(torch.from_numpy(numpy_helper.to_array(t).astype(np.float32).copy()))
-    w = fmt.dequantize(*tensors)  # f32 [N, K]
+    return tensors
+
+
+def _grouped_moe_standard(node, consts: dict, graph: onnx.GraphProto, what: str) -> list[onnx.NodeProto]:
+    """`NvFp4MoeW4A16` as standard ops over its experts dequantized once, here (per expert and
+    projection through the NVFP4 format's `dequantize`), into float32 initializers GU [E, 2I, H]
+    and D [E, H, I]: each (token, slot) gathers its expert's GU and D, y = Σ_slots w·D(silu(g)·u)."""
+    x, ids, weights = node.input[:3]
+    gu_p, gu_s, gu_g, dn_p, dn_s, dn_g = _stored(node, consts, node.input[3:], what)
+    deq = FORMATS["nvfp4"].dequantize
+    inter = gu_p.shape[1] // 2
+    gu = torch.stack([torch.cat([deq(gu_p[e, :inter], gu_s[e, :inter], gu_g[e, 0]),
+                                 deq(gu_p[e, inter:], gu_s[e, inter:], gu_g[e, 1])])
+                      for e in range(gu_p.shape[0])])  # [E, 2I, H]
+    dn = torch.stack([deq(dn_p[e], dn_s[e], dn_g[e]) for e in range(dn_p.shape[0])])  # [E, H, I]
+    y, base = node.output[0], node.name or node.output[0]
+    n = lambda s: f"{base}/{s}"  # noqa: E731
+    graph.initializer.extend([numpy_helper.from_array(gu.numpy(), n("gate_up")),
+                              numpy_helper.from_array(dn.numpy(), n("down"))])
+    const = lambda s, v: _int64s(graph, n(s), v)  # noqa: E731
+    return [
+        helper.make_node("Gather", [n("gate_up"), ids], [n("gu_rows")], axis=0),  # [T, k, 2I, H]
+        helper.make_node("Unsqueeze", [x, const("x_axes", [1, 3])], [n("x_col")]),  # [T, 1, H, 1]
+        helper.make_node("MatMul", [n("gu_rows"), n("x_col")], [n("gu_col")]),  # [T, k, 2I, 1]
+        helper.make_node("Squeeze", [n("gu_col"), const("col", [3])], [n("gu_out")]),
+        helper.make_node("Split", [n("gu_out")], [n("gate"), n("up")], axis=2, num_outputs=2),
+        helper.make_node("Sigmoid", [n("gate")], [n("gate_sig")]),
+        helper.make_node("Mul", [n("gate"), n("gate_sig")], [n("silu")]),
+        helper.make_node("Mul", [n("silu"), n("up")], [n("act")]),  # [T, k, I]
+        helper.make_node("Gather", [n("down"), ids], [n("dn_rows")], axis=0),  # [T, k, H, I]
+        helper.make_node("Unsqueeze", [n("act"), const("act_axes", [3])], [n("act_col")]),
+        helper.make_node("MatMul", [n("dn_rows"), n("act_col")], [n("dn_col")]),  # [T, k, H, 1]
+        helper.make_node("Unsqueeze", [weights, const("w_axes", [2, 3])], [n("w_col")]),
+        helper.make_node("Mul", [n("dn_col"), n("w_col")], [n("weighted")]),
+        helper.make_node("ReduceSum", [n("weighted"), const("sum_axes", [1, 3])], [y], keepdims=0),
+    ]
+
+
+def _dequantized(node, consts: dict, graph: onnx.GraphProto, what: str) -> list[onnx.NodeProto]:
+    """A quantized linear's weight dequantized once, here, through its format's `dequantize`
+    (the bytes' one definition, which the torch backend's linears use), into a float32
+    initializer feeding a MatMul: onnxruntime would otherwise dequantize it at every call."""
+    fmt = next(f for f in FORMATS.values() if f.onnx_op == node.op_type)
+    w = fmt.dequantize(*_stored(node, consts, node.input[1:1 + len(fmt.leaves)], what))  # f32 [N, K]
     name = f"{node.name or node.output[0]}/w"
     graph.initializer.append(numpy_helper.from_array(w.numpy(), name))
     return _matmul_tail(node, name, {})
+
+
+def _int64s(graph: onnx.GraphProto, name: str, values) -> str:
+    graph.initializer.append(numpy_helper.from_array(np.asarray(values, dtype=np.int64), name))
+    return name
+
+
+def _zero(graph: onnx.GraphProto, name: str) -> str:
+    graph.initializer.append(numpy_helper.from_array(np.zeros((), dtype=np.float32), name))
+    return name
+
+
+def _dynamic_conv_standard(node, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """`DFlash2DynamicConv(x [B, T, H], kernel [B, T, G, 2]; block)` as standard ops: x viewed as
+    [B, T, G, H/G], its slot-shifted copy x[t−1] (zero at each block's first slot, t % block == 0)
+    and y = k0·x + k1·x[t−1], the op's two products and one sum in the graph's float type."""
+    x, kernel = node.input
+    y, base = node.output[0], node.name or node.output[0]
+    block = next(a.i for a in node.attribute if a.name == "block")
+    n = lambda s: f"{base}/{s}"  # noqa: E731
+    const = lambda s, v: _int64s(graph, n(s), v)  # noqa: E731
+    return [
+        helper.make_node("Shape", [x], [n("x_shape")]),
+        helper.make_node("Shape", [kernel], [n("k_shape")], start=2, end=3),  # [G]
+        helper.make_node("Concat", [const("lead", [0, 0]), n("k_shape"), const("rest", [-1])],
+                         [n("groups_shape")], axis=0),
+        helper.make_node("Reshape", [x, n("groups_shape")], [n("xg")]),  # [B, T, G, H/G]
+        helper.make_node("Pad", [n("xg"), const("pads", [0, 1, 0, 0, 0, 0, 0, 0])], [n("xg_pad")]),
+        helper.make_node("Slice", [n("xg_pad"), const("start0", [0]), const("minus1", [-1]),
+                                   const("slots", [1])], [n("prev_all")]),  # x[t−1], 0 at t = 0
+        helper.make_node("Shape", [x], [n("t")], start=1, end=2),
+        helper.make_node("Squeeze", [n("t")], [n("t_scalar")]),
+        helper.make_node("Range", [const("r0", 0), n("t_scalar"), const("r1", 1)], [n("slot")]),
+        helper.make_node("Mod", [n("slot"), const("block", block)], [n("in_block")]),
+        helper.make_node("Greater", [n("in_block"), const("r0b", 0)], [n("has_prev")]),
+        helper.make_node("Unsqueeze", [n("has_prev"), const("mask_axes", [0, 2, 3])],
+                         [n("has_prev4")]),  # [1, T, 1, 1]
+        helper.make_node("CastLike", [_zero(graph, n("zero_f32")), x], [n("zero")]),
+        helper.make_node("Where", [n("has_prev4"), n("prev_all"), n("zero")], [n("prev")]),
+        helper.make_node("Slice", [kernel, const("k0a", [0]), const("k0b", [1]), const("taps", [3])],
+                         [n("k0")]),
+        helper.make_node("Slice", [kernel, const("k1a", [1]), const("k1b", [2]), const("taps1", [3])],
+                         [n("k1")]),
+        helper.make_node("Mul", [n("k0"), n("xg")], [n("own")]),
+        helper.make_node("Mul", [n("k1"), n("prev")], [n("shifted")]),
+        helper.make_node("Add", [n("own"), n("shifted")], [n("yg")]),
+        helper.make_node("Reshape", [n("yg"), n("x_shape")], [y]),
+    ]
 
 
 def _fold_weight_identities(graph: onnx.GraphProto) -> None:

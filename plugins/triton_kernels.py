@@ -158,7 +158,8 @@ def nvfp4_w4a16_gemm_kernel(
 @triton.jit
 def nvfp4_moe_gate_up_kernel(
     x_ptr, ids_ptr, gu_ptr, gu_bs_ptr, gu_gs_ptr, act_ptr,
-    # x [T, H]; ids i64 [T*k]; gate_up packed u8 [E, 2I, H/2], bs E4M3 [E, 2I, H/16], gs f32 [E];
+    # x [T, H]; ids i64 [T*k]; gate_up packed u8 [E, 2I, H/2], bs E4M3 [E, 2I, H/16],
+    # gs f32 [E, 2] (gate's, up's);
     # act f32 [T*k, I] (workspace)
     H, INTER, TOPK,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -181,9 +182,8 @@ def nvfp4_moe_gate_up_kernel(
                          BLOCK_I, BLOCK_H)  # up rows (I.. 2I) [BI, BH]
         acc_g += tl.sum(wg * xv[None, :], axis=1)
         acc_u += tl.sum(wu * xv[None, :], axis=1)
-    gs = tl.load(gu_gs_ptr + e)
-    g = acc_g * gs
-    u = acc_u * gs
+    g = acc_g * tl.load(gu_gs_ptr + 2 * e)
+    u = acc_u * tl.load(gu_gs_ptr + 2 * e + 1)
     act = g * tl.sigmoid(g) * u  # silu(g) * u
     tl.store(act_ptr + p * INTER + ri, act, mask=ri < INTER)
 

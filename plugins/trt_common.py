@@ -1,9 +1,22 @@
-"""What every metrale TensorRT plugin shares (the GEMMs in `trt_plugin`, the collectives in
-`trt_collectives`): `Keeper`, which holds the Python plugin objects TensorRT only borrows, and
-`PluginDefaults`, the IPluginV3 methods they all answer alike. No TensorRT import here.
+"""What every metrale TensorRT plugin shares (the GEMMs in `trt_plugin`, the MoE and conv in
+`trt_kernel_ops`, the collectives in `trt_collectives`): `Keeper`, which holds the Python plugin
+objects TensorRT only borrows, `PluginDefaults`, the IPluginV3 methods they all answer alike, and
+`act_of`, the cubin dtype of a TensorRT activation type. No TensorRT import here.
 """
 
 from __future__ import annotations
+
+# TensorRT DataType member name -> the activation dtype a cubin is compiled for (`plugins.aot`)
+ACT_OF_TYPE = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16"}
+
+
+def act_of(trt_type) -> str:
+    """`fp32`/`fp16`/`bf16` for a TensorRT DataType (or its member name)."""
+    name = getattr(trt_type, "name", str(trt_type))
+    if name not in ACT_OF_TYPE:
+        raise RuntimeError(f"TensorRT plugin: activation type {name} has no kernel; allowed: "
+                           f"{', '.join(ACT_OF_TYPE)}")
+    return ACT_OF_TYPE[name]
 
 
 class Keeper:

@@ -57,7 +57,8 @@ from pathlib import Path
 from types import ModuleType
 
 from metrale.plugins.formats import FORMATS
-from metrale.plugins.trt_common import Keeper, PluginDefaults  # noqa: F401  (the plugins' base)
+from metrale.plugins.trt_common import ACT_OF_TYPE, Keeper, PluginDefaults, act_of  # noqa: F401
+from metrale.plugins.trt_kernel_ops import KERNEL_OPS, register_kernel_ops
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +81,9 @@ GEMM_OPS = {
 }
 assert {f.onnx_op for f in FORMATS.values()} == set(GEMM_OPS)  # one plugin per format of the table
 ACTIVATION_TYPES = ("FLOAT", "HALF", "BF16")
-# TensorRT DataType member name -> the activation dtype a cubin is compiled for (`plugins.aot`)
-ACT_OF_TYPE = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16"}
-
-
-def act_of(trt_type) -> str:
-    """`fp32`/`fp16`/`bf16` for a TensorRT DataType (or its member name)."""
-    name = getattr(trt_type, "name", str(trt_type))
-    if name not in ACT_OF_TYPE:
-        raise RuntimeError(f"TensorRT plugin: activation type {name} has no kernel; allowed: "
-                           f"{', '.join(ACT_OF_TYPE)}")
-    return ACT_OF_TYPE[name]
+# every op whose plugin launches Triton kernels -> those kernels' base names (cubin key prefixes)
+KERNELS_OF_OP = {**{op: (spec.kernel,) for op, spec in GEMM_OPS.items()},
+                 **{op: spec.kernels for op, spec in KERNEL_OPS.items()}}
 
 
 @dataclass(frozen=True)
@@ -104,6 +97,7 @@ class KernelImage:
     block_m: int
     block_n: int
     scratch_args: int = 2  # trailing u64 scratch pointers the compiling Triton appended
+    constexprs: dict = field(default_factory=dict)  # the tile sizes it was compiled with
 
     @staticmethod
     def key(kernel: str, sm: int, act: str) -> str:
@@ -138,7 +132,7 @@ class KernelLibrary:
                 cubin=(meta_path.parent / meta["cubin"]).read_bytes(), name=meta["symbol"],
                 num_warps=meta["num_warps"], shared=meta["shared"],
                 block_m=blocks.get("BLOCK_M", 1), block_n=blocks.get("BLOCK_N", 1),
-                scratch_args=meta.get("scratch_args", 2))
+                scratch_args=meta.get("scratch_args", 2), constexprs=dict(blocks))
         return cls(images)
 
     def missing(self, keys) -> list[str]:
@@ -168,6 +162,20 @@ class KernelLibrary:
             loaded = self._loaded[(ctx, key)] = (module, fn)
         return loaded[1]
 
+    def launch(self, kernel: str, sm: int, act: str, stream: int, *, pointers, ints, grid) -> None:
+        """Launch `kernel`'s image for (sm, act) on `stream` (GPU only): `pointers` (device
+        addresses) then `ints` (int32) in the kernel's argument order, then the null scratch
+        pointers; `grid(image)` gives the grid from the image's tile sizes."""
+        key = KernelImage.key(kernel, sm, act)
+        fn = self.function(key)
+        image = self.images[key]
+        args = (*pointers, *ints, *([0] * image.scratch_args))
+        types = (*([ctypes.c_void_p] * len(pointers)), *([ctypes.c_int32] * len(ints)),
+                 *([ctypes.c_uint64] * image.scratch_args))
+        drv = _driver()
+        _check(drv, drv.cuLaunchKernel(fn, *grid(image), 32 * image.num_warps, 1, 1,
+                                       image.shared, int(stream), (args, types), 0))
+
     def close(self) -> None:
         """Unload every module loaded so far (after the engines using them are gone)."""
         if not self._loaded:
@@ -181,19 +189,21 @@ class KernelLibrary:
 
 
 def plugin_kernel_keys(engines, sm: int) -> set[str]:
-    """The `KernelImage.key`s the GEMM plugin layers of engines built for `sm` launch; `engines`
+    """The `KernelImage.key`s the kernel plugin layers (GEMMs, MoE, conv) of engines built for
+    `sm` launch; `engines`
     holds per engine its plugin layers (op -> count) and their activation dtypes (op -> dtypes),
     as its manifest entry records them."""
     keys = set()
     for plugins, acts in engines:
         acts = acts or {}
         for op in plugins or {}:
-            if op not in GEMM_OPS:
+            if op not in KERNELS_OF_OP:
                 continue
             if not acts.get(op):
                 raise ValueError(f"an SM{sm} engine has {op} plugin layers but no recorded "
                                  "activation dtype (built before plugin_acts): rebuild it")
-            keys.update(KernelImage.key(GEMM_OPS[op].kernel, sm, act) for act in acts[op])
+            keys.update(KernelImage.key(kernel, sm, act) for kernel in KERNELS_OF_OP[op]
+                        for act in acts[op])
     return keys
 
 
@@ -231,23 +241,15 @@ def _volume(dims, upto: int) -> int:
 def launch_gemm(lib: KernelLibrary, spec: GemmOpSpec, sm: int, input_desc, inputs, outputs,
                 stream: int) -> None:
     """Launch the op's kernel on `stream` (GPU only): the launch contract of the module doc."""
-    key = KernelImage.key(spec.kernel, sm, act_of(input_desc[0].type))
+    act = act_of(input_desc[0].type)
     x_dims = input_desc[0].dims  # [..., K]
     k = int(x_dims[len(x_dims) - 1])
     m = _volume(x_dims, len(x_dims) - 1)
     n = int(input_desc[1].dims[0])
     if m == 0 or n == 0:  # an empty output: nothing to compute, and a zero grid is invalid
         return
-    fn = lib.function(key)
-    image = lib.images[key]
-    ptrs = [int(p) for p in inputs] + [int(outputs[0])]
-    args = (*ptrs, m, n, k, *([0] * image.scratch_args))
-    types = (*([ctypes.c_void_p] * len(ptrs)), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-             *([ctypes.c_uint64] * image.scratch_args))
-    grid = (-(-m // image.block_m), -(-n // image.block_n), 1)
-    drv = _driver()
-    _check(drv, drv.cuLaunchKernel(fn, *grid, 32 * image.num_warps, 1, 1, image.shared, int(stream),
-                                   (args, types), 0))
+    lib.launch(spec.kernel, sm, act, stream, pointers=[int(p) for p in inputs] + [int(outputs[0])],
+               ints=(m, n, k), grid=lambda im: (-(-m // im.block_m), -(-n // im.block_n), 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,6 +364,7 @@ def register_plugins(trt: ModuleType, sm: int, library: KernelLibrary | None = N
         if not registry.register_creator(creator, PLUGIN_NAMESPACE):
             raise RuntimeError(f"TensorRT refused to register the {op} plugin creator")
         creators[op] = creator
+    creators.update(register_kernel_ops(trt, sm, library))
     from metrale.plugins.trt_collectives import Collectives, register_collectives
 
     collectives = Collectives(comm)

@@ -114,7 +114,7 @@ def kernel_cases():
                 g = torch.Generator().manual_seed(e * h + i)
                 gu_p, gu_s = _nvfp4((e, 2 * i, h), g, 50.0)
                 dn_p, dn_s = _nvfp4((e, h, i), g, 50.0)
-                ws = (gu_p, gu_s, torch.rand(e, generator=g) * 2e-3 + 1e-4,
+                ws = (gu_p, gu_s, torch.rand(e, 2, generator=g) * 2e-3 + 1e-4,
                       dn_p, dn_s, torch.rand(e, generator=g) * 2e-3 + 1e-4)
                 x = torch.randn(t, h, generator=g).to(dtype)
                 ids = torch.randint(0, e, (t, topk), generator=g)

@@ -124,20 +124,23 @@ def test_manifest_is_json_with_sorted_keys(tiny_engine_dir):
 
 def test_cubin_jobs_are_what_the_engines_plugin_layers_launch():
     from metrale.builder.build import cubin_jobs
-    from metrale.plugins.trt_plugin import GEMM_OPS
+    from metrale.plugins.trt_plugin import KERNELS_OF_OP
 
     components = {
         "dflash": {"engines": {
             "89": {"plugins": {"NvFp4W4A16Gemm": 7}, "plugin_acts": {"NvFp4W4A16Gemm": ["bf16", "fp32"]}},
             "120": {"plugins": {}, "plugin_acts": {}}}},  # native FP4: no cubin for SM120
         "dflash2": {"engines": {  # a tensor-parallel drafter: collectives call NCCL, no cubin
-            "89": {"plugins": {"NvFp4W4A16Gemm": 7, "AllReduce": 4},
-                   "plugin_acts": {"NvFp4W4A16Gemm": ["fp32"]}, "ranks": []}}},
-        "mtp": {"engines": {"86": {"plugins": {"Fp8W8A16Gemm": 3}, "plugin_acts": {"Fp8W8A16Gemm": ["fp16"]}}}},
+            "89": {"plugins": {"NvFp4W4A16Gemm": 7, "AllReduce": 4, "DFlash2DynamicConv": 4},
+                   "plugin_acts": {"NvFp4W4A16Gemm": ["fp32"], "DFlash2DynamicConv": ["fp32"]},
+                   "ranks": []}}},
+        "mtp": {"engines": {"86": {"plugins": {"Fp8W8A16Gemm": 3, "NvFp4MoeW4A16": 1},
+                                   "plugin_acts": {"Fp8W8A16Gemm": ["fp16"], "NvFp4MoeW4A16": ["fp16"]}}}},
     }
-    assert cubin_jobs(components, GEMM_OPS) == [
-        ("fp8_w8a16_gemm_kernel", 86, "fp16"),
+    assert cubin_jobs(components, KERNELS_OF_OP) == [  # the MoE launches two kernels
+        ("dflash2_dynamic_conv_kernel", 89, "fp32"), ("fp8_w8a16_gemm_kernel", 86, "fp16"),
+        ("nvfp4_moe_down_kernel", 86, "fp16"), ("nvfp4_moe_gate_up_kernel", 86, "fp16"),
         ("nvfp4_w4a16_gemm_kernel", 89, "bf16"), ("nvfp4_w4a16_gemm_kernel", 89, "fp32")]
-    assert cubin_jobs({"target": {"engines": {"89": {"plugins": {}}}}}, GEMM_OPS) == []
+    assert cubin_jobs({"target": {"engines": {"89": {"plugins": {}}}}}, KERNELS_OF_OP) == []
     with pytest.raises(ConfigError, match="component mtp: the SM86 engine has Fp8W8A16Gemm plugin layers"):
-        cubin_jobs({"mtp": {"engines": {"86": {"plugins": {"Fp8W8A16Gemm": 3}}}}}, GEMM_OPS)
+        cubin_jobs({"mtp": {"engines": {"86": {"plugins": {"Fp8W8A16Gemm": 3}}}}}, KERNELS_OF_OP)

@@ -40,9 +40,13 @@ def test_engines_onnx_and_cubins_are_recorded(built):
     # dtype or SM
     assert m.build["trt_dtype"] == "bfloat16"
     assert m.components["dflash"].engines["89"].plugin_acts == {"NvFp4W4A16Gemm": ["bf16"]}
+    # DFlash2's dynamic convs are plugin layers too: their kernel ships beside the GEMM's
+    assert m.components["dflash2"].engines["89"].plugin_acts == {
+        "DFlash2DynamicConv": ["bf16"], "NvFp4W4A16Gemm": ["bf16"]}
+    kernels = ("dflash2_dynamic_conv", "nvfp4_w4a16_gemm")
     assert sorted(f for f in m.files if f.startswith("plugins/")) == [
-        "plugins/nvfp4_w4a16_gemm.sm89.bf16.cubin", "plugins/nvfp4_w4a16_gemm.sm89.bf16.json"]
-    assert [(p["kernel"], p["sm"], p["act"]) for p in m.plugins] == [("nvfp4_w4a16_gemm", 89, "bf16")]
+        f"plugins/{k}.sm89.bf16.{ext}" for k in kernels for ext in ("cubin", "json")]
+    assert [(p["kernel"], p["sm"], p["act"]) for p in m.plugins] == [(k, 89, "bf16") for k in kernels]
 
 
 @pytest.mark.parametrize("victim", ["dflash/rank0.sm89.engine",

@@ -217,7 +217,7 @@ def test_every_op_launcher_call_maps_onto_its_compiled_cubin(monkeypatch):
         nvfp4_moe.nvfp4_moe_w4a16_triton(
             torch.randn(2, h).to(dtype), torch.tensor([[0, 1], [1, 0]]), torch.rand(2, 2).to(dtype),
             torch.randint(0, 255, (e, 2 * inter, h // 2), dtype=torch.uint8),
-            torch.rand(e, 2 * inter, h // 16).to(torch.float8_e4m3fn), torch.rand(e),
+            torch.rand(e, 2 * inter, h // 16).to(torch.float8_e4m3fn), torch.rand(e, 2),
             torch.randint(0, 255, (e, h, inter // 2), dtype=torch.uint8),
             torch.rand(e, h, inter // 16).to(torch.float8_e4m3fn), torch.rand(e))
         dynamic_conv.dflash2_dynamic_conv_triton(torch.randn(1, 4, 8).to(dtype),

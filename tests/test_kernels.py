@@ -122,7 +122,7 @@ def test_nvfp4_kernel_refuses_ragged_block_scale():
 def moe_weights(e, h, i, g):
     gu_p, gu_s, _ = nvfp4((e, 2 * i, h), g, scale_hi=50.0)
     dn_p, dn_s, _ = nvfp4((e, h, i), g, scale_hi=50.0)
-    return (gu_p, gu_s, torch.rand(e, generator=g) * 2e-3 + 1e-4,
+    return (gu_p, gu_s, torch.rand(e, 2, generator=g) * 2e-3 + 1e-4,  # gate's, up's
             dn_p, dn_s, torch.rand(e, generator=g) * 2e-3 + 1e-4)
 
 
@@ -138,9 +138,11 @@ def test_moe_reference_is_the_routed_part_of_layers_moe():
     with torch.no_grad():
         moe.gate.weight.normal_(generator=g)
         for x_idx, mlp in enumerate(moe.experts):
-            gu = dequantize_nvfp4(weights[0][x_idx], weights[1][x_idx], weights[2][x_idx])
-            mlp.gate_proj.weight.copy_(gu[:i])  # gate rows first, then up rows
-            mlp.up_proj.weight.copy_(gu[i:])
+            gu = [dequantize_nvfp4(weights[0][x_idx, rows], weights[1][x_idx, rows],
+                                   weights[2][x_idx, half])
+                  for half, rows in enumerate((slice(0, i), slice(i, 2 * i)))]
+            mlp.gate_proj.weight.copy_(gu[0])  # gate rows first, then up rows
+            mlp.up_proj.weight.copy_(gu[1])
             mlp.down_proj.weight.copy_(dequantize_nvfp4(weights[3][x_idx], weights[4][x_idx],
                                                         weights[5][x_idx]))
         x = torch.randn(t, h, generator=g)
@@ -183,8 +185,13 @@ def test_conv_reference_equals_dflash_dynamic_conv():
         conv.kernel_projection.weight.normal_(generator=g)
         x = torch.randn(b, t, h, generator=g)
         kernel = conv.base_kernel + conv.kernel_projection(x).view(b, t, groups, 2)
-        expected = conv(x, block)
+        xg = x.view(b, t // block, block, groups, h // groups)
+        prev = torch.nn.functional.pad(xg, (0, 0, 0, 0, 1, 0))[:, :, :-1]  # x[t-1], 0 at slot 0
+        k = kernel.view(b, t // block, block, groups, 2, 1)
+        expected = (k[..., 0, :] * xg + k[..., 1, :] * prev).reshape(b, t, h)
+    # the module runs the op; both are the two-tap formula, bit for bit in float32
     assert torch.equal(dynamic_conv.dflash2_dynamic_conv(x, kernel, block), expected)
+    assert torch.equal(conv(x, block), expected)
 
 
 @needs_triton
@@ -203,3 +210,30 @@ def test_conv_kernel_is_bit_identical_to_reference(b, t, h, groups, block, dtype
 def test_conv_refuses_block_not_dividing_slots():
     with pytest.raises(ValueError, match="block must be >= 1 and divide the 6 slots"):
         dynamic_conv.dflash2_dynamic_conv(torch.ones(1, 6, 4), torch.ones(1, 6, 2, 2), 4)
+
+
+def test_conv_op_gradients_are_those_of_its_math():
+    # the drafters train through the op: its backward is the math's, x and kernel alike
+    b, t, h, groups, block = 2, 8, 12, 3, 4
+    g = gen(5)
+    x = torch.randn(b, t, h, generator=g, requires_grad=True)
+    kernel = torch.randn(b, t, groups, 2, generator=g, requires_grad=True)
+    upstream = torch.randn(b, t, h, generator=g)
+
+    def explicit(x, kernel):  # slot by slot: the second tap only inside a block
+        xg = x.view(b, t, groups, h // groups)
+        out = []
+        for s in range(t):
+            y = kernel[:, s, :, 0, None] * xg[:, s]
+            if s % block:
+                y = y + kernel[:, s, :, 1, None] * xg[:, s - 1]
+            out.append(y.reshape(b, h))
+        return torch.stack(out, 1)
+
+    grads = []
+    for fn in (lambda x, k: dynamic_conv.dflash2_dynamic_conv(x, k, block), explicit):
+        y = fn(x, kernel)
+        grads.append(torch.autograd.grad((y * upstream).sum(), (x, kernel)))
+    for ours, want in zip(*grads):
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(torch.ops.metrale.dflash2_dynamic_conv.default, (x, kernel, block))

@@ -21,8 +21,12 @@ from torch import nn
 from metrale.builder import onnx_export as ox
 from metrale.plugins import onnx_lowering as lw
 from metrale.plugins.fp8_gemm import fp8_w8a16_gemm
+from metrale.plugins.dynamic_conv import dflash2_dynamic_conv
 from metrale.plugins.nvfp4_gemm import nvfp4_w4a16_gemm
+from metrale.plugins.nvfp4_moe import nvfp4_moe_w4a16
 from metrale.runtime.models import qlinear
+from metrale.runtime.models.dflash import DynamicConv
+from metrale.runtime.models.layers import MoE, stack_nvfp4_experts
 
 
 def _bytes(a) -> torch.Tensor:
@@ -50,13 +54,33 @@ class NvFp4W4A16Gemm(OpRun):
         return (y.numpy(),)
 
 
+class DFlash2DynamicConv(OpRun):
+    op_domain = "metrale"
+
+    def _run(self, x, kernel, block=None):
+        return (dflash2_dynamic_conv(_t(x), _t(kernel), int(block)).numpy(),)
+
+
+class NvFp4MoeW4A16(OpRun):
+    op_domain = "metrale"
+
+    def _run(self, x, ids, w, gu_p, gu_s, gu_g, dn_p, dn_s, dn_g):
+        fp8 = lambda a: _bytes(a).view(torch.float8_e4m3fn)  # noqa: E731
+        y = nvfp4_moe_w4a16(_t(x), _t(ids), _t(w), _bytes(gu_p), fp8(gu_s), _t(gu_g).float(),
+                            _bytes(dn_p), fp8(dn_s), _t(dn_g).float())
+        return (y.numpy(),)
+
+
+RAW_BYTE_OPS = [Fp8W8A16Gemm, NvFp4W4A16Gemm, DFlash2DynamicConv, NvFp4MoeW4A16]
+
+
 def _has_fp4(model: onnx.ModelProto) -> bool:
     return any(t.data_type == TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
 
 
 def run_graph(model: onnx.ModelProto, feeds: dict) -> tuple[str, list[np.ndarray]]:
     if lw.metrale_ops(model) or _has_fp4(model):
-        ref = ReferenceEvaluator(model, new_ops=[Fp8W8A16Gemm, NvFp4W4A16Gemm])
+        ref = ReferenceEvaluator(model, new_ops=RAW_BYTE_OPS)
         return "reference", ref.run(None, feeds)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = opts.inter_op_num_threads = 1
@@ -236,9 +260,11 @@ def _check_component(kind, module, taps):
     with torch.no_grad():
         ref = ox.adapter(kind, module, taps)(*ins)
     feeds = {n: v.numpy() for n, v in zip(gio.inputs, ins)}
-    for sm in (None, 89, 120):
-        g = model if sm is None else lw.lower_for_sm(model, sm)
+    for sm in (None, 89, 120, "onnxruntime"):
+        g = (model if sm is None else lw.lower_for_onnxruntime(model) if sm == "onnxruntime"
+             else lw.lower_for_sm(model, sm))
         how, outs = run_graph(g, feeds)
+        assert how == "onnxruntime" or sm != "onnxruntime"  # standard ops only
         assert [o.name for o in g.graph.output] == list(gio.outputs)
         diff = max(float(np.abs(o - r.numpy()).max()) for o, r in zip(outs, ref))
         assert diff < 5e-5, (kind, sm, how, diff)
@@ -252,19 +278,40 @@ def nvfp4_engine(engine_factory):
     return load_engine(engine_factory("nvfp4", mtp_experts_nvfp4=True))
 
 
+def _kernel_nodes(module) -> dict[str, int]:
+    """The op nodes a component's graph holds besides its quantized linears: one per DFlash2
+    dynamic conv and one per MoE of NVFP4 experts."""
+    convs = sum(isinstance(m, DynamicConv) for m in module.modules())
+    grouped = sum(isinstance(m, MoE) and stack_nvfp4_experts(m.experts) is not None
+                  for m in module.modules())
+    return {k: n for k, n in (("DFlash2DynamicConv", convs), ("NvFp4MoeW4A16", grouped)) if n}
+
+
 def test_fp8_engine_graphs_match_torch(tiny_engine):
     for kind, module, taps in _components(tiny_engine):
         model = _check_component(kind, module, taps)
         quantized = sum(isinstance(m, qlinear.Fp8Linear) for m in module.modules())
-        assert lw.metrale_ops(model) == ({"Fp8W8A16Gemm": quantized} if quantized else {})
+        assert lw.metrale_ops(model) == {**({"Fp8W8A16Gemm": quantized} if quantized else {}),
+                                         **_kernel_nodes(module)}
+        assert lw.metrale_ops(lw.lower_for_onnxruntime(model)) == {}
 
 
 def test_nvfp4_engine_graphs_match_torch(nvfp4_engine):
+    # the MTP head's routed experts are NVFP4 too (--mtp-experts-nvfp4): one grouped node, and
+    # only the shared expert's linears are GEMM nodes
+    grouped = [m for m in nvfp4_engine.mtp.modules() if isinstance(m, MoE)]
+    assert grouped and all(stack_nvfp4_experts(m.experts) is not None for m in grouped)
     for kind, module, taps in _components(nvfp4_engine):
         model = _check_component(kind, module, taps)
-        quantized = sum(isinstance(m, qlinear.Nvfp4Linear) for m in module.modules())
-        assert lw.metrale_ops(model) == ({"NvFp4W4A16Gemm": quantized} if quantized else {})
-        assert lw.metrale_ops(lw.lower_for_sm(model, 120)) == {}
+        routed = {id(lin) for m in module.modules() if isinstance(m, MoE)
+                  and stack_nvfp4_experts(m.experts) is not None for lin in m.experts.modules()}
+        quantized = sum(isinstance(m, qlinear.Nvfp4Linear) and id(m) not in routed
+                        for m in module.modules())
+        kernels = _kernel_nodes(module)
+        assert lw.metrale_ops(model) == {**({"NvFp4W4A16Gemm": quantized} if quantized else {}),
+                                         **kernels}
+        assert lw.metrale_ops(lw.lower_for_sm(model, 120)) == kernels  # no native path for these
+        assert lw.metrale_ops(lw.lower_for_onnxruntime(model)) == {}
 
 
 def test_export_leaves_the_model_unchanged(nvfp4_engine):

@@ -78,13 +78,14 @@ def test_moe_node_matches_reference():
     gen = torch.Generator().manual_seed(2)
     e, h, i, t, k = 3, 16, 16, 4, 2
 
-    def quant(*shape):
+    def quant(*shape, globals_per_expert=()):
         codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8)
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         bs = (torch.rand(*shape[:-1], shape[-1] // 16, generator=gen) * 50 + 1)
-        return packed, bs.to(torch.float8_e4m3fn), torch.rand(e, generator=gen) * 0.01
+        return (packed, bs.to(torch.float8_e4m3fn),
+                torch.rand(e, *globals_per_expert, generator=gen) * 0.01)
 
-    gu, dn = quant(e, 2 * i, h), quant(e, h, i)
+    gu, dn = quant(e, 2 * i, h, globals_per_expert=(2,)), quant(e, h, i)
     x = torch.randn(t, h, generator=gen)
     ids = torch.tensor([[0, 2], [1, 0], [2, 2], [1, 1]])
     w = torch.rand(t, k, generator=gen)

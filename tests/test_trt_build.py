@@ -16,6 +16,7 @@ from metrale.builder.trt_env import (
     TrtFlavor, TrtUnavailable, ensure_rtx_soname_link, load_trt,
 )
 from metrale.runtime.models import qlinear
+from metrale.runtime.models.dflash import DynamicConv
 from metrale.runtime.errors import ConfigError
 
 SMS = (89, 120)
@@ -86,6 +87,12 @@ def _quantized(module) -> dict[str, int]:
     return counts
 
 
+def _convs(module) -> dict[str, int]:
+    """DFlash2's dynamic convs: one plugin node each, on every SM (no native path)."""
+    n = sum(isinstance(m, DynamicConv) for m in module.modules())
+    return {"DFlash2DynamicConv": n} if n else {}
+
+
 @pytest.mark.parametrize("tier", ["declared", "fp8", "fp8-aux", "nvfp4"])
 def test_drafter_engines_per_tier(rtx, engine_factory, tmp_path, tier):
     from metrale.runtime.backends import load_engine
@@ -97,8 +104,10 @@ def test_drafter_engines_per_tier(rtx, engine_factory, tmp_path, tier):
     assert result["trt_flavor"] == "rtx" and result["target_sm"] == list(SMS)
     for name, drafter in engine.drafters.items():
         info = result["components"][name]
-        expected = _quantized(drafter)
-        assert info["plugin_ops"] == expected  # the portable graph: one node per quantized linear
+        expected, convs = _quantized(drafter), _convs(drafter)
+        assert bool(convs) == (name == "dflash2")
+        # the portable graph: one node per quantized linear and per dynamic conv
+        assert info["plugin_ops"] == {**expected, **convs}
         if tier == "declared":
             assert expected == {}
         for sm in SMS:
@@ -107,7 +116,7 @@ def test_drafter_engines_per_tier(rtx, engine_factory, tmp_path, tier):
             assert built["file"] == f"{name}/rank0.sm{sm}.engine"
             assert path.stat().st_size == built["bytes"] > 10_000
             # NVFP4 needs the plugin below SM100; FP8 is native from SM89.
-            plugin = expected if (tier == "nvfp4" and sm == 89) else {}
+            plugin = {**(expected if (tier == "nvfp4" and sm == 89) else {}), **convs}
             assert built["plugins"] == plugin
             # the cubins the build compiles: these layers' ops in the graph's dtype (float32)
             assert built["plugin_acts"] == {op: ["fp32"] for op in plugin}
@@ -122,11 +131,14 @@ def test_target_and_nvfp4_mtp_engines(rtx, engine_factory, tmp_path):
     result = tb.write_engines(tmp_path, engine, flavor="rtx", target_sm=SMS)
     target, mtp = result["components"]["target"], result["components"]["mtp"]
     assert target["plugin_ops"] == {} and "taps" not in target  # no drafter loaded: no taps
-    experts = _quantized(engine.mtp)
-    assert experts == {"NvFp4W4A16Gemm": 27}  # 8 routed + 1 shared expert, 3 linears each
-    assert mtp["engines"]["89"]["plugins"] == experts
-    assert mtp["engines"]["89"]["plugin_acts"] == {"NvFp4W4A16Gemm": ["fp32"]}
-    assert mtp["engines"]["120"]["plugins"] == {} == mtp["engines"]["120"]["plugin_acts"]
+    assert _quantized(engine.mtp) == {"NvFp4W4A16Gemm": 27}  # 8 routed + 1 shared expert, 3 linears each
+    # the 8 routed experts are one grouped node; the shared expert's 3 linears stay GEMMs
+    assert mtp["plugin_ops"] == {"NvFp4MoeW4A16": 1, "NvFp4W4A16Gemm": 3}
+    assert mtp["engines"]["89"]["plugins"] == mtp["plugin_ops"]
+    assert mtp["engines"]["89"]["plugin_acts"] == {"NvFp4MoeW4A16": ["fp32"], "NvFp4W4A16Gemm": ["fp32"]}
+    # SM120: the GEMMs dequantize FP4 natively; the grouped experts stay the plugin
+    assert mtp["engines"]["120"]["plugins"] == {"NvFp4MoeW4A16": 1}
+    assert mtp["engines"]["120"]["plugin_acts"] == {"NvFp4MoeW4A16": ["fp32"]}
     for name in ("target", "mtp"):
         for sm in SMS:
             built = result["components"][name]["engines"][str(sm)]
@@ -172,7 +184,8 @@ def test_kernel_library_reads_aot_output(tmp_path):
     (tmp_path / "nvfp4_w4a16_gemm.sm89.bf16.json").write_text(json.dumps(meta))
     lib = KernelLibrary.from_dir(tmp_path)
     assert lib.images == {"nvfp4_w4a16_gemm.sm89.bf16": KernelImage(
-        b"cubin-bytes", "nvfp4_w4a16_gemm_kernel", 4, 8192, 16, 64)}
+        b"cubin-bytes", "nvfp4_w4a16_gemm_kernel", 4, 8192, 16, 64,
+        constexprs={"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})}
     assert lib.missing(["nvfp4_w4a16_gemm.sm89.fp32", "nvfp4_w4a16_gemm.sm89.bf16"]) == [
         "nvfp4_w4a16_gemm.sm89.fp32"]
     with pytest.raises(RuntimeError, match="no kernel 'nvfp4_w4a16_gemm.sm89.fp32'.*have: "
@@ -240,7 +253,7 @@ def test_plugin_layers_report_the_activation_dtype_they_run_in(rtx):
     _, network, _ = _parse(trt, model)
     assert tb.plugin_activations(trt, network, model, "g") == {"NvFp4W4A16Gemm": ["bf16", "fp32"]}
     model.graph.node.append(gemm("x32", "y_extra", "third"))  # a node the network lacks
-    with pytest.raises(tb.EngineBuildError, match="3 metrale GEMM nodes became 2 plugin layers"):
+    with pytest.raises(tb.EngineBuildError, match="3 metrale kernel nodes became 2 plugin layers"):
         tb.plugin_activations(trt, network, model, "g")
 
 

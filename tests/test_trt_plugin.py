@@ -212,3 +212,62 @@ def test_collective_enqueue_skips_an_empty_input_and_sends_the_rest():
     reduce_.enqueue([desc((3, 4), "BF16")], None, [0x10], [0x20], None, 5)
     gather.enqueue([desc((1, 2, 8), "HALF")], None, [0x10], [0x20], None, 5)
     assert sent == [("reduce", 0x10, 0x20, 12, 9, 5), ("gather", 0x10, 0x20, 16, 6, 5)]
+
+
+# -- the grouped MoE and the dynamic conv (plugins.trt_kernel_ops) --------------------------------
+
+from metrale.plugins import trt_kernel_ops as tko  # noqa: E402
+
+
+def kernel_library(blocks: dict[str, dict]) -> tp.KernelLibrary:
+    return tp.KernelLibrary({tp.KernelImage.key(k, 89, "bf16"): tp.KernelImage(
+        f"cubin-{k}".encode(), f"{k}_kernel", 4, 0, 1, 1, constexprs=c) for k, c in blocks.items()})
+
+
+def test_moe_launches_both_stages_over_one_workspace(drv):
+    from metrale.plugins import nvfp4_moe
+
+    lib = kernel_library({"nvfp4_moe_gate_up": nvfp4_moe.GATE_UP_BLOCKS,
+                          "nvfp4_moe_down": nvfp4_moe.DOWN_BLOCKS})
+    t, h, k, e, inter = 5, 96, 2, 4, 48
+    descs = [desc((t, h), "BF16"), desc((t, k), "INT64"), desc((t, k), "BF16"),
+             desc((e, 2 * inter, h // 2)), desc((e, 2 * inter, h // 16)), desc((e, 2)),
+             desc((e, h, inter // 2)), desc((e, h, inter // 16)), desc((e,))]
+    inputs = [0x10 * (i + 1) for i in range(9)]
+    tko.launch_moe(lib, 89, descs, inputs, [0xF00], workspace=0xAAA, stream=7)
+    launches = [c for c in drv.calls if c[0] == "launch"]
+    assert [c[1][1] for c in launches] == [b"nvfp4_moe_gate_up_kernel", b"nvfp4_moe_down_kernel"]
+    # stage 1: one program per routed (token, expert) pair and block of I; stage 2: per token
+    assert [c[2] for c in launches] == [(t * k, -(-inter // 32), 1), (t, -(-h // 32), 1)]
+    assert all(c[5] == 7 for c in launches)  # both on TensorRT's stream, in order
+    gate_up, down = (c[6] for c in launches)
+    assert gate_up == (0x10, 0x20, 0x40, 0x50, 0x60, 0xAAA, h, inter, k, 0, 0)  # x, ids, gate/up -> ws
+    assert down == (0xAAA, 0x20, 0x30, 0x70, 0x80, 0x90, 0xF00, h, inter, k, 0, 0)  # ws, ids, w, down -> y
+    assert tko.moe_workspace_bytes((t, h), (t, k), (e, 2 * inter, h // 2)) == t * k * inter * 4
+    drv.calls.clear()
+    tko.launch_moe(lib, 89, [desc((0, h), "BF16"), *descs[1:]], inputs, [0xF00], 0xAAA, 7)
+    assert drv.calls == []  # no token: nothing launched
+
+
+def test_conv_launch_carries_the_block_attribute(drv):
+    from metrale.plugins import dynamic_conv
+
+    lib = kernel_library({"dflash2_dynamic_conv": dynamic_conv.TRITON_BLOCKS})
+    tko.launch_conv(lib, 89, 8, [desc((2, 16, 300), "BF16"), desc((2, 16, 4, 2), "BF16")],
+                    [0xA, 0xB], [0xC], stream=3)
+    (launch,) = [c for c in drv.calls if c[0] == "launch"]
+    assert launch[2] == (2 * 16, 2, 1)  # a program per slot and 256 channels
+    assert launch[6] == (0xA, 0xB, 0xC, 16, 300, 4, 8, 0, 0)  # x, kernel, y, T, H, G, block
+    with pytest.raises(RuntimeError, match=r"no kernel 'dflash2_dynamic_conv\.sm89\.fp32'"):
+        tko.launch_conv(lib, 89, 8, [desc((1, 4, 8)), desc((1, 4, 2, 2))], [1, 2], [3], 3)
+
+
+def test_every_kernel_op_names_kernels_that_aot_compiles():
+    from metrale.plugins.aot import kernel_specs
+
+    compiled = {s["name"].removesuffix("_kernel") for s in kernel_specs()}
+    assert {k for ks in tp.KERNELS_OF_OP.values() for k in ks} == compiled
+    entries = [({"NvFp4MoeW4A16": 1, "DFlash2DynamicConv": 4},
+                {"NvFp4MoeW4A16": ["fp32"], "DFlash2DynamicConv": ["bf16"]})]
+    assert tp.plugin_kernel_keys(entries, 120) == {
+        "nvfp4_moe_gate_up.sm120.fp32", "nvfp4_moe_down.sm120.fp32", "dflash2_dynamic_conv.sm120.bf16"}

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.plugins.dynamic_conv import dflash2_dynamic_conv
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.layers import MLP, Attention, KVCache, RMSNorm, attend, rope_cos_sin
 from metrale.runtime.models.tp import TOP_CANDIDATES, TensorParallel, check_drafter_split, local_decoder
@@ -48,15 +49,12 @@ class DynamicConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden, groups * 2, bias=False)
 
     def forward(self, x: torch.Tensor, block: int) -> torch.Tensor:
-        """x [B, nb*Bs, H] (nb blocks of `block` slots) -> y [B, nb*Bs, H]."""
-        b, t, h = x.shape
-        g = self.groups
-        kernel = self.base_kernel.to(x.dtype) + self.kernel_projection(x).view(b, t, g, 2)
-        xg = x.view(b, t // block, block, g, h // g)  # [B, nb, Bs, G, H/G]
-        prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:, :, :-1]  # x[t-1] within each block, 0 at slot 0
-        kernel = kernel.view(b, t // block, block, g, 2, 1)
-        y = kernel[..., 0, :] * xg + kernel[..., 1, :] * prev
-        return y.reshape(b, t, h)
+        """x [B, nb*Bs, H] (nb blocks of `block` slots) -> y [B, nb*Bs, H], through the
+        `metrale::dflash2_dynamic_conv` op (its products and sum in float32, one rounding): the
+        op the exported graph holds as a `DFlash2DynamicConv` node and an engine as its plugin."""
+        b, t, _ = x.shape
+        kernel = self.base_kernel.to(x.dtype) + self.kernel_projection(x).view(b, t, self.groups, 2)
+        return dflash2_dynamic_conv(x, kernel, block)
 
 
 class CandidateSelector(nn.Module):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.plugins.nvfp4_moe import nvfp4_moe_w4a16
 from metrale.runtime.models.configs import DecoderConfig
 
 
@@ -33,6 +34,22 @@ def share_storage(linears, fused: torch.Tensor) -> None:
         rows = lin.weight.shape[0]
         lin.weight.data = fused[start:start + rows]
         start += rows
+
+
+def stack_nvfp4_experts(experts) -> tuple[torch.Tensor, ...] | None:
+    """The routed experts' NVFP4 tensors stacked as `metrale::nvfp4_moe_w4a16` reads them
+    (gate_up packed [E, 2I, H/2], block scales [E, 2I, H/16], global scales [E, 2] (gate's,
+    up's), down packed [E, H, I/2], block scales [E, H, I/16], global scales [E]), or None
+    unless every expert's three linears are NVFP4 (`qlinear.Nvfp4Linear`)."""
+    lins = [(e.gate_proj, e.up_proj, e.down_proj) for e in experts]
+    if not lins or any(getattr(lin, "kind", None) != "nvfp4" for trio in lins for lin in trio):
+        return None
+    cat = lambda name: torch.stack([torch.cat([getattr(g, name), getattr(u, name)])  # noqa: E731
+                                    for g, u, _ in lins])
+    down = lambda name: torch.stack([getattr(d, name) for _, _, d in lins])  # noqa: E731
+    globals_ = torch.stack([torch.stack([g.weight_scale_2, u.weight_scale_2]) for g, u, _ in lins])
+    return (cat("weight"), cat("weight_scale"), globals_.float(),
+            down("weight"), down("weight_scale"), down("weight_scale_2").float())
 
 
 def pack_for_inference(module: nn.Module) -> nn.Module:
@@ -336,6 +353,7 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if inter and shared_gate else None
         self.register_buffer("experts_gate_up", None, persistent=False)  # [E·2I, H], see pack()
         self.register_buffer("experts_down", None, persistent=False)  # [E, I, H]
+        self._nvfp4_experts = None  # NVFP4 experts stacked for the grouped op, see pack()
 
     def route(self, x: torch.Tensor):
         """x [N, H] -> top-k weights [N, k] (x.dtype), expert ids [N, k]."""
@@ -348,7 +366,9 @@ class MoE(nn.Module):
     def pack(self) -> None:
         """Stack every routed expert's weights for the fixed-op-count inference path: gate and up
         of expert e are rows [e·2I, e·2I+I) and [e·2I+I, (e+1)·2I) of one [E·2I, H] matrix, the
-        down projections one [E, I, H] batch. Quantized experts are dequantized here, once."""
+        down projections one [E, I, H] batch. Quantized experts are dequantized here, once (what
+        the CPU packages compile); NVFP4 experts are also stacked as they are stored, for the
+        grouped op that the eager forward runs them through."""
         dtype = self.gate.weight.dtype
         inter = self.experts[0].gate_proj.out_features if self.experts else 0
         gate_up, down = [], []
@@ -357,6 +377,7 @@ class MoE(nn.Module):
             down.append(float_weight(expert.down_proj).t())
         self.experts_gate_up = torch.cat(gate_up, dim=0).to(dtype)  # [E·2I, H]
         self.experts_down = torch.stack(down).to(dtype).contiguous()  # [E, I, H]
+        self._nvfp4_experts = stack_nvfp4_experts(self.experts)
         # per expert, views (no copies): its [2I, H] gate/up rows and its [H, I] down weight
         self._expert_views = (list(self.experts_gate_up.chunk(len(self.experts))),
                               [d.t() for d in self.experts_down.unbind(0)])
@@ -368,10 +389,15 @@ class MoE(nn.Module):
                               self.experts_gate_up[2 * i * inter:2 * (i + 1) * inter])
                 expert.down_proj.weight.data = self.experts_down[i].t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, nvfp4_experts: tuple | None = None) -> torch.Tensor:
+        """`nvfp4_experts`: the stacked NVFP4 tensors to run the routed experts with (the ONNX
+        export passes them as its graph's weights); by default the ones `pack()` stacked."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, ids = self.route(x)
+        stacked = nvfp4_experts if nvfp4_experts is not None else self._nvfp4_experts
+        if stacked is not None:  # NVFP4 experts: the grouped op (one node / plugin when exported)
+            return (nvfp4_moe_w4a16(x, ids, weights, *stacked) + self.shared(x)).reshape(shape)
         if self.experts_gate_up is not None:
             few = (x.device.type == "cpu" and not self.row_invariant and not tracing()
                    and x.shape[0] * self.top_k <= self.experts_down.shape[0])
