@@ -30,7 +30,8 @@ BACKEND_HELP = ("What runs the models. auto (default): aoti on a CPU when the en
                 "compiles) in onnxruntime on a CPU, float32, one process, the built weight tiers. "
                 "tensorrt: its TensorRT engines for this GPU's SM, with CUDA graphs for the "
                 "one-token decode steps and the block proposes (needs an NVIDIA GPU and engines built "
-                "for its SM; one process).")
+                "for its SM; one process, or with --nproc N one per rank of a --draft-tp-size N build, "
+                "each running its own drafter engine).")
 Backend = Annotated[str, typer.Option("--backend", metavar="auto|torch|aoti|onnxruntime|tensorrt", help=BACKEND_HELP)]
 DTYPE_HELP = ("Activation dtype. auto (default): bfloat16 on a CUDA device, where it is native; "
               "float32 on a CPU, where plain decoding measured faster in it (and the aoti "

@@ -435,8 +435,8 @@ def cmd_run(out: Path) -> int:
         ("targets", 0, ("cuda", "cli"), ("bench-torch-cuda",), None),
         ("trt-build", 150, ("cuda", "builder", "flavor"), (),
          [py, "-m", "metrale", "build", "--engine-dir", trt_dir, "--draft-weight-quantization",
-          "nvfp4", "--trt-flavor", info.get("build_flavor") or "-", "--target-sm",
-          str(info.get("sm"))]),
+          "nvfp4", "--mtp-experts-nvfp4", "--trt-flavor", info.get("build_flavor") or "-",
+          "--target-sm", str(info.get("sm"))]),  # every plugin: GEMMs, grouped MoE, dynamic conv
         ("pytest-trt", 200, ("cuda", "builder", "flavor"), ("trt-build",),
          [py, "-m", "pytest", "tests/test_trt_backend.py", "-m", "gpu", "-q", "-rs"]),
         ("bench-tensorrt", 120, ("cuda", "cli", "flavor"), ("trt-build",),

@@ -54,11 +54,38 @@ def test_backend_and_device_defaults(args, expected):
     assert resolve_backend(*args, cuda_available=True) == expected
 
 
+def test_tensorrt_runs_a_world_of_ranks():
+    # --nproc N: one process per rank of a --draft-tp-size N build (checked when it loads)
+    assert resolve_backend("tensorrt", None, nproc=2, cuda_available=True) == (Backend.TENSORRT, "cuda")
+
+
+def test_tensorrt_world_plan_pairs_ranks_with_rank_engines():
+    from types import SimpleNamespace as NS
+
+    from metrale.runtime.backends.tensorrt import plan_file, world_plan
+    from metrale.runtime.models.tp import TensorParallel
+
+    one = {"target": NS(tp_size=1), "dflash": NS(tp_size=1)}
+    two = {"target": NS(tp_size=1), "dflash": NS(tp_size=2), "dflash2": NS(tp_size=2)}
+    assert world_plan(one, None, "d") == (0, 1)
+    assert world_plan(two, TensorParallel(1, 2), "d") == (1, 2)
+    with pytest.raises(ConfigError, match=r"tensor-parallel drafter engines \(dflash: 2 ranks, "
+                                          r"dflash2: 2 ranks\); run them with --nproc 2"):
+        world_plan(two, None, "d")
+    with pytest.raises(ConfigError, match="on 2 ranks: engine directory d has no tensor-parallel"):
+        world_plan(one, TensorParallel(0, 2), "d")
+    with pytest.raises(ConfigError, match="on 4 ranks: .* drafter engines of dflash: 2 ranks"):
+        world_plan(two, TensorParallel(3, 4), "d")
+    ranks = NS(file=None, ranks=[NS(file="dflash/rank0.sm89.engine"), NS(file="dflash/rank1.sm89.engine")])
+    assert plan_file(ranks, 1) == "dflash/rank1.sm89.engine"
+    assert plan_file(NS(file="target/rank0.sm89.engine", ranks=[]), 1) == "target/rank0.sm89.engine"
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(backend="tpu", device=None), "--backend 'tpu': allowed values are auto, torch, aoti, onnxruntime, tensorrt"),
     (dict(backend="aoti", device="cuda"), "--backend aoti runs the engine's CPU packages; --device cuda"),
     (dict(backend="tensorrt", device="cpu"), "needs --device cuda or cuda:N, got --device cpu"),
-    (dict(backend="tensorrt", device=None, nproc=2), "--nproc 2"),
+    (dict(backend="onnxruntime", device=None, nproc=2), "--nproc 2"),
 ])
 def test_backend_refusals_name_the_flag(kwargs, needle):
     with pytest.raises(ConfigError) as exc:

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from metrale.runtime.errors import MetraleError
+
 DRAFTERS = ("dflash", "dflash2")
 TIERS = ("fp8", "nvfp4")
 SMS = (89, 120)
@@ -147,17 +149,54 @@ def test_two_rank_graphs_compute_the_one_rank_drafter(two_rank_graphs, tier, nam
         assert torch.equal(g["top_ids"], top_ids)
         torch.testing.assert_close(g["top_values"], top_vals, **close)
     assert torch.equal(got[0]["top_values"], got[1]["top_values"])
-    # the drafts the runtime forms from them (slots 1..: the draft slots) are the one-rank drafts
-    d = engines[tier].drafters[name]
-    ids, vals = got[1]["top_ids"][:, 1:], got[1]["top_values"][:, 1:]
-    if d.config.version == 2:
-        n = d.config.num_candidates
-        with torch.no_grad():
-            drafts = d.candidate_selector.select_candidates(got[1]["hidden"][:, 1:], vals[..., :n],
-                                                            ids[..., :n], torch.tensor([ANCHOR]))
-    else:
-        drafts = ids[..., 0]
-    assert torch.equal(drafts, want["tokens"])
+    # the drafts the tensorrt backend's drafter face forms from each rank's outputs (its rank's
+    # cache, the global candidates, DFlash2's selector) are the one-rank drafts, on both ranks
+    engine_dir = Path(engines[tier].path)
+    for r, g in enumerate(got):
+        face = _rank_face(engine_dir, name, r, g)
+        assert face.vocab_start == r * want["logits"].shape[-1] // 2
+        cache = face.new_cache(1, PAST + NEW + 8)
+        assert cache.k.shape[2] * 2 == want["new_key"].shape[2]  # the rank's KV heads
+        face.add_context(torch.zeros(1, NEW, 1), cache)
+        embed = engines[tier].target.model.embed_tokens
+        proposal = face.propose(torch.tensor([ANCHOR]), embed, cache, want["logits"].shape[1])
+        assert torch.equal(proposal.tokens, want["tokens"]) and proposal.vocab_start == face.vocab_start
+    diverged = {**got[0], "rank_positions": torch.tensor([PAST, PAST + 1])}
+    face = _rank_face(engine_dir, name, 0, diverged)
+    cache = face.new_cache(1, 16)
+    face.add_context(torch.zeros(1, NEW, 1), cache)
+    with pytest.raises(MetraleError, match=r"drafter ranks diverged: .*\[5, 6\]"):
+        face.propose(torch.tensor([ANCHOR]), engines[tier].target.model.embed_tokens, cache,
+                     want["logits"].shape[1])
+
+
+class _RecordedRank:
+    """A `GraphRunner` that answers every propose with one rank graph's recorded outputs."""
+
+    def __init__(self, outputs: dict):
+        self.outputs, self.device = outputs, torch.device("cpu")
+        self.dtypes = {**{k: v.dtype for k, v in outputs.items()}, "past_key": torch.float32,
+                       "block_embeds": torch.float32}
+
+    def run(self, feeds, graph_key=None, persistent=()):
+        return dict(self.outputs)
+
+
+def _rank_face(engine_dir: Path, name: str, rank: int, outputs: dict):
+    """The tensorrt backend's drafter face for `rank` of the directory's tensor-parallel
+    drafter, over recorded outputs of that rank's graph."""
+    from types import SimpleNamespace
+
+    from metrale.runtime.artifact.engine_check import component_config
+    from metrale.runtime.artifact.engine_dir import load_manifest
+    from metrale.runtime.backends.graph_steps import GraphDrafter
+
+    info = load_manifest(engine_dir, verify=False).components[name]
+    assert info.tp_size == 2
+    cfg = component_config(engine_dir, str(engine_dir), name, info)
+    ctx = SimpleNamespace(path=engine_dir, where=str(engine_dir), engine_taps=tuple(cfg.target_layer_ids),
+                          rank=rank)
+    return GraphDrafter.from_graph(_RecordedRank(outputs), name, info, cfg, ctx)
 
 
 # -- the rank graphs -----------------------------------------------------------------------------
@@ -236,7 +275,8 @@ def test_tp_build_writes_every_rank_engine_per_sm(rtx, engine_factory, tier):
             collectives = {"AllReduce": 2 * layers, "AllGather": 1}
             # NVFP4 reaches the GEMM plugin below SM100; FP8 and SM120 FP4 are native
             plugin = {"NvFp4W4A16Gemm": gemms} if (tier == "nvfp4" and sm == 89) else {}
-            assert entry.plugins == {**collectives, **plugin}
+            convs = {"DFlash2DynamicConv": 2 * layers} if name == "dflash2" else {}  # every SM
+            assert entry.plugins == {**collectives, **plugin, **convs}
             assert entry.plan_files() == [f"{name}/rank{r}.sm{sm}.engine" for r in range(2)]
             for e in entry.ranks:
                 path = engine_dir / e.file
@@ -245,8 +285,9 @@ def test_tp_build_writes_every_rank_engine_per_sm(rtx, engine_factory, tier):
                 assert e.file in info.files
         for r in range(2):
             assert m.files[f"{name}/rank{r}.onnx"]["sha256"] == _sha256(engine_dir / name / f"rank{r}.onnx")
-    # only the GEMM plugins need cubins: fp8's engines hold collectives alone
-    assert bool(m.plugins) == (tier == "nvfp4")
+    # the collectives need no cubin: fp8's ship DFlash2's conv kernel alone
+    kernels = {p["kernel"] for p in m.plugins}
+    assert kernels == ({"nvfp4_w4a16_gemm"} if tier == "nvfp4" else set()) | {"dflash2_dynamic_conv"}
 
 
 @pytest.mark.parametrize("r", [0, 1])

@@ -234,10 +234,7 @@ def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
     device = device or "cuda"
     if torch.device(device).type != "cuda":
         raise ConfigError(f"--backend tensorrt needs --device cuda or cuda:N, got --device {device}")
-    if nproc is not None and nproc > 1:
-        raise ConfigError(f"--nproc {nproc}: the tensorrt backend runs one process (its engines "
-                          "are built for one rank); use --backend torch for tensor parallelism")
-    return b, device
+    return b, device  # --nproc N: the ranks of a --draft-tp-size N build (`tensorrt.world_plan`)
 
 
 def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dtype = torch.float32,
@@ -249,19 +246,19 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
     drafters swapped for the directory's CPU packages (refused when none fit this process). auto:
     aoti on a CPU where it can, the target's steps replayed as CUDA graphs on a CUDA device, eager
     torch otherwise (`backend_note` says why). onnxruntime, tensorrt: the directory's graphs
-    (`graph_steps`; one rank, the built weights, so `components`, `tp` and `states` must be
-    unset). `states`: weights requantized at load (see `builder.requantize`)."""
+    (`graph_steps`; the built weights, so `components` and `states` must be unset; `tp`
+    only for tensorrt, whose tensor-parallel drafter engines run one per rank). `states`: weights requantized at load (see `builder.requantize`)."""
     from metrale.runtime.artifact.engine import load_models
 
     b = Backend.parse(backend) if isinstance(backend, str) else backend
     dev = torch.device(device)
     if b.runs_graphs:
-        if tp is not None or states:
+        if states or (tp is not None and b is not Backend.TENSORRT):
             raise ConfigError(f"--backend {b.value} runs the graphs of the built weights on one rank")
         if b is Backend.TENSORRT:
             from metrale.runtime.backends.tensorrt import load_trt_engine
 
-            return load_trt_engine(engine_dir, device=dev)
+            return load_trt_engine(engine_dir, device=dev, tp=tp)
         from metrale.runtime.backends.onnxruntime import load_ort_engine
 
         return load_ort_engine(engine_dir)

@@ -46,8 +46,9 @@ from metrale.runtime.components import KINDS, resolve
 from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
 from metrale.runtime.models.dflash import CandidateSelector, Proposal
 from metrale.runtime.artifact.engine import LoadedEngine
-from metrale.runtime.errors import EngineDirError
+from metrale.runtime.errors import EngineDirError, MetraleError
 from metrale.runtime.models.qwen3 import TargetOutput
+from metrale.runtime.models.tp import local_decoder, shard_range
 
 KV = ("past_key", "past_value")
 
@@ -202,10 +203,18 @@ def propose_graph_key(slot_id: int, context: int, gamma: int, block_size: int):
 
 
 class GraphDrafter(_Component):
+    """A drafter over its propose graph. A tensor-parallel rank's graph (`builder.tp_export`:
+    `rank` of `size`) holds the drafter's collectives itself, so every rank's graph runs at
+    once (one call per rank, in lockstep) and each returns the same global top candidates:
+    the drafts come from those, its cache holds the rank's KV heads and its logits are the
+    rank's vocab slice."""
+
     def __init__(self, runner: GraphRunner, profile: dict, cfg: DFlashConfig,
-                 codebooks: tuple[torch.Tensor, torch.Tensor] | None):
-        super().__init__(runner, profile, cfg.decoder.num_hidden_layers, cfg.decoder)
+                 codebooks: tuple[torch.Tensor, torch.Tensor] | None, rank: int = 0, size: int = 1):
+        d = cfg.decoder if size == 1 else local_decoder(cfg.decoder, rank, size)
+        super().__init__(runner, profile, d.num_hidden_layers, d)
         self.config = cfg
+        self.vocab_start = shard_range(cfg.decoder.vocab_size, rank, size)[0]
         self.max_context = int(profile["context"][2])
         self.selector = None
         if cfg.version == 2:
@@ -226,12 +235,13 @@ class GraphDrafter(_Component):
             raise EngineDirError(f"{ctx.where}: drafter {name} reads target layers "
                                  f"{list(cfg.target_layer_ids)}, the target graph taps "
                                  f"{list(ctx.engine_taps)}; rebuild the directory")
+        rank = ctx.rank if info.tp_size > 1 else 0
         books = None
         if cfg.version == 2:
-            books = tuple(_tensors(ctx.path / name / "rank0.safetensors",
+            books = tuple(_tensors(ctx.path / name / f"rank{rank}.safetensors",
                                    ("candidate_selector.predecessor_codebook",
                                     "candidate_selector.successor_codebook"), ctx.where))
-        return cls(runner, info.profile, cfg, books)
+        return cls(runner, info.profile, cfg, books, rank, info.tp_size)
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> EngineCache:
         return self._cache(batch)
@@ -268,11 +278,28 @@ class GraphDrafter(_Component):
         out = self._run(cache.pending, embed(block), cache)
         cache.pending = None
         logits = out["logits"][:, 1:]  # [1, γ−1, V]: slot j predicts position anchor+j
+        if "top_ids" in out:  # a tensor-parallel rank: the global candidates, every rank's alike
+            return Proposal(tokens=self._tp_drafts(out, anchor), logits=logits,
+                            vocab_start=self.vocab_start)
         if self.selector is not None:
             tokens = self.selector.select(out["selector_query"][:, 1:], logits, anchor)
         else:
             tokens = logits.argmax(-1)
         return Proposal(tokens=tokens, logits=logits)
+
+    def _tp_drafts(self, out: dict, anchor: torch.Tensor) -> torch.Tensor:
+        """The drafts of a rank graph's global top candidates (sorted by value: the first is
+        the argmax; DFlash2 rescores its first `num_candidates`), after the lockstep check."""
+        positions = out["rank_positions"].flatten()
+        if not bool((positions == positions[0]).all()):
+            raise MetraleError(f"drafter ranks diverged: their cache positions differ "
+                               f"({positions.tolist()}); every rank must decode the same sequence")
+        vals, ids = out["top_values"][:, 1:], out["top_ids"][:, 1:]  # [1, γ−1, K]
+        if self.selector is None:
+            return ids[..., 0]
+        n = self.config.num_candidates
+        return self.selector.select_candidates(out["selector_query"][:, 1:], vals[..., :n],
+                                               ids[..., :n], anchor)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -290,10 +317,11 @@ def _tensors(path: Path, names: tuple[str, ...], where: str) -> list[torch.Tenso
 
 
 def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], GraphRunner],
-                      device: torch.device) -> LoadedEngine:
-    """Every component's face over `runner(name)` (the component's graph), with the target's
-    embedding and DFlash2's codebooks read from the safetensors; the profiles and taps come from
-    the manifest (`trt_build.write_engines` records them with each graph)."""
+                      device: torch.device, rank: int = 0) -> LoadedEngine:
+    """Every component's face over `runner(name)` (the component's graph: this `rank`'s for a
+    tensor-parallel drafter), with the target's embedding and DFlash2's codebooks read from the
+    safetensors; the profiles and taps come from the manifest (`trt_build.write_engines`
+    records them with each graph)."""
     comps = manifest.components
     where = f"engine directory {path}"
     missing = [n for n, c in comps.items() if c.profile is None]
@@ -312,7 +340,8 @@ def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], G
     (weight,) = _tensors(path / "target" / "rank0.safetensors", ("model.embed_tokens.weight",), where)
     embed = nn.Embedding.from_pretrained(weight.to(device, tgt.dtypes["last_hidden"]), freeze=True)
     engine_taps = tuple(comps["target"].taps or ())
-    ctx = SimpleNamespace(path=path, where=where, engine_taps=engine_taps, embed=embed, limit=limit)
+    ctx = SimpleNamespace(path=path, where=where, engine_taps=engine_taps, embed=embed, limit=limit,
+                          rank=rank)
     target = resolve(KINDS["target"].graph_face).from_graph(tgt, "target", comps["target"], tcfg, ctx)
     loaded = LoadedEngine(path, manifest, tokenizer, target, dtype=embed.weight.dtype,
                           device=device, packed=True)  # the graphs hold their own weights

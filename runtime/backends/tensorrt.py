@@ -11,6 +11,11 @@ count C ≤ γ, are captured per cache buffer and replayed. Cache buffers come f
 per-size pool and return to it when their cache is collected (or moves to the larger size), so
 consecutive requests reuse buffers and their graphs; two caches alive at once never share one.
 
+Tensor-parallel drafters (`--draft-tp-size N` builds): a world of N ranks (`--nproc N`, one GPU
+each) runs them, each rank its own drafter engine (`plan_file`), whose AllReduce / AllGather
+plugin layers use an NCCL communicator made from the process group, beside the one-rank target
+and head engines that every rank runs alike (`world_plan` refuses any other pairing).
+
 Precision: the engines compute in the dtype they were built with (the ONNX graphs' dtype:
 `metrale build --trt-dtype`, bfloat16 by default); `--dtype auto` takes it, and another
 explicit `--dtype` is refused naming both (`builder.requantize.check_plans`).
@@ -32,9 +37,38 @@ from metrale.runtime.errors import ConfigError, EngineDirError
 log = logging.getLogger(__name__)
 
 
+def world_plan(components, tp, path) -> tuple[int, int]:
+    """(rank, size) this process loads the engines of: (0, 1) alone; under a tensor-parallel
+    world (`tp`: rank, size), every tensor-parallel drafter must have been built for exactly
+    that many ranks (each rank runs its own drafter engine, whose collectives span the world,
+    beside the one-rank target and head engines, which every rank runs alike)."""
+    sharded = {n: c.tp_size for n, c in components.items() if c.tp_size > 1}
+    if tp is None:
+        if sharded:
+            raise ConfigError(
+                f"--backend tensorrt: engine directory {path} holds tensor-parallel drafter engines "
+                f"({', '.join(f'{n}: {k} ranks' for n, k in sorted(sharded.items()))}); run them "
+                f"with --nproc {max(sharded.values())} (one GPU per rank)")
+        return 0, 1
+    wrong = {n: k for n, k in sharded.items() if k != tp.size}
+    if not sharded or wrong:
+        built = ", ".join(f"{n}: {k} ranks" for n, k in sorted((wrong or sharded).items()))
+        raise ConfigError(
+            f"--backend tensorrt on {tp.size} ranks: engine directory {path} has "
+            f"{'no tensor-parallel drafter engines' if not sharded else 'drafter engines of ' + built}; "
+            f"the TensorRT engines of a world of {tp.size} are a --draft-tp-size {tp.size} build")
+    return tp.rank, tp.size
+
+
+def plan_file(plan, rank: int) -> str:
+    """The engine file of `rank` in one SM's plan entry (a one-rank plan: its one file)."""
+    return plan.ranks[rank].file if plan.ranks else plan.file
+
+
 def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cuda",
-                    graphs: bool = True) -> LoadedEngine:
-    """Verify the directory and load every component's engine for this GPU's SM."""
+                    graphs: bool = True, tp=None) -> LoadedEngine:
+    """Verify the directory and load every component's engine for this GPU's SM (this rank's
+    engine for a tensor-parallel drafter, `tp` the world's rank and size: see `world_plan`)."""
     from metrale.plugins.trt_plugin import KernelLibrary, plugin_kernel_keys, register_plugins
     from metrale.runtime.artifact.tokenizer import Tokenizer
 
@@ -46,12 +80,7 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
     dev = torch.device(device)
     dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     comps = manifest.components
-    sharded = sorted(n for n, c in comps.items() if c.tp_size > 1)
-    if sharded:
-        raise ConfigError(
-            f"--backend tensorrt: engine directory {path} holds tensor-parallel drafter engines "
-            f"({', '.join(sharded)}, built with --draft-tp-size > 1), which this backend does not run; "
-            "rebuild with --draft-tp-size 1 or use --backend torch")
+    rank, size = world_plan(comps, tp, path)
     sm = pick_engine_sm({n: c.engines for n, c in comps.items()}, gpu_sm(dev), path)
     flavor = manifest.build.get("trt_flavor")
     trt = import_trt(flavor, path)
@@ -69,19 +98,26 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
                 raise EngineDirError(f"engine directory {path}: plugins/ has no kernel "
                                      f"{', '.join(missing)} for the SM{sm} engines' plugin layers; "
                                      "rebuild the directory")
-            plugins = register_plugins(trt, sm, library)  # before deserializing plugin layers
+            comm = None
+            if size > 1:  # the drafter engines' AllReduce / AllGather plugin layers
+                from metrale.plugins.trt_collectives import NcclCommunicator
+
+                comm = NcclCommunicator.from_process_group()
+            plugins = register_plugins(trt, sm, library, comm)  # before deserializing plugin layers
 
         def runner(name: str) -> EngineRunner:
-            rel = comps[name].engines[str(sm)].file
+            rel = plan_file(comps[name].engines[str(sm)], rank)
             what = f"engine directory {path}: {rel}"
             return EngineRunner(trt, flavor, (path / rel).read_bytes(), what, dev, stream, graphs)
 
-        loaded = load_graph_engine(path, manifest, Tokenizer.from_dir(path / "tokenizer"), runner, dev)
+        loaded = load_graph_engine(path, manifest, Tokenizer.from_dir(path / "tokenizer"), runner, dev,
+                                   rank=rank)
         loaded.backend = "tensorrt"
         target = loaded.target
     # the plugin creators must outlive every engine holding plugin layers
     target.keep_alive = (plugins, stream)
-    log.info("loaded %s for SM%d (TensorRT %s)", path, sm, flavor)
+    log.info("loaded %s for SM%d (TensorRT %s%s)", path, sm, flavor,
+             f", rank {rank} of {size}" if size > 1 else "")
     return loaded
 
 

@@ -221,7 +221,7 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
     at 1 only the leader loads drafters and relays its drafts (`spec_relay`).
     """
     kind = Backend.parse(backend)
-    if kind.runs_graphs:  # one process, one rank: the graphs are the one-rank build's
+    if kind is Backend.ONNXRUNTIME:  # one process, one rank: the graphs are the one-rank build's
         import os
 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -233,6 +233,21 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
                               "graphs; use --backend torch for tensor-parallel drafters")
         return EngineGenerator(load_engine(engine_dir, backend=kind, device=device), spec)
     world = World.from_env(device)
+    if kind is Backend.TENSORRT:  # a world of N ranks runs the N rank engines of its drafters
+        tp = None
+        if world.size > 1:
+            if spec.mode is not SpecMode.DFLASH:
+                raise ConfigError(f"--backend tensorrt on {world.size} ranks runs a tensor-parallel "
+                                  "DFlash drafter's rank engines; choose --speculative dflash or "
+                                  "run one process")
+            world.agree(str(spec.draft_tp_size), "--draft-tp-size")
+            kv_heads = drafter_kv_heads(Path(engine_dir), spec.dflash_drafter)
+            if kv_heads is None or resolve_draft_tp_size(spec, world.size, kv_heads) != world.size:
+                raise ConfigError(f"--backend tensorrt on {world.size} ranks needs --draft-tp-size "
+                                  f"auto or {world.size}: each rank runs its own drafter engine")
+            tp = TensorParallel(world.rank, world.size)
+        engine = load_engine(engine_dir, backend=kind, device=world.device(device), tp=tp)
+        return EngineGenerator(engine, spec, world)
     tp, relay, components = None, False, None
     if spec.mode is SpecMode.DFLASH:
         world.agree(str(spec.draft_tp_size), "--draft-tp-size")
