@@ -21,7 +21,7 @@ if importlib.util.find_spec("triton") is None:
 
 @pytest.fixture(scope="module")
 def built(engine_factory):
-    return engine_factory("nvfp4", trt_flavor="rtx", target_sm=(89,))
+    return engine_factory("nvfp4", trt_flavor="rtx", target_sm=(89,), mtp_experts_nvfp4=True)
 
 
 def test_engines_onnx_and_cubins_are_recorded(built):
@@ -43,7 +43,11 @@ def test_engines_onnx_and_cubins_are_recorded(built):
     # DFlash2's dynamic convs are plugin layers too: their kernel ships beside the GEMM's
     assert m.components["dflash2"].engines["89"].plugin_acts == {
         "DFlash2DynamicConv": ["bf16"], "NvFp4W4A16Gemm": ["bf16"]}
-    kernels = ("dflash2_dynamic_conv", "nvfp4_w4a16_gemm")
+    # the MTP head's NVFP4 routed experts are one grouped plugin layer, in bf16 too: its two
+    # kernels ship as well
+    assert m.components["mtp"].engines["89"].plugin_acts == {
+        "NvFp4MoeW4A16": ["bf16"], "NvFp4W4A16Gemm": ["bf16"]}
+    kernels = ("dflash2_dynamic_conv", "nvfp4_moe_down", "nvfp4_moe_gate_up", "nvfp4_w4a16_gemm")
     assert sorted(f for f in m.files if f.startswith("plugins/")) == [
         f"plugins/{k}.sm89.bf16.{ext}" for k in kernels for ext in ("cubin", "json")]
     assert [(p["kernel"], p["sm"], p["act"]) for p in m.plugins] == [(k, 89, "bf16") for k in kernels]
