@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from metrale.builder.cpu_check import check_packages, load_packed
+from metrale.plugins.dynamic_conv import inductor_decompositions
 from metrale.runtime.artifact.entries import ComponentEntry, CpuPackages
 from metrale.runtime.components import Role, kind_named, kind_of
 
@@ -95,12 +96,13 @@ class Job:
 
 
 def _sources_digest() -> str:
+    import metrale.plugins.dynamic_conv as conv
     import metrale.runtime.backends.aoti_steps as steps
     import metrale.runtime.models.dflash as dflash
     import metrale.runtime.models.layers as layers
 
     h = hashlib.sha256()
-    for mod in (steps, layers, dflash):
+    for mod in (steps, layers, dflash, conv):
         h.update(Path(mod.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
@@ -177,6 +179,7 @@ def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tu
     step, args, dyn = step_and_example(job, staged, taps, slots)
     with torch.inference_mode():
         ep = torch.export.export(step, args, dynamic_shapes=dyn)
+        ep = ep.run_decompositions(inductor_decompositions())  # DFlash2's conv op, as its math
     torch._inductor.aoti_compile_and_package(ep, package_path=out, inductor_configs=INDUCTOR[job.linear])
     return time.time() - t0
 

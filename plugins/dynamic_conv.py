@@ -29,7 +29,15 @@ TRITON_BLOCKS = {"BLOCK_H": 256}  # channels per program (also the constexpr `ao
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def dflash2_dynamic_conv(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
     """y [B, T, H] from x [B, T, H] and kernel [B, T, G, 2] over blocks of `block` slots."""
-    b, t, h, g = _check(x, kernel, block)
+    _check(x, kernel, block)
+    return conv_math(x, kernel, block)
+
+
+def conv_math(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
+    """The op's math in plain torch ops (no checks): what it computes eagerly, and what a graph
+    compiled by inductor holds in its place (`inductor_decompositions`)."""
+    b, t, h = x.shape
+    g = kernel.shape[2]
     xg = x.to(torch.float32).view(b, t // block, block, g, h // g)  # [B, nb, Bs, G, H/G]
     prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:, :, :-1]  # x[t−1] within each block, 0 at slot 0
     k = kernel.to(torch.float32).view(b, t // block, block, g, 2, 1)
@@ -62,6 +70,12 @@ def _backward(ctx, grad):
 
 
 dflash2_dynamic_conv.register_autograd(_backward, setup_context=_setup_backward)
+
+
+def inductor_decompositions() -> dict:
+    """{the op: its math} for `ExportedProgram.run_decompositions` before an AOTInductor compile
+    (the packages hold the op's arithmetic, fused by inductor, not a call back into Python)."""
+    return {torch.ops.metrale.dflash2_dynamic_conv.default: conv_math}
 
 
 @dflash2_dynamic_conv.register_fake

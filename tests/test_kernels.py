@@ -237,3 +237,21 @@ def test_conv_op_gradients_are_those_of_its_math():
     for ours, want in zip(*grads):
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(torch.ops.metrale.dflash2_dynamic_conv.default, (x, kernel, block))
+
+
+def test_conv_op_decomposes_to_its_math_for_inductor():
+    # the CPU packages compile the op's arithmetic (no call back into Python): exported, the
+    # graph holds the op; after `inductor_decompositions`, plain aten ops computing the same bits
+    class Step(torch.nn.Module):
+        def forward(self, x, kernel):
+            return dynamic_conv.dflash2_dynamic_conv(x, kernel, 4) * 2
+
+    g = gen(3)
+    x, kernel = torch.randn(2, 8, 6, generator=g), torch.randn(2, 8, 3, 2, generator=g)
+    ep = torch.export.export(Step(), (x, kernel))
+    op = torch.ops.metrale.dflash2_dynamic_conv.default
+    assert op in [n.target for n in ep.graph.nodes]
+    lowered = ep.run_decompositions(dynamic_conv.inductor_decompositions())
+    targets = [n.target for n in lowered.graph.nodes if n.op == "call_function"]
+    assert op not in targets and torch.ops.aten.mul.Tensor in targets
+    assert torch.equal(lowered.module()(x, kernel), Step()(x, kernel))

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.plugins.dynamic_conv import dflash2_dynamic_conv
 from metrale.runtime.models.layers import MoE, apply_rope, float_weight, rope_cos_sin
 
 LINEARS = ("gemm", "rowwise")
@@ -371,13 +372,12 @@ class BatchedDFlashStep(DFlashStep):
 
     def _conv(self, x, layer: int, which: int, q_n: int, g: int) -> torch.Tensor:
         """The two-tap grouped dynamic conv (`dflash.DynamicConv`) over each sequence's block
-        (x [Q·Γ, H]): slot 0 of every block sees no previous slot."""
+        (x [Q·Γ, H]), through the `metrale::dflash2_dynamic_conv` op over blocks of Γ slots
+        (slot 0 of every block sees no previous slot); the build compiles the op's math in its
+        place (`dynamic_conv.inductor_decompositions`)."""
         t, h = x.shape
-        groups = self.groups
-        kernel = self.conv_base[layer, which] + F.linear(x, self.conv_proj[layer, which]).view(t, groups, 2)
-        xg = x.view(q_n, g, groups, h // groups)
-        prev = F.pad(xg, (0, 0, 0, 0, 1, 0))[:, :-1].reshape(t, groups, h // groups)
-        return (kernel[..., 0:1] * xg.reshape(t, groups, h // groups) + kernel[..., 1:2] * prev).reshape(t, h)
+        kernel = self.conv_base[layer, which] + F.linear(x, self.conv_proj[layer, which]).view(t, self.groups, 2)
+        return dflash2_dynamic_conv(x.view(q_n, g, h), kernel.view(q_n, g, self.groups, 2), g).view(t, h)
 
     def _select(self, hidden, logits, anchors) -> torch.Tensor:
         """DFlash2's candidate selector (`dflash.CandidateSelector`) for every sequence's block
