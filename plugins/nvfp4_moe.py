@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from metrale.plugins.formats import NVFP4_BLOCK, dequantize_nvfp4
 
@@ -41,20 +42,58 @@ def nvfp4_moe_w4a16(
     down_packed: torch.Tensor, down_scale: torch.Tensor, down_global: torch.Tensor,
 ) -> torch.Tensor:
     """y [T, H] = sum_j weights[:, j] * expert_{ids[:, j]}(x), experts dequantized from NVFP4."""
-    _, inter = _check(x, expert_ids, weights, gate_up_packed, gate_up_scale, gate_up_global,
-                      down_packed, down_scale, down_global)
+    e, _ = _check(x, expert_ids, weights, gate_up_packed, gate_up_scale, gate_up_global,
+                  down_packed, down_scale, down_global)
+    gate_up, down, gate_up_of, down_of = dense_experts(
+        gate_up_packed, gate_up_scale, gate_up_global, down_packed, down_scale,
+        down_global)  # f32 [E, 2I, H], [E, H, I], and per expert its views
     xf = x.to(torch.float32)  # [T, H]
+    wf = weights.to(torch.float32)
+    if expert_ids.numel() <= e:  # few rows: each routed pair one mat-vec on its expert's weights
+        rows = []
+        for row, row_ids, row_w in zip(xf, expert_ids.tolist(), wf.tolist()):  # row [H]
+            acc = None
+            for ex, w in sorted(zip(row_ids, row_w)):  # expert-id order, as the grouped sum below
+                gate, up = F.linear(row, gate_up_of[ex]).chunk(2)  # [I] each
+                y = torch.mv(down_of[ex], F.silu(gate).mul_(up)).mul_(w)  # [H]
+                acc = y if acc is None else acc.add_(y)
+            rows.append(acc)
+        return torch.stack(rows).to(x.dtype)
     out = torch.zeros_like(xf)  # [T, H] f32
-    for e in expert_ids.unique().tolist():
-        token, slot = torch.nonzero(expert_ids == e, as_tuple=True)  # [n], [n]
-        gate = dequantize_nvfp4(gate_up_packed[e, :inter], gate_up_scale[e, :inter],
-                                gate_up_global[e, 0])  # [I, H]
-        up = dequantize_nvfp4(gate_up_packed[e, inter:], gate_up_scale[e, inter:],
-                              gate_up_global[e, 1])  # [I, H]
-        act = F.silu(xf[token] @ gate.T) * (xf[token] @ up.T)  # [n, I]
-        down = dequantize_nvfp4(down_packed[e], down_scale[e], down_global[e])  # [H, I]
-        out.index_add_(0, token, (act @ down.T) * weights[token, slot].to(torch.float32)[:, None])
+    for ex in expert_ids.unique().tolist():
+        token, slot = torch.nonzero(expert_ids == ex, as_tuple=True)  # [n], [n]
+        gate, up = F.linear(xf[token], gate_up[ex]).chunk(2, dim=-1)  # [n, I] each
+        out.index_add_(0, token, F.linear(F.silu(gate) * up, down[ex]) * wf[token, slot][:, None])
     return out.to(x.dtype)
+
+
+# Dequantized experts by the stacked tensors they came from: the op reads an NVFP4 weight set
+# once, as a GEMM library packs its weights once, since weights are constants at inference (a
+# set whose storage moved is read again).
+_DENSE = WeakIdKeyDictionary()
+
+
+def dense_experts(gate_up_packed, gate_up_scale, gate_up_global, down_packed, down_scale,
+                  down_global) -> tuple:
+    """The experts dequantized (`formats.dequantize_nvfp4`, per expert and projection with its
+    own global scale): gate/up float32 [E, 2I, H] (gate rows first), down float32 [E, H, I],
+    and the lists of their per-expert views."""
+    tensors = (gate_up_packed, gate_up_scale, gate_up_global, down_packed, down_scale, down_global)
+    where = tuple(t.data_ptr() for t in tensors)
+    hit = _DENSE.get(gate_up_packed)
+    if hit is not None and hit[0] == where:
+        return hit[1]
+    inter = gate_up_packed.shape[1] // 2
+    halves = (slice(0, inter), slice(inter, 2 * inter))
+    gate_up = torch.stack([
+        torch.cat([dequantize_nvfp4(gate_up_packed[e, rows], gate_up_scale[e, rows],
+                                    gate_up_global[e, half]) for half, rows in enumerate(halves)])
+        for e in range(gate_up_packed.shape[0])])
+    down = torch.stack([dequantize_nvfp4(down_packed[e], down_scale[e], down_global[e])
+                        for e in range(down_packed.shape[0])])
+    dense = (gate_up, down, list(gate_up.unbind(0)), list(down.unbind(0)))
+    _DENSE[gate_up_packed] = (where, dense)
+    return dense
 
 
 @nvfp4_moe_w4a16.register_fake
