@@ -24,6 +24,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from metrale.plugins.formats import FORMATS
+from metrale.plugins.nvfp4_moe import dense_experts
 
 DOMAIN = "metrale"
 FP4_OPSET = 23  # FLOAT4E2M1 DequantizeLinear
@@ -189,17 +190,11 @@ def _stored(node, consts: dict, names, what: str) -> list[torch.Tensor]:
 
 
 def _grouped_moe_standard(node, consts: dict, graph: onnx.GraphProto, what: str) -> list[onnx.NodeProto]:
-    """`NvFp4MoeW4A16` as standard ops over its experts dequantized once, here (per expert and
-    projection through the NVFP4 format's `dequantize`), into float32 initializers GU [E, 2I, H]
+    """`NvFp4MoeW4A16` as standard ops over its experts dequantized once, here (as the op itself
+    dequantizes them, `nvfp4_moe.dense_experts`), into float32 initializers GU [E, 2I, H]
     and D [E, H, I]: each (token, slot) gathers its expert's GU and D, y = Σ_slots w·D(silu(g)·u)."""
     x, ids, weights = node.input[:3]
-    gu_p, gu_s, gu_g, dn_p, dn_s, dn_g = _stored(node, consts, node.input[3:], what)
-    deq = FORMATS["nvfp4"].dequantize
-    inter = gu_p.shape[1] // 2
-    gu = torch.stack([torch.cat([deq(gu_p[e, :inter], gu_s[e, :inter], gu_g[e, 0]),
-                                 deq(gu_p[e, inter:], gu_s[e, inter:], gu_g[e, 1])])
-                      for e in range(gu_p.shape[0])])  # [E, 2I, H]
-    dn = torch.stack([deq(dn_p[e], dn_s[e], dn_g[e]) for e in range(dn_p.shape[0])])  # [E, H, I]
+    gu, dn = dense_experts(*_stored(node, consts, node.input[3:], what))[:2]  # [E, 2I, H], [E, H, I]
     y, base = node.output[0], node.name or node.output[0]
     n = lambda s: f"{base}/{s}"  # noqa: E731
     graph.initializer.extend([numpy_helper.from_array(gu.numpy(), n("gate_up")),

@@ -35,7 +35,7 @@ import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from metrale.plugins.trt_common import Keeper, PluginDefaults
+from metrale.plugins.trt_common import Keeper, PluginDefaults, init_plugin
 
 COLLECTIVE_OPS = ("AllReduce", "AllGather")
 ACTIVATION_TYPES = ("FLOAT", "HALF", "BF16")
@@ -202,16 +202,8 @@ def collective_classes(trt: ModuleType):
         """One AllReduce or AllGather node of one rank. Serialized fields: group_size, rank."""
 
         def __init__(self, op: str, group_size: int, rank: int, shared: Collectives):
-            trt.IPluginV3.__init__(self)
-            trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuild.__init__(self)
-            trt.IPluginV3OneRuntime.__init__(self)
+            init_plugin(self, trt, op)
             self.op, self.group_size, self.rank, self.shared = op, group_size, rank, shared
-            self.plugin_name = op
-            self.plugin_namespace = ""
-            self.plugin_version = "1"
-            self.num_outputs = 1
-            self.timing_cache_id = ""
 
         def clone(self):
             return self.shared.keep_alive.hold(

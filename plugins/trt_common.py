@@ -19,6 +19,15 @@ def act_of(trt_type) -> str:
     return ACT_OF_TYPE[name]
 
 
+def init_plugin(plugin, trt, name: str) -> None:
+    """Run the IPluginV3 interfaces' initialisers on `plugin` and give it the identity every
+    metrale plugin has: its op's name, version "1", namespace "", one output."""
+    for base in (trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+        base.__init__(plugin)
+    plugin.plugin_name, plugin.plugin_namespace, plugin.plugin_version = name, "", "1"
+    plugin.num_outputs, plugin.timing_cache_id = 1, ""
+
+
 class Keeper:
     """Python plugin objects TensorRT holds by borrowed pointers (a collected one would be a
     use-after-free): each is held from its creation until TensorRT calls its `destroy()`."""

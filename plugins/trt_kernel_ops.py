@@ -30,7 +30,7 @@ import functools
 from dataclasses import dataclass
 from types import ModuleType
 
-from metrale.plugins.trt_common import PluginDefaults, act_of
+from metrale.plugins.trt_common import PluginDefaults, act_of, init_plugin
 
 MOE_OP, CONV_OP = "NvFp4MoeW4A16", "DFlash2DynamicConv"
 
@@ -59,7 +59,7 @@ def _dims(desc) -> list[int]:
 def moe_workspace_bytes(x_dims, ids_dims, gate_up_dims) -> int:
     """Bytes of the float32 [T·k, I] workspace between the MoE's two launches."""
     t, k, inter = int(x_dims[0]), int(ids_dims[1]), int(gate_up_dims[1]) // 2
-    return max(t * k * inter * 4, 0)
+    return t * k * inter * 4
 
 
 def launch_moe(lib, sm: int, input_desc, inputs, outputs, workspace: int, stream: int) -> None:
@@ -107,16 +107,8 @@ def kernel_op_classes(trt: ModuleType):
         """One MoE or dynamic conv node. Serialized fields: `sm` and the op's attributes."""
 
         def __init__(self, spec: KernelOpSpec, sm: int, attrs: dict[str, int], library):
-            trt.IPluginV3.__init__(self)
-            trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuild.__init__(self)
-            trt.IPluginV3OneRuntime.__init__(self)
+            init_plugin(self, trt, spec.op_type)
             self.spec, self.sm, self.attrs, self.library = spec, sm, dict(attrs), library
-            self.plugin_name = spec.op_type
-            self.plugin_namespace = ""
-            self.plugin_version = "1"
-            self.num_outputs = 1
-            self.timing_cache_id = ""
 
         def clone(self):
             return self.library.keep_alive.hold(

@@ -57,12 +57,14 @@ from pathlib import Path
 from types import ModuleType
 
 from metrale.plugins.formats import FORMATS
-from metrale.plugins.trt_common import ACT_OF_TYPE, Keeper, PluginDefaults, act_of  # noqa: F401
+from metrale.plugins.trt_common import (  # noqa: F401  (the plugins' base, re-exported)
+    ACT_OF_TYPE, Keeper, PluginDefaults, act_of, init_plugin,
+)
 from metrale.plugins.trt_kernel_ops import KERNEL_OPS, register_kernel_ops
 
 log = logging.getLogger(__name__)
 
-PLUGIN_VERSION = "1"
+PLUGIN_VERSION = "1"  # every metrale plugin's (`trt_common.init_plugin`)
 PLUGIN_NAMESPACE = ""
 
 
@@ -261,16 +263,8 @@ def plugin_classes(trt: ModuleType):
         """One weight-only GEMM node. Fields (serialized into the engine): `sm` (int32)."""
 
         def __init__(self, spec: GemmOpSpec, sm: int, library: KernelLibrary):
-            trt.IPluginV3.__init__(self)
-            trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuild.__init__(self)
-            trt.IPluginV3OneRuntime.__init__(self)
+            init_plugin(self, trt, spec.op_type)
             self.spec, self.sm, self.library = spec, sm, library
-            self.plugin_name = spec.op_type
-            self.plugin_namespace = PLUGIN_NAMESPACE
-            self.plugin_version = PLUGIN_VERSION
-            self.num_outputs = 1
-            self.timing_cache_id = ""
 
         # -- core / lifetime --
         def clone(self):

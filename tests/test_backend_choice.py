@@ -76,9 +76,11 @@ def test_tensorrt_world_plan_pairs_ranks_with_rank_engines():
         world_plan(one, TensorParallel(0, 2), "d")
     with pytest.raises(ConfigError, match="on 4 ranks: .* drafter engines of dflash: 2 ranks"):
         world_plan(two, TensorParallel(3, 4), "d")
-    ranks = NS(file=None, ranks=[NS(file="dflash/rank0.sm89.engine"), NS(file="dflash/rank1.sm89.engine")])
+    from metrale.runtime.artifact.entries import Plan, PlanFile
+
+    ranks = Plan(ranks=[PlanFile(file=f"dflash/rank{r}.sm89.engine", seconds=1.0, bytes=1) for r in range(2)])
     assert plan_file(ranks, 1) == "dflash/rank1.sm89.engine"
-    assert plan_file(NS(file="target/rank0.sm89.engine", ranks=[]), 1) == "target/rank0.sm89.engine"
+    assert plan_file(Plan(file="target/rank0.sm89.engine"), 1) == "target/rank0.sm89.engine"
 
 
 @pytest.mark.parametrize("kwargs, needle", [

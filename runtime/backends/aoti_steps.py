@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.plugins.dynamic_conv import dflash2_dynamic_conv
+from metrale.plugins.nvfp4_moe import dense_experts
 from metrale.runtime.models.layers import MoE, apply_rope, float_weight, rope_cos_sin
 
 LINEARS = ("gemm", "rowwise")
@@ -107,12 +108,17 @@ class StepFFN(nn.Module):
         dense = mlp.shared_expert if self.moe else mlp
         if self.moe:
             self.top_k, self.norm_topk = mlp.top_k, mlp.norm_topk
-            if mlp.experts_gate_up is None:
+            if mlp.experts_gate_up is None and mlp.nvfp4_stacked is None:
                 mlp.pack()
-            e, inter, hidden = mlp.experts_down.shape
+            if mlp.nvfp4_stacked is not None:  # NVFP4 experts: the grouped op's dequantized copy
+                gate_up, down_t = dense_experts(*mlp.nvfp4_stacked)[:2]  # [E, 2I, H], [E, H, I]
+            else:
+                e, inter, hidden = mlp.experts_down.shape
+                gate_up = mlp.experts_gate_up.view(e, 2 * inter, hidden)
+                down_t = mlp.experts_down.transpose(1, 2)
             self.register_buffer("router", _weight(mlp.gate, dtype))
-            self.register_buffer("experts_gate_up", mlp.experts_gate_up.to(dtype).view(e, 2 * inter, hidden))
-            self.register_buffer("experts_down_t", mlp.experts_down.to(dtype).transpose(1, 2).contiguous())
+            self.register_buffer("experts_gate_up", gate_up.to(dtype))
+            self.register_buffer("experts_down_t", down_t.to(dtype).contiguous())
             gate = mlp.shared_expert_gate
             self.register_buffer("shared_gate", None if gate is None else _weight(gate, dtype))
         self.register_buffer("gate_up", None if dense is None else torch.cat(

@@ -44,7 +44,7 @@ from metrale.runtime.artifact.engine_check import component_config
 from metrale.runtime.backends.graph_cache import CacheSizes, EngineCache, position_limit
 from metrale.runtime.components import KINDS, resolve
 from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
-from metrale.runtime.models.dflash import CandidateSelector, Proposal
+from metrale.runtime.models.dflash import CandidateSelector, Proposal, candidate_drafts
 from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.errors import EngineDirError, MetraleError
 from metrale.runtime.models.qwen3 import TargetOutput
@@ -294,12 +294,9 @@ class GraphDrafter(_Component):
         if not bool((positions == positions[0]).all()):
             raise MetraleError(f"drafter ranks diverged: their cache positions differ "
                                f"({positions.tolist()}); every rank must decode the same sequence")
-        vals, ids = out["top_values"][:, 1:], out["top_ids"][:, 1:]  # [1, γ−1, K]
-        if self.selector is None:
-            return ids[..., 0]
-        n = self.config.num_candidates
-        return self.selector.select_candidates(out["selector_query"][:, 1:], vals[..., :n],
-                                               ids[..., :n], anchor)
+        hidden = out["selector_query"][:, 1:] if self.selector is not None else None
+        return candidate_drafts(self.selector, self.config.num_candidates, hidden,
+                                out["top_values"][:, 1:], out["top_ids"][:, 1:], anchor)
 
 
 # -- loading ---------------------------------------------------------------------------------

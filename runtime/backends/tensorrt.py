@@ -62,7 +62,8 @@ def world_plan(components, tp, path) -> tuple[int, int]:
 
 def plan_file(plan, rank: int) -> str:
     """The engine file of `rank` in one SM's plan entry (a one-rank plan: its one file)."""
-    return plan.ranks[rank].file if plan.ranks else plan.file
+    files = plan.plan_files()
+    return files[rank] if len(files) > 1 else files[0]
 
 
 def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cuda",

@@ -89,6 +89,17 @@ class CandidateSelector(nn.Module):
         return torch.stack(out, dim=1)
 
 
+def candidate_drafts(selector: CandidateSelector | None, num_candidates: int, hidden, vals, ids,
+                     anchor) -> torch.Tensor:
+    """The drafts of every slot's global top candidates (vals/ids [B, n, K], sorted by value, as
+    tensor-parallel ranks gather them): the first (the argmax), or DFlash2's selector over the
+    first `num_candidates`."""
+    if selector is None:
+        return ids[..., 0]
+    n = num_candidates
+    return selector.select_candidates(hidden, vals[..., :n], ids[..., :n], anchor)
+
+
 class DFlashLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, tp: TensorParallel | None = None):
         super().__init__()
@@ -226,12 +237,8 @@ class DFlashDrafter(nn.Module):
             vals, ids = self.tp.top_candidates(logits, self.vocab_start,
                                                max(TOP_CANDIDATES, cfg.num_candidates),
                                                torch.cat([anchor.float(), length]))  # [B, n, k]
-            if cfg.version == 2:
-                n = cfg.num_candidates
-                tokens = self.candidate_selector.select_candidates(hidden, vals[..., :n],
-                                                                   ids[..., :n], anchor)
-            else:
-                tokens = ids[..., 0]  # the global argmax
+            selector = self.candidate_selector if cfg.version == 2 else None
+            tokens = candidate_drafts(selector, cfg.num_candidates, hidden, vals, ids, anchor)
             return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start)
         if cfg.version == 2:
             tokens = self.candidate_selector.select(hidden, logits, anchor)

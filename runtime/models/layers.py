@@ -353,7 +353,7 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if inter and shared_gate else None
         self.register_buffer("experts_gate_up", None, persistent=False)  # [E·2I, H], see pack()
         self.register_buffer("experts_down", None, persistent=False)  # [E, I, H]
-        self._nvfp4_experts = None  # NVFP4 experts stacked for the grouped op, see pack()
+        self.nvfp4_stacked = None  # NVFP4 experts stacked for the grouped op, see pack()
 
     def route(self, x: torch.Tensor):
         """x [N, H] -> top-k weights [N, k] (x.dtype), expert ids [N, k]."""
@@ -366,9 +366,12 @@ class MoE(nn.Module):
     def pack(self) -> None:
         """Stack every routed expert's weights for the fixed-op-count inference path: gate and up
         of expert e are rows [e·2I, e·2I+I) and [e·2I+I, (e+1)·2I) of one [E·2I, H] matrix, the
-        down projections one [E, I, H] batch. Quantized experts are dequantized here, once (what
-        the CPU packages compile); NVFP4 experts are also stacked as they are stored, for the
-        grouped op that the eager forward runs them through."""
+        down projections one [E, I, H] batch. Quantized experts are dequantized here, once. NVFP4
+        experts are stacked as they are stored instead (`nvfp4_stacked`), for the grouped op the
+        forward runs them through, which holds their dequantized copy itself."""
+        self.nvfp4_stacked = stack_nvfp4_experts(self.experts)
+        if self.nvfp4_stacked is not None:
+            return
         dtype = self.gate.weight.dtype
         inter = self.experts[0].gate_proj.out_features if self.experts else 0
         gate_up, down = [], []
@@ -377,7 +380,6 @@ class MoE(nn.Module):
             down.append(float_weight(expert.down_proj).t())
         self.experts_gate_up = torch.cat(gate_up, dim=0).to(dtype)  # [E·2I, H]
         self.experts_down = torch.stack(down).to(dtype).contiguous()  # [E, I, H]
-        self._nvfp4_experts = stack_nvfp4_experts(self.experts)
         # per expert, views (no copies): its [2I, H] gate/up rows and its [H, I] down weight
         self._expert_views = (list(self.experts_gate_up.chunk(len(self.experts))),
                               [d.t() for d in self.experts_down.unbind(0)])
@@ -395,7 +397,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, ids = self.route(x)
-        stacked = nvfp4_experts if nvfp4_experts is not None else self._nvfp4_experts
+        stacked = nvfp4_experts if nvfp4_experts is not None else self.nvfp4_stacked
         if stacked is not None:  # NVFP4 experts: the grouped op (one node / plugin when exported)
             return (nvfp4_moe_w4a16(x, ids, weights, *stacked) + self.shared(x)).reshape(shape)
         if self.experts_gate_up is not None:

@@ -233,21 +233,6 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
                               "graphs; use --backend torch for tensor-parallel drafters")
         return EngineGenerator(load_engine(engine_dir, backend=kind, device=device), spec)
     world = World.from_env(device)
-    if kind is Backend.TENSORRT:  # a world of N ranks runs the N rank engines of its drafters
-        tp = None
-        if world.size > 1:
-            if spec.mode is not SpecMode.DFLASH:
-                raise ConfigError(f"--backend tensorrt on {world.size} ranks runs a tensor-parallel "
-                                  "DFlash drafter's rank engines; choose --speculative dflash or "
-                                  "run one process")
-            world.agree(str(spec.draft_tp_size), "--draft-tp-size")
-            kv_heads = drafter_kv_heads(Path(engine_dir), spec.dflash_drafter)
-            if kv_heads is None or resolve_draft_tp_size(spec, world.size, kv_heads) != world.size:
-                raise ConfigError(f"--backend tensorrt on {world.size} ranks needs --draft-tp-size "
-                                  f"auto or {world.size}: each rank runs its own drafter engine")
-            tp = TensorParallel(world.rank, world.size)
-        engine = load_engine(engine_dir, backend=kind, device=world.device(device), tp=tp)
-        return EngineGenerator(engine, spec, world)
     tp, relay, components = None, False, None
     if spec.mode is SpecMode.DFLASH:
         world.agree(str(spec.draft_tp_size), "--draft-tp-size")
@@ -255,10 +240,14 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
         if kv_heads is not None and resolve_draft_tp_size(spec, world.size, kv_heads) > 1:
             tp = TensorParallel(world.rank, world.size)
         relay = tp is None and world.size > 1
-        if relay and not world.leader:  # the drafter lives on rank 0 only
-            manifest = load_manifest(engine_dir, verify=False)
-            drafters = names_with_role(manifest.components, Role.DRAFTER)
-            components = tuple(n for n in manifest.components if n not in drafters)
+    if kind is Backend.TENSORRT and world.size > 1 and tp is None:
+        raise ConfigError(f"--backend tensorrt on {world.size} ranks runs a --draft-tp-size "
+                          f"{world.size} build's DFlash drafter engines, one per rank: use --dflash "
+                          f"with --draft-tp-size auto or {world.size}, or one process")
+    if relay and not world.leader:  # the drafter lives on rank 0 only
+        manifest = load_manifest(engine_dir, verify=False)
+        drafters = names_with_role(manifest.components, Role.DRAFTER)
+        components = tuple(n for n in manifest.components if n not in drafters)
     engine = load_engine(engine_dir, dtype=dtype, device=world.device(device), tp=tp,
                          backend=backend, states=states, components=components)
     return EngineGenerator(engine, spec, world, relay=relay)
