@@ -100,9 +100,12 @@ def _sources_digest() -> str:
     import metrale.runtime.backends.aoti_steps as steps
     import metrale.runtime.models.dflash as dflash
     import metrale.runtime.models.layers as layers
+    import metrale.runtime.models.mtp as mtp
+    import metrale.runtime.models.qwen3 as qwen3
+    import metrale.runtime.models.step_caches as caches
 
     h = hashlib.sha256()
-    for mod in (steps, layers, dflash, conv):
+    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv):
         h.update(Path(mod.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()

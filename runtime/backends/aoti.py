@@ -1,7 +1,7 @@
 """The `aoti` backend: the decode loop's steps as AOTInductor packages compiled by `metrale build`.
 
 An engine directory built with CPU engines holds, under `<component>/cpu/`, the packages of
-`cpu_steps`' modules, and each component's manifest entry a `cpu` entry::
+`aoti_steps`' steps, and each component's manifest entry a `cpu` entry::
 
     target: {"packages": [{"file": "target/cpu/steps.pt2", "rows": 64, "dynamic_rows": true,
                            "batched": true}],
@@ -25,7 +25,7 @@ of one sequence per call, which earlier builds wrote, run on `CompiledTarget`.
 `TargetOutput`, `new_cache`, `config`, `model.embed_tokens`), `CompiledMTP` the MTP head's and
 `CompiledDFlash` the drafter's (`new_cache`, `add_context`, `propose`), so the decode loop and
 the proposers run on them unchanged. A row's bits depend on its position and context only,
-never on how many rows its step had (see `cpu_steps`; the build checks it), so chunkwise verify
+never on how many rows its step had (see `aoti_steps`; the build checks it), so chunkwise verify
 emits plain greedy decoding's tokens exactly. Prompts longer than the package's rows are fed in
 chunks of them. (Padding rows of a fixed-row package write K/V into slots the next step
 overwrites before any query sees them.)

@@ -12,7 +12,7 @@ pool: it holds the index and the sequence's length, and gives its place back whe
 in as few package calls as there are pools among them (more when the rows exceed the package's
 `rows`: they go in order, chunk after chunk, so a sequence's later rows read the K/V its
 earlier rows wrote). Each row of the package reads its own sequence's slots only (attention
-over all S slots, masked from its position on, and the per-row reductions of `aoti_steps`), so
+over all S slots, masked from its position on, and the per-row reductions of `step_caches`), so
 its bits depend on its token, position and its sequence's cache — never on which other
 sequences share the call, how many rows it has, or the pool's size. That is what makes every
 answer under any concurrency equal to the same request served alone (the build checks it:
@@ -46,7 +46,7 @@ FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles w
 
 class KVPool:
     """The caches of the sequences of one slot count: per layer K [B, nkv, hd, S] (slot-minor,
-    see `aoti_steps.pooled_attention`) and V [B, S, nkv, hd]."""
+    see `step_caches.pooled_attention`) and V [B, S, nkv, hd]."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype, device,
                  capacity: int = FIRST_CAPACITY):

@@ -1,14 +1,14 @@
 """The `cuda-graphs` backend: the target's decode and verify steps replayed as CUDA graphs.
 
 What `--backend auto` runs on a CUDA device (`--backend torch` there stays plain eager). The
-step is `cpu_steps.TargetStep` over the packed target with `linear="gemm"`, run as eager torch
-modules on the GPU and captured, as gpt-fast does with its decode step, once per row count of
+step is `aoti_steps.TargetStep`: the packed target's own forward over a `step_caches.SlotKV`
+cache, run as eager torch modules on the GPU and captured, as gpt-fast does with its decode step, once per row count of
 `ROWS` and slot bucket of `slot_buckets(...)` into a `torch.cuda.CUDAGraph`:
 
 - `GraphRunner` owns every input the graphs read: one static ids tensor [1, T] per row count,
   one position tensor [1], and one static KV set (per layer K and V [S_max, nkv, hd]) whose
   prefixes `[:S]` are the slot buckets' caches (a prefix of a slot-major buffer is contiguous,
-  see `cpu_steps`), so every bucket shares the same memory. Each graph is warmed up on a side
+  see `step_caches`), so every bucket shares the same memory. Each graph is warmed up on a side
   stream before its capture (as PyTorch's docs require); all graphs share one memory pool,
   which is safe because they replay one after another on one stream and every output is cloned
   before the next replay.

@@ -33,7 +33,7 @@ from torch import nn
 
 from metrale.plugins.dynamic_conv import dflash2_dynamic_conv
 from metrale.runtime.models.configs import DFlashConfig
-from metrale.runtime.models.layers import MLP, Attention, KVCache, RMSNorm, attend, rope_cos_sin
+from metrale.runtime.models.layers import MLP, Attention, KVCache, RMSNorm, attend, rope_at
 from metrale.runtime.models.tp import TOP_CANDIDATES, TensorParallel, check_drafter_split, local_decoder
 
 
@@ -70,7 +70,11 @@ class CandidateSelector(nn.Module):
 
         Codebook rows are looked up with `F.embedding`, not indexing: on CPU its backward sums
         the gradients of repeated ids in a fixed order, so training the selector is reproducible."""
-        z = self.hidden_projection(hidden) + F.embedding(prev_ids, self.predecessor_codebook)  # [..., D]
+        return self._scores(self.hidden_projection(hidden), cand_ids, cand_logits, prev_ids)
+
+    def _scores(self, projected, cand_ids, cand_logits, prev_ids):
+        """`scores` with hidden_projection(hidden) given."""
+        z = projected + F.embedding(prev_ids, self.predecessor_codebook)  # [..., D]
         bonus = (F.embedding(cand_ids, self.successor_codebook) * z.unsqueeze(-2)).sum(-1)  # [..., K]
         return cand_logits.float() + bonus.float()
 
@@ -82,8 +86,9 @@ class CandidateSelector(nn.Module):
     def select_candidates(self, hidden, cand_logits, cand_ids, anchor):
         """hidden [B, n, H], the top candidates' logits/ids [B, n, K], anchor [B] -> [B, n]."""
         prev, out = anchor, []
+        projected = self.hidden_projection(hidden)  # [B, n, D]: every slot's in one GEMM
         for j in range(hidden.shape[1]):
-            s = self.scores(hidden[:, j], cand_ids[:, j], cand_logits[:, j], prev)  # [B, K]
+            s = self._scores(projected[:, j], cand_ids[:, j], cand_logits[:, j], prev)  # [B, K]
             prev = cand_ids[:, j].gather(-1, s.argmax(-1, keepdim=True)).squeeze(-1)
             out.append(prev)
         return torch.stack(out, dim=1)
@@ -113,17 +118,25 @@ class DFlashLayer(nn.Module):
             self.attention_conv = DynamicConv(d.hidden_size, cfg.conv_groups)
             self.mlp_conv = DynamicConv(d.hidden_size, cfg.conv_groups)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block: int):
-        """x [B, Tq, H]; ctx_k/v [B, nkv, S, hd]; mask [Tq, S+Tq] bool or None (all visible)."""
+    def forward(self, x, cos, sin, context, mask, block: int, index: int = 0):
+        """x [B, Tq, H]; context: this layer's context K/V, a pair [B, nkv, S, hd] with mask
+        [Tq, S+Tq] bool or None (all visible), or a step cache holding every layer's
+        (`step_caches`: it keeps the block's K/V at the block's slots and attends itself; this
+        layer is its layer `index`)."""
         if hasattr(self, "attention_conv"):
             x = x + self.attention_conv(x, block)
         a = self.self_attn
         h = self.input_layernorm(x)
-        q = a.project_q(h, cos, sin)
-        k, v = a.kv_from_projected(a.k_proj(h), a.v_proj(h), cos, sin)
-        out = attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+        q, k, v = a.project_qkv(h, cos, sin)
         b, t, _ = x.shape
-        x = x + self._sum(a.o_proj(out.transpose(1, 2).reshape(b, t, a.nh * a.hd)))
+        if isinstance(context, tuple):
+            ctx_k, ctx_v = context
+            out = attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+            out = out.transpose(1, 2).reshape(b, t, a.nh * a.hd)
+        else:
+            context.write(index, None, k, v)
+            out = context.attend(index, q)
+        x = x + self._sum(a.o_proj(out))
         if hasattr(self, "mlp_conv"):
             x = x + self.mlp_conv(x, block)
         return x + self._sum(self.mlp(self.post_attention_layernorm(x)))
@@ -181,7 +194,7 @@ class DFlashDrafter(nn.Module):
         """features [B, C, n·Ht] -> per layer (k, v) [B, nkv, C, hd], roped at `positions` [C]."""
         c = self.hidden_norm(self.fc(features))  # [B, C, H]
         d = self.local
-        cos, sin = rope_cos_sin(positions, d.head_dim, d.rope_theta, c.dtype)
+        cos, sin = rope_at(positions, d.head_dim, d.rope_theta, c.dtype)
         width = d.num_key_value_heads * d.head_dim
         if self.context_kv_proj is not None:
             kv = self.context_kv_proj(c).split(width, dim=-1)  # 2L × [B, C, nkv·hd]
@@ -198,20 +211,24 @@ class DFlashDrafter(nn.Module):
                        dtype, device)
 
     def add_context(self, features: torch.Tensor, cache: KVCache) -> None:
-        """Append the features [B, C, n·Ht] of the next C accepted positions to the cache."""
+        """Append the features [B, C, n·Ht] of the next C accepted positions to the cache (or
+        write them at the positions of a step cache that places its rows, `step_caches`)."""
         start, n = cache.length, features.shape[1]
-        positions = torch.arange(start, start + n, device=features.device)
+        positions = getattr(cache, "positions", None)
+        if positions is None:
+            positions = torch.arange(start, start + n, device=features.device)
         for i, (k, v) in enumerate(self.context_kv(features, positions)):
             cache.write(i, start, k, v)
         cache.length = start + n
 
     # -- propose ---------------------------------------------------------------------------
     def _blocks(self, x, positions, kv, mask, block):
-        """x [B, Tq, H] block embeddings; kv per layer (k, v) of the context -> normed hidden."""
+        """x [B, Tq, H] block embeddings at `positions` [Tq]; kv per layer (k, v) of the context,
+        or a step cache holding it (`DFlashLayer.forward`) -> normed hidden."""
         d = self.config.decoder
-        cos, sin = rope_cos_sin(positions, d.head_dim, d.rope_theta, x.dtype)
-        for layer, (k, v) in zip(self.layers, kv):
-            x = layer(x, cos, sin, k, v, mask, block)
+        cos, sin = rope_at(positions, d.head_dim, d.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv[i] if isinstance(kv, (list, tuple)) else kv, mask, block, i)
         return self.norm(x)
 
     def forward_block(self, block_embeds: torch.Tensor, cache: KVCache):
@@ -240,11 +257,14 @@ class DFlashDrafter(nn.Module):
             selector = self.candidate_selector if cfg.version == 2 else None
             tokens = candidate_drafts(selector, cfg.num_candidates, hidden, vals, ids, anchor)
             return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start)
-        if cfg.version == 2:
-            tokens = self.candidate_selector.select(hidden, logits, anchor)
-        else:
-            tokens = logits.argmax(-1)
-        return Proposal(tokens=tokens, logits=logits)
+        return Proposal(tokens=self.drafts(hidden, logits, anchor), logits=logits)
+
+    def drafts(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """The greedy drafts of the draft slots (hidden [B, n, H], logits [B, n, V], anchor [B]):
+        each slot's argmax, or DFlash2's candidate selector, left to right -> [B, n]."""
+        if self.config.version == 2:
+            return self.candidate_selector.select(hidden, logits, anchor)
+        return logits.argmax(-1)
 
     # -- training ----------------------------------------------------------------------------
     def forward_train(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: list[int]):

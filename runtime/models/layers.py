@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.plugins.nvfp4_moe import nvfp4_moe_w4a16
+from metrale.plugins.nvfp4_moe import dense_experts, nvfp4_moe_w4a16
 from metrale.runtime.models.configs import DecoderConfig
 
 
@@ -109,6 +109,35 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+_ROPE_TABLES: dict = {}  # (head_dim, theta, dtype, device) -> (cos, sin) [P, hd]
+
+
+def rope_table(head_dim: int, theta: float, dtype: torch.dtype, device, length: int = 0):
+    """cos, sin [P, hd] for positions 0..P−1, P ≥ length: built once per head size, base, dtype
+    and device, and grown on demand (every model, layer and step shares it)."""
+    key = (head_dim, float(theta), dtype, torch.device(device))
+    table = _ROPE_TABLES.get(key)
+    if table is None or table[0].shape[0] < length:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"a compiled step reads rotary positions up to {length}; build the "
+                               "table before tracing (layers.rope_table)")
+        with torch.inference_mode(False):  # a table made while decoding must serve training too
+            table = rope_cos_sin(torch.arange(length, device=device), head_dim, theta, dtype)
+        _ROPE_TABLES[key] = table
+    return table
+
+
+def rope_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin [T, hd] at positions [T]: computed eagerly; in a compiled step (torch.export,
+    torch.compile) gathered from the shared table (`rope_table`, which the step builds first),
+    a constant of the graph (derived in the graph, inductor computed cos and sin again inside
+    the attention's loops: a drafter step 3x slower, measured)."""
+    if torch.compiler.is_compiling():
+        cos, sin = rope_table(head_dim, theta, dtype, positions.device)
+        return cos[positions], sin[positions]
+    return rope_cos_sin(positions, head_dim, theta, dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -273,12 +302,10 @@ class Attention(nn.Module):
         v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, start: int = 0, rope=None) -> torch.Tensor:
-        """Causal self-attention. x [B, T, H]; positions [T]; with a cache, keys 0..start-1 come
-        from it. `rope` (cos, sin) [T, hd] when the caller has them for `positions` already."""
+    def project_qkv(self, x: torch.Tensor, cos, sin):
+        """x [B, T, H] -> q [B, nh, T, hd], k and v [B, nkv, T, hd] (q and k normed and roped):
+        one GEMM when `pack` fused the projections."""
         b, t, _ = x.shape
-        cos, sin = rope if rope is not None else rope_cos_sin(positions, self.hd, self.theta, x.dtype)
         if self.qkv_weight is not None and x.dtype == torch.float32:
             qk, v = F.linear(x, self.qkv_weight).split_with_sizes(
                 [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
@@ -286,16 +313,27 @@ class Attention(nn.Module):
             qk = rms_normalize(qk, self.q_norm.eps) * self.qk_norm_weight
             qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, nh+nkv, T, hd]
             q, k = qk.split_with_sizes([self.nh, self.nkv], dim=1)
-            v = v.view(b, t, self.nkv, self.hd).transpose(1, 2)
+            return q, k, v.view(b, t, self.nkv, self.hd).transpose(1, 2)
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight).split(
+                [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+            q = apply_rope(self.q_norm(q.view(b, t, self.nh, self.hd)).transpose(1, 2), cos, sin)
         else:
-            if self.qkv_weight is not None:
-                q, k, v = F.linear(x, self.qkv_weight).split(
-                    [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-                q = apply_rope(self.q_norm(q.view(b, t, self.nh, self.hd)).transpose(1, 2), cos, sin)
-            else:
-                q, k, v = self.project_q(x, cos, sin), self.k_proj(x), self.v_proj(x)
-            k, v = self.kv_from_projected(k, v, cos, sin)
+            q, k, v = self.project_q(x, cos, sin), self.k_proj(x), self.v_proj(x)
+        return (q, *self.kv_from_projected(k, v, cos, sin))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0, start: int = 0, rope=None) -> torch.Tensor:
+        """Causal self-attention. x [B, T, H]; positions [T]; with a cache, keys 0..start-1 come
+        from it. `rope` (cos, sin) [T, hd] when the caller has them for `positions` already."""
+        b, t, _ = x.shape
+        cos, sin = rope if rope is not None else rope_at(positions, self.hd, self.theta, x.dtype)
+        q, k, v = self.project_qkv(x, cos, sin)
         if cache is not None:
+            attend_own = getattr(cache, "attend", None)  # a step cache (`step_caches`): its own slots
+            if attend_own is not None:
+                cache.write(layer, start, k, v)
+                return self.o_proj(attend_own(layer, q))
             k, v = cache.write(layer, start, k, v)
             if self.row_invariant and isinstance(cache, KVCache):
                 out = fixed_length_attention(q, cache.k[layer], cache.v[layer], positions)
@@ -401,6 +439,9 @@ class MoE(nn.Module):
         if stacked is not None:  # NVFP4 experts: the grouped op (one node / plugin when exported)
             return (nvfp4_moe_w4a16(x, ids, weights, *stacked) + self.shared(x)).reshape(shape)
         if self.experts_gate_up is not None:
+            if torch.compiler.is_compiling():  # a compiled step: only each row's experts are read
+                routed = self._gathered_experts(x, weights, ids)
+                return (routed + self.shared(x)).reshape(shape)
             few = (x.device.type == "cpu" and not self.row_invariant and not tracing()
                    and x.shape[0] * self.top_k <= self.experts_down.shape[0])
             routed = (self._selected_experts if few else self._dense_experts)(x, weights, ids)
@@ -419,6 +460,29 @@ class MoE(nn.Module):
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return (out + self.shared(x)).reshape(shape)
+
+    def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each row gathers its top-k experts' weights inside the reductions (compiled, an
+        indirect load: only the selected experts are read, and a row's arithmetic depends on
+        that row alone) and sums their outputs in slot order."""
+        e, inter, hidden = self.experts_down.shape
+        gate_up = self.experts_gate_up.view(e, 2 * inter, hidden)[ids]  # [N, k, 2I, H]
+        gate, up = (x[:, None, None, :] * gate_up).sum(-1).chunk(2, dim=-1)  # [N, k, I]
+        y = ((F.silu(gate) * up).unsqueeze(-1) * self.experts_down[ids]).sum(-2)  # [N, k, H]
+        return (y * weights.unsqueeze(-1)).sum(1)  # [N, H]
+
+    def dequantize_experts(self) -> None:
+        """Hold NVFP4 experts as stacked float weights (`pack`'s layout, from the grouped op's
+        dequantized copy) in place of the packed ones: what a compiled step folds in as constants."""
+        if self.nvfp4_stacked is None:
+            return
+        gate_up, down = dense_experts(*self.nvfp4_stacked)[:2]  # [E, 2I, H], [E, H, I]
+        dtype = self.gate.weight.dtype
+        self.experts_gate_up = gate_up.reshape(-1, gate_up.shape[-1]).to(dtype)
+        self.experts_down = down.transpose(1, 2).to(dtype).contiguous()  # [E, I, H]
+        self._expert_views = (list(self.experts_gate_up.chunk(len(self.experts))),
+                              [d.t() for d in self.experts_down.unbind(0)])
+        self.nvfp4_stacked = None
 
     def _selected_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row's top-k experts on views of the stacked weights: only the selected experts'

@@ -50,8 +50,11 @@ class MTPHead(nn.Module):
         start = 0 if start is None else start
         t = embeds.shape[1]
         arange = torch.arange(t, device=embeds.device)
-        # a traced step (`StepKV`) has its position as a tensor input
-        positions = start + arange if isinstance(start, torch.Tensor) else arange + start
+        # a traced step (`StepKV`) has its position as a tensor input; a step cache that places
+        # its rows itself (`step_caches`) gives each row's
+        positions = getattr(cache, "positions", None)
+        if positions is None:
+            positions = start + arange if isinstance(start, torch.Tensor) else arange + start
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds),
                                self.pre_fc_norm_hidden(hidden)], dim=-1))  # [B, T, H]
         h = self.layer(x, positions, cache, 0, start)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from metrale.runtime.models.configs import DecoderConfig
-from metrale.runtime.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin
+from metrale.runtime.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin, rope_table
 
 
 @dataclass
@@ -48,7 +48,6 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._rope_tables: dict = {}  # (dtype, device) -> (cos, sin) [max_pos, hd]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,15 +59,23 @@ class Qwen3ForCausalLM(nn.Module):
                        self.dtype, self.model.embed_tokens.weight.device)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, start: int | None = None,
-                taps: tuple[int, ...] = ()) -> TargetOutput:
+                taps: tuple[int, ...] = (), logit_rows: torch.Tensor | None = None) -> TargetOutput:
         """ids [B, T]. With a cache, the tokens sit at positions start.. (default: cache.length)
-        and the cache length becomes start+T."""
+        and the cache length becomes start+T; a step cache that places its rows itself
+        (`step_caches`) gives each row's position. `logit_rows` [M]: only those rows' logits
+        ([B, M, V])."""
         if cache is not None and start is None:
             start = cache.length
         start = 0 if start is None else start
         t = ids.shape[1]
         x = self.model.embed_tokens(ids)  # [B, T, H]
-        if isinstance(start, torch.Tensor):  # a traced step (`StepKV`): the position is an input
+        placed = getattr(cache, "positions", None)
+        if placed is not None:  # rows of a compiled step: each at its own position
+            positions = placed
+            c = self.config
+            cos, sin = rope_table(c.head_dim, c.rope_theta, x.dtype, x.device)
+            rope = cos[positions], sin[positions]
+        elif isinstance(start, torch.Tensor):  # a traced step (`StepKV`): the position is an input
             positions = start + torch.arange(t, device=ids.device)
             c = self.config
             rope = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
@@ -86,20 +93,12 @@ class Qwen3ForCausalLM(nn.Module):
         normed = self.model.norm(x)  # [B, T, H]
         if last in taps:
             tapped[last] = normed  # transformers' hidden_states[L] is the normed output
-        logits = self.lm_head(normed)
+        logits = self.lm_head(normed if logit_rows is None else normed[:, logit_rows])
         tap = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return TargetOutput(logits=logits, last_hidden=x, taps=tap)
 
     def rope(self, start: int, t: int, dtype: torch.dtype, device: torch.device):
-        """cos, sin [T, hd] for positions start..start+T−1, from a table built once per dtype
-        and device (every layer and step shares it)."""
-        key = (dtype, device)
-        table = self._rope_tables.get(key)
+        """cos, sin [T, hd] for positions start..start+T−1, from the shared table (`layers.rope_table`)."""
         c = self.config
-        if table is None or table[0].shape[0] < start + t:
-            length = max(c.max_position_embeddings, start + t)
-            with torch.inference_mode(False):  # a table made while decoding must serve training too
-                positions = torch.arange(length, device=device)
-                table = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
-            self._rope_tables[key] = table
-        return table[0][start:start + t], table[1][start:start + t]
+        cos, sin = rope_table(c.head_dim, c.rope_theta, dtype, device, max(c.max_position_embeddings, start + t))
+        return cos[start:start + t], sin[start:start + t]

@@ -1,0 +1,126 @@
+"""Caches that compiled steps own: the runtime's modules run over them unchanged.
+
+The decode loop's eager modules (`qwen3`, `mtp`, `dflash`) take a cache object and call its
+`write`; a cache that also has `positions` and `attend` places every row itself and attends
+over its own storage, which is how the CPU packages (`backends.aoti_steps`) and the CUDA-graph
+steps run the very forwards the torch backend runs:
+
+- `PooledKV`: the rows of many sequences in one call, each over its own cache in a pool (per
+  layer K [B, nkv, hd, S], slot-minor, so the scores of 16 slots are one vector FMA per feature;
+  V [B, S, nkv, hd]); row t is sequence seq[t]'s entry at positions[t] and sees its slots up to
+  `last_visible[t]` (by default its own position);
+- `SlotKV`: one sequence, per layer K and V [S, nkv, hd] (slot-major, so a prefix of a bigger
+  buffer is a smaller cache).
+
+Both attend over *all* S slots with a mask, written as reductions over one row's data, so a
+row's bits depend on its sequence and position, never on how many rows the call has.
+`rowwise_linears` writes every projection as a reduction over its input features for the same
+reason (a GEMM library picks other kernels at M = 1 than at M = 8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq: torch.Tensor,
+                     last_visible: torch.Tensor) -> torch.Tensor:
+    """q [T, nh, hd] (normed, roped); k_pool [B, nkv, hd, S]; v_pool [B, S, nkv, hd]; row t reads
+    sequence seq[t], slot j visible iff j <= last_visible[t] -> [T, nh·hd] (head h reads KV head
+    h // (nh / nkv))."""
+    t, nh, hd = q.shape
+    nkv, s = k_pool.shape[1], k_pool.shape[3]
+    g = nh // nkv
+    kt = k_pool[seq]  # [T, nkv, hd, S]
+    scores = (q.reshape(t, nkv, g, hd, 1) * kt.view(t, nkv, 1, hd, s)).sum(3) * hd ** -0.5  # [T, nkv, g, S]
+    visible = torch.arange(s, device=q.device)[None, :] <= last_visible[:, None]  # [T, S]
+    probs = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
+    v = v_pool[seq]  # [T, S, nkv, hd]
+    out = (probs.permute(0, 3, 1, 2).unsqueeze(-1) * v.view(t, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
+    return out.reshape(t, nh * hd)
+
+
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [T, nh, hd]; k/v [S, nkv, hd] of one sequence; slot j visible to the row at position p
+    iff j <= p -> [T, nh·hd]."""
+    t, nh, hd = q.shape
+    s, nkv = k.shape[0], k.shape[1]
+    qg = q.reshape(t, 1, nkv, nh // nkv, hd)
+    scores = (qg * k.view(1, s, nkv, 1, hd)).sum(-1) * hd ** -0.5  # [T, S, nkv, g]
+    visible = torch.arange(s, device=q.device)[None, :] <= positions[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible[:, :, None, None], float("-inf")), dim=1)
+    out = (probs.unsqueeze(-1) * v.view(1, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
+    return out.reshape(t, nh * hd)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[1, n, T, hd] (a module's heads-first layout, batch 1) -> [T, n, hd]."""
+    return x[0].transpose(0, 1)
+
+
+class PooledKV:
+    """The rows of many sequences (batch 1, T rows) over a pool of caches, `kv` being per layer
+    K [B, nkv, hd, S] then V [B, S, nkv, hd]; see the module docstring."""
+
+    length = 0  # the modules' bookkeeping; every row carries its own position
+
+    def __init__(self, kv, seq: torch.Tensor, positions: torch.Tensor, last_visible: torch.Tensor | None = None):
+        self.kv, self.seq, self.positions = kv, seq, positions
+        self.last_visible = positions if last_visible is None else last_visible
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [1, nkv, T, hd] -> each row's slot of its sequence's cache."""
+        self.kv[2 * layer][self.seq, :, :, self.positions] = _rows(k)  # keys slot-minor
+        self.kv[2 * layer + 1].index_put_((self.seq, self.positions), _rows(v))
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [1, nh, T, hd] -> [1, T, nh·hd]."""
+        return pooled_attention(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.seq,
+                                self.last_visible)[None]
+
+
+class SlotKV:
+    """One sequence's rows at `positions` [T] over its cache, `kv` being per layer K then V
+    [S, nkv, hd]; see the module docstring."""
+
+    length = 0
+
+    def __init__(self, kv, positions: torch.Tensor):
+        self.kv, self.positions = kv, positions
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv[2 * layer].index_copy_(0, self.positions, _rows(k))
+        self.kv[2 * layer + 1].index_copy_(0, self.positions, _rows(v))
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return slot_attention(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.positions)[None]
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T as a reduction over K: compiled, every output element is one
+    loop over K whose order depends on K alone."""
+    y = (x.unsqueeze(-2) * weight).sum(-1)
+    return y if bias is None else y + bias
+
+
+class _RowwiseLinears(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return rowwise_linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+LINEARS = ("gemm", "rowwise")
+
+
+def linears(kind: str):
+    """A context in which the modules' projections are GEMMs ("gemm": as written) or reductions
+    over their input features ("rowwise", for a trace: row-invariant by construction)."""
+    if kind not in LINEARS:
+        raise ValueError(f"linear {kind!r}: expected one of {LINEARS}")
+    return _RowwiseLinears() if kind == "rowwise" else contextlib.nullcontext()
