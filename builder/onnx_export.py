@@ -1,7 +1,7 @@
 """ONNX export of every engine component (one rank), and its lowering for a target SM.
 
 Each component's graph is its runtime forward, traced: the target's and the MTP head's `forward`
-run over a `layers.StepKV` (the step's explicit past K/V, masked from `position` on, with the new
+run over a `step_caches.StepKV` (the step's explicit past K/V, masked from `position` on, with the new
 K/V returned instead of written back), the drafter's `context_kv` and `_blocks` (what its
 `add_context` and `propose` run) over the past plus the new context. The adapters below only map
 graph inputs to those calls and their results to graph outputs, so the graph has dynamic sequence
@@ -53,7 +53,8 @@ from metrale.plugins.onnx_lowering import CONV_OP, DOMAIN, FP8_OP, MOE_OP, NVFP4
 from metrale.runtime.components import GraphIO, kind_named, resolve
 from metrale.runtime.models import qlinear
 from metrale.runtime.models.dflash import DFlashDrafter, DynamicConv
-from metrale.runtime.models.layers import MoE, StepKV, stack_nvfp4_experts
+from metrale.runtime.models.layers import MoE, stack_nvfp4_experts
+from metrale.runtime.models.step_caches import StepKV
 from metrale.runtime.models.mtp import MTPHead
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 

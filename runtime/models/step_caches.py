@@ -12,6 +12,8 @@ steps run the very forwards the torch backend runs:
 - `SlotKV`: one sequence, per layer K and V [S, nkv, hd] (slot-major, so a prefix of a bigger
   buffer is a smaller cache).
 
+(`StepKV`, the exported ONNX graphs' cache, appends instead: its graph returns the new K/V.)
+
 Both attend over *all* S slots with a mask, written as reductions over one row's data, so a
 row's bits depend on its sequence and position, never on how many rows the call has.
 `rowwise_linears` writes every projection as a reduction over its input features for the same
@@ -98,6 +100,35 @@ class SlotKV:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return slot_attention(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.positions)[None]
+
+
+class StepKV:
+    """A step's K/V as an exported graph holds them: `past_key`/`past_value` [L, B, nkv, P, hd]
+    whole, slots at or after `position` (a [1] tensor: the first new position) masked out, and
+    the new keys/values appended, not written back — `new_kv` returns them [L, B, nkv, T, hd]
+    for the caller to store at `position`. The runtime modules run on it unchanged (`write` and
+    `mask` are `KVCache`'s), so the ONNX export traces the very forward the torch backend runs."""
+
+    def __init__(self, past_key: torch.Tensor, past_value: torch.Tensor, position: torch.Tensor):
+        self.past_key, self.past_value, self.position = past_key, past_value, position
+        self.length = position
+        self._new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
+        self._new[layer] = (k, v)
+        return (torch.cat([self.past_key[layer], k], dim=2),
+                torch.cat([self.past_value[layer], v], dim=2))
+
+    def mask(self, t: int, start, device) -> torch.Tensor:
+        """[T, P+T]: past slot j is visible iff j < position; new row i sees new rows 0..i."""
+        p = self.past_key.shape[3]
+        past = (torch.arange(p, device=device)[None, :] < self.position).expand(t, p)
+        rows = torch.arange(t, device=device)
+        return torch.cat([past, rows[None, :] <= rows[:, None]], dim=1)
+
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = [self._new[i] for i in sorted(self._new)]
+        return torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
