@@ -50,21 +50,30 @@ def nvfp4_moe_w4a16(
     xf = x.to(torch.float32)  # [T, H]
     wf = weights.to(torch.float32)
     if expert_ids.numel() <= e:  # few rows: each routed pair one mat-vec on its expert's weights
-        rows = []
-        for row, row_ids, row_w in zip(xf, expert_ids.tolist(), wf.tolist()):  # row [H]
-            acc = None
-            for ex, w in sorted(zip(row_ids, row_w)):  # expert-id order, as the grouped sum below
-                gate, up = F.linear(row, gate_up_of[ex]).chunk(2)  # [I] each
-                y = torch.mv(down_of[ex], F.silu(gate).mul_(up)).mul_(w)  # [H]
-                acc = y if acc is None else acc.add_(y)
-            rows.append(acc)
-        return torch.stack(rows).to(x.dtype)
+        return routed_matvecs(xf, expert_ids, wf, gate_up_of, down_of).to(x.dtype)
     out = torch.zeros_like(xf)  # [T, H] f32
     for ex in expert_ids.unique().tolist():
         token, slot = torch.nonzero(expert_ids == ex, as_tuple=True)  # [n], [n]
         gate, up = F.linear(xf[token], gate_up[ex]).chunk(2, dim=-1)  # [n, I] each
         out.index_add_(0, token, F.linear(F.silu(gate) * up, down[ex]) * wf[token, slot][:, None])
     return out.to(x.dtype)
+
+
+def routed_matvecs(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up_of,
+                   down_of) -> torch.Tensor:
+    """x [T, H], expert_ids/weights [T, k], per expert its gate/up [2I, H] and down [H, I]
+    weights -> [T, H]: each routed pair one mat-vec pair, a row's pairs summed in expert-id order
+    (as a grouped sum over the experts adds them). The routing is read on the host, which on a
+    CPU is no synchronisation."""
+    rows = []
+    for row, row_ids, row_w in zip(x, expert_ids.tolist(), weights.tolist()):  # row [H]
+        acc = None
+        for ex, w in sorted(zip(row_ids, row_w)):
+            gate, up = F.linear(row, gate_up_of[ex]).chunk(2)  # [I] each
+            y = torch.mv(down_of[ex], F.silu(gate).mul_(up)).mul_(w)  # [H]
+            acc = y if acc is None else acc.add_(y)
+        rows.append(acc)
+    return torch.stack(rows)
 
 
 # Dequantized experts by the stacked tensors they came from: the op reads an NVFP4 weight set

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.plugins.nvfp4_moe import dense_experts, nvfp4_moe_w4a16
+from metrale.plugins.nvfp4_moe import dense_experts, nvfp4_moe_w4a16, routed_matvecs
 from metrale.runtime.models.configs import DecoderConfig
+from metrale.runtime.models.kv_cache import KVCache, causal_mask
 
 
 def float_weight(linear: nn.Module) -> torch.Tensor:
@@ -187,47 +188,6 @@ def fixed_length_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(b, nh, t, hd)
 
 
-def causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:
-    """[T, start+T] bool: query i (absolute position start+i) sees keys 0..start+i."""
-    rows = torch.arange(t, device=device)[:, None] + start
-    cols = torch.arange(start + t, device=device)[None, :]
-    return cols <= rows
-
-
-class KVCache:
-    """Preallocated keys/values for a stack of attention layers, one sequence length for the batch.
-
-    k, v: [L, B, nkv, S_max, hd]. `length` is how many positions hold valid entries; rolling back
-    a rejected draft is `length = n` (stale entries past it are overwritten before being read).
-    """
-
-    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (layers, batch, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k/v [B, nkv, T, hd] at positions start.. and return all keys/values so far."""
-        end = start + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; {end} requested")
-        keys, values = self.k[layer], self.v[layer]
-        keys.narrow(2, start, end - start).copy_(k)
-        values.narrow(2, start, end - start).copy_(v)
-        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
-
-    def mask(self, t: int, start: int, device) -> torch.Tensor | None:
-        """The attention mask of T new rows at positions start.. over `write`'s keys (None: one
-        row sees every key)."""
-        return causal_mask(t, start, device) if t > 1 or start == 0 else None
-
-
 class Attention(nn.Module):
     """Qwen3 attention: per-head RMSNorm on q and k before RoPE, grouped-query KV.
 
@@ -387,11 +347,7 @@ class MoE(nn.Module):
         for expert in self.experts:
             gate_up += [float_weight(expert.gate_proj), float_weight(expert.up_proj)]
             down.append(float_weight(expert.down_proj).t())
-        self.experts_gate_up = torch.cat(gate_up, dim=0).to(dtype)  # [E·2I, H]
-        self.experts_down = torch.stack(down).to(dtype).contiguous()  # [E, I, H]
-        # per expert, views (no copies): its [2I, H] gate/up rows and its [H, I] down weight
-        self._expert_views = (list(self.experts_gate_up.chunk(len(self.experts))),
-                              [d.t() for d in self.experts_down.unbind(0)])
+        self._stack(torch.cat(gate_up, dim=0), torch.stack(down))
         plain = [e for e in self.experts if all(type(lin) is nn.Linear for lin in
                                                  (e.gate_proj, e.up_proj, e.down_proj))]
         if len(plain) == len(self.experts) and self.experts_gate_up.dtype == self.gate.weight.dtype:
@@ -448,29 +404,24 @@ class MoE(nn.Module):
         if self.nvfp4_stacked is None:
             return
         gate_up, down = dense_experts(*self.nvfp4_stacked)[:2]  # [E, 2I, H], [E, H, I]
-        dtype = self.gate.weight.dtype
-        self.experts_gate_up = gate_up.reshape(-1, gate_up.shape[-1]).to(dtype)
-        self.experts_down = down.transpose(1, 2).to(dtype).contiguous()  # [E, I, H]
-        self._expert_views = (list(self.experts_gate_up.chunk(len(self.experts))),
-                              [d.t() for d in self.experts_down.unbind(0)])
+        self._stack(gate_up.reshape(-1, gate_up.shape[-1]), down.transpose(1, 2))
         self.nvfp4_stacked = None
 
+    def _stack(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Hold gate/up [E·2I, H] and down [E, I, H] in the router's dtype, and per expert views
+        (no copies) of its [2I, H] gate/up rows and its [H, I] down weight."""
+        dtype = self.gate.weight.dtype
+        self.experts_gate_up = gate_up.to(dtype)
+        self.experts_down = down.to(dtype).contiguous()
+        self._expert_views = (list(self.experts_gate_up.chunk(len(self.experts))),
+                              [d.t() for d in self.experts_down.unbind(0)])
+
     def _selected_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each row's top-k experts on views of the stacked weights: only the selected experts'
-        bytes are read (the dense path reads all E, which for one row is E/k times the memory
-        traffic, and at these sizes a step is bound by it). The routing is read on the host,
-        which on a CPU is no synchronisation; the op count is fixed by rows × k, whatever the
-        routing. A row's slots are summed in expert-id order, as the dense path sums them."""
-        gate_up, down = self._expert_views
-        rows = []
-        for row, row_ids, row_w in zip(x, ids.tolist(), weights.tolist()):  # row [H]
-            acc = None
-            for e, w in sorted(zip(row_ids, row_w)):
-                g, u = F.linear(row, gate_up[e]).chunk(2)  # [I] each
-                y = torch.mv(down[e], F.silu(g).mul_(u))  # [H]
-                acc = y.mul_(w) if acc is None else acc.add_(y, alpha=w)
-            rows.append(acc)
-        return torch.stack(rows)  # [N, H]
+        """Each row's top-k experts on views of the stacked weights (`nvfp4_moe.routed_matvecs`):
+        only the selected experts' bytes are read (the dense path reads all E, which for one row
+        is E/k times the memory traffic, and at these sizes a step is bound by it); the op count
+        is fixed by rows × k, whatever the routing."""
+        return routed_matvecs(x, ids, weights, *self._expert_views)
 
     def _dense_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every row, weighted by the (mostly zero) routing weights: a fixed

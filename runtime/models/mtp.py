@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from metrale.runtime.models.configs import MTPConfig
-from metrale.runtime.models.layers import DecoderLayer, KVCache, RMSNorm
+from metrale.runtime.models.kv_cache import KVCache
+from metrale.runtime.models.layers import DecoderLayer, RMSNorm
 
 
 class MTPHead(nn.Module):

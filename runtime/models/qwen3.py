@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from metrale.runtime.models.configs import DecoderConfig
-from metrale.runtime.models.layers import DecoderLayer, KVCache, RMSNorm, rope_cos_sin, rope_table
+from metrale.runtime.models.kv_cache import KVCache
+from metrale.runtime.models.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_table
 
 
 @dataclass
