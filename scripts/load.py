@@ -1,18 +1,22 @@
 """Load `metrale serve` over loopback with the official openai client and report what users see.
 
     python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
-                           [--max-tokens 32] [--modes plain,mtp,dflash] [--max-num-seqs 64]
-                           [--server-threads N] [--serve-flags '...'] [--temperature T] [--json FILE]
+                           [--max-tokens 32] [--modes plain,mtp,dflash] [--rounds 3]
+                           [--max-num-seqs 64] [--server-threads N] [--serve-flags '...']
+                           [--temperature T] [--json FILE]
 
-Per mode it starts one `metrale serve` process (`--max-num-seqs`; `--server-threads` torch
-threads, by default the server's own: one per core), then for each concurrency C runs C client
-threads that each send `--requests` completions of
-`--max-tokens` tokens (greedy; with `--temperature` above 0 sampled, each prompt with its own
-seed, so its answer is still the same under any load) (prompts from the tiny recipe's held-out set) and reports aggregate
-completion tokens/s, median and p99 latency and lost requests; then the latency of a 4-token
-request sent just after another client's 1,000-token stream started (from its own process),
-against the same request alone. Every
-answer is checked against the answer the same request got alone (C = 1).
+It starts one `metrale serve` process per mode, all up together (`--max-num-seqs`;
+`--server-threads` torch threads, by default the server's own: one per core; an idle server
+takes no CPU). Then for `--rounds` rounds, for each concurrency C and each mode in turn (the
+order rotating between rounds, so a machine's slow spells fall on every mode alike), it runs C
+client threads, each with its own openai client, that each send `--requests` completions of
+`--max-tokens` tokens (prompts from the tiny recipe's held-out set; greedy, or with
+`--temperature` above 0 sampled, each prompt with its own seed, so its answer is still the same
+under any load). Per mode and C it reports aggregate completion tokens/s, median and p99
+latency (medians over the rounds) and lost requests (summed), and whether every answer equals
+the same request's answer at the first level (C = 1 by default: the request alone). Last, per
+mode, the latency of a 4-token request sent just after another client's 1,000-token stream
+started (from its own process), against the same request alone.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,20 +68,33 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
              temperature: float = 0.0):
     from openai import OpenAI
 
-    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    def new_client() -> OpenAI:
+        return OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    client = new_client()
     model = client.models.list().data[0].id
+    mine = threading.local()  # each client thread its own client, as C separate users have
+    # (one client shared by 32 threads serializes them on its connection pool's lock: measured,
+    # 14% fewer tokens/s and 12% more client CPU per request at C = 32)
 
     def one(i: int):
         t0 = time.perf_counter()
         seed = {"seed": i % len(prompts)} if temperature > 0 else {}
-        r = client.completions.create(model=model, prompt=prompts[i % len(prompts)],
-                                      max_tokens=max_tokens, temperature=temperature, **seed)
+        r = mine.client.completions.create(model=model, prompt=prompts[i % len(prompts)],
+                                           max_tokens=max_tokens, temperature=temperature, **seed)
         return i % len(prompts), r.choices[0].text, r.usage.completion_tokens, time.perf_counter() - t0
+
+    def warm(i: int) -> None:  # each thread's client made and connected
+        mine.client = new_client()
+        mine.client.completions.create(model=model, prompt=prompts[i % len(prompts)], max_tokens=4,
+                                       temperature=0)
 
     for p in prompts:  # warm: the first calls of a fresh server allocate and load
         client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0)
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
+        barrier = threading.Barrier(concurrency)  # every thread warms once, none twice
+        list(pool.map(lambda i: (warm(i), barrier.wait()), range(concurrency)))
+        t0 = time.perf_counter()
         futures = [pool.submit(one, i) for i in range(concurrency * per_client)]
         done, lost = [], 0
         for f in futures:
@@ -131,6 +149,20 @@ def short_behind_long(base: str, repeats: int = 5) -> dict:
             "ratio": round(max(behind) / alone, 2)}
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """One concurrency level's rounds: the median of each figure, losses summed, every answer
+    checked."""
+    def med(key):
+        return round(statistics.median(r[key] for r in rows), 3)
+
+    return {"concurrency": rows[0]["concurrency"], "rounds": len(rows),
+            "requests": sum(r["requests"] for r in rows), "lost": sum(r["lost"] for r in rows),
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows), 1),
+            "tokens_per_s_rounds": [r["tokens_per_s"] for r in rows],
+            "median_latency_s": med("median_latency_s"), "p99_latency_s": med("p99_latency_s"),
+            "equal_to_solo": all(r["equal_to_solo"] for r in rows)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine-dir", default=str(ROOT / "engines" / "tiny"))
@@ -138,6 +170,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="plain,mtp,dflash")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of every level and mode, interleaved; medians are reported")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--serve-flags", default="", help="more flags for every server, e.g. "
                     "'--speculative-disable-by-batch-size 65' (draft at any batch size)")
@@ -149,27 +183,41 @@ def main() -> int:
     args = ap.parse_args()
     prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]
     levels = [int(c) for c in args.concurrency.split(",")]
+    modes = args.modes.split(",")
     if args.temperature < 0:
         ap.error(f"--temperature {args.temperature}: expected 0 (greedy) or more")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: expected 1 or more")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes {args.modes}: unknown {', '.join(unknown)}; expected some of {', '.join(MODES)}")
     out = {"max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
-           "temperature": args.temperature, "modes": {}}
-    for mode in args.modes.split(","):
-        proc, base = start_server(args.engine_dir, MODES[mode] + shlex.split(args.serve_flags),
-                                  args.max_num_seqs, args.server_threads)
-        try:
-            rows, solo = [], None
+           "temperature": args.temperature, "rounds": args.rounds, "modes": {}}
+    servers = {}
+    try:
+        for mode in modes:  # all up at once, idle while another is loaded: rounds interleave
+            servers[mode] = start_server(args.engine_dir, MODES[mode] + shlex.split(args.serve_flags),
+                                         args.max_num_seqs, args.server_threads)
+        rows = {m: {c: [] for c in levels} for m in modes}
+        solo: dict[str, dict] = {}
+        for r in range(args.rounds):
             for c in levels:
-                row, answers = run_load(base, prompts, c, args.requests, args.max_tokens,
-                                        args.temperature)
-                if solo is None:
-                    solo = dict(answers)
-                row["equal_to_solo"] = all(solo.get(i) == t for i, t in answers)
-                rows.append(row)
+                for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # the order rotates
+                    row, answers = run_load(servers[mode][1], prompts, c, args.requests,
+                                            args.max_tokens, args.temperature)
+                    solo.setdefault(mode, dict(answers))  # its first level's answers (C = 1)
+                    row["equal_to_solo"] = all(solo[mode].get(i) == t for i, t in answers)
+                    rows[mode][c].append(row)
+                    print(f"round {r + 1}", mode, row, flush=True)
+        for mode in modes:
+            tail = short_behind_long(servers[mode][1])
+            out["modes"][mode] = {"levels": [_median_row(rows[mode][c]) for c in levels],
+                                  "short_behind_long": tail}
+            for row in out["modes"][mode]["levels"]:
                 print(mode, row, flush=True)
-            tail = short_behind_long(base)
             print(mode, tail, flush=True)
-            out["modes"][mode] = {"levels": rows, "short_behind_long": tail}
-        finally:
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(10)
     if args.json:

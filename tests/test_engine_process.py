@@ -95,3 +95,17 @@ def test_requests_fail_once_the_engine_is_gone(aoti_engine_dir):
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert requests.get(base + "/health", timeout=5).ok
     proc.close()
+
+
+def test_freeze_heap_moves_what_is_alive_out_of_the_collectors_generations():
+    import gc
+
+    from metrale.runtime.serving.engine_process import freeze_heap
+
+    kept = [object() for _ in range(1000)]
+    try:
+        freeze_heap()
+        assert gc.isenabled() and gc.get_freeze_count() >= len(kept)
+        assert all(gc.get_count()[g] < 100 for g in (1, 2))
+    finally:
+        gc.unfreeze()

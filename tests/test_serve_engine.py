@@ -105,3 +105,30 @@ def test_memory_goes_back_after_large_requests(server_proc):
         assert resp.status_code == 400  # far longer than the 1024-token context
     assert rss_mb(pid) - before < 50
     assert requests.post(base + "/v1/completions", data=b"x" * (2 << 20), timeout=10).status_code == 413
+
+
+def _load_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "load.py"
+    spec = importlib.util.spec_from_file_location("load_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_load_script_counts_what_its_clients_got(server, tiny_engine, tiny_prompts):
+    """scripts/load.py's figures come from real answers: each client thread its own openai
+    client, every request counted, its answer the one it gets alone."""
+    load = _load_script()
+    prompts = [tiny_engine.tokenizer.decode(p[:6]) for p in tiny_prompts[:4]]
+    alone, solo = load.run_load(server, prompts, 1, 4, 6)
+    busy, together = load.run_load(server, prompts, 4, 2, 6)
+    assert alone["requests"] == 4 and busy["requests"] == 8 and alone["lost"] == busy["lost"] == 0
+    assert busy["tokens_per_s"] > 0 and busy["p99_latency_s"] >= busy["median_latency_s"] > 0
+    assert dict(solo) == dict(together) and len(solo) == 4
+    rounds = [dict(busy, equal_to_solo=True, tokens_per_s=t, lost=n) for t, n in ((3.0, 0), (1.0, 1), (2.0, 0))]
+    row = load._median_row(rounds)
+    assert (row["tokens_per_s"], row["lost"], row["rounds"], row["requests"]) == (2.0, 1, 3, 24)
+    assert row["equal_to_solo"] and not load._median_row([dict(busy, equal_to_solo=False)])["equal_to_solo"]

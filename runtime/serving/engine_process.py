@@ -17,6 +17,7 @@ there too, `metrics_lines` and `metrics_text` ask the engine for its counters.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import pickle
@@ -75,6 +76,15 @@ class _Outbox:
                 _send(self.conn, ("events", items))
 
 
+def freeze_heap() -> None:
+    """Everything alive once loading is done (imported modules, the models, the packages'
+    wrappers) out of the garbage collector's generations: a full collection otherwise walks
+    those millions of objects again each time serving's allocations trigger one (measured: 6%
+    of a batched step's time in `gc_collect_main`)."""
+    gc.collect()
+    gc.freeze()
+
+
 def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
                 prefix_cache_tokens: int) -> None:
     """The engine process: load, say ready (or why not), then serve the pipe until it closes."""
@@ -96,6 +106,7 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
     send_lock, cancels = threading.Lock(), {}
     outbox = _Outbox(conn, send_lock, cancels)
     scheduler = Scheduler.for_generator(gen, max_num_seqs, disable_at, outbox.flush)
+    freeze_heap()
     _send(conn, ("ready", {"model_id": gen.model_id, "max_context": gen.max_context,
                            "engine_dir": str(engine.path), "backend": getattr(engine, "backend", ""),
                            "backend_note": getattr(engine, "backend_note", ""),

@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from metrale.runtime.serving.api_request import (  # noqa: F401  (re-exported: the server's contract)
     APIError, GenerationRequest, TextGenerator, decode_body, parse_request,
 )
+from metrale.runtime.serving.engine_process import freeze_heap
 from metrale.runtime.serving.http_guard import Guard, ServerLimits, protocol_class, release_memory
 from metrale.runtime.serving.scheduler import Scheduler
 
@@ -421,4 +422,5 @@ def serve(generator: TextGenerator, host: str = "127.0.0.1", port: int = 8000,
     # The scheduler's thread runs Python between its package calls; a request's handling on
     # the event loop waits for the GIL at each hand-off, by default up to 5 ms each time.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    freeze_heap()
     uvicorn.Server(uvicorn_config(app, host, port, limits, log_level="info")).run()
