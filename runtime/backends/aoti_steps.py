@@ -72,7 +72,7 @@ class TargetStep(nn.Module):
         super().__init__()
         linears(linear)  # refuses an unknown kind here, not at the first call
         self.model, self.taps, self.linear = model, tuple(taps), linear
-        _prepare(model, model.config, positions or model.config.max_position_embeddings + 64)
+        _prepare(model, model.config, positions)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, *kv: torch.Tensor):
         positions = pos + torch.arange(ids.shape[1], device=ids.device)  # [T]
