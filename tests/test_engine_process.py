@@ -109,3 +109,39 @@ def test_freeze_heap_moves_what_is_alive_out_of_the_collectors_generations():
         assert all(gc.get_count()[g] < 100 for g in (1, 2))
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("yield_gil", [True, False])
+def test_the_scheduler_yields_between_iterations_only_beside_an_event_loop(tiny_engine, monkeypatch,
+                                                                           yield_gil):
+    """In-process (an event loop shares the interpreter) the scheduler's thread lets it in
+    after every iteration; in the engine process it does not (each yield is a system call)."""
+    import threading
+    import time
+
+    from metrale.runtime.serving import scheduler as sched
+    from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    class Counting:  # the module's `time`, with its sleeps counted
+        perf_counter = staticmethod(time.perf_counter)
+        sleeps = 0
+
+        @classmethod
+        def sleep(cls, s):
+            cls.sleeps += 1
+            time.sleep(s)
+
+    class Tokens:  # a generator of five tokens, one per iteration
+        tokenizer = tiny_engine.tokenizer
+
+        def stream(self, ids, params):
+            yield from [5, 6, 7, 8, 9]
+
+    monkeypatch.setattr(sched, "time", Counting)
+    done = threading.Event()
+    s = sched.Scheduler(4, yield_gil=yield_gil)
+    req = GenerationRequest([1, 2, 3], SamplingParams(temperature=0, max_tokens=5), (), False, False)
+    s.submit(sched.Job(Tokens(), req, lambda kind, _: kind == "done" and done.set(), threading.Event(), "r"))
+    assert done.wait(30)
+    assert (Counting.sleeps >= 5) if yield_gil else (Counting.sleeps == 0)

@@ -105,7 +105,8 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
     engine = gen.engine
     send_lock, cancels = threading.Lock(), {}
     outbox = _Outbox(conn, send_lock, cancels)
-    scheduler = Scheduler.for_generator(gen, max_num_seqs, disable_at, outbox.flush)
+    scheduler = Scheduler.for_generator(gen, max_num_seqs, disable_at, outbox.flush,
+                                      yield_gil=False)  # no event loop here
     freeze_heap()
     _send(conn, ("ready", {"model_id": gen.model_id, "max_context": gen.max_context,
                            "engine_dir": str(engine.path), "backend": getattr(engine, "backend", ""),
