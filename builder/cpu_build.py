@@ -10,8 +10,10 @@ the staged model (loaded back exactly as serve loads it, then packed), exported 
 head, the row count: one package where fixed row counts took four, as fast per call, measured,
 with no padding rows), and compiled with `torch._inductor.aoti_compile_and_package`:
 inductor `freezing` (weights are constants, so its CPU code is specialised to them) and
-max-autotune with its C++ micro-GEMM templates for the projections. Packages compile in
-parallel worker processes, one thread each.
+max-autotune with its C++ micro-GEMM templates for the projections; on an AVX-512 machine
+(float32) the target's and the head's routed experts are metrale's own kernel
+(`plugins.cpu_moe`), linked into the package. Packages compile in parallel worker processes,
+one thread each.
 
 After compiling, the build checks what the runtime relies on, on random prompts: each row of
 a target call over several sequences (prefills, verifies and plain steps, chunked differently,
@@ -42,6 +44,7 @@ from pathlib import Path
 import torch
 
 from metrale.builder.cpu_check import check_packages, load_packed
+from metrale.plugins import cpu_moe
 from metrale.plugins.dynamic_conv import inductor_decompositions
 from metrale.runtime.artifact.entries import ComponentEntry, CpuPackages
 from metrale.runtime.components import Role, kind_named, kind_of
@@ -105,8 +108,9 @@ def _sources_digest() -> str:
     import metrale.runtime.models.step_caches as caches
 
     h = hashlib.sha256()
-    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv):
+    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv, cpu_moe):
         h.update(Path(mod.__file__).read_bytes())
+    h.update(cpu_moe.SOURCE.read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
 
@@ -171,6 +175,19 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     return step.eval(), args, dyn
 
 
+def uses_moe_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether `job`'s step runs its routed experts through the CPU kernel (`plugins.cpu_moe`):
+    a target or head step of float32 on an AVX-512 machine; its MoE layers are marked so."""
+    from metrale.runtime.models.layers import MoE
+
+    layers = [m for m in step.modules() if isinstance(m, MoE) and m.experts_gate_up is not None]
+    use = bool(layers) and job.linear != "extern" and cpu_moe.available(dtype)
+    if use:
+        for m in layers:
+            m.use_routed_kernel()
+    return use
+
+
 def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tuple[int, ...], slots: int,
                  out: str, dtype_name: str) -> float:
     """Worker: export and compile one package to `out`; returns the seconds it took."""
@@ -178,12 +195,16 @@ def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tu
 
     torch.set_num_threads(THREADS)
     t0 = time.time()
-    staged = load_packed(Path(root), kinds, getattr(torch, dtype_name))
+    dtype = getattr(torch, dtype_name)
+    staged = load_packed(Path(root), kinds, dtype)
     step, args, dyn = step_and_example(job, staged, taps, slots)
+    configs = dict(INDUCTOR[job.linear])
+    if uses_moe_kernel(job, step, dtype):
+        configs.update(cpu_moe.inductor_configs(cache_dir() / "kernels"))
     with torch.inference_mode():
         ep = torch.export.export(step, args, dynamic_shapes=dyn)
         ep = ep.run_decompositions(inductor_decompositions())  # DFlash2's conv op, as its math
-    torch._inductor.aoti_compile_and_package(ep, package_path=out, inductor_configs=INDUCTOR[job.linear])
+    torch._inductor.aoti_compile_and_package(ep, package_path=out, inductor_configs=configs)
     return time.time() - t0
 
 

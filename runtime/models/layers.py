@@ -308,6 +308,9 @@ class MoE(nn.Module):
     # whose rows do not depend on the row count there (the selected experts' GEMVs would give a
     # one-row step other bits than a verify's dense rows)
     row_invariant = False
+    # set on a compiled step's layers where the CPU kernel serves (`plugins.cpu_moe`, the CPU
+    # build): the routed experts are then one `metrale::routed_experts` node
+    routed_kernel = False
 
     def __init__(self, cfg: DecoderConfig, shared_gate: bool = True):
         super().__init__()
@@ -367,7 +370,7 @@ class MoE(nn.Module):
             return (nvfp4_moe_w4a16(x, ids, weights, *stacked) + self.shared(x)).reshape(shape)
         if self.experts_gate_up is not None:
             if torch.compiler.is_compiling():  # a compiled step: only each row's experts are read
-                routed = self._gathered_experts(x, weights, ids)
+                routed = (self._kernel_experts if self.routed_kernel else self._gathered_experts)(x, weights, ids)
                 return (routed + self.shared(x)).reshape(shape)
             few = (x.device.type == "cpu" and not self.row_invariant and not tracing()
                    and x.shape[0] * self.top_k <= self.experts_down.shape[0])
@@ -397,6 +400,21 @@ class MoE(nn.Module):
         gate, up = (x[:, None, None, :] * gate_up).sum(-1).chunk(2, dim=-1)  # [N, k, I]
         y = ((F.silu(gate) * up).unsqueeze(-1) * self.experts_down[ids]).sum(-2)  # [N, k, H]
         return (y * weights.unsqueeze(-1)).sum(1)  # [N, H]
+
+    def use_routed_kernel(self) -> None:
+        """Run a compiled step's routed experts through the CPU kernel (`plugins.cpu_moe`), its
+        gate/up weights held laid out [E, H, 2I] (a buffer, so the step's constant: computed in
+        the graph, the transposed copy would be made again at every call)."""
+        import metrale.plugins.cpu_moe  # noqa: F401  (registers the op)
+
+        e, inter, hidden = self.experts_down.shape
+        self.register_buffer("experts_gate_up_t", self.experts_gate_up.view(e, 2 * inter, hidden)
+                             .transpose(1, 2).contiguous(), persistent=False)
+        self.routed_kernel = True
+
+    def _kernel_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.metrale.routed_experts(x.contiguous(), ids.contiguous(), weights.contiguous(),
+                                                self.experts_gate_up_t, self.experts_down)
 
     def dequantize_experts(self) -> None:
         """Hold NVFP4 experts as stacked float weights (`pack`'s layout, from the grouped op's

@@ -1,0 +1,90 @@
+"""The CPU kernel of a MoE layer's routed experts (`plugins.cpu_moe`): against its math in torch
+ops, row by row bit-identical whatever the other rows of the call, and what the tiny engine's
+target package calls in place of inductor's code for its routed experts."""
+
+from __future__ import annotations
+
+import ctypes
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metrale.plugins import cpu_moe
+
+pytestmark = pytest.mark.skipif(not cpu_moe.available(torch.float32),
+                                reason="the kernel needs an AVX-512 CPU")
+P = ctypes.c_void_p
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    lib = ctypes.CDLL(str(cpu_moe.shared_library(tmp_path_factory.mktemp("kernels"))))
+
+    def run(x, ids, weights, gate_up, down):
+        out = torch.full_like(x, float("nan"))
+        (n, h), k, e, i = x.shape, ids.shape[1], gate_up.shape[0], down.shape[1]
+        lib.metrale_routed_experts(*(P(t.data_ptr()) for t in (x, ids, weights, gate_up, down, out)),
+                                   *(ctypes.c_int64(v) for v in (n, k, e, h, i)))
+        return out
+    return run
+
+
+def _layer(e=8, h=128, i=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(e, h, 2 * i, generator=g) * 0.1, torch.randn(e, i, h, generator=g) * 0.1)
+
+
+def _routing(n, e, k, seed, skewed=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, e, generator=g)
+    if skewed:  # expert 0 in every row, the last expert in none
+        logits[:, 0] += 10
+        logits[:, -1] -= 10
+    w, ids = torch.topk(torch.softmax(logits, -1), k)
+    return (w / w.sum(-1, keepdim=True)).contiguous(), ids.contiguous()
+
+
+@pytest.mark.parametrize("n,k,skewed", [(1, 2, False), (3, 2, False), (17, 2, True), (64, 2, False),
+                                        (9, 1, False), (5, 4, True)])
+def test_the_kernel_computes_the_ops_math(kernel, n, k, skewed):
+    gate_up, down = _layer()
+    x = torch.randn(n, 128, generator=torch.Generator().manual_seed(n))
+    w, ids = _routing(n, 8, k, seed=n, skewed=skewed)
+    ref = cpu_moe.routed_math(x.double(), ids, w.double(), gate_up.double(), down.double())
+    # float32 sums of 128 and 64 products against float64: a few units in the 6th digit
+    torch.testing.assert_close(kernel(x, ids, w, gate_up, down).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_ops_math_is_the_moe_layers(kernel):
+    """routed_math is what `MoE` computes for the same weights (its layout [E, 2I, H] transposed)."""
+    gate_up, down = _layer(i=128)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(6))
+    w, ids = _routing(6, 8, 2, seed=1)
+    mine = gate_up.transpose(1, 2)  # [E, 2I, H]: the layer's stacked layout
+    gate, up = (x[:, None, None, :] * mine[ids]).sum(-1).chunk(2, dim=-1)
+    layer = ((F.silu(gate) * up).unsqueeze(-1) * down[ids]).sum(-2)
+    layer = (layer * w.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(cpu_moe.routed_math(x, ids, w, gate_up, down), layer, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows(kernel):
+    """Alone, in a call of 40 rows, with other rows' experts and in another order: the same bits."""
+    gate_up, down = _layer()
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(40))
+    w, ids = _routing(40, 8, 2, seed=3, skewed=True)
+    together = kernel(x, ids, w, gate_up, down)
+    alone = torch.cat([kernel(x[r:r + 1], ids[r:r + 1], w[r:r + 1], gate_up, down) for r in range(40)])
+    assert torch.equal(together, alone)
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(0))
+    shuffled = kernel(x[perm].contiguous(), ids[perm].contiguous(), w[perm].contiguous(), gate_up, down)
+    assert torch.equal(shuffled, together[perm])
+
+
+def test_the_tiny_targets_package_calls_the_kernel(aoti_engine_dir):
+    """The built target package's routed experts are the kernel's shim, one call per layer."""
+    with zipfile.ZipFile(aoti_engine_dir / "target" / "cpu" / "steps.pt2") as z:
+        wrapper = next(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+    calls = wrapper.count("aoti_torch_cpu_routed_experts(") - 1  # less its declaration
+    assert calls == 4  # the tiny target's four MoE layers
