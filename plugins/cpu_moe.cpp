@@ -7,11 +7,11 @@
 // ids and weights [N, k], all contiguous, float32 (ids int64).
 //
 // The (row, slot) pairs are grouped by expert, so an expert's weights are read once per call
-// for all of its pairs, a 32-column tile at a time, and up to four pairs share each load in
-// registers. Every output element is one chain of fused multiply-adds over its input
-// features, in order, from zero, whatever the tile's pair count: a row's bits depend on its
-// own input and experts only, never on the other rows of the call (the batched step's
-// contract). A row's two pairs are summed in slot order.
+// for all of its pairs, and up to four pairs share each load in registers: a tile keeps eight
+// accumulators (four pairs x 32 columns, two x 64, or one pair x 128). Every output element is
+// one chain of fused multiply-adds over its input features, in order, from zero, whatever the
+// tile's shape: a row's bits depend on its own input and experts only, never on the other rows
+// of the call (the batched step's contract). A row's pairs are summed in slot order.
 
 #include <immintrin.h>
 #include <algorithm>
@@ -20,8 +20,8 @@
 #include <vector>
 
 namespace {
-constexpr int R = 4;  // pairs per tile
-constexpr int C = 32; // output columns per tile (two 16-float vectors)
+constexpr int R = 4;       // pairs per tile
+constexpr int MAX_NV = 8;  // 16-float vectors of output columns per tile, at most
 
 // e^x on 16 lanes: Cody-Waite reduction by ln 2, degree-6 Taylor polynomial (|rel err| < 2e-7)
 inline __m512 exp16(__m512 x) {
@@ -41,34 +41,49 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// out[r][0..C) = sum over k = 0..K-1, in order, of a[r][k] * W[k][0..C) (W's rows ldw apart):
-// one fused multiply-add per k into each output, whatever M, so a row's bits do not depend on M
-template <int M>
+// out[r][0..16·NV) = sum over k = 0..K-1, in order, of a[r][k] * W[k][0..16·NV) (W's rows ldw
+// apart): one fused multiply-add per k into each output, whatever M and NV, so a row's bits do
+// not depend on M or NV (which only set how many chains run at once: M·NV of them)
+template <int M, int NV>
 inline void tile(const float* const* a, const float* W, int64_t ldw, int64_t K, float* const* out) {
-  __m512 acc[M][2];
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[M][NV];
+  for (int r = 0; r < M; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float* w = W + k * ldw;
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
     for (int r = 0; r < M; ++r) {
       const __m512 s = _mm512_set1_ps(a[r][k]);
-      acc[r][0] = _mm512_fmadd_ps(s, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(s, w1, acc[r][1]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(s, wv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < M; ++r) {
-    _mm512_storeu_ps(out[r], acc[r][0]);
-    _mm512_storeu_ps(out[r] + 16, acc[r][1]);
+  for (int r = 0; r < M; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[r] + 16 * v, acc[r][v]);
+}
+
+template <int M>
+inline void tile_nv(int nv, const float* const* a, const float* W, int64_t ldw, int64_t K, float* const* out) {
+  switch (nv) {
+    case 8: return tile<M, 8>(a, W, ldw, K, out);
+    case 4: return tile<M, 4>(a, W, ldw, K, out);
+    case 2: return tile<M, 2>(a, W, ldw, K, out);
+    default: return tile<M, 1>(a, W, ldw, K, out);
   }
 }
 
-inline void tile_m(int m, const float* const* a, const float* W, int64_t ldw, int64_t K, float* const* out) {
+// columns [c0, c0 + 16·nv) of out = a · W for m rows, nv as wide as `want` allows within `cols`
+inline int tile_m(int m, int want, int64_t c0, int64_t cols, const float* const* a, const float* W,
+                  int64_t ldw, int64_t K, float* const* out) {
+  int nv = want;
+  while (nv > 1 && c0 + 16 * nv > cols) nv /= 2;
   switch (m) {
-    case 4: return tile<4>(a, W, ldw, K, out);
-    case 3: return tile<3>(a, W, ldw, K, out);
-    case 2: return tile<2>(a, W, ldw, K, out);
-    default: return tile<1>(a, W, ldw, K, out);
+    case 4: tile_nv<4>(nv, a, W, ldw, K, out); break;
+    case 3: tile_nv<3>(nv, a, W, ldw, K, out); break;
+    case 2: tile_nv<2>(nv, a, W, ldw, K, out); break;
+    default: tile_nv<1>(nv, a, W, ldw, K, out); break;
   }
+  return 16 * nv;
 }
 }  // namespace
 
@@ -77,48 +92,54 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
                                        float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
                                        int64_t H, int64_t I) {
   const int64_t P = N * K, I2 = 2 * I;
-  std::vector<int64_t> start(E + 1, 0), order(P);
+  thread_local std::vector<int64_t> start, at, order;
+  thread_local std::vector<float> act, y;  // kept between calls: no allocation once warm
+  start.assign(E + 1, 0);
+  order.resize(P);
+  act.resize(P * I);
+  y.resize(P * H);
   for (int64_t p = 0; p < P; ++p) start[ids[p] + 1]++;
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  {
-    std::vector<int64_t> at(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < P; ++p) order[at[ids[p]]++] = p;  // pairs grouped by expert
-  }
-  std::vector<float> gate(P * C), up(P * C), act(P * I), y(P * H);
+  at.assign(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < P; ++p) order[at[ids[p]]++] = p;  // pairs grouped by expert
+  float gate[R][16 * MAX_NV], up[R][16 * MAX_NV];
   const float* a[R];
   float* o[R];
   float* o2[R];
   for (int64_t e = 0; e < E; ++e) {
     const int64_t lo = start[e], hi = start[e + 1];
     if (lo == hi) continue;
+    // eight accumulators a tile: 4 pairs x 2 vectors, 2 x 4, or 1 x 8 for an expert of one pair
+    const int want = hi - lo >= 3 ? 2 : (hi - lo == 2 ? 4 : 8);
     const float* gu = gate_up + e * H * I2;
-    for (int64_t c0 = 0; c0 < I; c0 += C) {  // a column tile of gate and up, every pair of e
-      for (int64_t b = lo; b < hi; b += R) {
-        const int m = static_cast<int>(std::min<int64_t>(R, hi - b));
-        for (int r = 0; r < m; ++r) {
-          a[r] = x + (order[b + r] / K) * H;
-          o[r] = gate.data() + (b + r) * C;
-          o2[r] = up.data() + (b + r) * C;
-        }
-        tile_m(m, a, gu + c0, I2, H, o);
-        tile_m(m, a, gu + I + c0, I2, H, o2);
+    for (int64_t b = lo; b < hi; b += R) {
+      const int m = static_cast<int>(std::min<int64_t>(R, hi - b));
+      for (int r = 0; r < m; ++r) {
+        a[r] = x + (order[b + r] / K) * H;
+        o[r] = gate[r];
+        o2[r] = up[r];
+      }
+      for (int64_t c0 = 0; c0 < I;) {  // a column tile of gate and up
+        tile_m(m, want, c0, I, a, gu + c0, I2, H, o);
+        const int w = tile_m(m, want, c0, I, a, gu + I + c0, I2, H, o2);
         for (int r = 0; r < m; ++r)
-          for (int c = 0; c < C; c += 16) {  // silu(g) * u
-            const __m512 g = _mm512_loadu_ps(o[r] + c), u = _mm512_loadu_ps(o2[r] + c);
-            const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_storeu_ps(act.data() + (b + r) * I + c0 + c, _mm512_mul_ps(s, u));
+          for (int c = 0; c < w; c += 16) {  // silu(g) * u
+            const __m512 g = _mm512_loadu_ps(gate[r] + c), u = _mm512_loadu_ps(up[r] + c);
+            const __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_storeu_ps(act.data() + (b + r) * I + c0 + c, _mm512_mul_ps(sg, u));
           }
+        c0 += w;
       }
     }
     const float* dn = down + e * I * H;
-    for (int64_t c0 = 0; c0 < H; c0 += C) {
-      for (int64_t b = lo; b < hi; b += R) {
-        const int m = static_cast<int>(std::min<int64_t>(R, hi - b));
+    for (int64_t b = lo; b < hi; b += R) {
+      const int m = static_cast<int>(std::min<int64_t>(R, hi - b));
+      for (int64_t c0 = 0; c0 < H;) {
         for (int r = 0; r < m; ++r) {
           a[r] = act.data() + (b + r) * I;
           o[r] = y.data() + order[b + r] * H + c0;
         }
-        tile_m(m, a, dn + c0, H, I, o);
+        c0 += tile_m(m, want, c0, H, a, dn + c0, H, I, o);
       }
     }
   }
@@ -145,7 +166,7 @@ extern "C" AOTITorchError aoti_torch_cpu_routed_experts(AtenTensorHandle x, Aten
   if (aoti_torch_get_sizes(x, &xs) || aoti_torch_get_sizes(ids, &is) || aoti_torch_get_sizes(gate_up, &gs))
     return AOTI_TORCH_FAILURE;
   const int64_t n = xs[0], h = xs[1], k = is[1], e = gs[0], i2 = gs[2];
-  if (gs[1] != h || i2 % 64 != 0 || h % 32 != 0 || is[0] != n) return AOTI_TORCH_FAILURE;
+  if (gs[1] != h || i2 % 32 != 0 || h % 16 != 0 || is[0] != n) return AOTI_TORCH_FAILURE;
   const int64_t sizes[2] = {n, h}, strides[2] = {h, 1};
   if (aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, ret0))
     return AOTI_TORCH_FAILURE;
