@@ -177,11 +177,13 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
 
 def uses_moe_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether `job`'s step runs its routed experts through the CPU kernel (`plugins.cpu_moe`):
-    a target or head step of float32 on an AVX-512 machine; its MoE layers are marked so."""
+    a target or head step of float32 on an AVX-512 machine, whose experts' sizes are whole
+    vectors (`cpu_moe.fits`); its MoE layers are marked so."""
     from metrale.runtime.models.layers import MoE
 
     layers = [m for m in step.modules() if isinstance(m, MoE) and m.experts_gate_up is not None]
-    use = bool(layers) and job.linear != "extern" and cpu_moe.available(dtype)
+    use = (bool(layers) and job.linear != "extern" and cpu_moe.available(dtype)
+           and all(cpu_moe.fits(*m.experts_down.shape[1:]) for m in layers))
     if use:
         for m in layers:
             m.use_routed_kernel()

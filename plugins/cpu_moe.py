@@ -64,6 +64,11 @@ def available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
+def fits(intermediate: int, hidden: int) -> bool:
+    """Whether the kernel takes experts of these sizes: whole 16-float vectors."""
+    return intermediate % 16 == 0 and hidden % 16 == 0
+
+
 def _compiler() -> str:
     from torch._inductor.cpp_builder import get_cpp_compiler
 

@@ -88,3 +88,8 @@ def test_the_tiny_targets_package_calls_the_kernel(aoti_engine_dir):
         wrapper = next(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
     calls = wrapper.count("aoti_torch_cpu_routed_experts(") - 1  # less its declaration
     assert calls == 4  # the tiny target's four MoE layers
+
+
+def test_the_kernel_takes_experts_of_whole_vectors_only():
+    assert cpu_moe.fits(128, 128) and cpu_moe.fits(48, 64)
+    assert not cpu_moe.fits(100, 128) and not cpu_moe.fits(128, 72)
