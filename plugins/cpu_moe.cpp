@@ -16,8 +16,9 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 namespace {
 constexpr int R = 4;       // pairs per tile
@@ -152,7 +153,6 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
     }
 }
 
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 // The C shim AOTInductor's wrapper calls for metrale::routed_experts (its name is the op's,
 // prefixed as aten ops' shims are): checks the layout, allocates the output, runs the kernel.

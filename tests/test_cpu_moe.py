@@ -9,7 +9,6 @@ import zipfile
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from metrale.plugins import cpu_moe
 
@@ -58,14 +57,17 @@ def test_the_kernel_computes_the_ops_math(kernel, n, k, skewed):
 
 
 def test_the_ops_math_is_the_moe_layers(kernel):
-    """routed_math is what `MoE` computes for the same weights (its layout [E, 2I, H] transposed)."""
+    """routed_math is what `MoE`'s compiled path computes for the same weights (its stacked
+    layout: gate/up [E·2I, H], the op's [E, H, 2I] transposed)."""
+    from types import SimpleNamespace
+
+    from metrale.runtime.models.layers import MoE
+
     gate_up, down = _layer(i=128)
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(6))
     w, ids = _routing(6, 8, 2, seed=1)
-    mine = gate_up.transpose(1, 2)  # [E, 2I, H]: the layer's stacked layout
-    gate, up = (x[:, None, None, :] * mine[ids]).sum(-1).chunk(2, dim=-1)
-    layer = ((F.silu(gate) * up).unsqueeze(-1) * down[ids]).sum(-2)
-    layer = (layer * w.unsqueeze(-1)).sum(1)
+    stacked = SimpleNamespace(experts_gate_up=gate_up.transpose(1, 2).reshape(-1, 128), experts_down=down)
+    layer = MoE._gathered_experts(stacked, x, w, ids)
     torch.testing.assert_close(cpu_moe.routed_math(x, ids, w, gate_up, down), layer, rtol=1e-5, atol=1e-6)
 
 
