@@ -3,7 +3,7 @@
     python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
                            [--max-tokens 32] [--modes plain,mtp,dflash] [--rounds 3]
                            [--max-num-seqs 64] [--server-threads N] [--serve-flags '...']
-                           [--temperature T] [--json FILE]
+                           [--temperature T] [--engine-only] [--json FILE]
 
 It starts one `metrale serve` process per mode, all up together (`--max-num-seqs`;
 `--server-threads` torch threads, by default the server's own: one per core; an idle server
@@ -17,6 +17,12 @@ latency (medians over the rounds) and lost requests (summed), and whether every 
 the same request's answer at the first level (C = 1 by default: the request alone). Last, per
 mode, the latency of a 4-token request sent just after another client's 1,000-token stream
 started (from its own process), against the same request alone.
+
+With `--engine-only`, each level also runs plain decoding with no HTTP and no openai client: C
+threads of this process hand tokenized requests to the serving scheduler itself, as the engine
+process's pipe reader does (vLLM's offline throughput benchmark, beside its serving one). On a
+machine whose clients share the server's cores, that row is the engine's batched ceiling: what
+the tokens/s over HTTP would be if serving and clients cost nothing.
 """
 
 from __future__ import annotations
@@ -111,6 +117,59 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
             "p99_latency_s": round(p99, 3)}, {(i, t) for i, t, _, _ in done}
 
 
+_ENGINES: dict = {}
+
+
+def run_engine_only(engine_dir: str, prompts: list[str], concurrency: int, per_client: int,
+                    max_tokens: int, max_num_seqs: int):
+    """`run_load`'s figures for plain decoding without HTTP: the engine and scheduler as `serve`'s
+    engine process sets them up (its default prefix cache, no yield to an event loop), loaded
+    once per engine directory, each client thread submitting its requests one after another."""
+    from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.serving.scheduler import Job, Scheduler
+    from metrale.runtime.serving.service import load_generator
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    if (engine_dir, max_num_seqs) not in _ENGINES:
+        gen = load_generator(engine_dir, SpeculativeConfig())
+        gen.cache_prefixes(8192)
+        _ENGINES[engine_dir, max_num_seqs] = gen, Scheduler.for_generator(gen, max_num_seqs, None,
+                                                                          yield_gil=False)
+    gen, scheduler = _ENGINES[engine_dir, max_num_seqs]
+    ids = [gen.tokenizer.encode(p) for p in prompts]
+
+    def one(i: int):
+        t0, done, parts, n = time.perf_counter(), threading.Event(), [], [0]
+
+        def emit(kind, payload):
+            if kind == "text":
+                parts.append(payload)
+            elif kind == "done":
+                n[0] = payload[1]
+            if kind in ("done", "error"):
+                done.set()
+
+        req = GenerationRequest(ids[i % len(ids)], SamplingParams(temperature=0, max_tokens=max_tokens),
+                                (), False, False)
+        scheduler.submit(Job(gen, req, emit, threading.Event(), f"engine-only-{i}"))
+        done.wait()
+        return i % len(prompts), "".join(parts), n[0], time.perf_counter() - t0
+
+    for i in range(len(prompts)):  # warm, as run_load does
+        one(i)
+    with ThreadPoolExecutor(concurrency) as pool:
+        t0 = time.perf_counter()
+        done = list(pool.map(one, range(concurrency * per_client)))
+    wall = time.perf_counter() - t0
+    lat = sorted(d[3] for d in done)
+    return {"concurrency": concurrency, "requests": len(done), "lost": sum(not d[2] for d in done),
+            "tokens_per_s": round(sum(d[2] for d in done) / wall, 1),
+            "median_latency_s": round(statistics.median(lat), 3),
+            "p99_latency_s": round(lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))], 3)}, \
+        {(i, t) for i, t, _, _ in done}
+
+
 def _long_stream(base: str, model: str, started) -> None:
     """Another client's 1,000-token stream (its own process: a client's parsing must not
     compete with the measured client's for one interpreter)."""
@@ -179,6 +238,8 @@ def main() -> int:
                     help="torch threads of the server (0: its default, one per core)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; above 0: sampled, a seed per prompt")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="also run plain decoding without HTTP at each level (the engine's ceiling)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]
@@ -186,6 +247,8 @@ def main() -> int:
     modes = args.modes.split(",")
     if args.temperature < 0:
         ap.error(f"--temperature {args.temperature}: expected 0 (greedy) or more")
+    if args.engine_only and args.temperature:
+        ap.error(f"--engine-only runs greedy requests; --temperature {args.temperature} is for the servers")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: expected 1 or more")
     unknown = [m for m in modes if m not in MODES]
@@ -194,17 +257,22 @@ def main() -> int:
     out = {"max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
            "temperature": args.temperature, "rounds": args.rounds, "modes": {}}
     servers = {}
+    modes_run = modes + ["engine-only"] * args.engine_only
     try:
         for mode in modes:  # all up at once, idle while another is loaded: rounds interleave
             servers[mode] = start_server(args.engine_dir, MODES[mode] + shlex.split(args.serve_flags),
                                          args.max_num_seqs, args.server_threads)
-        rows = {m: {c: [] for c in levels} for m in modes}
+        rows = {m: {c: [] for c in levels} for m in modes_run}
         solo: dict[str, dict] = {}
         for r in range(args.rounds):
             for c in levels:
-                for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # the order rotates
-                    row, answers = run_load(servers[mode][1], prompts, c, args.requests,
-                                            args.max_tokens, args.temperature)
+                for mode in modes_run[r % len(modes_run):] + modes_run[:r % len(modes_run)]:
+                    if mode == "engine-only":  # the order above rotates between rounds
+                        row, answers = run_engine_only(args.engine_dir, prompts, c, args.requests,
+                                                       args.max_tokens, args.max_num_seqs)
+                    else:
+                        row, answers = run_load(servers[mode][1], prompts, c, args.requests,
+                                                args.max_tokens, args.temperature)
                     solo.setdefault(mode, dict(answers))  # its first level's answers (C = 1)
                     row["equal_to_solo"] = all(solo[mode].get(i) == t for i, t in answers)
                     rows[mode][c].append(row)
@@ -216,6 +284,10 @@ def main() -> int:
             for row in out["modes"][mode]["levels"]:
                 print(mode, row, flush=True)
             print(mode, tail, flush=True)
+        if args.engine_only:
+            out["modes"]["engine-only"] = {"levels": [_median_row(rows["engine-only"][c]) for c in levels]}
+            for row in out["modes"]["engine-only"]["levels"]:
+                print("engine-only", row, flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()

@@ -132,3 +132,16 @@ def test_load_script_counts_what_its_clients_got(server, tiny_engine, tiny_promp
     row = load._median_row(rounds)
     assert (row["tokens_per_s"], row["lost"], row["rounds"], row["requests"]) == (2.0, 1, 3, 24)
     assert row["equal_to_solo"] and not load._median_row([dict(busy, equal_to_solo=False)])["equal_to_solo"]
+
+
+def test_load_scripts_engine_only_rows_are_the_schedulers_real_answers(tiny_engine_dir, tiny_engine,
+                                                                       tiny_prompts):
+    """`scripts/load.py --engine-only`: the scheduler fed without HTTP counts every request's
+    tokens, and each greedy answer under 4 clients is the one it gets alone."""
+    load = _load_script()
+    prompts = [tiny_engine.tokenizer.decode(p[:6]) for p in tiny_prompts[:4]]
+    alone, solo = load.run_engine_only(str(tiny_engine_dir), prompts, 1, 4, 6, 8)
+    busy, together = load.run_engine_only(str(tiny_engine_dir), prompts, 4, 2, 6, 8)
+    assert alone["requests"] == 4 and busy["requests"] == 8 and alone["lost"] == busy["lost"] == 0
+    assert busy["tokens_per_s"] > 0 and busy["p99_latency_s"] >= busy["median_latency_s"] > 0
+    assert dict(solo) == dict(together) and len(solo) == 4 and all(dict(solo).values())
