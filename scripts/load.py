@@ -108,10 +108,15 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
                 done.append(f.result())
             except Exception:  # noqa: BLE001 - counted as lost
                 lost += 1
-    wall = time.perf_counter() - t0
+    return _figures(concurrency, len(futures), lost, done, time.perf_counter() - t0)
+
+
+def _figures(concurrency: int, requests: int, lost: int, done: list[tuple], wall: float):
+    """One level's figures from its answered requests `done` ((prompt, text, tokens, seconds)
+    each) over `wall` seconds, and the set of (prompt, text) answers."""
     lat = sorted(d[3] for d in done)
     p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))] if lat else float("nan")
-    return {"concurrency": concurrency, "requests": len(futures), "lost": lost,
+    return {"concurrency": concurrency, "requests": requests, "lost": lost,
             "tokens_per_s": round(sum(d[2] for d in done) / wall, 1),
             "median_latency_s": round(statistics.median(lat), 3) if lat else None,
             "p99_latency_s": round(p99, 3)}, {(i, t) for i, t, _, _ in done}
@@ -161,13 +166,9 @@ def run_engine_only(engine_dir: str, prompts: list[str], concurrency: int, per_c
     with ThreadPoolExecutor(concurrency) as pool:
         t0 = time.perf_counter()
         done = list(pool.map(one, range(concurrency * per_client)))
-    wall = time.perf_counter() - t0
-    lat = sorted(d[3] for d in done)
-    return {"concurrency": concurrency, "requests": len(done), "lost": sum(not d[2] for d in done),
-            "tokens_per_s": round(sum(d[2] for d in done) / wall, 1),
-            "median_latency_s": round(statistics.median(lat), 3),
-            "p99_latency_s": round(lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))], 3)}, \
-        {(i, t) for i, t, _, _ in done}
+    answered = [d for d in done if d[2]]  # a failed request emits no tokens: lost
+    return _figures(concurrency, len(done), len(done) - len(answered), answered,
+                    time.perf_counter() - t0)
 
 
 def _long_stream(base: str, model: str, started) -> None:
@@ -277,17 +278,13 @@ def main() -> int:
                     row["equal_to_solo"] = all(solo[mode].get(i) == t for i, t in answers)
                     rows[mode][c].append(row)
                     print(f"round {r + 1}", mode, row, flush=True)
-        for mode in modes:
-            tail = short_behind_long(servers[mode][1])
-            out["modes"][mode] = {"levels": [_median_row(rows[mode][c]) for c in levels],
-                                  "short_behind_long": tail}
+        for mode in modes_run:
+            out["modes"][mode] = {"levels": [_median_row(rows[mode][c]) for c in levels]}
             for row in out["modes"][mode]["levels"]:
                 print(mode, row, flush=True)
-            print(mode, tail, flush=True)
-        if args.engine_only:
-            out["modes"]["engine-only"] = {"levels": [_median_row(rows["engine-only"][c]) for c in levels]}
-            for row in out["modes"]["engine-only"]["levels"]:
-                print("engine-only", row, flush=True)
+            if mode in servers:
+                out["modes"][mode]["short_behind_long"] = tail = short_behind_long(servers[mode][1])
+                print(mode, tail, flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
