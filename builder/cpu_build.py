@@ -10,9 +10,10 @@ the staged model (loaded back exactly as serve loads it, then packed), exported 
 head, the row count: one package where fixed row counts took four, as fast per call, measured,
 with no padding rows), and compiled with `torch._inductor.aoti_compile_and_package`:
 inductor `freezing` (weights are constants, so its CPU code is specialised to them) and
-max-autotune with its C++ micro-GEMM templates for the projections; on an AVX-512 machine
-(float32) the target's and the head's routed experts are metrale's own kernel
-(`plugins.cpu_moe`), linked into the package. Packages compile in parallel worker processes,
+max-autotune with its C++ micro-GEMM templates for the projections; on an x86 machine with
+AVX-512 or AVX2 (float32) the target's and the head's routed experts and every batched step's
+attention are metrale's own kernels (`plugins.cpu_moe`, `plugins.cpu_attention`), linked into
+the package. Packages compile in parallel worker processes,
 one thread each.
 
 After compiling, the build checks what the runtime relies on, on random prompts: each row of
@@ -44,7 +45,7 @@ from pathlib import Path
 import torch
 
 from metrale.builder.cpu_check import check_packages, load_packed
-from metrale.plugins import cpu_moe
+from metrale.plugins import cpu_attention, cpu_kernels, cpu_moe
 from metrale.plugins.dynamic_conv import inductor_decompositions
 from metrale.runtime.artifact.entries import ComponentEntry, CpuPackages
 from metrale.runtime.components import Role, kind_named, kind_of
@@ -108,9 +109,9 @@ def _sources_digest() -> str:
     import metrale.runtime.models.step_caches as caches
 
     h = hashlib.sha256()
-    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv, cpu_moe):
+    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv, cpu_moe, cpu_attention, cpu_kernels):
         h.update(Path(mod.__file__).read_bytes())
-    h.update(cpu_moe.SOURCE.read_bytes())
+    h.update(cpu_kernels.digest().encode())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
 
@@ -177,17 +178,38 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
 
 def uses_moe_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether `job`'s step runs its routed experts through the CPU kernel (`plugins.cpu_moe`):
-    a target or head step of float32 on an AVX-512 machine, whose experts' sizes are whole
-    vectors (`cpu_moe.fits`); its MoE layers are marked so."""
+    a target or head step of float32 where the kernels build (`cpu_kernels.available`), whose
+    experts' sizes are whole vectors (`cpu_moe.fits`); its MoE layers are marked so."""
     from metrale.runtime.models.layers import MoE
 
     layers = [m for m in step.modules() if isinstance(m, MoE) and m.experts_gate_up is not None]
-    use = (bool(layers) and job.linear != "extern" and cpu_moe.available(dtype)
+    use = (bool(layers) and job.linear != "extern" and cpu_kernels.available(dtype)
            and all(cpu_moe.fits(*m.experts_down.shape[1:]) for m in layers))
     if use:
         for m in layers:
             m.use_routed_kernel()
     return use
+
+
+def uses_attention_kernel(step: torch.nn.Module, decoder, dtype: torch.dtype) -> bool:
+    """Whether `step` (a batched step of a model with `decoder`'s attention) attends through the
+    CPU kernel (`plugins.cpu_attention`): float32 where the kernels build, heads of whole vectors
+    (`cpu_attention.fits`); the step is marked so."""
+    use = (hasattr(step, "attention_kernel") and cpu_kernels.available(dtype)
+           and cpu_attention.fits(decoder.head_dim, decoder.num_attention_heads, decoder.num_key_value_heads))
+    if use:
+        step.attention_kernel = True
+    return use
+
+
+def _decoder(step: torch.nn.Module):
+    """The attention config of a batched step's model."""
+    for name in ("model", "head", "drafter"):
+        model = getattr(step, name, None)
+        if model is not None:
+            cfg = model.config
+            return getattr(cfg, "decoder", cfg)
+    raise TypeError(f"{type(step).__name__}: not a batched step")
 
 
 def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tuple[int, ...], slots: int,
@@ -201,8 +223,9 @@ def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tu
     staged = load_packed(Path(root), kinds, dtype)
     step, args, dyn = step_and_example(job, staged, taps, slots)
     configs = dict(INDUCTOR[job.linear])
-    if uses_moe_kernel(job, step, dtype):
-        configs.update(cpu_moe.inductor_configs(cache_dir() / "kernels"))
+    moe = uses_moe_kernel(job, step, dtype)
+    if uses_attention_kernel(step, _decoder(step), dtype) or moe:
+        configs.update(cpu_kernels.inductor_configs(cache_dir() / "kernels"))
     with torch.inference_mode():
         ep = torch.export.export(step, args, dynamic_shapes=dyn)
         ep = ep.run_decompositions(inductor_decompositions())  # DFlash2's conv op, as its math

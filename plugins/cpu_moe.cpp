@@ -1,90 +1,91 @@
-// metrale::routed_experts on x86 CPUs with AVX-512: the routed experts of a MoE layer for the
-// rows of a compiled step, as AOTInductor packages call it (`plugins/cpu_moe.py`).
+// metrale::routed_experts on x86 CPUs with AVX-512 or AVX2 + FMA: the routed experts of a MoE
+// layer for the rows of a compiled step, as AOTInductor packages call it (`plugins/cpu_moe.py`).
 //
 //   y[n] = sum_j weights[n, j] * D_e (silu(g) * u),  [g; u] = GU_e x[n],  e = ids[n, j]
 //
 // gate_up [E, H, 2I] (gate columns [0, I), up columns [I, 2I)), down [E, I, H], x [N, H],
-// ids and weights [N, k], all contiguous, float32 (ids int64).
+// ids and weights [N, k], all contiguous, float32 (ids int64); H and I whole 16-float vectors.
 //
 // The (row, slot) pairs are grouped by expert, so an expert's weights are read once per call
-// for all of its pairs, and up to four pairs share each load in registers: a tile keeps eight
-// accumulators (four pairs x 32 columns, two x 64, or one pair x 128). Every output element is
+// for all of its pairs, and several pairs share each load in registers. With AVX-512 (vectors
+// of W = 16 floats, 32 registers) a tile keeps up to eight vector accumulators: four pairs x
+// two vectors of columns, two x four, or one pair x eight. With AVX2 (W = 8, 16 registers) up
+// to twelve: six pairs x two, three x four, two x four, or one x eight. Every output element is
 // one chain of fused multiply-adds over its input features, in order, from zero, whatever the
-// tile's shape: a row's bits depend on its own input and experts only, never on the other rows
-// of the call (the batched step's contract). A row's pairs are summed in slot order.
+// tile's shape or the vector width: a row's bits depend on its own input and experts only,
+// never on the other rows of the call (the batched step's contract), and are the same on
+// either ISA. A row's pairs are summed in slot order.
 
-#include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
+#include "cpu_simd.h"
+
 namespace {
-constexpr int R = 4;       // pairs per tile
-constexpr int MAX_NV = 8;  // 16-float vectors of output columns per tile, at most
+namespace simd = metrale_simd;
+using simd::vec;
+using simd::W;
+// A tile's shape by its pair count m: widest[m] vectors of columns at most (halved at the ends
+// of the columns), so widest[m]·m accumulators, sized to the ISA's registers
+#if defined(__AVX512F__)
+constexpr int R = 4;                             // pairs per tile, at most
+constexpr int widest[R + 1] = {0, 8, 4, 2, 2};   // 8 accumulators of 32 registers
+#else
+// AVX2's 16 registers: up to 12 accumulators, the weights' vectors (two, or four with three
+// pairs, one of them read again from memory) and the broadcast input
+constexpr int R = 6;
+constexpr int widest[R + 1] = {0, 8, 4, 4, 2, 2, 2};
+#endif
+constexpr int MAX_NV = widest[1];  // vectors of output columns per tile, at most (a one-pair tile's)
 
-// e^x on 16 lanes: Cody-Waite reduction by ln 2, degree-6 Taylor polynomial (|rel err| < 2e-7)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693145751953125f), x);
-  r = _mm512_fmadd_ps(k, _mm512_set1_ps(-1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-// out[r][0..16·NV) = sum over k = 0..K-1, in order, of a[r][k] * W[k][0..16·NV) (W's rows ldw
+// out[r][0..W·NV) = sum over k = 0..K-1, in order, of a[r][k] * Wt[k][0..W·NV) (Wt's rows ldw
 // apart): one fused multiply-add per k into each output, whatever M and NV, so a row's bits do
 // not depend on M or NV (which only set how many chains run at once: M·NV of them)
 template <int M, int NV>
-inline void tile(const float* const* a, const float* W, int64_t ldw, int64_t K, float* const* out) {
-  __m512 acc[M][NV];
+inline void tile(const float* const* a, const float* Wt, int64_t ldw, int64_t K, float* const* out) {
+  vec acc[M][NV];
   for (int r = 0; r < M; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[r][v] = simd::zero();
   for (int64_t k = 0; k < K; ++k) {
-    const float* w = W + k * ldw;
-    __m512 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
+    const float* w = Wt + k * ldw;
+    vec wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = simd::load(w + W * v);
     for (int r = 0; r < M; ++r) {
-      const __m512 s = _mm512_set1_ps(a[r][k]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(s, wv[v], acc[r][v]);
+      const vec s = simd::set1(a[r][k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = simd::fmadd(s, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < M; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[r] + 16 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) simd::store(out[r] + W * v, acc[r][v]);
 }
 
+// tile<M, nv> for nv a power of two up to NV (only the tiles of widest's sizes are compiled)
+template <int M, int NV>
+inline void tile_nv(int nv, const float* const* a, const float* Wt, int64_t ldw, int64_t K, float* const* out) {
+  if constexpr (NV > 1)
+    if (nv < NV) return tile_nv<M, NV / 2>(nv, a, Wt, ldw, K, out);
+  tile<M, NV>(a, Wt, ldw, K, out);
+}
+
+// tile<m, nv>(...) for 1 <= m <= M
 template <int M>
-inline void tile_nv(int nv, const float* const* a, const float* W, int64_t ldw, int64_t K, float* const* out) {
-  switch (nv) {
-    case 8: return tile<M, 8>(a, W, ldw, K, out);
-    case 4: return tile<M, 4>(a, W, ldw, K, out);
-    case 2: return tile<M, 2>(a, W, ldw, K, out);
-    default: return tile<M, 1>(a, W, ldw, K, out);
-  }
+inline void tile_rows(int m, int nv, const float* const* a, const float* Wt, int64_t ldw, int64_t K, float* const* out) {
+  if constexpr (M > 1)
+    if (m < M) return tile_rows<M - 1>(m, nv, a, Wt, ldw, K, out);
+  tile_nv<M, widest[M]>(nv, a, Wt, ldw, K, out);
 }
 
-// columns [c0, c0 + 16·nv) of out = a · W for m rows, nv as wide as `want` allows within `cols`
-inline int tile_m(int m, int want, int64_t c0, int64_t cols, const float* const* a, const float* W,
-                  int64_t ldw, int64_t K, float* const* out) {
-  int nv = want;
-  while (nv > 1 && c0 + 16 * nv > cols) nv /= 2;
-  switch (m) {
-    case 4: tile_nv<4>(nv, a, W, ldw, K, out); break;
-    case 3: tile_nv<3>(nv, a, W, ldw, K, out); break;
-    case 2: tile_nv<2>(nv, a, W, ldw, K, out); break;
-    default: tile_nv<1>(nv, a, W, ldw, K, out); break;
-  }
-  return 16 * nv;
+// columns [c0, c0 + W·nv) of out = a · Wt for m rows, nv = widest[m] halved until the tile ends
+// within `cols` (a whole number of vectors); returns the columns done
+inline int tile_m(int m, int64_t c0, int64_t cols, const float* const* a, const float* Wt, int64_t ldw,
+                  int64_t K, float* const* out) {
+  int nv = widest[m];
+  while (nv > 1 && c0 + W * nv > cols) nv /= 2;
+  tile_rows<R>(m, nv, a, Wt, ldw, K, out);
+  return W * nv;
 }
 }  // namespace
 
@@ -103,15 +104,13 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
   at.assign(start.begin(), start.end() - 1);
   for (int64_t p = 0; p < P; ++p) order[at[ids[p]]++] = p;  // pairs grouped by expert
-  float gate[R][16 * MAX_NV], up[R][16 * MAX_NV];
+  float gate[R][W * MAX_NV], up[R][W * MAX_NV];
   const float* a[R];
   float* o[R];
   float* o2[R];
   for (int64_t e = 0; e < E; ++e) {
     const int64_t lo = start[e], hi = start[e + 1];
     if (lo == hi) continue;
-    // eight accumulators a tile: 4 pairs x 2 vectors, 2 x 4, or 1 x 8 for an expert of one pair
-    const int want = hi - lo >= 3 ? 2 : (hi - lo == 2 ? 4 : 8);
     const float* gu = gate_up + e * H * I2;
     for (int64_t b = lo; b < hi; b += R) {
       const int m = static_cast<int>(std::min<int64_t>(R, hi - b));
@@ -121,13 +120,13 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
         o2[r] = up[r];
       }
       for (int64_t c0 = 0; c0 < I;) {  // a column tile of gate and up
-        tile_m(m, want, c0, I, a, gu + c0, I2, H, o);
-        const int w = tile_m(m, want, c0, I, a, gu + I + c0, I2, H, o2);
+        tile_m(m, c0, I, a, gu + c0, I2, H, o);
+        const int w = tile_m(m, c0, I, a, gu + I + c0, I2, H, o2);
         for (int r = 0; r < m; ++r)
-          for (int c = 0; c < w; c += 16) {  // silu(g) * u
-            const __m512 g = _mm512_loadu_ps(gate[r] + c), u = _mm512_loadu_ps(up[r] + c);
-            const __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_storeu_ps(act.data() + (b + r) * I + c0 + c, _mm512_mul_ps(sg, u));
+          for (int c = 0; c < w; c += W) {  // silu(g) * u
+            const vec g = simd::load(gate[r] + c), u = simd::load(up[r] + c);
+            const vec sg = simd::div(g, simd::add(simd::set1(1.0f), simd::exp(simd::sub(simd::zero(), g))));
+            simd::store(act.data() + (b + r) * I + c0 + c, simd::mul(sg, u));
           }
         c0 += w;
       }
@@ -140,16 +139,16 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
           a[r] = act.data() + (b + r) * I;
           o[r] = y.data() + order[b + r] * H + c0;
         }
-        c0 += tile_m(m, want, c0, H, a, dn + c0, H, I, o);
+        c0 += tile_m(m, c0, H, a, dn + c0, H, I, o);
       }
     }
   }
   for (int64_t n = 0; n < N; ++n)  // a row's pairs summed in slot order
-    for (int64_t h = 0; h < H; h += 16) {
-      __m512 s = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; h += W) {
+      vec s = simd::zero();
       for (int64_t j = 0; j < K; ++j)
-        s = _mm512_fmadd_ps(_mm512_set1_ps(wts[n * K + j]), _mm512_loadu_ps(y.data() + (n * K + j) * H + h), s);
-      _mm512_storeu_ps(out + n * H + h, s);
+        s = simd::fmadd(simd::set1(wts[n * K + j]), simd::load(y.data() + (n * K + j) * H + h), s);
+      simd::store(out + n * H + h, s);
     }
 }
 

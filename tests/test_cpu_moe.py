@@ -10,16 +10,16 @@ import zipfile
 import pytest
 import torch
 
-from metrale.plugins import cpu_moe
+from metrale.plugins import cpu_kernels, cpu_moe
 
-pytestmark = pytest.mark.skipif(not cpu_moe.available(torch.float32),
-                                reason="the kernel needs an AVX-512 CPU")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.float32),
+                                reason="the kernel needs an x86 CPU with AVX-512 or AVX2 and FMA")
 P = ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    lib = ctypes.CDLL(str(cpu_moe.shared_library(tmp_path_factory.mktemp("kernels"))))
+    lib = ctypes.CDLL(str(cpu_kernels.shared_library(tmp_path_factory.mktemp("kernels"))))
 
     def run(x, ids, weights, gate_up, down):
         out = torch.full_like(x, float("nan"))
@@ -82,6 +82,23 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(kernel):
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(0))
     shuffled = kernel(x[perm].contiguous(), ids[perm].contiguous(), w[perm].contiguous(), gate_up, down)
     assert torch.equal(shuffled, together[perm])
+
+
+@pytest.mark.parametrize("h,i", [(48, 80), (16, 16), (128, 128)])
+def test_every_tile_shape_gives_a_row_the_same_bits(kernel, h, i):
+    """Calls of 1 to 9 rows with one, two or three slots on three experts: the experts' pair
+    counts, so the tiles' shapes (one pair up to a full tile of four with AVX-512 or six with
+    AVX2, one to eight vectors, column tails where I or H is no whole number of wide tiles),
+    vary from call to call; each row's bits stay those it gets alone, and match the op's math."""
+    gate_up, down = _layer(e=3, h=h, i=i, seed=h + i)
+    x = torch.randn(9, h, generator=torch.Generator().manual_seed(h))
+    for k in (1, 2, 3):
+        w, ids = _routing(9, 3, k, seed=k)
+        alone = torch.cat([kernel(x[r:r + 1], ids[r:r + 1], w[r:r + 1], gate_up, down) for r in range(9)])
+        ref = cpu_moe.routed_math(x.double(), ids, w.double(), gate_up.double(), down.double())
+        torch.testing.assert_close(alone.double(), ref, rtol=1e-5, atol=1e-5)
+        for n in range(2, 10):
+            assert torch.equal(kernel(x[:n], ids[:n].contiguous(), w[:n].contiguous(), gate_up, down), alone[:n])
 
 
 def test_the_tiny_targets_package_calls_the_kernel(aoti_engine_dir):

@@ -93,9 +93,11 @@ class BatchedTargetStep(TargetStep):
     [N, n·H]. A row reads its own sequence's slots only, so its bits depend on its sequence,
     never on the batch."""
 
+    attention_kernel = False  # attend through metrale's CPU kernel (set by the build, `PooledKV`)
+
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, want: torch.Tensor,
                 *kv: torch.Tensor):
-        return tuple(o[0] for o in self._run(ids[None], PooledKV(kv, seq, pos), want))
+        return tuple(o[0] for o in self._run(ids[None], PooledKV(kv, seq, pos, kernel=self.attention_kernel), want))
 
 
 class BatchedMTPStep(nn.Module):
@@ -104,13 +106,16 @@ class BatchedMTPStep(nn.Module):
     in position order), then the head's K pool [B, nkv, hd, S] and V pool [B, S, nkv, hd] ->
     logits [N, V], h [N, H] (`mtp.MTPHead.forward`). A row reads its own sequence's slots only."""
 
+    attention_kernel = False  # as BatchedTargetStep's
+
     def __init__(self, head, positions: int | None = None):
         super().__init__()
         self.head = head
         _prepare(head, head.config.decoder, positions)
 
     def forward(self, embeds, hidden, pos, seq, k_pool, v_pool):
-        logits, h = self.head(embeds[None], hidden[None], PooledKV((k_pool, v_pool), seq, pos))
+        logits, h = self.head(embeds[None], hidden[None], PooledKV((k_pool, v_pool), seq, pos,
+                                                                  kernel=self.attention_kernel))
         return logits[0], h[0]
 
 
@@ -127,6 +132,8 @@ class BatchedDFlashStep(nn.Module):
     its sequence's slots before the anchor and the block's first `gamma` slots; `drafts` picks
     the tokens (DFlash2's convs run the dynamic conv op, which the build compiles as its math)."""
 
+    attention_kernel = False  # as BatchedTargetStep's
+
     def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int | None = None):
         super().__init__()
         self.drafter, self.embed, self.feed_rows = drafter, embed, feed_rows
@@ -138,7 +145,8 @@ class BatchedDFlashStep(nn.Module):
         d.add_context(feats[None], PooledKV(kv, feed_seq, feed_pos))
         per_row = lambda t: t[:, None].expand(q_n, g).reshape(-1)  # noqa: E731 - [Q] -> [Q·Γ]
         positions = (anchor_pos[:, None] + torch.arange(g, device=feats.device)).reshape(-1)  # [Q·Γ]
-        rows = PooledKV(kv, per_row(block_seq), positions, per_row(anchor_pos + gamma - 1))
+        rows = PooledKV(kv, per_row(block_seq), positions, per_row(anchor_pos + gamma - 1),
+                        kernel=self.attention_kernel)
         x = F.embedding(block.reshape(1, -1), self.embed.weight)  # [1, Q·Γ, H]
         hidden = d._blocks(x, positions, rows, None, g).view(q_n, g, -1)[:, 1:]  # the draft slots
         return d.drafts(hidden, d.lm_head(hidden), block[:, 0])

@@ -15,7 +15,9 @@ steps run the very forwards the torch backend runs:
 (`StepKV`, the exported ONNX graphs' cache, appends instead: its graph returns the new K/V.)
 
 Both attend over *all* S slots with a mask, written as reductions over one row's data, so a
-row's bits depend on its sequence and position, never on how many rows the call has.
+row's bits depend on its sequence and position, never on how many rows the call has. A CPU
+package's `PooledKV` may instead call metrale's kernel (`kernel=True`, `plugins.cpu_attention`),
+which reads a row's visible slots only, under the same contract.
 `rowwise_linears` writes every projection as a reduction over its input features for the same
 reason (a GEMM library picks other kernels at M = 1 than at M = 8).
 """
@@ -28,22 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-
-def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq: torch.Tensor,
-                     last_visible: torch.Tensor) -> torch.Tensor:
-    """q [T, nh, hd] (normed, roped); k_pool [B, nkv, hd, S]; v_pool [B, S, nkv, hd]; row t reads
-    sequence seq[t], slot j visible iff j <= last_visible[t] -> [T, nh·hd] (head h reads KV head
-    h // (nh / nkv))."""
-    t, nh, hd = q.shape
-    nkv, s = k_pool.shape[1], k_pool.shape[3]
-    g = nh // nkv
-    kt = k_pool[seq]  # [T, nkv, hd, S]
-    scores = (q.reshape(t, nkv, g, hd, 1) * kt.view(t, nkv, 1, hd, s)).sum(3) * hd ** -0.5  # [T, nkv, g, S]
-    visible = torch.arange(s, device=q.device)[None, :] <= last_visible[:, None]  # [T, S]
-    probs = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
-    v = v_pool[seq]  # [T, S, nkv, hd]
-    out = (probs.permute(0, 3, 1, 2).unsqueeze(-1) * v.view(t, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
-    return out.reshape(t, nh * hd)
+from metrale.plugins.cpu_attention import pooled_math as pooled_attention
 
 
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -70,9 +57,11 @@ class PooledKV:
 
     length = 0  # the modules' bookkeeping; every row carries its own position
 
-    def __init__(self, kv, seq: torch.Tensor, positions: torch.Tensor, last_visible: torch.Tensor | None = None):
+    def __init__(self, kv, seq: torch.Tensor, positions: torch.Tensor, last_visible: torch.Tensor | None = None,
+                 kernel: bool = False):
         self.kv, self.seq, self.positions = kv, seq, positions
         self.last_visible = positions if last_visible is None else last_visible
+        self.kernel = kernel  # attend through `metrale::pooled_attention` (a CPU package's kernel)
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [1, nkv, T, hd] -> each row's slot of its sequence's cache."""
@@ -81,6 +70,9 @@ class PooledKV:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [1, nh, T, hd] -> [1, T, nh·hd]."""
+        if self.kernel:  # the same math, reading each row's visible slots only (`plugins.cpu_attention`)
+            return torch.ops.metrale.pooled_attention(_rows(q).contiguous(), self.kv[2 * layer],
+                                                      self.kv[2 * layer + 1], self.seq, self.last_visible)[None]
         return pooled_attention(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.seq,
                                 self.last_visible)[None]
 

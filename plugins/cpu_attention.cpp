@@ -1,0 +1,208 @@
+// metrale::pooled_attention on x86 CPUs with AVX-512 or AVX2 + FMA: the attention of a compiled
+// step's rows, each over its own sequence's cache in a pool, as AOTInductor packages call it
+// (`plugins/cpu_attention.py`).
+//
+//   out[t, h] = sum_{j < L} p_j V[b, j, h/g],  p = softmax_j(scale · q[t, h] · K[b, h/g, :, j]),
+//   b = seq[t], L = last_visible[t] + 1, g = nh / nkv
+//
+// q [T, nh, hd], K pool [B, nkv, hd, S] (slot-minor: a vector of slots' scores is one FMA per
+// feature), V pool [B, S, nkv, hd], seq and last_visible [T] int64, all contiguous, float32.
+//
+// Only a row's L visible slots are read, where inductor's code for the masked math gathers and
+// multiplies all S slots of the sequence: the work is the sequence's length, not its pool's
+// slot count. Every score is one in-order chain of fused multiply-adds over the features; the
+// maximum, the exponentials' sum (16 partial sums, slot j into sum j mod 16 in slot order, then
+// the 16 in a fixed order) and the weighted values (slots in order) run over the row's own
+// slots only, so a row's bits depend on its query, its sequence's first L slots and L — never
+// on the other rows of the call, the pool's slot count or its sequence count (the batched
+// step's contract). Slots go in blocks of 16 whatever the vector width (one 16-float vector
+// with AVX-512, two 8-float ones with AVX2), so the bits are the same on either ISA. Four
+// blocks' scores are computed at once, and a KV head's query heads go through its V rows two
+// at a time: more independent chains of fused multiply-adds, each in the same order.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+#include "cpu_simd.h"
+
+namespace {
+namespace simd = metrale_simd;
+using simd::vec;
+using simd::W;
+constexpr int64_t MAX_HD = 256;  // head sizes the kernel takes: 16·k, up to this
+constexpr int BLOCK = 16;        // slots a block of scores, and partial sums of the exponentials
+constexpr int NB = BLOCK / W;    // vectors a block
+constexpr int GROUP = 4;         // blocks of scores computed at once (independent chains)
+constexpr int ACC = 8;           // vector accumulators of the weighted values at once: 2 heads x 4, 1 x 8
+
+// out[h][0..W·NV) = inv[h] · sum over j = 0..L-1, in order, of p[h][j] · V[j][0..W·NV) (V's rows
+// vstride apart) for HB query heads of one KV head at once (they read the same V rows): one
+// fused multiply-add per slot into each output, whatever HB and NV (which only set how many
+// chains run at once: HB·NV of them)
+template <int HB, int NV>
+inline void weighted(const float* const* p, const float* V, int64_t vstride, int64_t L, const float* inv,
+                     float* const* out) {
+  vec o[HB][NV];
+  for (int h = 0; h < HB; ++h)
+    for (int v = 0; v < NV; ++v) o[h][v] = simd::zero();
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = V + j * vstride;
+    vec vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = simd::load(vj + W * v);
+    for (int h = 0; h < HB; ++h) {
+      const vec ph = simd::set1(p[h][j]);
+      for (int v = 0; v < NV; ++v) o[h][v] = simd::fmadd(ph, vv[v], o[h][v]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int v = 0; v < NV; ++v) simd::store(out[h] + W * v, simd::mul(o[h][v], simd::set1(inv[h])));
+}
+
+// the features [c, c + W·nv) of weighted<HB, nv>, nv the widest of ACC / HB, 4, 2 and 1
+// vectors within the head's hd features; returns the features done
+template <int HB>
+inline int64_t weighted_at(int64_t c, const float* const* p, const float* V, int64_t vstride, int64_t hd,
+                           int64_t L, const float* inv, float* const* out) {
+  float* o[HB];
+  for (int h = 0; h < HB; ++h) o[h] = out[h] + c;
+  const int64_t left = (hd - c) / W;
+  int nv = 1;
+  if (left >= ACC / HB) {
+    nv = ACC / HB;
+    weighted<HB, ACC / HB>(p, V + c, vstride, L, inv, o);
+  } else if (left >= 4) {
+    nv = 4;
+    weighted<HB, 4>(p, V + c, vstride, L, inv, o);
+  } else if (left >= 2) {
+    nv = 2;
+    weighted<HB, 2>(p, V + c, vstride, L, inv, o);
+  } else {
+    weighted<HB, 1>(p, V + c, vstride, L, inv, o);
+  }
+  return W * nv;
+}
+
+// one query head's probabilities over its L visible slots, unnormalised: the scores into
+// p[0..L), then e^(score - max); returns 1 / their sum
+float softmax_row(const float* qh, const float* K /*[hd, S]*/, int64_t hd, int64_t S, int64_t L, float scale,
+                  float* p) {
+  vec mx = simd::set1(-INFINITY);
+  for (int64_t j0 = 0; j0 < L; j0 += GROUP * BLOCK) {  // GROUP blocks' scores: GROUP·NB chains at once
+    simd::mask m[GROUP * NB];
+    vec acc[GROUP * NB];
+    for (int i = 0; i < GROUP * NB; ++i) {
+      m[i] = simd::tail(L - j0 - W * i);
+      acc[i] = simd::zero();
+    }
+    for (int64_t d = 0; d < hd; ++d) {
+      const vec qd = simd::set1(qh[d]);
+      for (int i = 0; i < GROUP * NB; ++i)
+        acc[i] = simd::fmadd(qd, simd::maskz_load(m[i], K + d * S + j0 + W * i), acc[i]);
+    }
+    for (int i = 0; i < GROUP * NB; ++i) {
+      acc[i] = simd::mul(acc[i], simd::set1(scale));
+      simd::store(p + j0 + W * i, acc[i]);
+      mx = simd::mask_max(mx, m[i], acc[i]);
+    }
+  }
+  const vec top = simd::set1(simd::reduce_max(mx));
+  vec sum[NB];
+  for (int i = 0; i < NB; ++i) sum[i] = simd::zero();
+  for (int64_t j0 = 0; j0 < L; j0 += BLOCK)
+    for (int i = 0; i < NB; ++i) {
+      float* pj = p + j0 + W * i;
+      const vec e = simd::maskz(simd::tail(L - j0 - W * i), simd::exp(simd::sub(simd::load(pj), top)));
+      simd::store(pj, e);
+      sum[i] = simd::add(sum[i], e);
+    }
+  float lanes[BLOCK];
+  for (int i = 0; i < NB; ++i) simd::store(lanes + W * i, sum[i]);
+  float total = 0.0f;
+  for (int i = 0; i < BLOCK; ++i) total += lanes[i];
+  return 1.0f / total;
+}
+}  // namespace
+
+extern "C" void metrale_pooled_attention(const float* q, const float* k_pool, const float* v_pool,
+                                         const int64_t* seq, const int64_t* last_visible, float* out,
+                                         int64_t T, int64_t NH, int64_t NKV, int64_t HD, int64_t S) {
+  const int64_t G = NH / NKV;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  const int64_t ps = S + GROUP * BLOCK;  // a head's scores, with room for a whole group of blocks
+  thread_local std::vector<float> buf;   // two heads' scores, then probabilities (kept: no allocation once warm)
+  buf.resize(2 * ps);
+  const float* p[2] = {buf.data(), buf.data() + ps};
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t b = seq[t], L = std::min<int64_t>(last_visible[t] + 1, S);
+    if (L <= 0) {  // no visible slot (the masked math's row is undefined): zeros
+      std::fill(out + t * NH * HD, out + (t + 1) * NH * HD, 0.0f);
+      continue;
+    }
+    for (int64_t kv = 0; kv < NKV; ++kv) {
+      const float* K = k_pool + (b * NKV + kv) * HD * S;
+      const float* V = v_pool + (b * S * NKV + kv) * HD;
+      for (int64_t h0 = kv * G; h0 < (kv + 1) * G; h0 += 2) {  // the group's query heads, two at a time
+        const int hb = (kv + 1) * G - h0 >= 2 ? 2 : 1;
+        float inv[2];
+        float* o[2];
+        for (int i = 0; i < hb; ++i) {
+          inv[i] = softmax_row(q + (t * NH + h0 + i) * HD, K, HD, S, L, scale, buf.data() + i * ps);
+          o[i] = out + (t * NH + h0 + i) * HD;
+        }
+        for (int64_t c = 0; c < HD;)
+          c += hb == 2 ? weighted_at<2>(c, p, V, NKV * HD, HD, L, inv, o) : weighted_at<1>(c, p, V, NKV * HD, HD, L, inv, o);
+      }
+    }
+  }
+}
+
+namespace {
+// whether t is a contiguous tensor of `dim` dimensions and `dtype` (its sizes into `sizes`)
+bool contiguous(AtenTensorHandle t, int64_t dim, int32_t dtype, int64_t* sizes) {
+  int64_t d = 0, *sz, *st;
+  int32_t dt = 0;
+  if (aoti_torch_get_dim(t, &d) || d != dim || aoti_torch_get_dtype(t, &dt) || dt != dtype ||
+      aoti_torch_get_sizes(t, &sz) || aoti_torch_get_strides(t, &st))
+    return false;
+  int64_t expect = 1;
+  for (int64_t i = dim - 1; i >= 0; --i) {
+    sizes[i] = sz[i];
+    if (sz[i] != 1 && st[i] != expect) return false;
+    expect *= sz[i];
+  }
+  return true;
+}
+}  // namespace
+
+// The C shim AOTInductor's wrapper calls for metrale::pooled_attention (its name is the op's,
+// prefixed as aten ops' shims are): checks the layout, allocates the output [T, nh·hd], runs the
+// kernel.
+extern "C" AOTITorchError aoti_torch_cpu_pooled_attention(AtenTensorHandle q, AtenTensorHandle k_pool,
+                                                          AtenTensorHandle v_pool, AtenTensorHandle seq,
+                                                          AtenTensorHandle last_visible, AtenTensorHandle* ret0) {
+  const int32_t f32 = aoti_torch_dtype_float32(), i64 = aoti_torch_dtype_int64();
+  int64_t qs[3], ks[4], vs[4], ss[1], ls[1];
+  if (!contiguous(q, 3, f32, qs) || !contiguous(k_pool, 4, f32, ks) || !contiguous(v_pool, 4, f32, vs) ||
+      !contiguous(seq, 1, i64, ss) || !contiguous(last_visible, 1, i64, ls))
+    return AOTI_TORCH_FAILURE;
+  const int64_t T = qs[0], NH = qs[1], HD = qs[2], NKV = ks[1], S = ks[3];
+  if (ks[2] != HD || vs[0] != ks[0] || vs[1] != S || vs[2] != NKV || vs[3] != HD || ss[0] != T || ls[0] != T ||
+      HD % 16 != 0 || HD > MAX_HD || NKV == 0 || NH % NKV != 0)
+    return AOTI_TORCH_FAILURE;
+  const int64_t sizes[2] = {T, NH * HD}, strides[2] = {NH * HD, 1};
+  if (aoti_torch_empty_strided(2, sizes, strides, f32, aoti_torch_device_type_cpu(), 0, ret0))
+    return AOTI_TORCH_FAILURE;
+  void *pq, *pk, *pv, *ps, *pl, *po;
+  if (aoti_torch_get_data_ptr(q, &pq) || aoti_torch_get_data_ptr(k_pool, &pk) || aoti_torch_get_data_ptr(v_pool, &pv) ||
+      aoti_torch_get_data_ptr(seq, &ps) || aoti_torch_get_data_ptr(last_visible, &pl) ||
+      aoti_torch_get_data_ptr(*ret0, &po))
+    return AOTI_TORCH_FAILURE;
+  metrale_pooled_attention(static_cast<const float*>(pq), static_cast<const float*>(pk), static_cast<const float*>(pv),
+                           static_cast<const int64_t*>(ps), static_cast<const int64_t*>(pl), static_cast<float*>(po),
+                           T, NH, NKV, HD, S);
+  return AOTI_TORCH_SUCCESS;
+}

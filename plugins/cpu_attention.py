@@ -1,0 +1,64 @@
+"""`metrale::pooled_attention`: the attention of a batched step's rows, each over its own
+sequence's cache in a pool, as one op with a C++ kernel that the CPU packages call directly.
+
+    out [T, nh·hd]: row t, head h attends to slots 0..last_visible[t] of sequence seq[t]'s
+    K [nkv, hd, S] and V [S, nkv, hd] (KV head h // (nh / nkv)), scaled by hd^-1/2
+
+Eagerly the op is `pooled_math`, the masked math over all S slots that the compiled steps ran
+before the kernel (and still run where it is not available); in a package it is
+`cpu_attention.cpp`, which reads only the row's visible slots: inductor's code for the masked
+math gathers each row's whole sequence of S slots from the pool and multiplies all of them, so
+a request whose cache was sized for 128 slots paid for 128 at every step from its first token.
+A row's bits depend on its query, its sequence's visible slots and their count only — not on
+the other rows of the call, the pool's slot count or its sequence count.
+
+Compiled with metrale's other CPU kernels into one library (`cpu_kernels`): float32, x86 CPUs
+with AVX-512 or AVX2 and FMA (the same bits with either), head sizes of whole 16-float vectors
+(`fits`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+OP_NAME = "metrale::pooled_attention"
+SHIM = ("AOTITorchError aoti_torch_cpu_pooled_attention(AtenTensorHandle q, AtenTensorHandle k_pool, "
+        "AtenTensorHandle v_pool, AtenTensorHandle seq, AtenTensorHandle last_visible, AtenTensorHandle* ret0)")
+MAX_HEAD_DIM = 256  # as the kernel's MAX_HD
+
+
+def pooled_math(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq: torch.Tensor,
+                last_visible: torch.Tensor) -> torch.Tensor:
+    """q [T, nh, hd] (normed, roped); k_pool [B, nkv, hd, S]; v_pool [B, S, nkv, hd]; row t reads
+    sequence seq[t], slot j visible iff j <= last_visible[t] -> [T, nh·hd] (head h reads KV head
+    h // (nh / nkv)). Written as reductions over one row's data: a row's bits do not depend on
+    the call's other rows."""
+    t, nh, hd = q.shape
+    nkv, s = k_pool.shape[1], k_pool.shape[3]
+    g = nh // nkv
+    kt = k_pool[seq]  # [T, nkv, hd, S]
+    scores = (q.reshape(t, nkv, g, hd, 1) * kt.view(t, nkv, 1, hd, s)).sum(3) * hd ** -0.5  # [T, nkv, g, S]
+    visible = torch.arange(s, device=q.device)[None, :] <= last_visible[:, None]  # [T, S]
+    probs = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
+    v = v_pool[seq]  # [T, S, nkv, hd]
+    out = (probs.permute(0, 3, 1, 2).unsqueeze(-1) * v.view(t, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
+    return out.reshape(t, nh * hd)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def pooled_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq: torch.Tensor,
+                     last_visible: torch.Tensor) -> torch.Tensor:
+    """As `pooled_math` (contiguous inputs)."""
+    return pooled_math(q, k_pool, v_pool, seq, last_visible)
+
+
+@pooled_attention.register_fake
+def _(q, k_pool, v_pool, seq, last_visible):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def fits(head_dim: int, heads: int, kv_heads: int) -> bool:
+    """Whether the kernel takes attention of these sizes: heads of whole 16-float vectors (up
+    to MAX_HEAD_DIM; whole vectors of either ISA's width, 16 or 8), query heads in whole groups
+    per KV head."""
+    return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and kv_heads > 0 and heads % kv_heads == 0
