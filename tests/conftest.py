@@ -57,6 +57,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def cpu_kernels_lib(tmp_path_factory):
+    """metrale's CPU kernels as a shared library, for calling them over ctypes (skipped where
+    they do not build: `cpu_kernels.available`)."""
+    import ctypes
+
+    from metrale.plugins import cpu_kernels
+
+    if not cpu_kernels.available(torch.float32):
+        pytest.skip("the kernels need an x86 CPU with AVX-512 or AVX2 and FMA")
+    return ctypes.CDLL(str(cpu_kernels.shared_library(tmp_path_factory.mktemp("kernels"))))
+
+
+@pytest.fixture(scope="session")
 def tiny_recipe():
     from metrale.builder.recipe import load_recipe
 

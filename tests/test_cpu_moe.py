@@ -18,8 +18,8 @@ P = ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    lib = ctypes.CDLL(str(cpu_kernels.shared_library(tmp_path_factory.mktemp("kernels"))))
+def kernel(cpu_kernels_lib):
+    lib = cpu_kernels_lib
 
     def run(x, ids, weights, gate_up, down):
         out = torch.full_like(x, float("nan"))
