@@ -324,6 +324,14 @@ class _RowsOutput:
         src = self._hidden if what == "hidden" else self._taps
         return None if src is None else src[self._rows]
 
+    def kept(self, what: str) -> "_RowsOutput":
+        """As `TargetOutput.kept`, with no view made now (a proposer following a plain step of
+        a busy batch pays no tensor op) and of the part's outputs only `what`'s held."""
+        r = self._rows
+        return _RowsOutput(self._face, None, self._hidden if what == "hidden" else None,
+                           self._taps if what == "taps" else None, r.start, r.stop - r.start, 0, 0,
+                           self._which, None)
+
     @property
     def logits(self) -> torch.Tensor:
         return self.rows("logits")[None]

@@ -30,6 +30,12 @@ class TargetOutput:
     taps: torch.Tensor | None  # [B, T, n_taps*H] concatenated in `taps` order, or None
     argmax: list[int] | None = None  # each row's greedy token, when a batched forward took them at once
 
+    def kept(self, what: str) -> "TargetOutput":
+        """Only its `what` ("hidden" or "taps"): what a proposer holds until it feeds the rows
+        to its drafter, without the logits."""
+        return TargetOutput(None, self.last_hidden if what == "hidden" else None,
+                            self.taps if what == "taps" else None)
+
 
 class Qwen3Body(nn.Module):
     def __init__(self, cfg: DecoderConfig):

@@ -48,11 +48,13 @@ class DFlashProposer:
         w = self.embed.weight
         self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)
         self.drafter.add_context(out.taps, self.cache)
-        self.unfed: list[tuple[torch.Tensor, int]] = []  # (taps [1, r, n·Ht], rows kept), oldest first
+        # (the target output, its rows kept), oldest first; the taps are read when fed, so a
+        # plain step of a busy batch costs no tensor op (`kept` holds the taps only)
+        self.unfed: list[tuple[object, int]] = []
 
     def _feed(self) -> None:
         if self.unfed:
-            kept = [taps[:, :rows] for taps, rows in self.unfed]
+            kept = [out.taps[:, :rows] for out, rows in self.unfed]
             self.drafter.add_context(kept[0] if len(kept) == 1 else torch.cat(kept, dim=1), self.cache)
             self.unfed = []
 
@@ -92,10 +94,10 @@ class DFlashProposer:
     def follow(self, out, emitted_ids: list[int]) -> None:
         """A plain step of a busy batch: its row's taps wait in `unfed`; the ladder and the
         acceptance estimates see nothing (a plain step measures nothing)."""
-        self.unfed.append((out.taps, 1))
+        self.unfed.append((out.kept("taps"), 1))
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
-        self.unfed.append((out.taps, rows))  # sliced when fed: a suspended step pays nothing
+        self.unfed.append((out.kept("taps"), rows))  # read when fed: a suspended step pays nothing
         if self.controller is not None:
             self.controller.observe(self.last_k, rows - 1)
         elif self.ladder is not None:

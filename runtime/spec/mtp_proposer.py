@@ -45,9 +45,11 @@ class MTPProposer:
         self.cache = self.head.new_cache(1, self.max_len, w.dtype, w.device)
         self.base = 0
         tokens = [*prompt[0, 1:].tolist(), pending]
-        # (token ids [r], hidden [1, r, H]) the head has not seen: the prompt's, until the first
-        # chain; ids as lists, made one tensor when they enter the head
-        self.unfed: list[tuple[list[int], torch.Tensor]] = [(tokens, out.last_hidden)]
+        # (token ids [r], the target output whose first r hidden rows go with them) the head has
+        # not seen: the prompt's, until the first chain; ids as lists, made one tensor, and the
+        # hidden rows read, when they enter the head (a plain step of a busy batch costs no
+        # tensor op; `kept` holds the hidden states only)
+        self.unfed: list[tuple[list[int], object]] = [(tokens, out.kept("hidden"))]
 
     def _feed(self):
         """The rows kept since the last chain (the prompt's before the first) enter the head in
@@ -55,7 +57,7 @@ class MTPProposer:
         if self.unfed:
             tokens = torch.tensor([t for ids, _ in self.unfed for t in ids], dtype=torch.long,
                                   device=self.embed.weight.device)
-            hidden = torch.cat([h for _, h in self.unfed], dim=1)
+            hidden = torch.cat([out.last_hidden[:, :len(ids)] for ids, out in self.unfed], dim=1)
             self.unfed = []
             yield from self._entries(tokens, hidden)
 
@@ -91,9 +93,9 @@ class MTPProposer:
 
     def follow(self, out, emitted_ids: list[int]) -> None:
         """A plain step of a busy batch: its row waits in `unfed` like an accepted one."""
-        self.unfed.append((emitted_ids, out.last_hidden))
+        self.unfed.append((emitted_ids, out.kept("hidden")))
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
         """The head's entries for the kept rows are computed at the next chain (`_feed`), so a
         run of plain steps (a busy batch) costs the head nothing until drafting resumes."""
-        self.unfed.append((emitted.tolist(), out.last_hidden[:, :rows]))
+        self.unfed.append((emitted.tolist(), out.kept("hidden")))  # its first `rows` rows
