@@ -191,25 +191,16 @@ def uses_moe_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> bool
     return use
 
 
-def uses_attention_kernel(step: torch.nn.Module, decoder, dtype: torch.dtype) -> bool:
-    """Whether `step` (a batched step of a model with `decoder`'s attention) attends through the
-    CPU kernel (`plugins.cpu_attention`): float32 where the kernels build, heads of whole vectors
-    (`cpu_attention.fits`); the step is marked so."""
+def uses_attention_kernel(step: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether `step` (a batched step, its attention's sizes in `step.decoder`) attends through
+    the CPU kernel (`plugins.cpu_attention`): float32 where the kernels build, heads of whole
+    vectors (`cpu_attention.fits`); the step is marked so."""
+    d = getattr(step, "decoder", None)
     use = (hasattr(step, "attention_kernel") and cpu_kernels.available(dtype)
-           and cpu_attention.fits(decoder.head_dim, decoder.num_attention_heads, decoder.num_key_value_heads))
+           and cpu_attention.fits(d.head_dim, d.num_attention_heads, d.num_key_value_heads))
     if use:
         step.attention_kernel = True
     return use
-
-
-def _decoder(step: torch.nn.Module):
-    """The attention config of a batched step's model."""
-    for name in ("model", "head", "drafter"):
-        model = getattr(step, name, None)
-        if model is not None:
-            cfg = model.config
-            return getattr(cfg, "decoder", cfg)
-    raise TypeError(f"{type(step).__name__}: not a batched step")
 
 
 def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tuple[int, ...], slots: int,
@@ -224,7 +215,7 @@ def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tu
     step, args, dyn = step_and_example(job, staged, taps, slots)
     configs = dict(INDUCTOR[job.linear])
     moe = uses_moe_kernel(job, step, dtype)
-    if uses_attention_kernel(step, _decoder(step), dtype) or moe:
+    if uses_attention_kernel(step, dtype) or moe:
         configs.update(cpu_kernels.inductor_configs(cache_dir() / "kernels"))
     with torch.inference_mode():
         ep = torch.export.export(step, args, dynamic_shapes=dyn)

@@ -72,6 +72,7 @@ class TargetStep(nn.Module):
         super().__init__()
         linears(linear)  # refuses an unknown kind here, not at the first call
         self.model, self.taps, self.linear = model, tuple(taps), linear
+        self.decoder = model.config  # its attention's sizes (what the build's kernels check)
         _prepare(model, model.config, positions)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, *kv: torch.Tensor):
@@ -110,8 +111,8 @@ class BatchedMTPStep(nn.Module):
 
     def __init__(self, head, positions: int | None = None):
         super().__init__()
-        self.head = head
-        _prepare(head, head.config.decoder, positions)
+        self.head, self.decoder = head, head.config.decoder
+        _prepare(head, self.decoder, positions)
 
     def forward(self, embeds, hidden, pos, seq, k_pool, v_pool):
         logits, h = self.head(embeds[None], hidden[None], PooledKV((k_pool, v_pool), seq, pos,
@@ -137,7 +138,8 @@ class BatchedDFlashStep(nn.Module):
     def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int | None = None):
         super().__init__()
         self.drafter, self.embed, self.feed_rows = drafter, embed, feed_rows
-        _prepare(drafter, drafter.config.decoder, positions)
+        self.decoder = drafter.config.decoder
+        _prepare(drafter, self.decoder, positions)
 
     def forward(self, feats, feed_pos, feed_seq, block, block_seq, anchor_pos, gamma, *kv):
         d = self.drafter
