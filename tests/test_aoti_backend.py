@@ -281,6 +281,21 @@ def lanes(request, aoti_engine):
     target.lanes = before
 
 
+def test_leaving_cores_to_another_process_splits_steps_over_fewer_lanes(aoti_engine, tiny_engine,
+                                                                       monkeypatch):
+    from metrale.runtime.serving.service import EngineGenerator
+
+    target = aoti_engine.target
+    before = target.lanes
+    try:
+        for threads, lanes in ((4, 3), (2, 1), (1, 1)):
+            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+            assert EngineGenerator(aoti_engine).leave_cores(1) == lanes == target.lanes.n
+    finally:
+        target.lanes = before
+    assert EngineGenerator(tiny_engine).leave_cores(1) is None  # eager steps: nothing to split
+
+
 def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
     """One forward over several sequences (prefills, verifies and plain steps of different
     lengths, in two pools, while a pool grows; its calls on one thread or split over two) gives

@@ -37,6 +37,8 @@ def test_answers_through_the_engine_process_equal_the_decode_loops(engine, aoti_
     from metrale.runtime.backends import load_engine
 
     assert engine.info["backend"] == "aoti" and engine.info["prefix_cache"]
+    # its batched steps leave a core to the HTTP process
+    assert engine.info["lanes"] == max(1, engine.info["threads"] - 1)
     local = EngineGenerator(load_engine(aoti_engine_dir, backend="aoti"), SpeculativeConfig.from_flags(**MTP))
     tok = local.tokenizer
     texts = [tok.decode(p[:12]) for p in tiny_prompts]

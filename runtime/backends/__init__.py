@@ -35,22 +35,20 @@ class Forward:
     `ids` may be given as a list of token ids (the decode loop's steps: a batched forward
     builds one tensor for all its rows); `ids` is then made, on `device`, when first read."""
 
-    __slots__ = ("_ids", "tokens", "cache", "taps", "last_logits", "device")
+    __slots__ = ("_ids", "tokens", "cache", "taps", "last_logits", "device", "rows")
 
     def __init__(self, ids: torch.Tensor | list[int], cache, taps: tuple[int, ...] = (),
                  last_logits: bool = False, device: torch.device | str = "cpu"):
         self._ids, self.tokens = (None, list(ids)) if isinstance(ids, list) else (ids, None)
         self.cache, self.taps, self.last_logits, self.device = cache, taps, last_logits, device
+        # read several times per forward by a batched step's planning: counted once
+        self.rows = len(self.tokens) if self.tokens is not None else ids.shape[1]
 
     @property
     def ids(self) -> torch.Tensor:
         if self._ids is None:
             self._ids = torch.tensor([self.tokens], dtype=torch.long, device=self.device)
         return self._ids
-
-    @property
-    def rows(self) -> int:
-        return len(self.tokens) if self.tokens is not None else self._ids.shape[1]
 
     def token_ids(self) -> list[int]:
         return self.tokens if self.tokens is not None else self._ids[0].tolist()

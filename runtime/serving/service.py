@@ -187,6 +187,18 @@ class EngineGenerator:
         target.prefix_cache = PrefixCache(tokens)
         return target.prefix_cache
 
+    def leave_cores(self, cores: int) -> int | None:
+        """Split the batched target's steps over `cores` fewer threads than torch's (at least
+        one), leaving those cores to another process: `serve`'s HTTP process. -> the lanes,
+        or None where the target's steps are not split (`aoti_native.Lanes`)."""
+        from metrale.runtime.backends.aoti_native import Lanes
+
+        target = self.engine.target
+        if not isinstance(getattr(target, "lanes", None), Lanes):
+            return None
+        target.lanes = Lanes(max(1, torch.get_num_threads() - cores))
+        return target.lanes.n
+
     def metrics_text(self) -> str:
         text = self.metrics.prometheus_text()
         cache = getattr(self.engine.target, "prefix_cache", None)
