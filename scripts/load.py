@@ -128,9 +128,11 @@ _ENGINES: dict = {}
 def run_engine_only(engine_dir: str, prompts: list[str], concurrency: int, per_client: int,
                     max_tokens: int, max_num_seqs: int):
     """`run_load`'s figures for plain decoding without HTTP: the engine and scheduler as `serve`'s
-    engine process sets them up (its default prefix cache, no yield to an event loop), loaded
+    engine process sets them up (its default prefix cache, no yield to an event loop, the heap
+    frozen; its steps on every thread, where serve leaves one to its HTTP process), loaded
     once per engine directory, each client thread submitting its requests one after another."""
     from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.serving.engine_process import freeze_heap
     from metrale.runtime.serving.scheduler import Job, Scheduler
     from metrale.runtime.serving.service import load_generator
     from metrale.runtime.spec.config import SpeculativeConfig
@@ -141,6 +143,7 @@ def run_engine_only(engine_dir: str, prompts: list[str], concurrency: int, per_c
         gen.cache_prefixes(8192)
         _ENGINES[engine_dir, max_num_seqs] = gen, Scheduler.for_generator(gen, max_num_seqs, None,
                                                                           yield_gil=False)
+        freeze_heap()  # as the engine process does once loaded (a collection skips the models)
     gen, scheduler = _ENGINES[engine_dir, max_num_seqs]
     ids = [gen.tokenizer.encode(p) for p in prompts]
 
