@@ -56,16 +56,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _cpu_kernels_build() -> bool:
+    from metrale.plugins import cpu_kernels
+
+    return cpu_kernels.available(torch.float32)
+
+
+# a test module of metrale's CPU kernels: `pytestmark = NEEDS_CPU_KERNELS`
+NEEDS_CPU_KERNELS = pytest.mark.skipif(not _cpu_kernels_build(),
+                                       reason="the kernels need an x86 CPU with AVX-512 or AVX2 and FMA")
+
+
 @pytest.fixture(scope="session")
 def cpu_kernels_lib(tmp_path_factory):
-    """metrale's CPU kernels as a shared library, for calling them over ctypes (skipped where
-    they do not build: `cpu_kernels.available`)."""
+    """metrale's CPU kernels as a shared library, for calling them over ctypes (its tests carry
+    `NEEDS_CPU_KERNELS`: where the kernels do not build, they are skipped)."""
     import ctypes
 
     from metrale.plugins import cpu_kernels
 
-    if not cpu_kernels.available(torch.float32):
-        pytest.skip("the kernels need an x86 CPU with AVX-512 or AVX2 and FMA")
     return ctypes.CDLL(str(cpu_kernels.shared_library(tmp_path_factory.mktemp("kernels"))))
 
 

@@ -10,10 +10,10 @@ import zipfile
 import pytest
 import torch
 
-from metrale.plugins import cpu_kernels, cpu_moe
+from conftest import NEEDS_CPU_KERNELS
+from metrale.plugins import cpu_moe
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.float32),
-                                reason="the kernel needs an x86 CPU with AVX-512 or AVX2 and FMA")
+pytestmark = NEEDS_CPU_KERNELS
 P = ctypes.c_void_p
 
 
