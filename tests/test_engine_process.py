@@ -80,6 +80,30 @@ def test_a_cancelled_stream_frees_its_place_in_the_engine(engine):
             raise AssertionError("the cancelled stream still runs in the engine")
 
 
+def test_a_finished_request_sends_no_cancel_and_a_running_one_does(engine, monkeypatch):
+    """The app sets every request's cancel once it is over; only a request still running in the
+    engine is worth a message (each costs a pipe write and a wake-up of the engine's reader)."""
+    sent: list[tuple] = []
+    real_send = engine.send
+    monkeypatch.setattr(engine, "send", lambda msg: (sent.append(msg), real_send(msg))[1])
+    proxy = EngineProxy(engine)
+    with serve_in_thread(create_app(proxy, ServerLimits(max_num_seqs=16), engine)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for stream in (False, True):
+            r = client.completions.create(model=proxy.model_id, prompt="import os", max_tokens=4,
+                                          temperature=0, stream=stream)
+            list(r) if stream else r.choices[0].text
+        assert [m[0] for m in sent] == ["submit", "submit"]
+        cancel = engine.new_cancel("still-running")
+        engine.channels["still-running"] = lambda kind, payload: None  # as `start` registers it
+        try:
+            cancel.set()
+            cancel.set()  # once
+        finally:
+            engine.channels.pop("still-running", None)
+    assert sent[2:] == [("cancel", "still-running")]
+
+
 def test_a_load_that_fails_says_why(tmp_path):
     with pytest.raises(MetraleError, match=str(tmp_path)):
         EngineProcess(functools.partial(load_generator, tmp_path, SpeculativeConfig.from_flags()),

@@ -146,7 +146,11 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
 
 
 class _RemoteCancel(threading.Event):
-    """A request's cancel event on the server's side: setting it cancels it in the engine."""
+    """A request's cancel event on the server's side: setting it cancels it in the engine, while
+    it runs there. The app sets it once every request is over (`server._events`); a request
+    whose final event came back has nothing to cancel, and a message for it would cost a pipe
+    write here and a wake-up of the engine's reader there (the reader takes the interpreter lock
+    from the scheduler's thread)."""
 
     def __init__(self, engine: "EngineProcess", rid: str):
         super().__init__()
@@ -155,7 +159,8 @@ class _RemoteCancel(threading.Event):
     def set(self) -> None:
         if not self.is_set():
             super().set()
-            self.engine.send(("cancel", self.rid))
+            if self.rid in self.engine.channels:  # its final event has not come back
+                self.engine.send(("cancel", self.rid))
 
 
 class EngineProcess:
