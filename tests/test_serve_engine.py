@@ -134,6 +134,19 @@ def test_load_script_counts_what_its_clients_got(server, tiny_engine, tiny_promp
     assert row["equal_to_solo"] and not load._median_row([dict(busy, equal_to_solo=False)])["equal_to_solo"]
 
 
+def test_load_scripts_http_clients_get_the_openai_clients_answers(server, tiny_engine, tiny_prompts):
+    """`scripts/load.py --client http`: plain keep-alive connections count every request's
+    tokens and get the answers the openai client gets; a refused request raises (lost)."""
+    load = _load_script()
+    prompts = [tiny_engine.tokenizer.decode(p[:6]) for p in tiny_prompts[:4]]
+    _, by_openai = load.run_load(server, prompts, 1, 4, 6)
+    row, by_http = load.run_load(server, prompts, 4, 2, 6, client_kind="http")
+    assert row["requests"] == 8 and row["lost"] == 0 and row["tokens_per_s"] > 0
+    assert dict(by_http) == dict(by_openai) and all(dict(by_http).values())
+    with pytest.raises(RuntimeError, match="HTTP 400"):
+        load.HttpClient(server).complete(model=tiny_engine.model_id, prompt="a", max_tokens=-1)
+
+
 def test_load_scripts_engine_only_rows_are_the_schedulers_real_answers(tiny_engine_dir, tiny_engine,
                                                                        tiny_prompts):
     """`scripts/load.py --engine-only`: the scheduler fed without HTTP counts every request's
