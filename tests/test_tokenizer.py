@@ -103,6 +103,34 @@ def test_incremental_decoder_matches_full_decode_at_every_step(tok):
     assert held_back_steps > 0  # the text really exercised split characters
 
 
+def test_incremental_decoder_over_long_random_streams_decodes_once_an_id(tok):
+    """Streams longer than its window (random ids: split characters, specials, spaces): the
+    deltas are the full decode at every step that ends on a whole character, and each id costs
+    one decode (the window's restarts one more every `WINDOW` ids)."""
+    import random
+
+    calls = [0]
+
+    class Counting:
+        def decode(self, ids, skip):
+            calls[0] += 1
+            return tok.decode(ids, skip)
+
+    rng = random.Random(0)
+    vocab = tok.vocab_size
+    for trial in range(20):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
+        dec, got, calls[0] = IncrementalDecoder(Counting()), "", 0
+        for n, tid in enumerate(ids, start=1):
+            got += dec.feed(tid)
+            full = tok.decode(ids[:n])
+            assert full.startswith(got), (trial, n)
+            if not full.endswith("\ufffd"):
+                assert got == full, (trial, n)
+        assert calls[0] <= len(ids) + len(ids) // IncrementalDecoder.WINDOW + 1
+        assert got + dec.flush() == tok.decode(ids)
+
+
 def test_incremental_decoder_flush_emits_incomplete_tail(tok):
     ids = tok.encode("ab🎉")
     dec = IncrementalDecoder(tok)

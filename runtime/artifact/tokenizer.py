@@ -199,9 +199,14 @@ class IncrementalDecoder:
 
     Byte-level BPE splits one character (é, 日, an emoji) across tokens, so decoding one token
     alone gives U+FFFD. Decoding a window `ids[prefix:]` against `ids[prefix:read]` and emitting
-    the difference only when it does not end in U+FFFD yields exactly the full decode; the
-    window restarts at the last emitted boundary, so each step costs O(window), not O(n).
+    the difference only when it does not end in U+FFFD yields exactly the full decode. `read`
+    moves to the end at each emission, and the window's decode then is the emitted part's next
+    time (one decode per id); once the window holds more than `WINDOW` ids it restarts at the
+    emission before (kept as context: a decoder may treat a window's first token differently),
+    so each step costs O(WINDOW), not O(n).
     """
+
+    WINDOW = 16
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
         self._tok = tokenizer
@@ -209,22 +214,28 @@ class IncrementalDecoder:
         self._ids: list[int] = []
         self._prefix = 0  # window start: a character boundary already emitted
         self._read = 0  # ids before this index have all been emitted as text
+        self._done = ""  # ids[prefix:read] decoded
 
     def feed(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly "")."""
-        self._ids.append(token_id)
-        window = self._ids[self._prefix :]
-        done = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
-        text = self._tok.decode(window, self._skip)
-        if len(text) > len(done) and not text.endswith(_REPLACEMENT):
-            self._prefix, self._read = self._read, len(self._ids)
-            return text[len(done) :]
-        return ""
+        ids = self._ids
+        ids.append(token_id)
+        done = self._done
+        text = self._tok.decode(ids[self._prefix :], self._skip)
+        if len(text) <= len(done) or text.endswith(_REPLACEMENT):
+            return ""
+        if len(ids) - self._prefix > self.WINDOW:
+            self._prefix = self._read
+            self._done = self._tok.decode(ids[self._prefix :], self._skip)
+        else:
+            self._done = text
+        self._read = len(ids)
+        return text[len(done) :]
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes as U+FFFD)."""
-        done = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
         text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        done, self._done = self._done, ""
         self._prefix = self._read = len(self._ids)
         return text[len(done) :]
 

@@ -46,6 +46,8 @@ class StopScanner:
 
     def push(self, delta: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string matched)."""
+        if not self._stops:  # nothing to hold back
+            return delta, False
         text = self._pending + delta
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
         if hits:

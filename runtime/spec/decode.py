@@ -237,6 +237,8 @@ class Decoder:
                 self.proposer.propose(pending, max_drafts)
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]
+        elif params.greedy and not drafting:  # no drafts: the pending token's row, its argmax emitted
+            return (yield from self._plain_step(pending, cache, t0, result, following))
         t1 = time.perf_counter()
         device = self.device
         k = drafts.numel()
@@ -264,6 +266,24 @@ class Decoder:
                                    emitted=accepted + 1, verify_rows=verify_rows,
                                    draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
         result.steps.append(StepTrace(drafted=k, accepted=accepted, emitted=accepted + 1))
+        return emitted_ids
+
+    def _plain_step(self, pending: int, cache, t0: float, result: DecodeResult, following: bool):
+        """A greedy step without drafts: `_step`'s outcome with k = 0 (one row, the argmax
+        emitted, the same metrics), without a verify's bookkeeping (the step a busy batch's
+        sequences all take)."""
+        t1 = time.perf_counter()
+        base = cache.length
+        out = yield Forward([pending], cache, self._taps(), device=self.device)
+        emitted_ids = greedy_ids(out)[:1]
+        cache.length = base + 1
+        t2 = time.perf_counter()
+        if following:
+            self.proposer.follow(out, emitted_ids)
+        t3 = time.perf_counter()
+        result.metrics.record_step(proposed=0, verified=0, accepted=0, emitted=1, verify_rows=1,
+                                   draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
+        result.steps.append(StepTrace(drafted=0, accepted=0, emitted=1))
         return emitted_ids
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:
