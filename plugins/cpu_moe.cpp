@@ -5,6 +5,10 @@
 //
 // gate_up [E, H, 2I] (gate columns [0, I), up columns [I, 2I)), down [E, I, H], x [N, H],
 // ids and weights [N, k], all contiguous, float32 (ids int64); H and I whole 16-float vectors.
+// The expert weights may instead be bfloat16 (`metrale_routed_experts_bf16`): each is widened to
+// the float32 it stands for, exactly, as it is loaded, so the arithmetic and the bits are those of
+// the float32 kernel on the widened weights, and a step streams half the bytes (at 32 rows the
+// tiny target's experts are most of a step's weight traffic, read from beyond the L2 each step).
 //
 // The (row, slot) pairs are grouped by expert, so an expert's weights are read once per call
 // for all of its pairs, and several pairs share each load in registers. With AVX-512 (vectors
@@ -44,15 +48,23 @@ constexpr int MAX_NV = widest[1];  // vectors of output columns per tile, at mos
 // out[r][0..W·NV) = sum over k = 0..K-1, in order, of a[r][k] * Wt[k][0..W·NV) (Wt's rows ldw
 // apart): one fused multiply-add per k into each output, whatever M and NV, so a row's bits do
 // not depend on M or NV (which only set how many chains run at once: M·NV of them)
-template <int M, int NV>
-inline void tile(const float* const* a, const float* Wt, int64_t ldw, int64_t K, float* const* out) {
+constexpr int PF = 16;    // rows of weights fetched ahead
+constexpr int LINE = 64;  // bytes a cache line
+inline vec loadw(const float* p) { return simd::load(p); }
+inline vec loadw(const uint16_t* p) { return simd::load_bf16(p); }  // bfloat16 bits, widened
+
+template <int M, int NV, typename T>
+inline void tile(const float* const* a, const T* Wt, int64_t ldw, int64_t K, float* const* out) {
   vec acc[M][NV];
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = simd::zero();
   for (int64_t k = 0; k < K; ++k) {
-    const float* w = Wt + k * ldw;
+    const T* w = Wt + k * ldw;
+    if (k + PF < K)  // the weights' rows lie ldw apart: fetched PF rows ahead, a cache line at a time
+      for (int v = 0; v < NV; v += LINE / (W * static_cast<int>(sizeof(T))) > 0 ? LINE / (W * static_cast<int>(sizeof(T))) : 1)
+        _mm_prefetch(reinterpret_cast<const char*>(w + PF * ldw + W * v), _MM_HINT_T0);
     vec wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = simd::load(w + W * v);
+    for (int v = 0; v < NV; ++v) wv[v] = loadw(w + W * v);
     for (int r = 0; r < M; ++r) {
       const vec s = simd::set1(a[r][k]);
       for (int v = 0; v < NV; ++v) acc[r][v] = simd::fmadd(s, wv[v], acc[r][v]);
@@ -63,16 +75,16 @@ inline void tile(const float* const* a, const float* Wt, int64_t ldw, int64_t K,
 }
 
 // tile<M, nv> for nv a power of two up to NV (only the tiles of widest's sizes are compiled)
-template <int M, int NV>
-inline void tile_nv(int nv, const float* const* a, const float* Wt, int64_t ldw, int64_t K, float* const* out) {
+template <int M, int NV, typename T>
+inline void tile_nv(int nv, const float* const* a, const T* Wt, int64_t ldw, int64_t K, float* const* out) {
   if constexpr (NV > 1)
     if (nv < NV) return tile_nv<M, NV / 2>(nv, a, Wt, ldw, K, out);
   tile<M, NV>(a, Wt, ldw, K, out);
 }
 
 // tile<m, nv>(...) for 1 <= m <= M
-template <int M>
-inline void tile_rows(int m, int nv, const float* const* a, const float* Wt, int64_t ldw, int64_t K, float* const* out) {
+template <int M, typename T>
+inline void tile_rows(int m, int nv, const float* const* a, const T* Wt, int64_t ldw, int64_t K, float* const* out) {
   if constexpr (M > 1)
     if (m < M) return tile_rows<M - 1>(m, nv, a, Wt, ldw, K, out);
   tile_nv<M, widest[M]>(nv, a, Wt, ldw, K, out);
@@ -80,19 +92,19 @@ inline void tile_rows(int m, int nv, const float* const* a, const float* Wt, int
 
 // columns [c0, c0 + W·nv) of out = a · Wt for m rows, nv = widest[m] halved until the tile ends
 // within `cols` (a whole number of vectors); returns the columns done
-inline int tile_m(int m, int64_t c0, int64_t cols, const float* const* a, const float* Wt, int64_t ldw,
+template <typename T>
+inline int tile_m(int m, int64_t c0, int64_t cols, const float* const* a, const T* Wt, int64_t ldw,
                   int64_t K, float* const* out) {
   int nv = widest[m];
   while (nv > 1 && c0 + W * nv > cols) nv /= 2;
   tile_rows<R>(m, nv, a, Wt, ldw, K, out);
   return W * nv;
 }
-}  // namespace
-
-extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const float* wts,
-                                       const float* gate_up /*[E, H, 2I]*/, const float* down /*[E, I, H]*/,
-                                       float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
-                                       int64_t H, int64_t I) {
+// the kernel over expert weights of type T: float, or uint16_t holding bfloat16 bits
+template <typename T>
+void routed_experts(const float* x, const int64_t* ids, const float* wts, const T* gate_up /*[E, H, 2I]*/,
+                    const T* down /*[E, I, H]*/, float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
+                    int64_t H, int64_t I) {
   const int64_t P = N * K, I2 = 2 * I;
   thread_local std::vector<int64_t> start, at, order;
   thread_local std::vector<float> act, y;  // kept between calls: no allocation once warm
@@ -111,7 +123,7 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
   for (int64_t e = 0; e < E; ++e) {
     const int64_t lo = start[e], hi = start[e + 1];
     if (lo == hi) continue;
-    const float* gu = gate_up + e * H * I2;
+    const T* gu = gate_up + e * H * I2;
     for (int64_t b = lo; b < hi; b += R) {
       const int m = static_cast<int>(std::min<int64_t>(R, hi - b));
       for (int r = 0; r < m; ++r) {
@@ -131,7 +143,7 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
         c0 += w;
       }
     }
-    const float* dn = down + e * I * H;
+    const T* dn = down + e * I * H;
     for (int64_t b = lo; b < hi; b += R) {
       const int m = static_cast<int>(std::min<int64_t>(R, hi - b));
       for (int64_t c0 = 0; c0 < H;) {
@@ -151,6 +163,22 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
       simd::store(out + n * H + h, s);
     }
 }
+}  // namespace
+
+extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const float* wts,
+                                       const float* gate_up /*[E, H, 2I]*/, const float* down /*[E, I, H]*/,
+                                       float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
+                                       int64_t H, int64_t I) {
+  routed_experts(x, ids, wts, gate_up, down, out, N, K, E, H, I);
+}
+
+// the same with bfloat16 expert weights (their bits)
+extern "C" void metrale_routed_experts_bf16(const float* x, const int64_t* ids, const float* wts,
+                                            const uint16_t* gate_up /*[E, H, 2I]*/, const uint16_t* down /*[E, I, H]*/,
+                                            float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
+                                            int64_t H, int64_t I) {
+  routed_experts(x, ids, wts, gate_up, down, out, N, K, E, H, I);
+}
 
 
 // The C shim AOTInductor's wrapper calls for metrale::routed_experts (its name is the op's,
@@ -166,6 +194,10 @@ extern "C" AOTITorchError aoti_torch_cpu_routed_experts(AtenTensorHandle x, Aten
     return AOTI_TORCH_FAILURE;
   const int64_t n = xs[0], h = xs[1], k = is[1], e = gs[0], i2 = gs[2];
   if (gs[1] != h || i2 % 32 != 0 || h % 16 != 0 || is[0] != n) return AOTI_TORCH_FAILURE;
+  int32_t gdt = 0, ddt = 0;  // the expert weights: both float32, or both bfloat16
+  if (aoti_torch_get_dtype(gate_up, &gdt) || aoti_torch_get_dtype(down, &ddt) || gdt != ddt ||
+      (gdt != aoti_torch_dtype_float32() && gdt != aoti_torch_dtype_bfloat16()))
+    return AOTI_TORCH_FAILURE;
   const int64_t sizes[2] = {n, h}, strides[2] = {h, 1};
   if (aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, ret0))
     return AOTI_TORCH_FAILURE;
@@ -173,8 +205,13 @@ extern "C" AOTITorchError aoti_torch_cpu_routed_experts(AtenTensorHandle x, Aten
   if (aoti_torch_get_data_ptr(x, &px) || aoti_torch_get_data_ptr(ids, &pi) || aoti_torch_get_data_ptr(weights, &pw) ||
       aoti_torch_get_data_ptr(gate_up, &pg) || aoti_torch_get_data_ptr(down, &pd) || aoti_torch_get_data_ptr(*ret0, &po))
     return AOTI_TORCH_FAILURE;
-  metrale_routed_experts(static_cast<const float*>(px), static_cast<const int64_t*>(pi), static_cast<const float*>(pw),
-                         static_cast<const float*>(pg), static_cast<const float*>(pd), static_cast<float*>(po),
-                         n, k, e, h, i2 / 2);
+  if (gdt == aoti_torch_dtype_bfloat16())
+    metrale_routed_experts_bf16(static_cast<const float*>(px), static_cast<const int64_t*>(pi),
+                                static_cast<const float*>(pw), static_cast<const uint16_t*>(pg),
+                                static_cast<const uint16_t*>(pd), static_cast<float*>(po), n, k, e, h, i2 / 2);
+  else
+    metrale_routed_experts(static_cast<const float*>(px), static_cast<const int64_t*>(pi), static_cast<const float*>(pw),
+                           static_cast<const float*>(pg), static_cast<const float*>(pd), static_cast<float*>(po),
+                           n, k, e, h, i2 / 2);
   return AOTI_TORCH_SUCCESS;
 }

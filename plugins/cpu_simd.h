@@ -42,6 +42,10 @@ inline float reduce_max(vec v) { return _mm512_reduce_max_ps(v); }
 inline mask tail(int64_t left) {
   return left >= W ? static_cast<mask>(0xFFFF) : left <= 0 ? static_cast<mask>(0) : static_cast<mask>((1u << left) - 1);
 }
+// W bfloat16 values (their bits) as floats: each one's 16 bits are a float's upper half, exactly
+inline vec load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 inline vec maskz_load(mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }  // no access off the mask
 inline vec maskz(mask m, vec v) { return _mm512_maskz_mov_ps(m, v); }                 // v on the mask, else 0
 inline vec mask_max(vec a, mask m, vec b) { return _mm512_mask_max_ps(a, m, a, b); }  // max(a, b) on the mask, else a
@@ -78,6 +82,10 @@ inline float reduce_max(vec v) {
 inline mask tail(int64_t left) {
   const int n = left >= W ? W : left <= 0 ? 0 : static_cast<int>(left);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// W bfloat16 values (their bits) as floats: each one's 16 bits are a float's upper half, exactly
+inline vec load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 inline vec maskz_load(mask m, const float* p) { return _mm256_maskload_ps(p, m); }  // no access off the mask
 inline vec maskz(mask m, vec v) { return _mm256_and_ps(_mm256_castsi256_ps(m), v); }  // v on the mask, else 0

@@ -19,13 +19,15 @@ P = ctypes.c_void_p
 
 @pytest.fixture(scope="module")
 def kernel(cpu_kernels_lib):
+    """The kernel over ctypes: float32 expert weights, or bfloat16 ones (its bfloat16 entry)."""
     lib = cpu_kernels_lib
 
     def run(x, ids, weights, gate_up, down):
         out = torch.full_like(x, float("nan"))
         (n, h), k, e, i = x.shape, ids.shape[1], gate_up.shape[0], down.shape[1]
-        lib.metrale_routed_experts(*(P(t.data_ptr()) for t in (x, ids, weights, gate_up, down, out)),
-                                   *(ctypes.c_int64(v) for v in (n, k, e, h, i)))
+        fn = lib.metrale_routed_experts_bf16 if gate_up.dtype == torch.bfloat16 else lib.metrale_routed_experts
+        fn(*(P(t.data_ptr()) for t in (x, ids, weights, gate_up, down, out)),
+           *(ctypes.c_int64(v) for v in (n, k, e, h, i)))
         return out
     return run
 
@@ -99,6 +101,29 @@ def test_every_tile_shape_gives_a_row_the_same_bits(kernel, h, i):
         torch.testing.assert_close(alone.double(), ref, rtol=1e-5, atol=1e-5)
         for n in range(2, 10):
             assert torch.equal(kernel(x[:n], ids[:n].contiguous(), w[:n].contiguous(), gate_up, down), alone[:n])
+
+
+@pytest.mark.parametrize("h,i", [(48, 80), (128, 128)])
+def test_bfloat16_experts_give_the_float32_kernels_bits(kernel, h, i):
+    """Expert weights held as bfloat16 are widened exactly as they are read: every row's bits
+    are the float32 kernel's on the widened weights, whatever the tiles (1 to 40 rows, skewed
+    routing), and the op's math agrees."""
+    gate_up, down = (t.to(torch.bfloat16) for t in _layer(e=5, h=h, i=i, seed=i))
+    x = torch.randn(40, h, generator=torch.Generator().manual_seed(7))
+    for n, skewed in ((1, False), (3, True), (17, False), (40, True)):
+        w, ids = _routing(n, 5, 2, seed=n, skewed=skewed)
+        narrow = kernel(x[:n], ids, w, gate_up, down)
+        assert torch.equal(narrow, kernel(x[:n], ids, w, gate_up.float(), down.float()))
+        torch.testing.assert_close(narrow, cpu_moe.routed_math(x[:n], ids, w, gate_up, down), rtol=1e-5, atol=1e-5)
+
+
+def test_experts_are_held_narrow_only_when_that_is_exact():
+    gate_up, down = _layer()
+    exact = (gate_up.to(torch.bfloat16).float(), down.to(torch.bfloat16).float())
+    g, d = cpu_moe.narrowed(*exact)
+    assert g.dtype == d.dtype == torch.bfloat16 and torch.equal(g.float(), exact[0]) and torch.equal(d.float(), exact[1])
+    for pair in ((gate_up, down), (exact[0], down), (exact[0].double(), exact[1].double())):
+        assert all(a is b for a, b in zip(cpu_moe.narrowed(*pair), pair))  # a weight off bfloat16's grid, or not float32: as it is
 
 
 def test_the_tiny_targets_package_calls_the_kernel(aoti_engine_dir):

@@ -115,3 +115,26 @@ def test_many_rows_run_the_dense_experts_and_so_does_every_row_count_where_rows_
         assert torch.ops.aten.bmm.default in ops.ops  # one row: dense too
         alone = torch.cat([one] + [moe(x[:, i:i + 1]) for i in range(1, 8)], dim=1)
     assert torch.equal(dense, alone)  # every row as it is alone
+
+
+@pytest.mark.parametrize("widened", [True, False])
+def test_the_routed_kernels_experts_are_held_as_bfloat16_exactly_when_they_are_bfloat16s(widened):
+    """A bfloat16 checkpoint's experts, widened to float32, go to the CPU kernel as bfloat16 (half
+    the bytes, the same values); other float32 experts stay float32. Either way the op computes
+    the stacked experts' math."""
+    moe = _moe()
+    if widened:
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        moe.pack()
+    moe.use_routed_kernel()
+    kept = getattr(moe, moe._kernel_down)
+    want = torch.bfloat16 if widened else torch.float32
+    assert moe.experts_gate_up_t.dtype == kept.dtype == want
+    assert torch.equal(kept.float(), moe.experts_down)
+    x = torch.randn(5, CFG.hidden_size)
+    with torch.inference_mode():
+        weights, ids = moe.route(x)
+        got = moe._kernel_experts(x, weights, ids)  # eagerly, the op's math
+        torch.testing.assert_close(got, moe._dense_experts(x, weights, ids), rtol=1e-5, atol=1e-6)

@@ -404,17 +404,24 @@ class MoE(nn.Module):
     def use_routed_kernel(self) -> None:
         """Run a compiled step's routed experts through the CPU kernel (`plugins.cpu_moe`), its
         gate/up weights held laid out [E, H, 2I] (a buffer, so the step's constant: computed in
-        the graph, the transposed copy would be made again at every call)."""
-        import metrale.plugins.cpu_moe  # noqa: F401  (registers the op)
+        the graph, the transposed copy would be made again at every call). Float32 experts whose
+        every weight is a bfloat16 value (a bfloat16 checkpoint's, widened) are held as bfloat16:
+        the kernel widens them back exactly, and a step streams half their bytes."""
+        from metrale.plugins import cpu_moe
 
         e, inter, hidden = self.experts_down.shape
-        self.register_buffer("experts_gate_up_t", self.experts_gate_up.view(e, 2 * inter, hidden)
-                             .transpose(1, 2).contiguous(), persistent=False)
+        gate_up = self.experts_gate_up.view(e, 2 * inter, hidden).transpose(1, 2).contiguous()
+        gate_up, down = cpu_moe.narrowed(gate_up, self.experts_down)
+        self.register_buffer("experts_gate_up_t", gate_up, persistent=False)
+        self._kernel_down = "experts_down"
+        if down is not self.experts_down:
+            self.register_buffer("experts_down_narrow", down, persistent=False)
+            self._kernel_down = "experts_down_narrow"
         self.routed_kernel = True
 
     def _kernel_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.metrale.routed_experts(x.contiguous(), ids.contiguous(), weights.contiguous(),
-                                                self.experts_gate_up_t, self.experts_down)
+                                                self.experts_gate_up_t, getattr(self, self._kernel_down))
 
     def dequantize_experts(self) -> None:
         """Hold NVFP4 experts as stacked float weights (`pack`'s layout, from the grouped op's
