@@ -238,3 +238,44 @@ def test_a_quiet_channel_wakes_once_with_all_its_text():
 
     events, wakes = asyncio.run(main())
     assert events == [("text", "abc"), ("done", ("length", 3))] and wakes == 1
+
+
+def test_a_request_neither_streamed_nor_stopped_is_decoded_once_at_its_end(tiny_engine):
+    """Its ids are decoded when it ends, in one call, to the text the streamed deltas join to;
+    a streamed request (or one with stop strings) is decoded as it goes."""
+    from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.serving.scheduler import Job
+
+    tok = tiny_engine.tokenizer
+    ids = tok.encode("h\u00e9llo w\u00f6rld \U0001F600 and some more text")
+    calls = [0]
+
+    class Counting:
+        eos_token_ids = frozenset()
+
+        def decode(self, ids, skip_special=True):
+            calls[0] += 1
+            return tok.decode(ids, skip_special)
+
+    class Gen:
+        tokenizer = Counting()
+
+        def stream(self, prompt_ids, params):
+            yield from ids
+
+    def run(stream: bool, stop: tuple[str, ...] = ()):
+        events, calls[0] = [], 0
+        req = GenerationRequest([1], SamplingParams(temperature=0, max_tokens=len(ids)), stop, stream, False)
+        job = Job(Gen(), req, lambda kind, payload: events.append((kind, payload)), threading.Event(), "r")
+        while job.advance():
+            pass
+        return events, calls[0]
+
+    held, held_calls = run(stream=False)
+    streamed, streamed_calls = run(stream=True)
+    stopped, stopped_calls = run(stream=False, stop=("zzz",))
+    assert [kind for kind, _ in held] == ["text", "done"] and held_calls == 1
+    assert held[0][1] == tok.decode(ids) == "".join(p for k, p in streamed if k == "text")
+    assert "".join(p for k, p in stopped if k == "text") == held[0][1]
+    assert streamed_calls >= len(ids) and stopped_calls >= len(ids)
+    assert held[-1] == streamed[-1] == stopped[-1] == ("done", ("length", len(ids)))
