@@ -354,7 +354,8 @@ def serve(
     speculative_disable_by_batch_size: Annotated[int, typer.Option(
         metavar="N", help="Speculation backs off under load: while N or more requests run, "
         "every step is a plain one (the drafters still follow the text, so drafting resumes "
-        "when the batch shrinks). Greedy answers do not change; a seeded sampled request keeps "
+        "once fewer than N have run for 0.1 s: clients in a closed loop leave the batch for "
+        "moments between their requests). Greedy answers do not change; a seeded sampled request keeps "
         "drafting as if alone, so its samples do not depend on the load. With two or more "
         "requests running, DFlash draft counts come from --dflash-draft-ladder or γ: "
         "--dflash-adaptive-k applies to a stream that runs alone; the MTP draft chains of all "

@@ -279,3 +279,34 @@ def test_a_request_neither_streamed_nor_stopped_is_decoded_once_at_its_end(tiny_
     assert "".join(p for k, p in stopped if k == "text") == held[0][1]
     assert streamed_calls >= len(ids) and stopped_calls >= len(ids)
     assert held[-1] == streamed[-1] == stopped[-1] == ("done", ("length", len(ids)))
+
+
+def test_speculation_resumes_only_once_the_batch_stayed_small(monkeypatch):
+    """With `speculative_disable_by_batch_size` 2: a lone request drafts; once two ran, steps stay
+    plain until fewer than two have run for `SPECULATE_AFTER_S` (a closed loop's brief dips do
+    not start drafting); without the setting every step may draft."""
+    import collections
+
+    from metrale.runtime.serving import scheduler as S
+    from metrale.runtime.spec.decode import Batch
+
+    clock = [100.0]
+    monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
+    sched = S.Scheduler.__new__(S.Scheduler)  # its admission alone, no model thread
+    sched.max_num_seqs, sched.disable_at, sched._busy_until, sched.peak_running = 8, 2, 0.0, 0
+    sched.batch, sched.waiting, sched._cv = Batch(), collections.deque(), threading.Condition()
+
+    def speculates(running: int, at: float) -> bool:
+        clock[0], sched.running = at, [object()] * running
+        sched._admit()
+        assert sched.batch.size == running
+        return sched.batch.speculate
+
+    wait = S.SPECULATE_AFTER_S
+    assert speculates(1, 100.0)
+    assert not speculates(3, 100.0)
+    assert not speculates(1, 100.0 + wait / 2)  # a dip
+    assert speculates(1, 100.0 + wait * 1.01)
+    assert not speculates(2, 101.0) and not speculates(1, 101.0 + wait * 0.99)
+    sched.disable_at, sched.batch = None, Batch()
+    assert speculates(30, 102.0)

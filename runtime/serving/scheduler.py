@@ -14,7 +14,8 @@ and drafts) run in one batched forward per iteration (`EngineGenerator.run_forwa
 each row reads its own sequence's cache only, so every answer is the one the request gets
 alone; so do the MTP head's entries of every drafting request's chain (one head forward per
 link of the chains) and every drafting request's DFlash block (one drafter call). Drafting backs off under load: with `speculative_disable_by_batch_size` or more
-sequences running, steps are plain (the drafters still follow, see `decode.Decoder.steps`);
+sequences running, steps are plain (the drafters still follow, see `decode.Decoder.steps`),
+and drafting resumes once fewer have run for `SPECULATE_AFTER_S`;
 greedy answers do not change, since a speculative step emits plain decoding's tokens. A
 tensor-parallel world decodes requests in lockstep across ranks, one at a time, so there
 `max_num_seqs` is 1.
@@ -35,6 +36,15 @@ from metrale.runtime.backends import DraftForward, Forward, HeadForward
 from metrale.runtime.spec.decode import Batch
 
 log = logging.getLogger(__name__)
+
+# Speculation resumes only once fewer than `speculative_disable_by_batch_size` sequences have run
+# for this long. Clients in a closed loop leave the batch between their requests, so under
+# steady load the running set dips for moments; a sequence drafting in such a dip runs its chain
+# (a head forward per link) and its backlog of followed rows through the drafter, and its verify
+# rows, while the batch refills around it. Measured on the tiny default, 32 clients over HTTP,
+# MTP's aggregate against plain decoding's: a server that drafts only alone 0.94, one that never
+# drafts 1.04.
+SPECULATE_AFTER_S = 0.1
 
 
 class StopScanner:
@@ -189,6 +199,7 @@ class Scheduler:
         self.deliver = flush  # after each phase of an iteration: what the jobs emitted goes out
         self.run_forwards = run_forwards
         self.disable_at = speculative_disable_by_batch_size
+        self._busy_until = 0.0  # speculation waits for this time (`SPECULATE_AFTER_S`)
         self.batch = Batch()  # shared by every job: read by each step
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
@@ -234,8 +245,13 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_num_seqs:
                 self.running.append(self.waiting.popleft())
             self.peak_running = max(self.peak_running, len(self.running))
-        self.batch.size = len(self.running)
-        self.batch.speculate = self.disable_at is None or len(self.running) < self.disable_at
+        n = self.batch.size = len(self.running)
+        if self.disable_at is None:
+            return
+        now = time.monotonic()
+        if n >= self.disable_at:
+            self._busy_until = now + SPECULATE_AFTER_S
+        self.batch.speculate = now >= self._busy_until
 
     def _forward(self, jobs: list[Job]) -> None:
         """Every job's `need` in one batched forward; a failure there is retried one job at a
