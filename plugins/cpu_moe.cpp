@@ -50,6 +50,8 @@ constexpr int MAX_NV = widest[1];  // vectors of output columns per tile, at mos
 // not depend on M or NV (which only set how many chains run at once: M·NV of them)
 constexpr int PF = 16;    // rows of weights fetched ahead
 constexpr int LINE = 64;  // bytes a cache line
+template <typename T>     // vectors of weights of type T a cache line holds (at least one)
+constexpr int PER_LINE = LINE / (W * static_cast<int>(sizeof(T))) > 0 ? LINE / (W * static_cast<int>(sizeof(T))) : 1;
 inline vec loadw(const float* p) { return simd::load(p); }
 inline vec loadw(const uint16_t* p) { return simd::load_bf16(p); }  // bfloat16 bits, widened
 
@@ -61,7 +63,7 @@ inline void tile(const float* const* a, const T* Wt, int64_t ldw, int64_t K, flo
   for (int64_t k = 0; k < K; ++k) {
     const T* w = Wt + k * ldw;
     if (k + PF < K)  // the weights' rows lie ldw apart: fetched PF rows ahead, a cache line at a time
-      for (int v = 0; v < NV; v += LINE / (W * static_cast<int>(sizeof(T))) > 0 ? LINE / (W * static_cast<int>(sizeof(T))) : 1)
+      for (int v = 0; v < NV; v += PER_LINE<T>)
         _mm_prefetch(reinterpret_cast<const char*>(w + PF * ldw + W * v), _MM_HINT_T0);
     vec wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = loadw(w + W * v);
