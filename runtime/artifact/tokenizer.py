@@ -203,14 +203,17 @@ class IncrementalDecoder:
     moves to the end at each emission, and the window's decode then is the emitted part's next
     time (one decode per id); once the window holds more than `WINDOW` ids it restarts at the
     emission before (kept as context: a decoder may treat a window's first token differently),
-    so each step costs O(WINDOW), not O(n).
+    so each step costs O(WINDOW), not O(n). `deferred`: the text is wanted only at the end
+    (a request neither streamed nor cut at stop strings): `feed` keeps the id, and `flush`
+    decodes them all at once.
     """
 
     WINDOW = 16
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, deferred: bool = False) -> None:
         self._tok = tokenizer
         self._skip = skip_special
+        self._deferred = deferred
         self._ids: list[int] = []
         self._prefix = 0  # window start: a character boundary already emitted
         self._read = 0  # ids before this index have all been emitted as text
@@ -220,6 +223,8 @@ class IncrementalDecoder:
         """Add one id; return the newly completed text (possibly "")."""
         ids = self._ids
         ids.append(token_id)
+        if self._deferred:
+            return ""
         done = self._done
         text = self._tok.decode(ids[self._prefix :], self._skip)
         if len(text) <= len(done) or text.endswith(_REPLACEMENT):

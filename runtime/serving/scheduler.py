@@ -90,13 +90,12 @@ class Job:
     def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
                  batch: Batch | None = None):
         self.gen, self.req, self.emit, self.cancel, self.rid = gen, req, emit, cancel, rid
-        self.decoder, self.scanner = IncrementalDecoder(gen.tokenizer), StopScanner(req.stop)
+        # a request neither streamed nor cut at stop strings needs its text only once it ends:
+        # its ids are decoded then, at once, not one decode per token in the busy loop
+        self.decoder = IncrementalDecoder(gen.tokenizer, deferred=not (req.stream or req.stop))
+        self.scanner = StopScanner(req.stop)
         self.eos, self.limit = gen.tokenizer.eos_token_ids, req.params.max_tokens
         self.n, self.tokens = 0, None
-        # A request that is neither streamed nor cut at stop strings needs its text only once it
-        # ends: its ids are decoded then, at once (the incremental decoder's deltas join to the
-        # same text), not one decode per token in the busy loop.
-        self.held: list[int] | None = None if req.stream or req.stop else []
         self.batch = batch or Batch()
         self.coroutine = bool(getattr(gen, "batched", False))
         self.need: Forward | HeadForward | DraftForward | None = None
@@ -140,9 +139,6 @@ class Job:
         self.n += 1
         if token in self.eos:
             return self._finish(stopped=False, eos=True)
-        if self.held is not None:
-            self.held.append(token)
-            return self.n < self.limit or self._finish(stopped=False)
         text, stopped = self.scanner.push(self.decoder.feed(token))
         if text:
             self.emit("text", text)
@@ -158,11 +154,7 @@ class Job:
 
     def _finish(self, stopped: bool, eos: bool = False) -> bool:
         self._close()
-        if self.held is not None:  # its text, all at once (none for a client that left)
-            text, self.held = "" if stopped else self.gen.tokenizer.decode(self.held), []
-            if text:
-                self.emit("text", text)
-        elif not stopped:
+        if not stopped:
             text, stopped = self.scanner.push(self.decoder.flush())
             text += "" if stopped else self.scanner.flush()
             if text:
