@@ -102,18 +102,21 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
              temperature: float = 0.0, client_kind: str = "openai"):
     from openai import OpenAI
 
-    def new_client():
-        if client_kind == "http":
-            return HttpClient(base)
+    def new_openai() -> OpenAI:
         return OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
 
-    def complete(client, **body) -> tuple[str, int]:
+    def new_client():
+        """A client's completion call: (text, completion tokens) of the request's body."""
         if client_kind == "http":
-            return client.complete(**body)
-        r = client.completions.create(**body)
-        return r.choices[0].text, r.usage.completion_tokens
+            return HttpClient(base).complete
+        client = new_openai()
 
-    openai_client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+        def complete(**body) -> tuple[str, int]:
+            r = client.completions.create(**body)
+            return r.choices[0].text, r.usage.completion_tokens
+        return complete
+
+    openai_client = new_openai()
     model = openai_client.models.list().data[0].id
     mine = threading.local()  # each client thread its own client, as C separate users have
     # (one client shared by 32 threads serializes them on its connection pool's lock: measured,
@@ -122,13 +125,13 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
     def one(i: int):
         t0 = time.perf_counter()
         seed = {"seed": i % len(prompts)} if temperature > 0 else {}
-        text, n = complete(mine.client, model=model, prompt=prompts[i % len(prompts)],
-                           max_tokens=max_tokens, temperature=temperature, **seed)
+        text, n = mine.complete(model=model, prompt=prompts[i % len(prompts)],
+                                max_tokens=max_tokens, temperature=temperature, **seed)
         return i % len(prompts), text, n, time.perf_counter() - t0
 
     def warm(i: int) -> None:  # each thread's client made and connected
-        mine.client = new_client()
-        complete(mine.client, model=model, prompt=prompts[i % len(prompts)], max_tokens=4, temperature=0)
+        mine.complete = new_client()
+        mine.complete(model=model, prompt=prompts[i % len(prompts)], max_tokens=4, temperature=0)
 
     for p in prompts:  # warm: the first calls of a fresh server allocate and load
         openai_client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0)
