@@ -283,6 +283,18 @@ def test_unknown_route_gets_error_shape(base):
     assert err["code"] == "not_found"
 
 
+def test_generation_paths_other_than_their_post_are_routed_as_before(base):
+    """A POST to a generation endpoint skips FastAPI's routing; anything else on those paths
+    still gets its answers: 405 for another method, OpenAI's error shape, the same id rule."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        resp = requests.get(base + path, timeout=5)
+        err = error_of(resp, 405)
+        assert "not allowed" in err["message"].lower() and "POST" in resp.headers["allow"]
+    answer = requests.post(base + "/v1/completions", json={"prompt": "the", "max_tokens": 2},
+                           timeout=5)
+    assert answer.status_code == 200 and answer.headers["X-Request-Id"] == answer.json()["id"]
+
+
 def test_generator_exception_is_a_500_not_a_crash(base, caplog):
     for stream in (False, True):
         resp = requests.post(base + "/v1/completions", timeout=5,

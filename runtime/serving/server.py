@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API over any `TextGenerator` (FastAPI + uvicorn).
+"""OpenAI-compatible HTTP API over any `TextGenerator` (FastAPI + uvicorn; a POST to a
+generation endpoint goes to its handler directly, past FastAPI's routing: `_Endpoints`).
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 (both with `stream`: server-sent events ending in `data: [DONE]`), `GET /metrics` (Prometheus
@@ -179,15 +180,33 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
+class _Endpoints:
+    """The ASGI app `serve` runs: a POST to a generation endpoint goes straight to its handler
+    (behind its own `Guard`), everything else to the FastAPI app (routing, the other endpoints,
+    405 and 404). FastAPI's middleware, routing and dependency resolution cost a short
+    completion about a quarter of the event loop's time per request (measured with an instant
+    generator), which under load is CPU the model's process and the clients do not get."""
+
+    def __init__(self, app: FastAPI, posts: dict[str, Callable]) -> None:
+        self.app, self.posts = app, posts
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.posts.get(scope["path"])
+            if endpoint is not None:
+                return await endpoint(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def create_app(generator: TextGenerator, limits: ServerLimits | None = None,
-               engine=None) -> FastAPI:
-    """The FastAPI app serving `generator`, behind `http_guard.Guard` (limits, API key); all
+               engine=None) -> _Endpoints:
+    """The ASGI app serving `generator`, behind `http_guard.Guard` (limits, API key); all
     state lives in this closure. `engine`: an `engine_process.EngineProcess` running the model
     (then `generator` is its `EngineProxy`), else a `Scheduler` here runs it."""
     limits = limits or ServerLimits()
     app = FastAPI(title="metrale", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, limits=limits,
-                       max_bytes=limits.request_bytes(generator.max_context))
+    max_bytes = limits.request_bytes(generator.max_context)
+    app.add_middleware(Guard, limits=limits, max_bytes=max_bytes)
     wakes = _Wakes()
     if engine is not None:
         scheduler, engine.flush = engine, wakes.flush
@@ -397,10 +416,22 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None,
     async def chat_completions(request: Request) -> Response:
         return await handle(request, chat=True)
 
-    return app
+    def direct(chat: bool) -> Callable:
+        """A generation endpoint as a bare ASGI app: the route's handler, its refusals as the
+        FastAPI app's `APIError` handler answers them (every other failure `handle` already
+        turned into an `APIError` 500 that names the request id)."""
+        async def endpoint(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+            try:
+                response = await handle(Request(scope, receive), chat)
+            except APIError as e:
+                response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            await response(scope, receive, send)
+        return Guard(endpoint, limits=limits, max_bytes=max_bytes)
+
+    return _Endpoints(app, {"/v1/completions": direct(False), "/v1/chat/completions": direct(True)})
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, limits: ServerLimits, **kw: Any):
+def uvicorn_config(app: Callable, host: str, port: int, limits: ServerLimits, **kw: Any):
     """uvicorn's config with the limits applied: connection cap, keep-alive, header deadline."""
     import uvicorn
 
