@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from metrale.builder.cpu_check import check_packages, load_packed
-from metrale.plugins import cpu_attention, cpu_kernels, cpu_moe
+from metrale.plugins import cpu_attention, cpu_kernels, cpu_linear, cpu_moe
 from metrale.plugins.dynamic_conv import inductor_decompositions
 from metrale.runtime.artifact.entries import ComponentEntry, CpuPackages
 from metrale.runtime.components import Role, kind_named, kind_of
@@ -109,7 +109,7 @@ def _sources_digest() -> str:
     import metrale.runtime.models.step_caches as caches
 
     h = hashlib.sha256()
-    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv, cpu_moe, cpu_attention, cpu_kernels):
+    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv, cpu_moe, cpu_linear, cpu_attention, cpu_kernels):
         h.update(Path(mod.__file__).read_bytes())
     h.update(cpu_kernels.digest().encode())
     h.update(Path(__file__).read_bytes())
@@ -191,6 +191,31 @@ def uses_moe_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> bool
     return use
 
 
+def uses_linear_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether `job`'s step computes its projections through the CPU kernel
+    (`plugins.cpu_linear`): a target or head step of float32 where the kernels build. Then every
+    fused q/k/v projection (`Attention.use_linear_kernel`) and every bias-free linear named
+    `o_proj`, `lm_head` or `fc` (the MTP head's input projection) whose outputs are whole panels
+    (`cpu_linear.fits`) goes through it; the routers' few columns and the experts (their own
+    kernel) do not."""
+    from metrale.runtime.models.layers import Attention
+
+    if (kind_named(job.kind).role not in (Role.TARGET, Role.HEAD) or job.linear == "extern"
+            or not cpu_kernels.available(dtype)):
+        return False
+    used = False
+    for mod in list(step.modules()):
+        if isinstance(mod, Attention) and mod.qkv_weight is not None and cpu_linear.fits(*mod.qkv_weight.shape[::-1]):
+            mod.use_linear_kernel()
+            used = True
+        for name in ("o_proj", "lm_head", "fc"):
+            lin = getattr(mod, name, None)
+            if type(lin) is torch.nn.Linear and lin.bias is None and cpu_linear.fits(lin.in_features, lin.out_features):
+                setattr(mod, name, cpu_linear.KernelLinear.of(lin))
+                used = True
+    return used
+
+
 def uses_attention_kernel(step: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether `step` (a batched step, its attention's sizes in `step.decoder`) attends through
     the CPU kernel (`plugins.cpu_attention`): float32 where the kernels build, heads of whole
@@ -215,7 +240,8 @@ def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tu
     step, args, dyn = step_and_example(job, staged, taps, slots)
     configs = dict(INDUCTOR[job.linear])
     moe = uses_moe_kernel(job, step, dtype)
-    if uses_attention_kernel(step, dtype) or moe:
+    head = uses_linear_kernel(job, step, dtype)
+    if uses_attention_kernel(step, dtype) or moe or head:
         configs.update(cpu_kernels.inductor_configs(cache_dir() / "kernels"))
     with torch.inference_mode():
         ep = torch.export.export(step, args, dynamic_shapes=dyn)

@@ -3,20 +3,20 @@
 //
 //   y[n] = sum_j weights[n, j] * D_e (silu(g) * u),  [g; u] = GU_e x[n],  e = ids[n, j]
 //
-// gate_up [E, H, 2I] (gate columns [0, I), up columns [I, 2I)), down [E, I, H], x [N, H],
-// ids and weights [N, k], all contiguous, float32 (ids int64); H and I whole 16-float vectors.
+// gate_up [E, H, 2I] (gate columns [0, I), up columns [I, 2I)) and down [E, I, H], each expert's
+// matrix held in panels of 16 columns (`cpu_tiles.h`): gate_up [E, 2I/16, H, 16], down
+// [E, H/16, I, 16]; x [N, H], ids and weights [N, k], all contiguous, float32 (ids int64); H
+// and I whole 16-float vectors.
 // The expert weights may instead be bfloat16 (`metrale_routed_experts_bf16`): each is widened to
 // the float32 it stands for, exactly, as it is loaded, so the arithmetic and the bits are those of
 // the float32 kernel on the widened weights, and a step streams half the bytes (at 32 rows the
 // tiny target's experts are most of a step's weight traffic, read from beyond the L2 each step).
 //
 // The (row, slot) pairs are grouped by expert, so an expert's weights are read once per call
-// for all of its pairs, and several pairs share each load in registers. With AVX-512 (vectors
-// of W = 16 floats, 32 registers) a tile keeps up to eight vector accumulators: four pairs x
-// two vectors of columns, two x four, or one pair x eight. With AVX2 (W = 8, 16 registers) up
-// to twelve: six pairs x two, three x four, two x four, or one x eight. Every output element is
-// one chain of fused multiply-adds over its input features, in order, from zero, whatever the
-// tile's shape or the vector width: a row's bits depend on its own input and experts only,
+// for all of its pairs, and several pairs share each load in registers (`cpu_tiles.h`: up to
+// four pairs x two vectors of columns with AVX-512, six x two with AVX2). Every output element
+// is one chain of fused multiply-adds over its input features, in order, from zero, whatever
+// the tile's shape or the vector width: a row's bits depend on its own input and experts only,
 // never on the other rows of the call (the batched step's contract), and are the same on
 // either ISA. A row's pairs are summed in slot order.
 
@@ -27,85 +27,20 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #include "cpu_simd.h"
+#include "cpu_tiles.h"
 
 namespace {
 namespace simd = metrale_simd;
 using simd::vec;
 using simd::W;
-// A tile's shape by its pair count m: widest[m] vectors of columns at most (halved at the ends
-// of the columns), so widest[m]·m accumulators, sized to the ISA's registers
-#if defined(__AVX512F__)
-constexpr int R = 4;                             // pairs per tile, at most
-constexpr int widest[R + 1] = {0, 8, 4, 2, 2};   // 8 accumulators of 32 registers
-#else
-// AVX2's 16 registers: up to 12 accumulators, the weights' vectors (two, or four with three
-// pairs, one of them read again from memory) and the broadcast input
-constexpr int R = 6;
-constexpr int widest[R + 1] = {0, 8, 4, 4, 2, 2, 2};
-#endif
-constexpr int MAX_NV = widest[1];  // vectors of output columns per tile, at most (a one-pair tile's)
+using metrale_tiles::MAX_NV;
+using metrale_tiles::R;
+using metrale_tiles::tile_m;
 
-// out[r][0..W·NV) = sum over k = 0..K-1, in order, of a[r][k] * Wt[k][0..W·NV) (Wt's rows ldw
-// apart): one fused multiply-add per k into each output, whatever M and NV, so a row's bits do
-// not depend on M or NV (which only set how many chains run at once: M·NV of them)
-constexpr int PF = 16;    // rows of weights fetched ahead
-constexpr int LINE = 64;  // bytes a cache line
-template <typename T>     // vectors of weights of type T a cache line holds (at least one)
-constexpr int PER_LINE = LINE / (W * static_cast<int>(sizeof(T))) > 0 ? LINE / (W * static_cast<int>(sizeof(T))) : 1;
-inline vec loadw(const float* p) { return simd::load(p); }
-inline vec loadw(const uint16_t* p) { return simd::load_bf16(p); }  // bfloat16 bits, widened
-
-template <int M, int NV, typename T>
-inline void tile(const float* const* a, const T* Wt, int64_t ldw, int64_t K, float* const* out) {
-  vec acc[M][NV];
-  for (int r = 0; r < M; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = simd::zero();
-  for (int64_t k = 0; k < K; ++k) {
-    const T* w = Wt + k * ldw;
-    if (k + PF < K)  // the weights' rows lie ldw apart: fetched PF rows ahead, a cache line at a time
-      for (int v = 0; v < NV; v += PER_LINE<T>)
-        _mm_prefetch(reinterpret_cast<const char*>(w + PF * ldw + W * v), _MM_HINT_T0);
-    vec wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = loadw(w + W * v);
-    for (int r = 0; r < M; ++r) {
-      const vec s = simd::set1(a[r][k]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = simd::fmadd(s, wv[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < M; ++r)
-    for (int v = 0; v < NV; ++v) simd::store(out[r] + W * v, acc[r][v]);
-}
-
-// tile<M, nv> for nv a power of two up to NV (only the tiles of widest's sizes are compiled)
-template <int M, int NV, typename T>
-inline void tile_nv(int nv, const float* const* a, const T* Wt, int64_t ldw, int64_t K, float* const* out) {
-  if constexpr (NV > 1)
-    if (nv < NV) return tile_nv<M, NV / 2>(nv, a, Wt, ldw, K, out);
-  tile<M, NV>(a, Wt, ldw, K, out);
-}
-
-// tile<m, nv>(...) for 1 <= m <= M
-template <int M, typename T>
-inline void tile_rows(int m, int nv, const float* const* a, const T* Wt, int64_t ldw, int64_t K, float* const* out) {
-  if constexpr (M > 1)
-    if (m < M) return tile_rows<M - 1>(m, nv, a, Wt, ldw, K, out);
-  tile_nv<M, widest[M]>(nv, a, Wt, ldw, K, out);
-}
-
-// columns [c0, c0 + W·nv) of out = a · Wt for m rows, nv = widest[m] halved until the tile ends
-// within `cols` (a whole number of vectors); returns the columns done
-template <typename T>
-inline int tile_m(int m, int64_t c0, int64_t cols, const float* const* a, const T* Wt, int64_t ldw,
-                  int64_t K, float* const* out) {
-  int nv = widest[m];
-  while (nv > 1 && c0 + W * nv > cols) nv /= 2;
-  tile_rows<R>(m, nv, a, Wt, ldw, K, out);
-  return W * nv;
-}
 // the kernel over expert weights of type T: float, or uint16_t holding bfloat16 bits
 template <typename T>
-void routed_experts(const float* x, const int64_t* ids, const float* wts, const T* gate_up /*[E, H, 2I]*/,
-                    const T* down /*[E, I, H]*/, float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
+void routed_experts(const float* x, const int64_t* ids, const float* wts, const T* gate_up /*[E, 2I/16, H, 16]*/,
+                    const T* down /*[E, H/16, I, 16]*/, float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
                     int64_t H, int64_t I) {
   const int64_t P = N * K, I2 = 2 * I;
   thread_local std::vector<int64_t> start, at, order;
@@ -134,8 +69,8 @@ void routed_experts(const float* x, const int64_t* ids, const float* wts, const 
         o2[r] = up[r];
       }
       for (int64_t c0 = 0; c0 < I;) {  // a column tile of gate and up
-        tile_m(m, c0, I, a, gu + c0, I2, H, o);
-        const int w = tile_m(m, c0, I, a, gu + I + c0, I2, H, o2);
+        tile_m(m, c0, I, a, gu, H, o);  // gate columns c0.., then the same up columns
+        const int w = tile_m(m, I + c0, I2, a, gu, H, o2);
         for (int r = 0; r < m; ++r)
           for (int c = 0; c < w; c += W) {  // silu(g) * u
             const vec g = simd::load(gate[r] + c), u = simd::load(up[r] + c);
@@ -153,7 +88,7 @@ void routed_experts(const float* x, const int64_t* ids, const float* wts, const 
           a[r] = act.data() + (b + r) * I;
           o[r] = y.data() + order[b + r] * H + c0;
         }
-        c0 += tile_m(m, c0, H, a, dn + c0, H, I, o);
+        c0 += tile_m(m, c0, H, a, dn, I, o);
       }
     }
   }
@@ -168,7 +103,7 @@ void routed_experts(const float* x, const int64_t* ids, const float* wts, const 
 }  // namespace
 
 extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const float* wts,
-                                       const float* gate_up /*[E, H, 2I]*/, const float* down /*[E, I, H]*/,
+                                       const float* gate_up /*[E, 2I/16, H, 16]*/, const float* down /*[E, H/16, I, 16]*/,
                                        float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
                                        int64_t H, int64_t I) {
   routed_experts(x, ids, wts, gate_up, down, out, N, K, E, H, I);
@@ -176,7 +111,7 @@ extern "C" void metrale_routed_experts(const float* x, const int64_t* ids, const
 
 // the same with bfloat16 expert weights (their bits)
 extern "C" void metrale_routed_experts_bf16(const float* x, const int64_t* ids, const float* wts,
-                                            const uint16_t* gate_up /*[E, H, 2I]*/, const uint16_t* down /*[E, I, H]*/,
+                                            const uint16_t* gate_up /*[E, 2I/16, H, 16]*/, const uint16_t* down /*[E, H/16, I, 16]*/,
                                             float* out /*[N, H]*/, int64_t N, int64_t K, int64_t E,
                                             int64_t H, int64_t I) {
   routed_experts(x, ids, wts, gate_up, down, out, N, K, E, H, I);
@@ -189,13 +124,17 @@ extern "C" AOTITorchError aoti_torch_cpu_routed_experts(AtenTensorHandle x, Aten
                                                         AtenTensorHandle weights, AtenTensorHandle gate_up,
                                                         AtenTensorHandle down, AtenTensorHandle* ret0) {
   int64_t dim = 0;
-  if (aoti_torch_get_dim(x, &dim) || dim != 2 || aoti_torch_get_dim(gate_up, &dim) || dim != 3)
+  if (aoti_torch_get_dim(x, &dim) || dim != 2 || aoti_torch_get_dim(gate_up, &dim) || dim != 4 ||
+      aoti_torch_get_dim(down, &dim) || dim != 4)
     return AOTI_TORCH_FAILURE;
-  int64_t *xs, *is, *gs;
-  if (aoti_torch_get_sizes(x, &xs) || aoti_torch_get_sizes(ids, &is) || aoti_torch_get_sizes(gate_up, &gs))
+  int64_t *xs, *is, *gs, *ds;  // gate_up [E, 2I/16, H, 16], down [E, H/16, I, 16]: panels
+  if (aoti_torch_get_sizes(x, &xs) || aoti_torch_get_sizes(ids, &is) || aoti_torch_get_sizes(gate_up, &gs) ||
+      aoti_torch_get_sizes(down, &ds))
     return AOTI_TORCH_FAILURE;
-  const int64_t n = xs[0], h = xs[1], k = is[1], e = gs[0], i2 = gs[2];
-  if (gs[1] != h || i2 % 32 != 0 || h % 16 != 0 || is[0] != n) return AOTI_TORCH_FAILURE;
+  const int64_t n = xs[0], h = xs[1], k = is[1], e = gs[0], i2 = gs[1] * metrale_tiles::PANEL;
+  if (gs[2] != h || gs[3] != metrale_tiles::PANEL || i2 % 32 != 0 || h % 16 != 0 || is[0] != n ||
+      ds[0] != e || ds[1] * metrale_tiles::PANEL != h || ds[2] != i2 / 2 || ds[3] != metrale_tiles::PANEL)
+    return AOTI_TORCH_FAILURE;
   int32_t gdt = 0, ddt = 0;  // the expert weights: both float32, or both bfloat16
   if (aoti_torch_get_dtype(gate_up, &gdt) || aoti_torch_get_dtype(down, &ddt) || gdt != ddt ||
       (gdt != aoti_torch_dtype_float32() && gdt != aoti_torch_dtype_bfloat16()))

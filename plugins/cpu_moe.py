@@ -3,7 +3,9 @@ CPU packages (AOTInductor) call directly.
 
     y [N, H] = sum_j weights[:, j] * D_e (silu(g) * u),  [g; u] = GU_e x,  e = ids[:, j]
 
-with gate_up [E, H, 2I] (gate columns [0, I), up [I, 2I)) and down [E, I, H]. Eagerly the op is
+with gate_up [E, H, 2I] (gate columns [0, I), up [I, 2I)) and down [E, I, H], each expert's matrix
+held in the kernels' panels of 16 columns (`cpu_kernels.pack_panels`: [E, 2I/16, H, 16] and
+[E, H/16, I, 16]), so a tile reads its weights from contiguous memory. Eagerly the op is
 its math in torch ops (`routed_math`); in a package it is `cpu_moe.cpp`: the (row, slot) pairs
 grouped by expert, each expert's weights read once per call for all of its pairs, up to eight
 vector accumulators to a register tile with AVX-512 (four pairs x 32 columns down to one pair x
@@ -38,6 +40,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from metrale.plugins.cpu_kernels import unpack_panels
+
 OP_NAME = "metrale::routed_experts"
 SHIM = ("AOTITorchError aoti_torch_cpu_routed_experts(AtenTensorHandle x, AtenTensorHandle ids, "
         "AtenTensorHandle weights, AtenTensorHandle gate_up, AtenTensorHandle down, AtenTensorHandle* ret0)")
@@ -46,7 +50,8 @@ SHIM = ("AOTITorchError aoti_torch_cpu_routed_experts(AtenTensorHandle x, AtenTe
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor) -> torch.Tensor:
-    """x [N, H], ids/weights [N, k], gate_up [E, H, 2I], down [E, I, H] -> y [N, H]."""
+    """x [N, H], ids/weights [N, k], gate_up [E, 2I/16, H, 16], down [E, H/16, I, 16] (in
+    panels) -> y [N, H]."""
     return routed_math(x, ids, weights, gate_up, down)
 
 
@@ -58,7 +63,7 @@ def _(x, ids, weights, gate_up, down):
 def routed_math(x, ids, weights, gate_up, down) -> torch.Tensor:
     """The op in torch ops: each pair's expert on its row, the pairs summed in slot order
     (bfloat16 expert weights widened to x's dtype first, as the kernel does)."""
-    gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
+    gate_up, down = unpack_panels(gate_up).to(x.dtype), unpack_panels(down).to(x.dtype)
     gate, up = torch.einsum("nh,nkhj->nkj", x, gate_up[ids]).chunk(2, dim=-1)  # [N, k, I]
     y = torch.einsum("nki,nkih->nkh", F.silu(gate) * up, down[ids])  # [N, k, H]
     return (y * weights.unsqueeze(-1)).sum(1)

@@ -12,6 +12,7 @@ import torch
 
 from conftest import NEEDS_CPU_KERNELS
 from metrale.plugins import cpu_moe
+from metrale.plugins.cpu_kernels import pack_panels
 
 pytestmark = NEEDS_CPU_KERNELS
 P = ctypes.c_void_p
@@ -19,17 +20,24 @@ P = ctypes.c_void_p
 
 @pytest.fixture(scope="module")
 def kernel(cpu_kernels_lib):
-    """The kernel over ctypes: float32 expert weights, or bfloat16 ones (its bfloat16 entry)."""
+    """The kernel over ctypes: float32 expert weights, or bfloat16 ones (its bfloat16 entry),
+    given as gate_up [E, H, 2I] and down [E, I, H] and handed to it in panels."""
     lib = cpu_kernels_lib
 
     def run(x, ids, weights, gate_up, down):
         out = torch.full_like(x, float("nan"))
         (n, h), k, e, i = x.shape, ids.shape[1], gate_up.shape[0], down.shape[1]
         fn = lib.metrale_routed_experts_bf16 if gate_up.dtype == torch.bfloat16 else lib.metrale_routed_experts
+        gate_up, down = pack_panels(gate_up), pack_panels(down)
         fn(*(P(t.data_ptr()) for t in (x, ids, weights, gate_up, down, out)),
            *(ctypes.c_int64(v) for v in (n, k, e, h, i)))
         return out
     return run
+
+
+def _math(x, ids, weights, gate_up, down):
+    """The op's math on gate_up [E, H, 2I] and down [E, I, H] (it takes them in panels)."""
+    return cpu_moe.routed_math(x, ids, weights, pack_panels(gate_up), pack_panels(down))
 
 
 def _layer(e=8, h=128, i=64, seed=0):
@@ -53,7 +61,7 @@ def test_the_kernel_computes_the_ops_math(kernel, n, k, skewed):
     gate_up, down = _layer()
     x = torch.randn(n, 128, generator=torch.Generator().manual_seed(n))
     w, ids = _routing(n, 8, k, seed=n, skewed=skewed)
-    ref = cpu_moe.routed_math(x.double(), ids, w.double(), gate_up.double(), down.double())
+    ref = _math(x.double(), ids, w.double(), gate_up.double(), down.double())
     # float32 sums of 128 and 64 products against float64: a few units in the 6th digit
     torch.testing.assert_close(kernel(x, ids, w, gate_up, down).double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -70,7 +78,7 @@ def test_the_ops_math_is_the_moe_layers(kernel):
     w, ids = _routing(6, 8, 2, seed=1)
     stacked = SimpleNamespace(experts_gate_up=gate_up.transpose(1, 2).reshape(-1, 128), experts_down=down)
     layer = MoE._gathered_experts(stacked, x, w, ids)
-    torch.testing.assert_close(cpu_moe.routed_math(x, ids, w, gate_up, down), layer, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_math(x, ids, w, gate_up, down), layer, rtol=1e-5, atol=1e-6)
 
 
 def test_a_rows_bits_do_not_depend_on_the_other_rows(kernel):
@@ -97,7 +105,7 @@ def test_every_tile_shape_gives_a_row_the_same_bits(kernel, h, i):
     for k in (1, 2, 3):
         w, ids = _routing(9, 3, k, seed=k)
         alone = torch.cat([kernel(x[r:r + 1], ids[r:r + 1], w[r:r + 1], gate_up, down) for r in range(9)])
-        ref = cpu_moe.routed_math(x.double(), ids, w.double(), gate_up.double(), down.double())
+        ref = _math(x.double(), ids, w.double(), gate_up.double(), down.double())
         torch.testing.assert_close(alone.double(), ref, rtol=1e-5, atol=1e-5)
         for n in range(2, 10):
             assert torch.equal(kernel(x[:n], ids[:n].contiguous(), w[:n].contiguous(), gate_up, down), alone[:n])
@@ -114,7 +122,7 @@ def test_bfloat16_experts_give_the_float32_kernels_bits(kernel, h, i):
         w, ids = _routing(n, 5, 2, seed=n, skewed=skewed)
         narrow = kernel(x[:n], ids, w, gate_up, down)
         assert torch.equal(narrow, kernel(x[:n], ids, w, gate_up.float(), down.float()))
-        torch.testing.assert_close(narrow, cpu_moe.routed_math(x[:n], ids, w, gate_up, down), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(narrow, _math(x[:n], ids, w, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
 def test_experts_are_held_narrow_only_when_that_is_exact():

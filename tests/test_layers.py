@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from metrale.plugins.cpu_kernels import unpack_panels
 from metrale.runtime.models.configs import DecoderConfig
 from metrale.runtime.models.layers import MoE, RMSNorm, apply_rope, rms_normalize, rope_cos_sin
 
@@ -129,10 +130,9 @@ def test_the_routed_kernels_experts_are_held_as_bfloat16_exactly_when_they_are_b
                 p.copy_(p.to(torch.bfloat16).float())
         moe.pack()
     moe.use_routed_kernel()
-    kept = getattr(moe, moe._kernel_down)
     want = torch.bfloat16 if widened else torch.float32
-    assert moe.experts_gate_up_t.dtype == kept.dtype == want
-    assert torch.equal(kept.float(), moe.experts_down)
+    assert moe.experts_gate_up_panels.dtype == moe.experts_down_panels.dtype == want
+    assert torch.equal(unpack_panels(moe.experts_down_panels).float(), moe.experts_down)
     x = torch.randn(5, CFG.hidden_size)
     with torch.inference_mode():
         weights, ids = moe.route(x)

@@ -209,6 +209,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, zero_centred_norm)
         self.register_buffer("qkv_weight", None, persistent=False)  # [(nh+2nkv)·hd, H], see pack()
         self.register_buffer("qk_norm_weight", None, persistent=False)  # [nh+nkv, hd]
+        self.qkv_kernel: nn.Module | None = None  # the fused projection through the CPU kernel
 
     def pack(self) -> None:
         """Fuse q/k/v into one GEMM for inference (plain float weights only; quantized
@@ -220,6 +221,16 @@ class Attention(nn.Module):
             # q and k heads normed in one op: each head's multiplier, (1 + w) when zero-centred
             mult = [n.weight.detach() + (1.0 if n.zero_centred else 0.0) for n in (self.q_norm, self.k_norm)]
             self.qk_norm_weight = torch.cat([mult[0].expand(self.nh, -1), mult[1].expand(self.nkv, -1)])
+
+    def use_linear_kernel(self) -> None:
+        """Run a compiled step's fused q/k/v projection through the CPU kernel
+        (`plugins.cpu_linear`), its weight held in the kernel's panels (after `pack`)."""
+        from metrale.plugins.cpu_linear import KernelLinear
+
+        self.qkv_kernel = KernelLinear(self.qkv_weight)
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.qkv_weight) if self.qkv_kernel is None else self.qkv_kernel(x)
 
     def project_q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         b, t, _ = x.shape
@@ -238,7 +249,7 @@ class Attention(nn.Module):
         one GEMM when `pack` fused the projections."""
         b, t, _ = x.shape
         if self.qkv_weight is not None and x.dtype == torch.float32:
-            qk, v = F.linear(x, self.qkv_weight).split_with_sizes(
+            qk, v = self._qkv(x).split_with_sizes(
                 [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
             qk = qk.view(b, t, self.nh + self.nkv, self.hd)  # q heads, then k heads
             qk = rms_normalize(qk, self.q_norm.eps) * self.qk_norm_weight
@@ -246,7 +257,7 @@ class Attention(nn.Module):
             q, k = qk.split_with_sizes([self.nh, self.nkv], dim=1)
             return q, k, v.view(b, t, self.nkv, self.hd).transpose(1, 2)
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split(
+            q, k, v = self._qkv(x).split(
                 [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
             q = apply_rope(self.q_norm(q.view(b, t, self.nh, self.hd)).transpose(1, 2), cos, sin)
         else:
@@ -403,25 +414,24 @@ class MoE(nn.Module):
 
     def use_routed_kernel(self) -> None:
         """Run a compiled step's routed experts through the CPU kernel (`plugins.cpu_moe`), its
-        gate/up weights held laid out [E, H, 2I] (a buffer, so the step's constant: computed in
-        the graph, the transposed copy would be made again at every call). Float32 experts whose
-        every weight is a bfloat16 value (a bfloat16 checkpoint's, widened) are held as bfloat16:
-        the kernel widens them back exactly, and a step streams half their bytes."""
+        gate/up [E, H, 2I] and down [E, I, H] weights held in the kernel's panels (buffers, so
+        the step's constants: computed in the graph, the copies would be made again at every
+        call). Float32 experts whose every weight is a bfloat16 value (a bfloat16 checkpoint's,
+        widened) are held as bfloat16: the kernel widens them back exactly, and a step streams
+        half their bytes."""
         from metrale.plugins import cpu_moe
+        from metrale.plugins.cpu_kernels import pack_panels
 
         e, inter, hidden = self.experts_down.shape
-        gate_up = self.experts_gate_up.view(e, 2 * inter, hidden).transpose(1, 2).contiguous()
+        gate_up = self.experts_gate_up.view(e, 2 * inter, hidden).transpose(1, 2)
         gate_up, down = cpu_moe.narrowed(gate_up, self.experts_down)
-        self.register_buffer("experts_gate_up_t", gate_up, persistent=False)
-        self._kernel_down = "experts_down"
-        if down is not self.experts_down:
-            self.register_buffer("experts_down_narrow", down, persistent=False)
-            self._kernel_down = "experts_down_narrow"
+        self.register_buffer("experts_gate_up_panels", pack_panels(gate_up), persistent=False)
+        self.register_buffer("experts_down_panels", pack_panels(down), persistent=False)
         self.routed_kernel = True
 
     def _kernel_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.metrale.routed_experts(x.contiguous(), ids.contiguous(), weights.contiguous(),
-                                                self.experts_gate_up_t, getattr(self, self._kernel_down))
+                                                self.experts_gate_up_panels, self.experts_down_panels)
 
     def dequantize_experts(self) -> None:
         """Hold NVFP4 experts as stacked float weights (`pack`'s layout, from the grouped op's
