@@ -155,3 +155,15 @@ def test_merge_of_different_depths():
     a.merge(b)
     assert a.accepted_at == [2, 1, 1, 0] and a.tested_at == [2, 1, 1, 1]
     assert a.acceptance_per_position() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_a_plain_steps_record_is_a_general_steps_without_drafts():
+    fast, general = SpecMetrics(), SpecMetrics()
+    general.record_step(proposed=2, verified=2, accepted=1, emitted=2, verify_rows=3, draft_s=0.1, verify_s=0.2)
+    fast.record_step(proposed=2, verified=2, accepted=1, emitted=2, verify_rows=3, draft_s=0.1, verify_s=0.2)
+    for _ in range(3):
+        fast.record_plain_step(draft_s=0.01, verify_s=0.02)
+        general.record_step(proposed=0, verified=0, accepted=0, emitted=1, verify_rows=1, draft_s=0.01, verify_s=0.02)
+    assert fast == general
+    with pytest.raises(ValueError, match="negative"):
+        fast.record_plain_step(draft_s=-1.0, verify_s=0.0)

@@ -75,11 +75,14 @@ class Proposer(Protocol):
         [rows] are the tokens that followed them (accepted drafts, then the new pending)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepTrace:
     drafted: int
     accepted: int
     emitted: int
+
+
+PLAIN_STEP = StepTrace(drafted=0, accepted=0, emitted=1)  # every step without drafts: one shared record
 
 
 @dataclass
@@ -271,19 +274,19 @@ class Decoder:
     def _plain_step(self, pending: int, cache, t0: float, result: DecodeResult, following: bool):
         """A greedy step without drafts: `_step`'s outcome with k = 0 (one row, the argmax
         emitted, the same metrics), without a verify's bookkeeping (the step a busy batch's
-        sequences all take)."""
+        sequences all take). Its row carries the proposer's taps only when the proposer follows
+        (`_taps`: a proposer that drafts or follows is one that has not retired)."""
         t1 = time.perf_counter()
         base = cache.length
-        out = yield Forward([pending], cache, self._taps(), device=self.device)
+        out = yield Forward([pending], cache, self.proposer.taps if following else (), device=self.device)
         emitted_ids = greedy_ids(out)[:1]
         cache.length = base + 1
-        t2 = time.perf_counter()
+        t2 = t3 = time.perf_counter()
         if following:
             self.proposer.follow(out, emitted_ids)
-        t3 = time.perf_counter()
-        result.metrics.record_step(proposed=0, verified=0, accepted=0, emitted=1, verify_rows=1,
-                                   draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
-        result.steps.append(StepTrace(drafted=0, accepted=0, emitted=1))
+            t3 = time.perf_counter()
+        result.metrics.record_plain_step(draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
+        result.steps.append(PLAIN_STEP)
         return emitted_ids
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:

@@ -81,6 +81,17 @@ class SpecMetrics:
         self.draft_s += draft_s
         self.verify_s += verify_s
 
+    def record_plain_step(self, draft_s: float, verify_s: float) -> None:
+        """`record_step` of a step without drafts (one row verified, its token emitted): the
+        step every sequence of a busy batch takes, so it skips the general bookkeeping."""
+        if not (draft_s >= 0.0 and verify_s >= 0.0):
+            raise ValueError(f"negative draft_s {draft_s} or verify_s {verify_s}")
+        self.steps += 1
+        self.tokens_emitted += 1
+        self.verify_rows += 1
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
     def _grow(self, positions: int) -> None:
         while len(self.tested_at) < positions:
             self.tested_at.append(0)
