@@ -11,9 +11,9 @@ head, the row count: one package where fixed row counts took four, as fast per c
 with no padding rows), and compiled with `torch._inductor.aoti_compile_and_package`:
 inductor `freezing` (weights are constants, so its CPU code is specialised to them) and
 max-autotune with its C++ micro-GEMM templates for the projections; on an x86 machine with
-AVX-512 or AVX2 (float32) the target's and the head's routed experts and every batched step's
-attention are metrale's own kernels (`plugins.cpu_moe`, `plugins.cpu_attention`), linked into
-the package. Packages compile in parallel worker processes,
+AVX-512 or AVX2 (float32) the target's and the head's routed experts and projections and every
+batched step's attention are metrale's own kernels (`plugins.cpu_moe`, `plugins.cpu_linear`,
+`plugins.cpu_attention`), linked into the package. Packages compile in parallel worker processes,
 one thread each.
 
 After compiling, the build checks what the runtime relies on, on random prompts: each row of
@@ -240,8 +240,8 @@ def _compile_one(root: str, job: Job, kinds: dict[str, ComponentEntry], taps: tu
     step, args, dyn = step_and_example(job, staged, taps, slots)
     configs = dict(INDUCTOR[job.linear])
     moe = uses_moe_kernel(job, step, dtype)
-    head = uses_linear_kernel(job, step, dtype)
-    if uses_attention_kernel(step, dtype) or moe or head:
+    projections = uses_linear_kernel(job, step, dtype)
+    if uses_attention_kernel(step, dtype) or moe or projections:
         configs.update(cpu_kernels.inductor_configs(cache_dir() / "kernels"))
     with torch.inference_mode():
         ep = torch.export.export(step, args, dynamic_shapes=dyn)
