@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from metrale.builder.cpu_check import check_packages, load_packed
-from metrale.plugins import cpu_attention, cpu_kernels, cpu_linear, cpu_moe
+from metrale.plugins import cpu_attention, cpu_kernels, cpu_linear, cpu_moe, cpu_panels
 from metrale.plugins.dynamic_conv import inductor_decompositions
 from metrale.runtime.artifact.entries import ComponentEntry, CpuPackages
 from metrale.runtime.components import Role, kind_named, kind_of
@@ -109,7 +109,7 @@ def _sources_digest() -> str:
     import metrale.runtime.models.step_caches as caches
 
     h = hashlib.sha256()
-    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv, cpu_moe, cpu_linear, cpu_attention, cpu_kernels):
+    for mod in (steps, caches, layers, qwen3, mtp, dflash, conv, cpu_moe, cpu_linear, cpu_panels, cpu_attention, cpu_kernels):
         h.update(Path(mod.__file__).read_bytes())
     h.update(cpu_kernels.digest().encode())
     h.update(Path(__file__).read_bytes())

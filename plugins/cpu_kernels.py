@@ -2,7 +2,7 @@
 links into a package: `cpu_moe.cpp` (`metrale::routed_experts`), `cpu_linear.cpp`
 (`metrale::linear_rows`) and `cpu_attention.cpp` (`metrale::pooled_attention`), with the vector
 helpers they share (`cpu_simd.h`) and the register tiles of the first two (`cpu_tiles.h`, which
-read weights held in panels: `pack_panels`).
+read weights held in panels: `cpu_panels`).
 
 `static_library()` compiles every source (each with its C shim, `aoti_torch_cpu_<op>`) into
 lib<LIBRARY>.a, cached by the sources, compiler, flags and torch version; `inductor_configs()`
@@ -27,7 +27,6 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_moe.cpp", HERE / "cpu_linear.cpp", HERE / "cpu_attention.cpp")
 HEADERS = (HERE / "cpu_simd.h", HERE / "cpu_tiles.h")
-PANEL = 16  # columns a panel of a kernel's weight matrix (`cpu_tiles.h`)
 LIBRARY = "metrale_cpu_kernels"  # lib<LIBRARY>.a
 # the compiler's flags for each CPU capability torch reports that the kernels take
 ISA_FLAGS = {
@@ -41,22 +40,6 @@ FLAGS = ISA_FLAGS.get(ISA, [])  # this machine's (none: the kernels are not avai
 def available(dtype: torch.dtype) -> bool:
     """Whether packages of `dtype` can use the kernels on this machine."""
     return dtype == torch.float32 and ISA in ISA_FLAGS
-
-
-def pack_panels(b: torch.Tensor) -> torch.Tensor:
-    """A weight matrix B [..., K, C] (C a multiple of PANEL) in panels, [..., C/PANEL, K, PANEL]:
-    each group of PANEL columns with its K rows one after another, the layout the kernels' tiles
-    read (`cpu_tiles.h`)."""
-    *lead, k, c = b.shape
-    if c % PANEL:
-        raise ValueError(f"{c} columns: the kernels take whole panels of {PANEL}")
-    return b.reshape(*lead, k, c // PANEL, PANEL).transpose(-3, -2).contiguous()
-
-
-def unpack_panels(p: torch.Tensor) -> torch.Tensor:
-    """`pack_panels`'s inverse: [..., C/PANEL, K, PANEL] -> B [..., K, C]."""
-    *lead, groups, k, width = p.shape
-    return p.transpose(-3, -2).reshape(*lead, k, groups * width)
 
 
 def digest() -> str:

@@ -3,7 +3,7 @@ with a C++ kernel that the CPU packages (AOTInductor) call directly: the LM head
 q/k/v projections, the attention outputs and the MTP head's input projection of the target and
 MTP steps (`KernelLinear`, swapped in by the build: `cpu_build.uses_linear_kernel`).
 
-B is held in panels of 16 columns, [C/16, K, 16] (`cpu_kernels.pack_panels`), float32 or, when
+B is held in panels of 16 columns, [C/16, K, 16] (`cpu_panels.pack_panels`), float32 or, when
 every value is a bfloat16 one (a bfloat16 checkpoint's, widened: the tiny target's), bfloat16,
 widened exactly as the kernel loads it (`held`). Eagerly the op is its math in torch ops
 (`linear_math`); in a package it is `cpu_linear.cpp`: register tiles of up to six rows by 16
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.plugins.cpu_kernels import PANEL, pack_panels, unpack_panels
+from metrale.plugins.cpu_panels import PANEL, pack_panels, unpack_panels
 
 OP_NAME = "metrale::linear_rows"
 SHIM = ("AOTITorchError aoti_torch_cpu_linear_rows(AtenTensorHandle x, AtenTensorHandle weight, "

@@ -4,7 +4,7 @@ CPU packages (AOTInductor) call directly.
     y [N, H] = sum_j weights[:, j] * D_e (silu(g) * u),  [g; u] = GU_e x,  e = ids[:, j]
 
 with gate_up [E, H, 2I] (gate columns [0, I), up [I, 2I)) and down [E, I, H], each expert's matrix
-held in the kernels' panels of 16 columns (`cpu_kernels.pack_panels`: [E, 2I/16, H, 16] and
+held in the kernels' panels of 16 columns (`cpu_panels.pack_panels`: [E, 2I/16, H, 16] and
 [E, H/16, I, 16]), so a tile reads its weights from contiguous memory. Eagerly the op is
 its math in torch ops (`routed_math`); in a package it is `cpu_moe.cpp`: the (row, slot) pairs
 grouped by expert, each expert's weights read once per call for all of its pairs, up to eight
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.plugins.cpu_kernels import unpack_panels
+from metrale.plugins.cpu_panels import unpack_panels
 
 OP_NAME = "metrale::routed_experts"
 SHIM = ("AOTITorchError aoti_torch_cpu_routed_experts(AtenTensorHandle x, AtenTensorHandle ids, "

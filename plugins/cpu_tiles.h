@@ -3,7 +3,7 @@
 // of fused multiply-adds over k, from zero.
 //
 // Panels: B's columns in groups of PANEL, each group's K rows stored one after another, so
-// element (k, c) lies at ((c / PANEL) * K + k) * PANEL + c % PANEL (`cpu_kernels.pack_panels`).
+// element (k, c) lies at ((c / PANEL) * K + k) * PANEL + c % PANEL (`cpu_panels.pack_panels`).
 // A tile walks k through contiguous memory. In B's own row-major layout it walked with a
 // stride of C values, and for the tiny target's C (128, 256, 2048) every row of a tile's
 // columns fell into the same few L1 sets, so each step of k missed L1. Measured with AVX2 on

@@ -1,5 +1,5 @@
 """The CPU kernel of a step's projections (`plugins.cpu_linear`) and the panels its tiles read
-(`cpu_kernels.pack_panels`): against its math in torch ops, row by row bit-identical whatever
+(`cpu_panels.pack_panels`): against its math in torch ops, row by row bit-identical whatever
 the other rows of the call, and what the tiny engine's packages call in place of inductor's
 GEMM for their projections."""
 
@@ -13,7 +13,7 @@ import torch
 
 from conftest import NEEDS_CPU_KERNELS
 from metrale.plugins import cpu_linear
-from metrale.plugins.cpu_kernels import PANEL, pack_panels, unpack_panels
+from metrale.plugins.cpu_panels import PANEL, pack_panels, unpack_panels
 
 P = ctypes.c_void_p
 

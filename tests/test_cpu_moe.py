@@ -12,7 +12,7 @@ import torch
 
 from conftest import NEEDS_CPU_KERNELS
 from metrale.plugins import cpu_moe
-from metrale.plugins.cpu_kernels import pack_panels
+from metrale.plugins.cpu_panels import pack_panels
 
 pytestmark = NEEDS_CPU_KERNELS
 P = ctypes.c_void_p

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from metrale.plugins.cpu_kernels import unpack_panels
+from metrale.plugins.cpu_panels import unpack_panels
 from metrale.runtime.models.configs import DecoderConfig
 from metrale.runtime.models.layers import MoE, RMSNorm, apply_rope, rms_normalize, rope_cos_sin
 

@@ -420,7 +420,7 @@ class MoE(nn.Module):
         widened) are held as bfloat16: the kernel widens them back exactly, and a step streams
         half their bytes."""
         from metrale.plugins import cpu_moe
-        from metrale.plugins.cpu_kernels import pack_panels
+        from metrale.plugins.cpu_panels import pack_panels
 
         e, inter, hidden = self.experts_down.shape
         gate_up = self.experts_gate_up.view(e, 2 * inter, hidden).transpose(1, 2)
