@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.plugins.cpu_panels import PANEL, pack_panels, unpack_panels
+from metrale.plugins.cpu_panels import PANEL, bfloat16_exact, pack_panels, unpack_panels
 
 OP_NAME = "metrale::linear_rows"
 SHIM = ("AOTITorchError aoti_torch_cpu_linear_rows(AtenTensorHandle x, AtenTensorHandle weight, "
@@ -49,7 +49,7 @@ def held(linear_weight: torch.Tensor) -> torch.Tensor:
     as bfloat16 when it is float32 and every value is a bfloat16 one (widening is then exact:
     the same bits out), else as it is."""
     b = linear_weight.detach().t()
-    if b.dtype == torch.float32 and torch.equal(b.to(torch.bfloat16).float(), b):
+    if bfloat16_exact(b):
         b = b.to(torch.bfloat16)
     return pack_panels(b)
 

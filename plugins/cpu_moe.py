@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.plugins.cpu_panels import unpack_panels
+from metrale.plugins.cpu_panels import bfloat16_exact, unpack_panels
 
 OP_NAME = "metrale::routed_experts"
 SHIM = ("AOTITorchError aoti_torch_cpu_routed_experts(AtenTensorHandle x, AtenTensorHandle ids, "
@@ -73,10 +73,7 @@ def narrowed(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, t
     """The expert weights as the kernel should hold them: as bfloat16 when both are float32 and
     every value is a bfloat16 one (widening them back is then exact: the same bits out), else
     as they are."""
-    def exact(t: torch.Tensor) -> bool:
-        return t.dtype == torch.float32 and torch.equal(t.to(torch.bfloat16).float(), t)
-
-    if exact(gate_up) and exact(down):
+    if bfloat16_exact(gate_up) and bfloat16_exact(down):
         return gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
     return gate_up, down
 

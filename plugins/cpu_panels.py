@@ -22,3 +22,9 @@ def unpack_panels(p: torch.Tensor) -> torch.Tensor:
     """`pack_panels`'s inverse: [..., C/PANEL, K, PANEL] -> B [..., K, C]."""
     *lead, groups, k, width = p.shape
     return p.transpose(-3, -2).reshape(*lead, k, groups * width)
+
+
+def bfloat16_exact(t: torch.Tensor) -> bool:
+    """Whether `t` is float32 and every value is a bfloat16 one: held as bfloat16 and widened
+    back as the kernels load it, it gives the same bits."""
+    return t.dtype == torch.float32 and torch.equal(t.to(torch.bfloat16).float(), t)
