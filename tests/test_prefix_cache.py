@@ -13,7 +13,7 @@ from metrale.runtime.backends.prefix_cache import BLOCK, PrefixCache
 
 def _keep(cache: PrefixCache, tokens):
     n = len(tokens)
-    cache.keep(tuple(tokens), [torch.zeros(2, 4, n), torch.zeros(n, 2, 4)], torch.zeros(n, 3), None,
+    cache.keep(tuple(tokens), torch.zeros(1, 2, 4, n), torch.zeros(1, n, 2, 4), torch.zeros(n, 3), None,
                torch.zeros(1, 5), [0])
 
 

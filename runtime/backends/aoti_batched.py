@@ -171,7 +171,7 @@ class BatchedTarget(TargetFace):
 
     def _keep(self, f, hidden, taps, logits, argmax) -> None:
         """A whole prompt's rows into the prefix cache, with its K/V as its cache now holds them."""
-        self.prefix_cache.keep(tuple(f.token_ids()), f.cache.prefix(f.rows), hidden, taps, logits, argmax)
+        self.prefix_cache.keep(tuple(f.token_ids()), *f.cache.read_prefix(f.rows), hidden, taps, logits, argmax)
 
     def _lookups(self, forwards) -> dict:
         """The prefix-cache hits of the prompts among `forwards` (their index -> `Hit`)."""
@@ -188,10 +188,7 @@ class BatchedTarget(TargetFace):
     @staticmethod
     def _reuse(hit, cache: PooledCache) -> None:
         """The hit's positions' K/V into `cache` (its length then the positions reused)."""
-        n = hit.reused
-        for j, (mine, kept) in enumerate(zip(cache.prefix(n), hit.entry.kv)):
-            mine.copy_(kept[..., :n] if j % 2 == 0 else kept[:n])
-        cache.length = n
+        cache.write_prefix(hit.entry.k, hit.entry.v, hit.reused)
 
     def _reused(self, hit, ran, f) -> TargetOutput:
         """A prompt's output from the kept positions it reused, then the rows it ran (if any);

@@ -1,7 +1,10 @@
 """The pooled caches of the `aoti` backend's batched steps (`aoti_batched`): per slot count S one
 pool holding, per layer, K [B, nkv, hd, S] (slot-minor, as the steps' attention reads it) and V
 [B, S, nkv, hd] for up to B sequences, doubling B when full; a `PooledCache` is one sequence's
-place in its pool, given back when the cache is freed."""
+place in its pool, given back when the cache is freed. Every layer's keys are one tensor
+[L, B, nkv, hd, S] and every layer's values another (the layers' tensors are their views), so a
+sequence's positions of all layers move in one copy (`PooledCache.read_prefix`,
+`write_prefix`: a prompt's kept K/V, `prefix_cache`)."""
 
 from __future__ import annotations
 
@@ -19,14 +22,18 @@ class KVPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype, device,
                  capacity: int = FIRST_CAPACITY):
         self.slots = slots
-        keys, values = (capacity, kv_heads, head_dim, slots), (capacity, slots, kv_heads, head_dim)
-        self.kv = [torch.zeros(shape, dtype=dtype, device=device)
-                   for _ in range(layers) for shape in (keys, values)]
+        self._hold(torch.zeros(layers, capacity, kv_heads, head_dim, slots, dtype=dtype, device=device),
+                   torch.zeros(layers, capacity, slots, kv_heads, head_dim, dtype=dtype, device=device))
         self.free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest index first
+
+    def _hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys [L, B, nkv, hd, S] and values [L, B, S, nkv, hd]; `kv`: per layer K then V."""
+        self.keys, self.values = keys, values
+        self.kv = [t for layer in zip(keys, values) for t in layer]
 
     @property
     def capacity(self) -> int:
-        return self.kv[0].shape[0]
+        return self.keys.shape[1]
 
     @property
     def in_use(self) -> int:
@@ -36,11 +43,11 @@ class KVPool:
         if not self.free:
             old = self.capacity
             grown = []
-            for t in self.kv:
-                g = t.new_zeros(2 * old, *t.shape[1:])
-                g[:old].copy_(t)
+            for t in (self.keys, self.values):
+                g = t.new_zeros(t.shape[0], 2 * old, *t.shape[2:])
+                g[:, :old].copy_(t)
                 grown.append(g)
-            self.kv = grown
+            self._hold(*grown)
             self.free = list(range(2 * old - 1, old - 1, -1))
         return self.free.pop()
 
@@ -67,10 +74,18 @@ class PooledCache:
         grows)."""
         return [t[self.index] for t in self.pool.kv]
 
-    def prefix(self, n: int) -> list[torch.Tensor]:
-        """Per layer its K [nkv, hd, n] and V [n, nkv, hd] of positions 0..n-1 (views)."""
-        return [t[self.index][..., :n] if j % 2 == 0 else t[self.index][:n]
-                for j, t in enumerate(self.pool.kv)]
+    def read_prefix(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its positions 0..n-1 of every layer: K [L, nkv, hd, n] and V [L, n, nkv, hd] (views)."""
+        i = self.index
+        return self.pool.keys[:, i, :, :, :n], self.pool.values[:, i, :n]
+
+    def write_prefix(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        """Positions 0..n-1 of every layer from K [L, nkv, hd, ≥n] and V [L, ≥n, nkv, hd]; its
+        length then n."""
+        mine_k, mine_v = self.read_prefix(n)
+        mine_k.copy_(keys[..., :n])
+        mine_v.copy_(values[:, :n])
+        self.length = n
 
     @property
     def device(self) -> torch.device:

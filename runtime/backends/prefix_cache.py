@@ -28,7 +28,8 @@ BLOCK = 16  # positions reused in whole blocks of this many tokens
 @dataclass
 class _Entry:
     tokens: tuple[int, ...]
-    kv: list[torch.Tensor]  # per layer K [nkv, hd, n], V [n, nkv, hd]
+    k: torch.Tensor  # every layer's K [L, nkv, hd, n]
+    v: torch.Tensor  # and V [L, n, nkv, hd]
     last_hidden: torch.Tensor  # [n, H]
     taps: torch.Tensor | None  # [n, n_taps·H]: every tap the package computes
     logits: torch.Tensor  # [1, V], the last row's
@@ -95,12 +96,13 @@ class PrefixCache:
         self.reused += reused
         return Hit(found, reused)
 
-    def keep(self, tokens: tuple[int, ...], kv, last_hidden, taps, logits, argmax) -> None:
-        """Keep a prompt's rows (copied: the caller's tensors are the live cache's views)."""
+    def keep(self, tokens: tuple[int, ...], k, v, last_hidden, taps, logits, argmax) -> None:
+        """Keep a prompt's rows: every layer's K `k` [L, nkv, hd, n] and V `v` [L, n, nkv, hd],
+        its rows' outputs (copied: the caller's tensors are the live cache's views)."""
         n = len(tokens)
         if tokens in self.entries or n > self.capacity:
             return
-        entry = _Entry(tokens, [t.clone() for t in kv], last_hidden.clone(),
+        entry = _Entry(tokens, k.clone(), v.clone(), last_hidden.clone(),
                        None if taps is None else taps.clone(), logits.clone(), list(argmax))
         entry.keys = _chain(tokens)
         for key in entry.keys:  # the latest prompt through a block answers for it

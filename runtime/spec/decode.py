@@ -185,10 +185,9 @@ class Decoder:
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
         vocab = self.target.config.vocab_size
-        if not all(0 <= t < vocab for t in prompt_ids):  # compiled steps index without checks
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # compiled steps index without checks
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         device = self.device
-        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, P]
         budget = min(params.max_tokens, self.max_context - len(prompt_ids))
         if budget < 1:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
@@ -197,13 +196,15 @@ class Decoder:
         gen = generator_for(params, device)
         result = DecodeResult([], 0.0, 0.0, "length")
         self.last_result = result
-        out = yield Forward(prompt, cache, self._taps(), last_logits=True)
+        # the prompt's ids as a list: a prompt the prefix cache holds whole never becomes a tensor
+        prompt = Forward(list(prompt_ids), cache, self._taps(), last_logits=True, device=device)
+        out = yield prompt
         pending = greedy_ids(out)[-1] if params.greedy else int(sample(out.logits[0, -1], params, gen))
         if self.proposer is not None:
             # the drafter's caches hold this request's positions and a chain or block past them
             if hasattr(self.proposer, "max_len"):
                 self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
-            self.proposer.prefill(prompt, out, pending)
+            self.proposer.prefill(prompt.ids, out, pending)  # ids [1, P]
         result.prefill_s = time.perf_counter() - t0
         emitted_total = 0
         next_tokens = [pending]
