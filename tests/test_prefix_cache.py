@@ -97,6 +97,20 @@ def test_reused_prefixes_give_the_bits_of_a_full_prefill(target, together):
     assert all(torch.equal(x, y) for w, g in zip(want_kv, got_kv) for x, y in zip(w, g))
 
 
+def test_a_forward_counts_the_rows_the_prefix_cache_served(target):
+    """`Forward.served`: a prompt's positions that came from the cache (none when nothing was
+    kept, all of a prompt kept whole, whole blocks of one sharing a prefix)."""
+    from metrale.runtime.backends import Forward
+
+    a, shares, same = _prompts(target.config.vocab_size)[:3]
+    target.prefix_cache = PrefixCache(4096)
+    with torch.inference_mode():
+        forwards = [Forward(p, target.new_cache(1, 80), (), last_logits=True) for p in (a, same, shares)]
+        target.forward_many(forwards[:1])
+        target.forward_many(forwards[1:])
+    assert [f.served for f in forwards] == [0, 45, 2 * BLOCK]
+
+
 def test_a_failed_forward_leaves_a_hit_prompts_cache_empty(target, monkeypatch):
     from metrale.runtime.backends import Forward
 
@@ -149,3 +163,8 @@ def test_serve_reports_prefix_cache_hits(aoti_engine_dir, tiny_prompts):
                                     if x.startswith(f"metrale_prefix_cache_{name} ")).split()[1])
     assert value("hits_total") >= BLOCK + len(tok.encode(texts[1])) and value("queries_total") > value("hits_total")
     assert value("tokens") > 0
+    metric = lambda name: float(next(x for x in metrics.splitlines()  # noqa: E731
+                                     if x.startswith(f"metrale_{name} ")).split()[1])
+    # the rows run: the prompts' positions the cache did not hold, then every step's verify rows
+    assert metric("scheduler_batched_rows_total") == (
+        value("queries_total") - value("hits_total") + metric("spec_decode_verify_rows_total"))

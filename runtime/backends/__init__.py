@@ -33,9 +33,11 @@ class Forward:
     prompt): a batched forward then computes no others and gives logits [1, 1, V].
 
     `ids` may be given as a list of token ids (the decode loop's steps: a batched forward
-    builds one tensor for all its rows); `ids` is then made, on `device`, when first read."""
+    builds one tensor for all its rows); `ids` is then made, on `device`, when first read.
+    `served`: of its rows, those a backend answered without running them (a prompt's positions
+    its prefix cache held), set by the backend."""
 
-    __slots__ = ("_ids", "tokens", "cache", "taps", "last_logits", "device", "rows")
+    __slots__ = ("_ids", "tokens", "cache", "taps", "last_logits", "device", "rows", "served")
 
     def __init__(self, ids: torch.Tensor | list[int], cache, taps: tuple[int, ...] = (),
                  last_logits: bool = False, device: torch.device | str = "cpu"):
@@ -43,6 +45,7 @@ class Forward:
         self.cache, self.taps, self.last_logits, self.device = cache, taps, last_logits, device
         # read several times per forward by a batched step's planning: counted once
         self.rows = len(self.tokens) if self.tokens is not None else ids.shape[1]
+        self.served = 0
 
     @property
     def ids(self) -> torch.Tensor:

@@ -140,6 +140,7 @@ class BatchedTarget(TargetFace):
         try:
             for i, hit in hits.items():
                 self._reuse(hit, forwards[i].cache)
+                forwards[i].served = hit.reused
             plans = [self._plan([runs[i] for i in p]) for p in parts]
             done = self.lanes.map(_call_all, plans)  # the package calls only, a part per lane
         finally:

@@ -256,7 +256,7 @@ class Scheduler:
             outs = None
         self.forward_seconds += time.perf_counter() - t0
         if outs is not None:
-            target = [f.rows for f in forwards if isinstance(f, Forward)]
+            target = [f.rows - f.served for f in forwards if isinstance(f, Forward)]
             head = [f.rows for f in forwards if isinstance(f, HeadForward)]
             self.forwards += bool(target)
             self.batched_rows += sum(target)
@@ -316,7 +316,8 @@ class Scheduler:
                 ("batched_forwards_total", "counter", self.forwards,
                  "Target forwards run for the whole batch at once."),
                 ("batched_rows_total", "counter", self.batched_rows,
-                 "Target rows those forwards ran (rows / forwards: the mean batch in rows)."),
+                 "Target rows those forwards ran (rows / forwards: the mean batch in rows; a "
+                 "prompt's positions the prefix cache held are not run)."),
                 ("head_forwards_total", "counter", self.head_forwards,
                  "MTP head forwards run for every drafting sequence's chain at once."),
                 ("head_rows_total", "counter", self.head_rows,
