@@ -27,7 +27,7 @@ def test_context_waits_for_the_next_propose_and_matches_eager_feeding(tiny_engin
     lazy, eager = _proposer(tiny_engine), _proposer(tiny_engine)
     with torch.inference_mode():
         for p in (lazy, eager):
-            p.prefill(None, _out(feats[:, :6]), pending=5)
+            p.prefill([], _out(feats[:, :6]), pending=5)
         for a, b in ((6, 7), (7, 9), (9, 12)):  # three steps keep 1, 2 and 3 rows
             lazy.accept(_out(feats[:, a:b + 2]), b - a, torch.zeros(b - a, dtype=torch.long))
             eager.drafter.add_context(feats[:, a:b], eager.cache)  # what feeding at once does
@@ -92,7 +92,7 @@ def test_adaptive_k_sets_the_count_only_for_a_stream_that_runs_alone(tiny_engine
     p = _proposer(tiny_engine, adaptive_k=costly)
     width = tiny_engine.drafters["dflash"].config.num_context_features * 128
     with torch.inference_mode():
-        p.prefill(None, _out(torch.randn(1, 6, width)), pending=5)
+        p.prefill([], _out(torch.randn(1, 6, width)), pending=5)
         p.batch_size = 4
         assert p.draft_count() == p.settings.max_drafts
         length = p.cache.length

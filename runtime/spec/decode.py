@@ -60,7 +60,7 @@ ALONE = Batch()
 class Proposer(Protocol):
     taps: tuple[int, ...]  # target layer ids whose outputs the proposer needs
 
-    def prefill(self, prompt: torch.Tensor, out: TargetOutput, pending: int) -> None: ...
+    def prefill(self, prompt_ids: list[int], out: TargetOutput, pending: int) -> None: ...
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
         """-> (drafts [k] int64 to verify, drafts proposed by the drafter). `max_drafts` 0 is a
@@ -108,6 +108,7 @@ class Decoder:
         self.target, self.eos_ids, self.proposer = target, eos_ids, proposer
         self.exact_verify = exact_verify
         self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
+        self._follows = hasattr(proposer, "follow")  # looked up once: steps are hot
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
         self.last_result: DecodeResult | None = None
@@ -204,7 +205,7 @@ class Decoder:
             # the drafter's caches hold this request's positions and a chain or block past them
             if hasattr(self.proposer, "max_len"):
                 self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
-            self.proposer.prefill(prompt.ids, out, pending)  # ids [1, P]
+            self.proposer.prefill(prompt.tokens, out, pending)
         result.prefill_s = time.perf_counter() - t0
         emitted_total = 0
         next_tokens = [pending]
@@ -230,7 +231,7 @@ class Decoder:
         drafting = self._drafting()
         if params.seed is not None and not params.greedy:
             batch = ALONE  # its draws must not depend on the load: it drafts as if alone
-        following = drafting and not batch.speculate and hasattr(self.proposer, "follow")
+        following = drafting and not batch.speculate and self._follows
         if following:  # a busy batch: a plain step; the proposer only keeps the kept row
             drafting = False
         if drafting and room > 1:

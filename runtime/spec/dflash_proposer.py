@@ -44,7 +44,7 @@ class DFlashProposer:
         """The proposer `--dflash` runs (`components`' factory) with its resolved settings."""
         return cls(drafter, embed, settings, max_len)
 
-    def prefill(self, prompt: torch.Tensor, out, pending: int) -> None:
+    def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
         w = self.embed.weight
         self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)
         self.drafter.add_context(out.taps, self.cache)

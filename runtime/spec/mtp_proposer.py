@@ -40,11 +40,11 @@ class MTPProposer:
         self.base = self.cache.length
         self.next_logits, self.next_h = logits[0, -1], h[:, -1:]
 
-    def prefill(self, prompt: torch.Tensor, out, pending: int) -> None:
+    def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
         w = self.embed.weight
         self.cache = self.head.new_cache(1, self.max_len, w.dtype, w.device)
         self.base = 0
-        tokens = [*prompt[0, 1:].tolist(), pending]
+        tokens = [*prompt_ids[1:], pending]
         # (token ids [r], the target output whose first r hidden rows go with them) the head has
         # not seen: the prompt's, until the first chain; ids as lists, made one tensor, and the
         # hidden rows read, when they enter the head (a plain step of a busy batch costs no

@@ -36,8 +36,8 @@ class LeaderDrafts:
     def off(self) -> bool:
         return bool(getattr(self.inner, "off", False))
 
-    def prefill(self, prompt, out, pending: int) -> None:
-        self.inner.prefill(prompt, out, pending)
+    def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
+        self.inner.prefill(prompt_ids, out, pending)
 
     def propose(self, pending: int, max_drafts: int):
         drafts, proposed = self.inner.propose(pending, max_drafts)
@@ -58,7 +58,7 @@ class RelayedDrafts:
         self.world, self.device = world, device
         self.off = False
 
-    def prefill(self, prompt, out, pending: int) -> None:
+    def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
         self.off = False
 
     def propose(self, pending: int, max_drafts: int):
