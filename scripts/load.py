@@ -1,7 +1,7 @@
 """Load `metrale serve` over loopback with the official openai client and report what users see.
 
     python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
-                           [--max-tokens 32] [--modes plain,mtp,dflash] [--rounds 3]
+                           [--max-tokens 32] [--modes plain,mtp,dflash] [--rounds 5]
                            [--max-num-seqs 64] [--server-threads N] [--serve-flags '...']
                            [--temperature T] [--client openai|http] [--engine-only]
                            [--json FILE]
@@ -15,7 +15,9 @@ client threads, each with its own openai client, that each send `--requests` com
 `--temperature` above 0 sampled, each prompt with its own seed, so its answer is still the same
 under any load). Per mode and C it reports aggregate completion tokens/s, median and p99
 latency (medians over the rounds) and lost requests (summed), and whether every answer equals
-the same request's answer at the first level (C = 1 by default: the request alone). Last, per
+the same request's answer at the first level (C = 1 by default: the request alone); for each
+mode but plain, also its tokens/s over plain decoding's in each round and their median (the
+two measured minutes apart at most, where medians taken over separate rounds are not). Last, per
 mode, the latency of a 4-token request sent just after another client's 1,000-token stream
 started (from its own process), against the same request alone.
 
@@ -250,6 +252,13 @@ def short_behind_long(base: str, repeats: int = 5) -> dict:
             "ratio": round(max(behind) / alone, 2)}
 
 
+def _paired(mine: list[dict], plain: list[dict]) -> dict:
+    """A mode's tokens/s over plain decoding's, round by round (the two ran one after the
+    other in each round, so a slow spell of the machine moves both), and their median."""
+    ratios = [round(m["tokens_per_s"] / p["tokens_per_s"], 3) for m, p in zip(mine, plain)]
+    return {"vs_plain_rounds": ratios, "vs_plain": round(statistics.median(ratios), 3)}
+
+
 def _median_row(rows: list[dict]) -> dict:
     """One concurrency level's rounds: the median of each figure, losses summed, every answer
     checked."""
@@ -271,8 +280,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="plain,mtp,dflash")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of every level and mode, interleaved; medians are reported")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of every level and mode, interleaved; medians are reported, and "
+                    "each mode's tokens/s over plain decoding's of the same round")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--serve-flags", default="", help="more flags for every server, e.g. "
                     "'--speculative-disable-by-batch-size 65' (draft at any batch size)")
@@ -324,6 +334,9 @@ def main() -> int:
                     print(f"round {r + 1}", mode, row, flush=True)
         for mode in modes_run:
             out["modes"][mode] = {"levels": [_median_row(rows[mode][c]) for c in levels]}
+            if mode != "plain" and "plain" in rows:
+                for c, row in zip(levels, out["modes"][mode]["levels"]):
+                    row.update(_paired(rows[mode][c], rows["plain"][c]))
             for row in out["modes"][mode]["levels"]:
                 print(mode, row, flush=True)
             if mode in servers:

@@ -132,6 +132,9 @@ def test_load_script_counts_what_its_clients_got(server, tiny_engine, tiny_promp
     row = load._median_row(rounds)
     assert (row["tokens_per_s"], row["lost"], row["rounds"], row["requests"]) == (2.0, 1, 3, 24)
     assert row["equal_to_solo"] and not load._median_row([dict(busy, equal_to_solo=False)])["equal_to_solo"]
+    # paired by round: the median of each round's ratio, not the ratio of the two medians (1.0)
+    plain = [dict(busy, tokens_per_s=t) for t in (1.5, 2.0, 4.0)]
+    assert load._paired(rounds, plain) == {"vs_plain_rounds": [2.0, 0.5, 0.5], "vs_plain": 0.5}
 
 
 def test_load_scripts_http_clients_get_the_openai_clients_answers(server, tiny_engine, tiny_prompts):
