@@ -100,6 +100,20 @@ def test_sampling_with_seed_is_reproducible(tiny_engine, tiny_prompts):
     assert all(0 <= t < tiny_engine.target.config.vocab_size for r in a for t in r.token_ids)
 
 
+@pytest.mark.parametrize("flags", [{}, dict(speculative=True, num_drafts=3)], ids=["plain", "mtp"])
+def test_prompts_outside_the_vocabulary_are_refused(tiny_engine, flags):
+    """The compiled steps index without checks: the decode loop refuses an empty prompt and
+    any id below 0 or past the vocabulary before a forward runs."""
+    vocab = tiny_engine.target.config.vocab_size
+    decoder = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**flags)).decoder()
+    with pytest.raises(ValueError, match="at least one token"):
+        decoder.generate([], GREEDY)
+    for ids in ([5, -1, 7], [5, vocab, 7], [vocab + 100]):
+        with pytest.raises(ValueError, match=rf"prompt token ids must lie in \[0, {vocab}\)"):
+            decoder.generate(ids, GREEDY)
+    assert len(decoder.generate([0, vocab - 1], SamplingParams(temperature=0.0, max_tokens=3)).token_ids) >= 1
+
+
 def test_eos_and_max_tokens_stop(tiny_engine, tiny_prompts):
     r = run(tiny_engine, tiny_prompts[:1], SamplingParams(temperature=0.0, max_tokens=5), speculative=True)[0]
     assert len(r.token_ids) <= 5
