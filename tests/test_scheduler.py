@@ -145,6 +145,88 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
         assert value("draft_blocks_total") > 1.5 * value("draft_forwards_total")
 
 
+def _busy_then_free(gen, prompts: list[list[int]], plain_tokens: int) -> list[list[int]]:
+    """The sequences' decode loops in one busy batch (plain steps, the target rows of all in one
+    batched forward) until each emitted `plain_tokens`, then drafting; -> their tokens."""
+    import torch
+
+    from metrale.runtime.spec.decode import Batch
+
+    batch = Batch(size=len(prompts), speculate=False)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    emitted = [[] for _ in prompts]
+    with torch.inference_mode():
+        loops = [gen.decoder().steps(p, params, batch) for p in prompts]
+        replies, live = [None] * len(prompts), list(range(len(prompts)))
+        while live:
+            needs = {}
+            for i in live:
+                while True:
+                    try:
+                        item = loops[i].send(replies[i])
+                    except StopIteration:
+                        break
+                    replies[i] = None
+                    if not isinstance(item, list):
+                        needs[i] = item
+                        break
+                    emitted[i] += item
+            if min(map(len, emitted)) >= plain_tokens:  # the batch empties: drafting resumes
+                batch.size, batch.speculate = 1, True
+            for i, out in zip(needs, gen.run_forwards(list(needs.values())) if needs else []):
+                replies[i] = out
+            live = list(needs)
+    return emitted
+
+
+@pytest.mark.parametrize("mode", ["mtp", "dflash"])
+def test_followed_rows_reach_the_drafter_as_the_target_computed_them(aoti_engine, tiny_prompts, mode,
+                                                                    monkeypatch):
+    """Two sequences take plain steps in shared batched forwards while their proposers follow
+    (each keeps its row of every step). When drafting resumes, what each feeds its MTP head or
+    DFlash drafter is its own sequence's hidden states or taps, position for position: those
+    one forward over the whole sequence alone computes."""
+    import torch
+
+    from metrale.runtime.spec.mtp_proposer import MTPProposer
+
+    gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    fed: dict[int, list[torch.Tensor]] = {}  # per head or drafter cache: the rows fed, in order
+    if mode == "mtp":
+        entries = MTPProposer._entries
+
+        def spy_entries(self, tokens, hidden):
+            fed.setdefault(id(self.cache), []).append(hidden.clone())
+            return (yield from entries(self, tokens, hidden))
+
+        monkeypatch.setattr(MTPProposer, "_entries", spy_entries)
+    else:
+        drafter = gen.decoder().proposer.drafter
+        add_context = drafter.add_context
+
+        def spy_context(rows, cache):
+            fed.setdefault(id(cache), []).append(rows.clone())
+            return add_context(rows, cache)
+
+        monkeypatch.setattr(drafter, "add_context", spy_context)
+    prompts = [tiny_prompts[0][:10], tiny_prompts[1][:14]]
+    emitted = _busy_then_free(gen, prompts, plain_tokens=10)
+    assert len(fed) == 2
+    taps = gen.decoder().proposer.taps
+    target = aoti_engine.target
+    for rows, prompt, out in zip(fed.values(), prompts, emitted):
+        # a chain's first feed holds the prompt and every followed row; a drafter gets the
+        # prompt's taps at prefill, then the followed rows at the first propose
+        got = torch.cat(rows[:1] if mode == "mtp" else rows[:2], dim=1)
+        n = got.shape[1]
+        assert n >= len(prompt) + 9  # the followed steps' rows are there
+        whole = torch.tensor([(prompt + out)[:n]])
+        with torch.inference_mode():
+            ref = target(whole, target.new_cache(1, n + 8), taps=taps)
+        want = ref.last_hidden if mode == "mtp" else ref.taps
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("mode", ["mtp", "dflash"])
 def test_seeded_sampled_answers_do_not_depend_on_the_load(aoti_engine, tiny_prompts, mode):
     """A seeded sampled request drafts as if alone whatever the batch, and its rows are its

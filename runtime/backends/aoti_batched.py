@@ -262,12 +262,16 @@ class _RowsOutput:
         return None if src is None else src[self._rows]
 
     def kept(self, what: str) -> "_RowsOutput":
-        """As `TargetOutput.kept`, with no view made now (a proposer following a plain step of
-        a busy batch pays no tensor op) and of the part's outputs only `what`'s held."""
-        r = self._rows
-        return _RowsOutput(self._face, None, self._hidden if what == "hidden" else None,
-                           self._taps if what == "taps" else None, r.start, r.stop - r.start, 0, 0,
-                           self._which, None)
+        """As `TargetOutput.kept`, in place: the output forgets its logits, its argmax and the
+        other of hidden and taps, and is held as it is. Its one reader, the decode loop, is done
+        with them by then, so a proposer following a plain step of a busy batch makes no object
+        and no view."""
+        self._logits = self.argmax = None
+        if what == "hidden":
+            self._taps = None
+        else:
+            self._hidden = None
+        return self
 
     @property
     def logits(self) -> torch.Tensor:

@@ -109,6 +109,7 @@ class Decoder:
         self.exact_verify = exact_verify
         self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
         self._follows = hasattr(proposer, "follow")  # looked up once: steps are hot
+        self._retires = hasattr(type(proposer), "off")  # a missing attribute costs an exception
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
         self.last_result: DecodeResult | None = None
@@ -119,7 +120,7 @@ class Decoder:
     def _drafting(self) -> bool:
         """A proposer that has not retired (`off`: adaptive k settled on plain decoding for the
         rest of the stream, see `AdaptiveKController.settled`)."""
-        return self.proposer is not None and not getattr(self.proposer, "off", False)
+        return self.proposer is not None and not (self._retires and self.proposer.off)
 
     def _verify_rows(self, tokens: list[int], cache, greedy: bool, draft_ids: list[int]):
         """Target outputs for rows [pending, d_1..d_k] (`tokens`) and, when greedy, each row's
