@@ -10,8 +10,11 @@ It starts one `metrale serve` process per mode, all up together (`--max-num-seqs
 `--server-threads` torch threads, by default the server's own: one per core; an idle server
 takes no CPU). Then for `--rounds` rounds, for each concurrency C and each mode in turn (the
 order rotating between rounds, so a machine's slow spells fall on every mode alike), it runs C
-client threads, each with its own openai client, that each send `--requests` completions of
-`--max-tokens` tokens (prompts from the tiny recipe's held-out set; greedy, or with
+client threads, each with its own openai client, that together send the same number of
+completions of `--max-tokens` tokens at every level: `--requests` per client at the largest C,
+split evenly over the C clients (C = 1 sends them one by one: the one-request-at-a-time figure
+is measured over the same requests as the others, not over a sample a fraction of a second
+long) (prompts from the tiny recipe's held-out set; greedy, or with
 `--temperature` above 0 sampled, each prompt with its own seed, so its answer is still the same
 under any load). Per mode and C it reports aggregate completion tokens/s, median and p99
 latency (medians over the rounds) and lost requests (summed), and whether every answer equals
@@ -252,6 +255,12 @@ def short_behind_long(base: str, repeats: int = 5) -> dict:
             "ratio": round(max(behind) / alone, 2)}
 
 
+def per_level_requests(levels: list[int], requests: int, concurrency: int) -> int:
+    """Each client's requests at `concurrency`: the largest level's `requests` per client, in
+    all, split over this level's clients (rounded up where they do not divide)."""
+    return -(-max(levels) * requests // concurrency)
+
+
 def _paired(mine: list[dict], plain: list[dict]) -> dict:
     """A mode's tokens/s over plain decoding's, round by round (the two ran one after the
     other in each round, so a slow spell of the machine moves both), and their median."""
@@ -277,7 +286,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine-dir", default=str(ROOT / "engines" / "tiny"))
     ap.add_argument("--concurrency", default="1,4,8,32")
-    ap.add_argument("--requests", type=int, default=8, help="requests per client")
+    ap.add_argument("--requests", type=int, default=8,
+                    help="requests per client at the largest concurrency; every level sends as "
+                    "many in all, split over its clients")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="plain,mtp,dflash")
     ap.add_argument("--rounds", type=int, default=5,
@@ -304,6 +315,8 @@ def main() -> int:
         ap.error(f"--temperature {args.temperature}: expected 0 (greedy) or more")
     if args.engine_only and args.temperature:
         ap.error(f"--engine-only runs greedy requests; --temperature {args.temperature} is for the servers")
+    if args.requests < 1:
+        ap.error(f"--requests {args.requests}: expected 1 or more")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: expected 1 or more")
     unknown = [m for m in modes if m not in MODES]
@@ -318,15 +331,16 @@ def main() -> int:
             servers[mode] = start_server(args.engine_dir, MODES[mode] + shlex.split(args.serve_flags),
                                          args.max_num_seqs, args.server_threads)
         rows = {m: {c: [] for c in levels} for m in modes_run}
+        per_client = {c: per_level_requests(levels, args.requests, c) for c in levels}
         solo: dict[str, dict] = {}
         for r in range(args.rounds):
             for c in levels:
                 for mode in modes_run[r % len(modes_run):] + modes_run[:r % len(modes_run)]:
                     if mode == "engine-only":  # the order above rotates between rounds
-                        row, answers = run_engine_only(args.engine_dir, prompts, c, args.requests,
+                        row, answers = run_engine_only(args.engine_dir, prompts, c, per_client[c],
                                                        args.max_tokens, args.max_num_seqs)
                     else:
-                        row, answers = run_load(servers[mode][1], prompts, c, args.requests,
+                        row, answers = run_load(servers[mode][1], prompts, c, per_client[c],
                                                 args.max_tokens, args.temperature, args.client)
                     solo.setdefault(mode, dict(answers))  # its first level's answers (C = 1)
                     row["equal_to_solo"] = all(solo[mode].get(i) == t for i, t in answers)
