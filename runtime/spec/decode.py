@@ -109,7 +109,7 @@ class Decoder:
         self.exact_verify = exact_verify
         self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
         self._follows = hasattr(proposer, "follow")  # looked up once: steps are hot
-        self._retires = hasattr(type(proposer), "off")  # a missing attribute costs an exception
+        self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
         self.last_result: DecodeResult | None = None
