@@ -171,3 +171,51 @@ def test_the_scheduler_yields_between_iterations_only_beside_an_event_loop(tiny_
     s.submit(sched.Job(Tokens(), req, lambda kind, _: kind == "done" and done.set(), threading.Event(), "r"))
     assert done.wait(30)
     assert (Counting.sleeps >= 5) if yield_gil else (Counting.sleeps == 0)
+
+
+def test_a_fast_streams_later_deltas_wait_for_the_flush_interval():
+    """The engine's outbox sends a stream's first delta and every request's end at the flush
+    that finds them; later deltas wait until `STREAM_FLUSH_S` passed since the last message, and
+    then go in one message, in order, with whatever else was held."""
+    import multiprocessing
+    import threading
+
+    from metrale.runtime.serving import engine_process as ep
+
+    clock = [100.0]
+    here, there = multiprocessing.Pipe()
+    cancels = {"a": threading.Event(), "b": threading.Event()}
+    box = ep._Outbox(here, threading.Lock(), cancels)
+    box.clock = lambda: clock[0]
+    a, b = box.emitter("a", stream=True), box.emitter("b", stream=False)
+
+    def sent():
+        return ep._recv(there)[1] if there.poll(0.2) else None
+
+    a("text", "x")
+    box.flush()
+    assert sent() == [("a", "text", "x")]  # its first token waits for nothing
+    for later in ("y", "z"):
+        clock[0] += ep.STREAM_FLUSH_S / 4
+        a("text", later)
+        box.flush()
+        assert sent() is None  # held: the last message left under the interval ago
+    b("text", "held ")
+    b("text", "whole")
+    box.flush()
+    assert sent() is None  # a non-streamed answer's text waits for its end anyway
+    clock[0] += ep.STREAM_FLUSH_S
+    box.flush()
+    assert sent() == [("a", "text", "y"), ("a", "text", "z")]
+    a("text", "w")
+    box.flush()
+    assert sent() is None
+    b("done", ("stop", 2))  # an end goes at once, and takes the held deltas with it
+    box.flush()
+    assert sent() == [("a", "text", "w"), ("b", "text", "held whole"), ("b", "done", ("stop", 2))]
+    assert "b" not in cancels and "a" in cancels
+    a("done", ("length", 4))
+    box.flush()
+    assert sent() == [("a", "done", ("length", 4))]
+    box.flush()
+    assert sent() is None  # nothing left

@@ -10,7 +10,8 @@ The engine process (`engine_main`) loads the generator with the caller's `load` 
 callable: the CLI's loader), splits its batched steps over one thread fewer than torch's (at least
 one: `HTTP_CORES` stay with the HTTP process), runs a `scheduler.Scheduler` over it and serves a pipe:
 ("submit", rid, request), ("cancel", rid), ("metrics", n), ("stop",). What the jobs emit is sent
-back once per scheduler phase, every request's events of the phase in one message. The server's
+back once per scheduler phase, every request's events of the phase in one message (a fast
+stream's later deltas at most once per `STREAM_FLUSH_S`). The server's
 side (`EngineProcess`) is the `Scheduler` its app submits to: `start` sends a request and routes
 its events to the request's channel, `new_cancel` gives an event whose `set` cancels the request
 there too, `metrics_lines` and `metrics_text` ask the engine for its counters.
@@ -23,6 +24,7 @@ import logging
 import multiprocessing
 import pickle
 import threading
+import time
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,12 @@ log = logging.getLogger(__name__)
 # together over 6 rounds, plain inside its noise and MTP and DFlash 4,335 -> 5,392 and
 # 4,389 -> 5,248.
 HTTP_CORES = 1
+# A stream's later text deltas leave the engine at most this often; its first delta, and every
+# request's end, leave at the end of the scheduler phase that made them. A phase (an iteration's
+# steps) shorter than this is a stream faster than a token a millisecond: the tiny default
+# decodes one alone every ~0.25 ms, and each message costs the HTTP process and the client a
+# wake-up, an SSE event and a parse, on the cores the engine and every other request share.
+STREAM_FLUSH_S = 0.001
 READY_TIMEOUT_S = 600.0  # loading (and building nothing): the engine says ready or why not
 METRICS_TIMEOUT_S = 10.0
 
@@ -50,19 +58,26 @@ def _recv(conn) -> tuple:
 
 
 class _Outbox:
-    """The engine side: events of the scheduler's jobs, sent together at each flush."""
+    """The engine side: events of the scheduler's jobs, sent together at each flush. A flush
+    holding only later text deltas of streams waits until `STREAM_FLUSH_S` passed since the last
+    message (the next phase's flush sends them, joined by the HTTP side); one holding a
+    request's first delta or its end sends at once."""
 
     def __init__(self, conn, send_lock: threading.Lock, cancels: dict):
         self.conn, self.send_lock, self.cancels = conn, send_lock, cancels
         self.lock = threading.Lock()
         self.items: list[tuple[str, str, Any]] = []
+        self.urgent = False  # an item that does not wait: a first delta, an end
+        self.sent_at, self.clock = float("-inf"), time.monotonic
 
     def emitter(self, rid: str, stream: bool) -> Callable[[str, Any], None]:
         """The events of request `rid`; a non-streamed one's text is held and sent joined with
         its final event (the server wakes once per answer)."""
         held: list[str] = []
+        first = True
 
         def emit(kind: str, payload: Any) -> None:
+            nonlocal first
             if kind == "text" and not stream:
                 held.append(payload)
                 return
@@ -73,15 +88,22 @@ class _Outbox:
                     self.cancels.pop(rid, None)
                     if held:
                         self.items.append((rid, "text", "".join(held)))
+                    self.urgent = True
+                elif first:  # its time to first token waits for nothing
+                    self.urgent, first = True, False
                 self.items.append((rid, kind, payload))
         return emit
 
     def flush(self) -> None:
         with self.lock:
-            items, self.items = self.items, []
-        if items:
-            with self.send_lock:
-                _send(self.conn, ("events", items))
+            if not self.items:
+                return
+            now = self.clock()
+            if not self.urgent and now - self.sent_at < STREAM_FLUSH_S:
+                return  # later deltas of fast streams: the next phase's flush sends them
+            items, self.items, self.urgent, self.sent_at = self.items, [], False, now
+        with self.send_lock:
+            _send(self.conn, ("events", items))
 
 
 def freeze_heap() -> None:
