@@ -299,7 +299,9 @@ def test_leaving_cores_to_another_process_splits_steps_over_fewer_lanes(aoti_eng
 def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
     """One forward over several sequences (prefills, verifies and plain steps of different
     lengths, in two pools, while a pool grows; its calls on one thread or split over two) gives
-    every sequence the bits it gets alone, and freed places are reused."""
+    every sequence the bits it gets alone, and freed places are reused. The sequences that log
+    their rows (`row_log`: hidden states, all taps, some taps) find them in their pool's log,
+    position for position, after the pool grew again; the others' places are never written."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
     from metrale.runtime.backends import Forward
 
@@ -310,8 +312,12 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
     lengths = (40, 40, 40, 40, 40, 90)  # five in one pool (it grows past 4), one in another
     splits = [[9, 1, 4, 1], [1] * 15, [15], [3, 3, 3, 3, 3], [8, 7], [2, 13]]
     caches = [target.new_cache(1, n) for n in lengths]
+    logs = {1: target.row_log(caches[1], ()), 3: target.row_log(caches[3], target.taps),
+            4: target.row_log(caches[4], (3, 0))}
     got, done = [[] for _ in ids], [0] * len(ids)
     with torch.inference_mode():
+        for t in [*caches[0].pool.logs.values(), *caches[5].pool.logs.values()]:
+            t.zero_()  # earlier sequences' rows: places are reused
         for step in range(max(map(len, splits))):
             who = [b for b, s in enumerate(splits) if step < len(s)]
             forwards = [Forward(ids[b:b + 1, done[b]:done[b] + splits[b][step]], caches[b], (0, 1, 3)) for b in who]
@@ -319,7 +325,19 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
                 got[b].append(out)
                 done[b] += splits[b][step]
         pools = {id(c.pool) for c in caches}
-        assert len(pools) == 2 and max(c.pool.capacity for c in caches) == 8
+        pool = caches[0].pool
+        assert len(pools) == 2 and pool.capacity >= 8  # grown past 4 (here or by an earlier run)
+        capacity = pool.capacity
+        more = [target.new_cache(1, 40) for _ in range(capacity - pool.in_use + 1)]  # it grows again
+        assert pool.capacity == 2 * capacity and set(pool.logs) == {"hidden", "taps"}
+        for b, log in logs.items():
+            whole = torch.cat([o.last_hidden if not log.cache.logs == "taps" else
+                               target.select_taps(o.rows("taps")[None], target.taps if b == 3 else (3, 0))
+                               for o in got[b]], 1)
+            assert log.length == 15 and torch.equal(log.read(0, 15), whole), b
+        for b in (0, 2, 5):
+            assert all(not t[caches[b].index].any() for t in caches[b].pool.logs.values())
+        del more
         for b in range(len(ids)):
             alone = target.new_cache(1, lengths[b])
             ones = [target(ids[b:b + 1, i:i + 1], alone, taps=(0, 1, 3)) for i in range(15)]
@@ -334,7 +352,6 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
         whole = target(long, alone, taps=(0, 1, 3))
     assert last.logits.shape[1] == 1 and torch.equal(last.logits[0, -1], whole.logits[0, -1])
     assert torch.equal(last.taps, whole.taps) and last.argmax == whole.argmax[-1:]
-    pool = caches[0].pool
     before = pool.in_use
     del caches, alone
     import gc
