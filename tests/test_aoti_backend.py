@@ -301,7 +301,7 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
     lengths, in two pools, while a pool grows; its calls on one thread or split over two) gives
     every sequence the bits it gets alone, and freed places are reused. The sequences that log
     their rows (`row_log`: hidden states, all taps, some taps) find them in their pool's log,
-    position for position, after the pool grew again; the others' places are never written."""
+    position for position, after the pool grew again."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
     from metrale.runtime.backends import Forward
 
@@ -316,8 +316,6 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
             4: target.row_log(caches[4], (3, 0))}
     got, done = [[] for _ in ids], [0] * len(ids)
     with torch.inference_mode():
-        for t in [*caches[0].pool.logs.values(), *caches[5].pool.logs.values()]:
-            t.zero_()  # earlier sequences' rows: places are reused
         for step in range(max(map(len, splits))):
             who = [b for b, s in enumerate(splits) if step < len(s)]
             forwards = [Forward(ids[b:b + 1, done[b]:done[b] + splits[b][step]], caches[b], (0, 1, 3)) for b in who]
@@ -335,8 +333,6 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
                                target.select_taps(o.rows("taps")[None], target.taps if b == 3 else (3, 0))
                                for o in got[b]], 1)
             assert log.length == 15 and torch.equal(log.read(0, 15), whole), b
-        for b in (0, 2, 5):
-            assert all(not t[caches[b].index].any() for t in caches[b].pool.logs.values())
         del more
         for b in range(len(ids)):
             alone = target.new_cache(1, lengths[b])

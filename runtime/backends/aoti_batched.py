@@ -181,8 +181,10 @@ class BatchedTarget(TargetFace):
 
     @staticmethod
     def _log(forwards, plan: list[tuple], outs: list[torch.Tensor]) -> None:
-        """One part's rows into its pool's logs, for the sequences that log them (`row_log`):
-        one indexed write per kind (the whole part's rows when every sequence logs it)."""
+        """One part's rows into its pool's logs when any of its sequences logs them (`row_log`):
+        one indexed write per kind, of every row of the part. A sequence that does not log
+        (a prompt's, joining the batch) gets its rows written in its own places, where nothing
+        reads them: cheaper than picking the others' rows out."""
         kinds = {f.cache.logs for f in forwards}
         kinds.discard(None)
         if not kinds:
@@ -192,11 +194,7 @@ class BatchedTarget(TargetFace):
         pool = forwards[0].cache.pool
         for kind in kinds:
             src = outs[1] if kind == "hidden" else outs[2]
-            p, s, rows = pos, seq, src
-            if any(f.cache.logs != kind for f in forwards):  # only the rows of those that log it
-                keep = torch.cat([torch.full((f.rows,), f.cache.logs == kind) for f in forwards])
-                p, s, rows = pos[keep], seq[keep], src[keep]
-            pool.log(kind, src.shape[1], src.dtype)[s, p] = rows
+            pool.log(kind, src.shape[1], src.dtype)[seq, pos] = src
 
     def _keep(self, f, hidden, taps, logits, argmax) -> None:
         """A whole prompt's rows into the prefix cache, with its K/V as its cache now holds them."""
