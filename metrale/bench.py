@@ -290,7 +290,8 @@ def bench(
                 continue
             split = r["time_split"]
             t.add_row(r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}×",
-                      f"{r['bound']:.2f}×", f"{r['of_bound']:.2f} ({r['of_bound_host']:.2f})",
+                      "—" if r["bound"] is None else f"{r['bound']:.2f}×",
+                      "—" if r["bound"] is None else f"{r['of_bound']:.2f} ({r['of_bound_host']:.2f})",
                       f"{r['e']:.2f}", f"{r['verify_rows_per_token']:.2f}",
                       f"{split['draft']:.0%}/{split['verify']:.0%}/{split['host']:.0%}",
                       str(r.get("identical_to_plain", "")))

@@ -87,6 +87,10 @@ def mode_bound(row: dict, costs: dict[int, float], exact: bool, host: float = 0.
     c_verify = rows_per_step * costs[1] if exact else interpolate(costs, rows_per_step)
     c_draft = 1000 * row["draft_s"] / steps if row["drafts_proposed"] else 0.0  # plain: no drafter
     tau = row["tau"] or 1.0
+    if c_verify + c_draft <= 0:  # no verify step ran (every prompt ended at its first token)
+        return {"c_verify_ms": round(c_verify, 4), "c_draft_ms": round(c_draft, 4), "host_ms": round(host, 4),
+                "bound": None, "of_bound": None, "bound_host": None, "of_bound_host": None,
+                "e": round(row["speedup"] / tau, 3)}
     bound = tau * costs[1] / (c_verify + c_draft)
     with_host = tau * (costs[1] + host) / (c_verify + c_draft + host)
     return {"c_verify_ms": round(c_verify, 4), "c_draft_ms": round(c_draft, 4), "host_ms": round(host, 4),

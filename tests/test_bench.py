@@ -23,6 +23,9 @@ def test_bound_by_hand():
     plain = {"steps": 10, "verify_rows": 10, "draft_s": 0.001, "drafts_proposed": 0, "tau": 1.0,
              "speedup": 1.0}
     assert mode_bound(plain, costs, exact=False)["bound"] == 1.0  # no drafter: no draft cost
+    # every prompt ended at its first token: no step, no bound (not a division by zero)
+    none = {"steps": 0, "verify_rows": 0, "draft_s": 0.0, "drafts_proposed": 0, "tau": None, "speedup": 1.0}
+    assert mode_bound(none, costs, exact=True)["bound"] is None
     # host work h: plain took 1.5 ms per step (h = 0.5); each step pays it once:
     # 2.4 · (1 + 0.5) / (2 + 1 + 0.5)
     h = host_ms({"seconds": 0.015, "steps": 10}, costs)

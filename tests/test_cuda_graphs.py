@@ -121,6 +121,32 @@ def stand_in_engine(tiny_engine_dir):
     return engine
 
 
+def _addresses(model: torch.nn.Module) -> dict[str, int]:
+    return {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def test_nothing_moves_the_captured_weights_after_capture(tiny_engine_dir, tiny_prompts):
+    """A CUDA graph replays the addresses its kernels read at capture: the generator's own
+    `engine.pack()` (and any later pack) must leave every target weight where it was. A second
+    fusing pack used to allocate new q/k/v and gate/up copies, and the real graphs on a GPU then
+    decoded garbage from freed memory (the stand-in, re-running Python, could not tell)."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    model = engine.target.model_ref
+    before = _addresses(model)
+    assert any(n.endswith("qkv_weight") for n in before) and any(n.endswith("experts_gate_up") for n in before)
+    gen = EngineGenerator(engine)
+    gen.generate(tiny_prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+    engine.pack()
+    pack_for_inference(model)  # packing directly again is a no-op too
+    assert _addresses(model) == before
+
+
 def test_engine_records_what_runs_the_target(stand_in_engine):
     assert stand_in_engine.backend == "eager-graphs" and stand_in_engine.backend_note == ""
     target = stand_in_engine.target

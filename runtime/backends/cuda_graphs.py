@@ -42,7 +42,6 @@ import torch
 
 from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
 from metrale.runtime.artifact.engine import LoadedEngine
-from metrale.runtime.models.layers import pack_for_inference
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +301,9 @@ def use_cuda_graphs(engine: LoadedEngine, graphs=None) -> None:
     `graphs` replaces the CUDA capture (tests pass `cuda_graphs.EagerGraphs`)."""
     model, why = engine.target, None
     try:
-        pack_for_inference(model)
+        # every model packed now, once: a graph replays the weights' addresses at capture, so a
+        # later pack that fused them again would leave it reading freed memory
+        engine.pack()
         target = load_graph_target(model, graph_taps(engine), graphs=graphs)
     except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager target
         why = f"{type(exc).__name__}: {exc}"

@@ -37,6 +37,16 @@ def share_storage(linears, fused: torch.Tensor) -> None:
         start += rows
 
 
+def fused_already(linears, fused: torch.Tensor | None) -> bool:
+    """Are the linears' weights views of `fused` (a `pack` done)? Packing again would allocate a
+    new fused copy, and anything that holds the old one's address (a captured CUDA graph) would
+    read freed memory."""
+    if fused is None:
+        return False
+    ptr = fused.untyped_storage().data_ptr()
+    return all(type(lin) is nn.Linear and lin.weight.untyped_storage().data_ptr() == ptr for lin in linears)
+
+
 def stack_nvfp4_experts(experts) -> tuple[torch.Tensor, ...] | None:
     """The routed experts' NVFP4 tensors stacked as `metrale::nvfp4_moe_w4a16` reads them
     (gate_up packed [E, 2I, H/2], block scales [E, 2I, H/16], global scales [E, 2] (gate's,
@@ -215,6 +225,8 @@ class Attention(nn.Module):
         """Fuse q/k/v into one GEMM for inference (plain float weights only; quantized
         projections keep their own op so their results stay the op's bits)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
+        if fused_already(projs, self.qkv_weight):
+            return
         if all(type(p) is nn.Linear and p.bias is None for p in projs):
             self.qkv_weight = torch.cat([p.weight.detach() for p in projs], dim=0)
             share_storage(projs, self.qkv_weight)
@@ -299,6 +311,8 @@ class MLP(nn.Module):
 
     def pack(self) -> None:
         """Fuse gate and up into one GEMM (plain float weights only)."""
+        if fused_already((self.gate_proj, self.up_proj), self.gate_up_weight):
+            return
         if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
             self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(),
                                              self.up_proj.weight.detach()], dim=0)
@@ -351,7 +365,10 @@ class MoE(nn.Module):
         of expert e are rows [e·2I, e·2I+I) and [e·2I+I, (e+1)·2I) of one [E·2I, H] matrix, the
         down projections one [E, I, H] batch. Quantized experts are dequantized here, once. NVFP4
         experts are stacked as they are stored instead (`nvfp4_stacked`), for the grouped op the
-        forward runs them through, which holds their dequantized copy itself."""
+        forward runs them through, which holds their dequantized copy itself. Once stacked, a
+        later call keeps the stacks (see `fused_already`)."""
+        if self.experts_gate_up is not None or self.nvfp4_stacked is not None:
+            return
         self.nvfp4_stacked = stack_nvfp4_experts(self.experts)
         if self.nvfp4_stacked is not None:
             return
