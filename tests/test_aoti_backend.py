@@ -299,9 +299,7 @@ def test_leaving_cores_to_another_process_splits_steps_over_fewer_lanes(aoti_eng
 def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
     """One forward over several sequences (prefills, verifies and plain steps of different
     lengths, in two pools, while a pool grows; its calls on one thread or split over two) gives
-    every sequence the bits it gets alone, and freed places are reused. The sequences that log
-    their rows (`row_log`: hidden states, all taps, some taps) find them in their pool's log,
-    position for position, after the pool grew again."""
+    every sequence the bits it gets alone, and freed places are reused."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
     from metrale.runtime.backends import Forward
 
@@ -312,8 +310,6 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
     lengths = (40, 40, 40, 40, 40, 90)  # five in one pool (it grows past 4), one in another
     splits = [[9, 1, 4, 1], [1] * 15, [15], [3, 3, 3, 3, 3], [8, 7], [2, 13]]
     caches = [target.new_cache(1, n) for n in lengths]
-    logs = {1: target.row_log(caches[1], ()), 3: target.row_log(caches[3], target.taps),
-            4: target.row_log(caches[4], (3, 0))}
     got, done = [[] for _ in ids], [0] * len(ids)
     with torch.inference_mode():
         for step in range(max(map(len, splits))):
@@ -323,17 +319,7 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
                 got[b].append(out)
                 done[b] += splits[b][step]
         pools = {id(c.pool) for c in caches}
-        pool = caches[0].pool
-        assert len(pools) == 2 and pool.capacity >= 8  # grown past 4 (here or by an earlier run)
-        capacity = pool.capacity
-        more = [target.new_cache(1, 40) for _ in range(capacity - pool.in_use + 1)]  # it grows again
-        assert pool.capacity == 2 * capacity and set(pool.logs) == {"hidden", "taps"}
-        for b, log in logs.items():
-            whole = torch.cat([o.last_hidden if not log.cache.logs == "taps" else
-                               target.select_taps(o.rows("taps")[None], target.taps if b == 3 else (3, 0))
-                               for o in got[b]], 1)
-            assert log.length == 15 and torch.equal(log.read(0, 15), whole), b
-        del more
+        assert len(pools) == 2 and max(c.pool.capacity for c in caches) == 8
         for b in range(len(ids)):
             alone = target.new_cache(1, lengths[b])
             ones = [target(ids[b:b + 1, i:i + 1], alone, taps=(0, 1, 3)) for i in range(15)]
@@ -348,6 +334,7 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
         whole = target(long, alone, taps=(0, 1, 3))
     assert last.logits.shape[1] == 1 and torch.equal(last.logits[0, -1], whole.logits[0, -1])
     assert torch.equal(last.taps, whole.taps) and last.argmax == whole.argmax[-1:]
+    pool = caches[0].pool
     before = pool.in_use
     del caches, alone
     import gc

@@ -38,7 +38,7 @@ from metrale.runtime.backends.aoti import (CompiledDFlash, CompiledMTP, Compiled
                                            _Rows, slots_for)
 from metrale.runtime.backends import argmax_rows
 from metrale.runtime.backends.aoti_native import Lanes
-from metrale.runtime.backends.kv_pool import KVPool, PooledCache, RowLog
+from metrale.runtime.backends.kv_pool import KVPool, PooledCache
 from metrale.runtime.backends.prefix_cache import PrefixCache
 from metrale.runtime.models.qwen3 import TargetOutput
 
@@ -124,13 +124,6 @@ class BatchedTarget(TargetFace):
             cache.length = start
         return self.forward_many([Forward(ids, cache, tuple(taps))])[0]
 
-    def row_log(self, cache: PooledCache, taps: tuple[int, ...]) -> RowLog:
-        """From now on, the rows this target computes for `cache` are logged by position: their
-        taps `taps` (their last hidden states when `taps` is empty), `kv_pool.RowLog`."""
-        if not taps:
-            return RowLog(cache, "hidden")
-        return RowLog(cache, "taps", None if tuple(taps) == self.taps else lambda t: self.select_taps(t, taps))
-
     def forward_many(self, forwards) -> list[TargetOutput]:
         """The target outputs of each `backends.Forward` (rows ids [1, T] of a distinct cache at
         its length), in order; each cache's length grows by its T. With a `prefix_cache`, a
@@ -155,9 +148,7 @@ class BatchedTarget(TargetFace):
                 forwards[i].cache.length = 0
         results: list = [None] * len(forwards)
         for members, plan, outs in zip(parts, plans, done):
-            outs = _joined_calls(plan, outs)
-            self._log([runs[i] for i in members], plan, outs)
-            self._give(members, runs, outs, results)
+            self._give(members, runs, _joined_calls(plan, outs), results)
         for i, hit in hits.items():
             results[i] = self._reused(hit, results[i], forwards[i])
         for f in forwards:
@@ -178,23 +169,6 @@ class BatchedTarget(TargetFace):
                 out = results[i]
                 self._keep(f, out.rows("hidden"), out.rows("taps"), out.rows("logits"), out.argmax)
             offset, lo = offset + t, lo + n
-
-    @staticmethod
-    def _log(forwards, plan: list[tuple], outs: list[torch.Tensor]) -> None:
-        """One part's rows into its pool's logs when any of its sequences logs them (`row_log`):
-        one indexed write per kind, of every row of the part. A sequence that does not log
-        (a prompt's, joining the batch) gets its rows written in its own places, where nothing
-        reads them: cheaper than picking the others' rows out."""
-        kinds = {f.cache.logs for f in forwards}
-        kinds.discard(None)
-        if not kinds:
-            return
-        pos = torch.cat([inputs[1] for _, _, inputs in plan]) if len(plan) > 1 else plan[0][2][1]
-        seq = torch.cat([inputs[2] for _, _, inputs in plan]) if len(plan) > 1 else plan[0][2][2]
-        pool = forwards[0].cache.pool
-        for kind in kinds:
-            src = outs[1] if kind == "hidden" else outs[2]
-            pool.log(kind, src.shape[1], src.dtype)[seq, pos] = src
 
     def _keep(self, f, hidden, taps, logits, argmax) -> None:
         """A whole prompt's rows into the prefix cache, with its K/V as its cache now holds them."""

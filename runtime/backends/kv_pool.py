@@ -4,14 +4,7 @@ pool holding, per layer, K [B, nkv, hd, S] (slot-minor, as the steps' attention 
 place in its pool, given back when the cache is freed. Every layer's keys are one tensor
 [L, B, nkv, hd, S] and every layer's values another (the layers' tensors are their views), so a
 sequence's positions of all layers move in one copy (`PooledCache.read_prefix`,
-`write_prefix`: a prompt's kept K/V, `prefix_cache`).
-
-A pool may also log the target's rows (last hidden states or taps) by sequence and position,
-[B, S, width] per kind, as the batched target writes them (`BatchedTarget.row_log`): a
-proposer that sits out the plain steps of a busy batch reads its unfed context from there
-when drafting resumes, so a followed step keeps no object of the step alive. Like K/V, a
-position's logged row is that of the step that kept it: rows of rejected drafts lie at or
-after the sequence's length and are written again before anything reads them."""
+`write_prefix`: a prompt's kept K/V, `prefix_cache`)."""
 
 from __future__ import annotations
 
@@ -32,15 +25,6 @@ class KVPool:
         self._hold(torch.zeros(layers, capacity, kv_heads, head_dim, slots, dtype=dtype, device=device),
                    torch.zeros(layers, capacity, slots, kv_heads, head_dim, dtype=dtype, device=device))
         self.free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest index first
-        self.logs: dict[str, torch.Tensor] = {}  # kind -> [B, S, width], made at its first write
-
-    def log(self, kind: str, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """The pool's log of rows of `kind` ("hidden" or "taps"): [B, S, width]."""
-        t = self.logs.get(kind)
-        if t is None:
-            t = self.logs[kind] = torch.zeros(self.capacity, self.slots, width, dtype=dtype,
-                                              device=self.keys.device)
-        return t
 
     def _hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keys [L, B, nkv, hd, S] and values [L, B, S, nkv, hd]; `kv`: per layer K then V."""
@@ -64,10 +48,6 @@ class KVPool:
                 g[:, :old].copy_(t)
                 grown.append(g)
             self._hold(*grown)
-            for kind, t in self.logs.items():
-                g = t.new_zeros(2 * old, *t.shape[1:])
-                g[:old].copy_(t)
-                self.logs[kind] = g
             self.free = list(range(2 * old - 1, old - 1, -1))
         return self.free.pop()
 
@@ -77,13 +57,11 @@ class KVPool:
 
 class PooledCache:
     """One sequence's cache: place `index` of `pool`; `length` counts its valid positions;
-    `pending`: a drafter's context rows added since its last propose (`BatchedDFlash`);
-    `logs`: the kind of rows a batched target logs for it (`RowLog`), None for none."""
+    `pending`: a drafter's context rows added since its last propose (`BatchedDFlash`)."""
 
     def __init__(self, pool: KVPool):
         self.pool, self.index, self.length = pool, pool.acquire(), 0
         self.pending: list[torch.Tensor] = []
-        self.logs: str | None = None
         weakref.finalize(self, pool.release, self.index)
 
     @property
@@ -112,26 +90,3 @@ class PooledCache:
     @property
     def device(self) -> torch.device:
         return self.pool.kv[0].device
-
-
-class RowLog:
-    """One sequence's logged target rows (see the module docstring): `read(lo, hi)` gives
-    positions lo..hi-1 as [1, n, width] (through `select`, e.g. a drafter's taps of the
-    package's), a view valid while the sequence holds those positions; `length` is the
-    target cache's length, the positions kept so far."""
-
-    def __init__(self, cache: PooledCache, kind: str, select=None):
-        self.cache, self.kind, self.select = cache, kind, select
-        cache.logs = kind
-
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    def close(self) -> None:
-        """The target stops logging the sequence's rows."""
-        self.cache.logs = None
-
-    def read(self, lo: int, hi: int) -> torch.Tensor:
-        rows = self.cache.pool.logs[self.kind][self.cache.index, lo:hi][None]
-        return rows if self.select is None else self.select(rows)

@@ -60,10 +60,7 @@ ALONE = Batch()
 class Proposer(Protocol):
     taps: tuple[int, ...]  # target layer ids whose outputs the proposer needs
 
-    def prefill(self, prompt_ids: list[int], out: TargetOutput, pending: int, rows=None) -> None:
-        """The prompt's target outputs `out`. `rows`, when the backend logs the sequence's rows
-        (`kv_pool.RowLog`, given to a proposer that follows): the kept rows after the prompt
-        are read from it when drafting resumes, so `follow` and `accept` keep no output."""
+    def prefill(self, prompt_ids: list[int], out: TargetOutput, pending: int) -> None: ...
 
     def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
         """-> (drafts [k] int64 to verify, drafts proposed by the drafter). `max_drafts` 0 is a
@@ -113,8 +110,6 @@ class Decoder:
         self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
         self._follows = hasattr(proposer, "follow")  # looked up once: steps are hot
         self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
-        # a backend that logs a sequence's rows by position (the batched aoti target)
-        self._row_log = getattr(target, "row_log", None) if self._follows else None
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
         self.last_result: DecodeResult | None = None
@@ -211,10 +206,7 @@ class Decoder:
             # the drafter's caches hold this request's positions and a chain or block past them
             if hasattr(self.proposer, "max_len"):
                 self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
-            if self._row_log is None:
-                self.proposer.prefill(prompt.tokens, out, pending)
-            else:
-                self.proposer.prefill(prompt.tokens, out, pending, self._row_log(cache, self.proposer.taps))
+            self.proposer.prefill(prompt.tokens, out, pending)
         result.prefill_s = time.perf_counter() - t0
         emitted_total = 0
         next_tokens = [pending]

@@ -44,22 +44,16 @@ class DFlashProposer:
         """The proposer `--dflash` runs (`components`' factory) with its resolved settings."""
         return cls(drafter, embed, settings, max_len)
 
-    def prefill(self, prompt_ids: list[int], out, pending: int, rows=None) -> None:
+    def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
         w = self.embed.weight
         self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)
         self.drafter.add_context(out.taps, self.cache)
-        # where the kept rows' taps wait: the backend's log of the sequence's rows (`rows`, read
-        # from position `fed` on), else (the target output, its rows kept), oldest first; the
-        # taps are read when fed, so a plain step of a busy batch costs no tensor op
-        self.rows, self.fed = rows, len(prompt_ids)
+        # (the target output, its rows kept), oldest first; the taps are read when fed, so a
+        # plain step of a busy batch costs no tensor op (`kept` holds the taps only)
         self.unfed: list[tuple[object, int]] = []
 
     def _feed(self) -> None:
-        if self.rows is not None:
-            if self.rows.length > self.fed:
-                self.drafter.add_context(self.rows.read(self.fed, self.rows.length), self.cache)
-                self.fed = self.rows.length
-        elif self.unfed:
+        if self.unfed:
             kept = [out.taps[:, :rows] for out, rows in self.unfed]
             self.drafter.add_context(kept[0] if len(kept) == 1 else torch.cat(kept, dim=1), self.cache)
             self.unfed = []
@@ -70,8 +64,6 @@ class DFlashProposer:
         stops asking for drafts and taps, and the unfed context is dropped."""
         if self.controller is not None and self.controller.settled:
             self.unfed = []
-            if self.rows is not None:
-                self.rows.close()  # nothing reads its rows again
             return True
         return False
 
@@ -100,14 +92,12 @@ class DFlashProposer:
         return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
 
     def follow(self, out, emitted_ids: list[int]) -> None:
-        """A plain step of a busy batch: its row's taps wait in the log or in `unfed`; the
-        ladder and the acceptance estimates see nothing (a plain step measures nothing)."""
-        if self.rows is None:
-            self.unfed.append((out.kept("taps"), 1))
+        """A plain step of a busy batch: its row's taps wait in `unfed`; the ladder and the
+        acceptance estimates see nothing (a plain step measures nothing)."""
+        self.unfed.append((out.kept("taps"), 1))
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
-        if self.rows is None:
-            self.unfed.append((out.kept("taps"), rows))  # read when fed: a suspended step pays nothing
+        self.unfed.append((out.kept("taps"), rows))  # read when fed: a suspended step pays nothing
         if self.controller is not None:
             self.controller.observe(self.last_k, rows - 1)
         elif self.ladder is not None:

@@ -40,7 +40,7 @@ class MTPProposer:
         self.base = self.cache.length
         self.next_logits, self.next_h = logits[0, -1], h[:, -1:]
 
-    def prefill(self, prompt_ids: list[int], out, pending: int, rows=None) -> None:
+    def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
         w = self.embed.weight
         self.cache = self.head.new_cache(1, self.max_len, w.dtype, w.device)
         self.base = 0
@@ -50,23 +50,16 @@ class MTPProposer:
         # hidden rows read, when they enter the head (a plain step of a busy batch costs no
         # tensor op; `kept` holds the hidden states only)
         self.unfed: list[tuple[list[int], object]] = [(tokens, out.kept("hidden"))]
-        # with the backend's log of the sequence's rows (`rows`): the ids of the entries whose
-        # hidden rows wait there, which follow those in `unfed`
-        self.rows, self.logged = rows, []
 
     def _feed(self):
         """The rows kept since the last chain (the prompt's before the first) enter the head in
         one call: a request that never drafts (a busy batch) never runs the head."""
-        if self.unfed or self.logged:
-            ids = [t for ids, _ in self.unfed for t in ids]
-            hidden = [out.last_hidden[:, :len(ids)] for ids, out in self.unfed]
-            if self.logged:
-                start = self.base + len(ids)
-                hidden.append(self.rows.read(start, start + len(self.logged)))
-                ids += self.logged
-            tokens = torch.tensor(ids, dtype=torch.long, device=self.embed.weight.device)
-            self.unfed, self.logged = [], []
-            yield from self._entries(tokens, hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1))
+        if self.unfed:
+            tokens = torch.tensor([t for ids, _ in self.unfed for t in ids], dtype=torch.long,
+                                  device=self.embed.weight.device)
+            hidden = torch.cat([out.last_hidden[:, :len(ids)] for ids, out in self.unfed], dim=1)
+            self.unfed = []
+            yield from self._entries(tokens, hidden)
 
     def _continues(self, prob: float, running: float) -> bool:
         if self.stop is None:
@@ -99,16 +92,10 @@ class MTPProposer:
         return torch.tensor(drafts, dtype=torch.long), len(drafts)
 
     def follow(self, out, emitted_ids: list[int]) -> None:
-        """A plain step of a busy batch: its row waits like an accepted one."""
-        if self.rows is None:
-            self.unfed.append((emitted_ids, out.kept("hidden")))
-        else:
-            self.logged += emitted_ids
+        """A plain step of a busy batch: its row waits in `unfed` like an accepted one."""
+        self.unfed.append((emitted_ids, out.kept("hidden")))
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
         """The head's entries for the kept rows are computed at the next chain (`_feed`), so a
         run of plain steps (a busy batch) costs the head nothing until drafting resumes."""
-        if self.rows is None:
-            self.unfed.append((emitted.tolist(), out.kept("hidden")))  # its first `rows` rows
-        else:
-            self.logged += emitted.tolist()
+        self.unfed.append((emitted.tolist(), out.kept("hidden")))  # its first `rows` rows
