@@ -53,7 +53,8 @@ from metrale.plugins.onnx_lowering import CONV_OP, DOMAIN, FP8_OP, MOE_OP, NVFP4
 from metrale.runtime.components import GraphIO, kind_named, resolve
 from metrale.runtime.models import qlinear
 from metrale.runtime.models.dflash import DFlashDrafter, DynamicConv
-from metrale.runtime.models.layers import MoE, stack_nvfp4_experts
+from metrale.runtime.models.layers import MoE
+from metrale.runtime.models.packing import stack_nvfp4_experts
 from metrale.runtime.models.step_caches import StepKV
 from metrale.runtime.models.mtp import MTPHead
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM

@@ -87,15 +87,13 @@ def mode_bound(row: dict, costs: dict[int, float], exact: bool, host: float = 0.
     c_verify = rows_per_step * costs[1] if exact else interpolate(costs, rows_per_step)
     c_draft = 1000 * row["draft_s"] / steps if row["drafts_proposed"] else 0.0  # plain: no drafter
     tau = row["tau"] or 1.0
-    if c_verify + c_draft <= 0:  # no verify step ran (every prompt ended at its first token)
-        return {"c_verify_ms": round(c_verify, 4), "c_draft_ms": round(c_draft, 4), "host_ms": round(host, 4),
-                "bound": None, "of_bound": None, "bound_host": None, "of_bound_host": None,
-                "e": round(row["speedup"] / tau, 3)}
-    bound = tau * costs[1] / (c_verify + c_draft)
-    with_host = tau * (costs[1] + host) / (c_verify + c_draft + host)
+    cost = c_verify + c_draft  # 0 when no verify step ran (every prompt ended at its first token)
+    bound = tau * costs[1] / cost if cost > 0 else None
+    with_host = tau * (costs[1] + host) / (cost + host) if cost > 0 else None
+    of = lambda b: None if b is None else round(row["speedup"] / b, 3)  # noqa: E731
     return {"c_verify_ms": round(c_verify, 4), "c_draft_ms": round(c_draft, 4), "host_ms": round(host, 4),
-            "bound": round(bound, 3), "of_bound": round(row["speedup"] / bound, 3),
-            "bound_host": round(with_host, 3), "of_bound_host": round(row["speedup"] / with_host, 3),
+            "bound": bound and round(bound, 3), "of_bound": of(bound),
+            "bound_host": with_host and round(with_host, 3), "of_bound_host": of(with_host),
             "e": round(row["speedup"] / tau, 3)}
 
 
