@@ -4,7 +4,7 @@
                            [--max-tokens 32] [--modes plain,mtp,dflash] [--rounds 5]
                            [--max-num-seqs 64] [--server-threads N] [--serve-flags '...']
                            [--temperature T] [--client openai|http] [--engine-only]
-                           [--json FILE]
+                           [--serial] [--json FILE]
 
 It starts one `metrale serve` process per mode, all up together (`--max-num-seqs`;
 `--server-threads` torch threads, by default the server's own: one per core; an idle server
@@ -22,7 +22,13 @@ the same request's answer at the first level (C = 1 by default: the request alon
 mode but plain, also its tokens/s over plain decoding's in each round and their median (the
 two measured minutes apart at most, where medians taken over separate rounds are not). Last, per
 mode, the latency of a 4-token request sent just after another client's 1,000-token stream
-started (from its own process), against the same request alone.
+started (from its own process), the slowest of 5 such runs, against the same request alone (the
+median of two runs just before each of those: a machine's slow spell moves both).
+
+With `--serial`, every mode also runs as `serial-MODE` on a server of its own with
+`--max-num-seqs 1`: one request at a time, the rest queued, as `serve` ran before it batched.
+Each mode's row then carries its tokens/s over its serial server's, round by round
+(`vs_serial`): what batching gives, before and after in one run.
 
 `--client http` sends the same requests as plain HTTP/1.1 from each thread's own keep-alive
 connection (the standard library's `http.client`, JSON in and out), as vLLM's serving benchmark
@@ -241,18 +247,19 @@ def short_behind_long(base: str, repeats: int = 5) -> dict:
         client.completions.create(model=model, prompt="import os", max_tokens=4, temperature=0)
         return time.perf_counter() - t0
 
-    alone = statistics.median(short() for _ in range(repeats))
-    behind = []
+    alone, behind = [], []
     ctx = multiprocessing.get_context("spawn")
-    for _ in range(repeats):
+    for _ in range(repeats):  # the request alone measured beside each of its runs behind a stream
+        alone += [short(), short()]
         started = ctx.Event()
         other = ctx.Process(target=_long_stream, args=(base, model, started))
         other.start()
         started.wait(120)
         behind.append(short())
         other.join()
-    return {"short_alone_s": round(alone, 4), "short_behind_long_p99_s": round(max(behind), 4),
-            "ratio": round(max(behind) / alone, 2)}
+    solo = statistics.median(alone)
+    return {"short_alone_s": round(solo, 4), "short_behind_long_p99_s": round(max(behind), 4),
+            "ratio": round(max(behind) / solo, 2)}
 
 
 def per_level_requests(levels: list[int], requests: int, concurrency: int) -> int:
@@ -261,11 +268,12 @@ def per_level_requests(levels: list[int], requests: int, concurrency: int) -> in
     return -(-max(levels) * requests // concurrency)
 
 
-def _paired(mine: list[dict], plain: list[dict]) -> dict:
-    """A mode's tokens/s over plain decoding's, round by round (the two ran one after the
-    other in each round, so a slow spell of the machine moves both), and their median."""
-    ratios = [round(m["tokens_per_s"] / p["tokens_per_s"], 3) for m, p in zip(mine, plain)]
-    return {"vs_plain_rounds": ratios, "vs_plain": round(statistics.median(ratios), 3)}
+def _paired(mine: list[dict], other: list[dict], key: str = "vs_plain") -> dict:
+    """A mode's tokens/s over another's (plain decoding's; with `--serial`, its serial server's),
+    round by round (the two ran one after the other in each round, so a slow spell of the
+    machine moves both), and their median."""
+    ratios = [round(m["tokens_per_s"] / o["tokens_per_s"], 3) for m, o in zip(mine, other)]
+    return {f"{key}_rounds": ratios, key: round(statistics.median(ratios), 3)}
 
 
 def _median_row(rows: list[dict]) -> dict:
@@ -306,6 +314,8 @@ def main() -> int:
                     "connections (cheaper: more of a shared machine left to the server)")
     ap.add_argument("--engine-only", action="store_true",
                     help="also run plain decoding without HTTP at each level (the engine's ceiling)")
+    ap.add_argument("--serial", action="store_true", help="each mode also on a server with "
+                    "--max-num-seqs 1, as serial-MODE (see above)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]
@@ -325,11 +335,14 @@ def main() -> int:
     out = {"max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
            "temperature": args.temperature, "rounds": args.rounds, "client": args.client, "modes": {}}
     servers = {}
-    modes_run = modes + ["engine-only"] * args.engine_only
+    served = modes + [f"serial-{m}" for m in modes] * args.serial
+    modes_run = served + ["engine-only"] * args.engine_only
     try:
-        for mode in modes:  # all up at once, idle while another is loaded: rounds interleave
-            servers[mode] = start_server(args.engine_dir, MODES[mode] + shlex.split(args.serve_flags),
-                                         args.max_num_seqs, args.server_threads)
+        for mode in served:  # all up at once, idle while another is loaded: rounds interleave
+            serial = mode.startswith("serial-")
+            servers[mode] = start_server(args.engine_dir, MODES[mode.removeprefix("serial-")]
+                                         + shlex.split(args.serve_flags),
+                                         1 if serial else args.max_num_seqs, args.server_threads)
         rows = {m: {c: [] for c in levels} for m in modes_run}
         per_client = {c: per_level_requests(levels, args.requests, c) for c in levels}
         solo: dict[str, dict] = {}
@@ -348,9 +361,13 @@ def main() -> int:
                     print(f"round {r + 1}", mode, row, flush=True)
         for mode in modes_run:
             out["modes"][mode] = {"levels": [_median_row(rows[mode][c]) for c in levels]}
-            if mode != "plain" and "plain" in rows:
+            plain = "serial-plain" if mode.startswith("serial-") else "plain"  # its own kind's
+            if mode != plain and plain in rows:
                 for c, row in zip(levels, out["modes"][mode]["levels"]):
-                    row.update(_paired(rows[mode][c], rows["plain"][c]))
+                    row.update(_paired(rows[mode][c], rows[plain][c]))
+            if f"serial-{mode}" in rows:
+                for c, row in zip(levels, out["modes"][mode]["levels"]):
+                    row.update(_paired(rows[mode][c], rows[f"serial-{mode}"][c], "vs_serial"))
             for row in out["modes"][mode]["levels"]:
                 print(mode, row, flush=True)
             if mode in servers:

@@ -135,6 +135,7 @@ def test_load_script_counts_what_its_clients_got(server, tiny_engine, tiny_promp
     # paired by round: the median of each round's ratio, not the ratio of the two medians (1.0)
     plain = [dict(busy, tokens_per_s=t) for t in (1.5, 2.0, 4.0)]
     assert load._paired(rounds, plain) == {"vs_plain_rounds": [2.0, 0.5, 0.5], "vs_plain": 0.5}
+    assert load._paired(rounds, plain, "vs_serial")["vs_serial_rounds"] == [2.0, 0.5, 0.5]
     # every level sends the largest level's requests in all: C = 1 sends all 256 one by one
     levels = [1, 4, 8, 32]
     assert [c * load.per_level_requests(levels, 8, c) for c in levels] == [256] * 4
