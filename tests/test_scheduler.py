@@ -228,6 +228,67 @@ def test_followed_rows_reach_the_drafter_as_the_target_computed_them(aoti_engine
 
 
 @pytest.mark.parametrize("mode", ["mtp", "dflash"])
+def test_catching_up_feeds_the_drafter_what_following_each_step_fed(aoti_engine, tiny_prompts, mode,
+                                                                    monkeypatch):
+    """On the batched target a busy batch's plain steps keep nothing and the rows run again when
+    drafting resumes (`Decoder._catch_up`): the head or drafter is fed the very bits that
+    following every step fed it, the target's cache ends as it did, and so every draft, every
+    acceptance and every token is the same. The plain steps carry no taps and the proposer
+    keeps no row meanwhile."""
+    import torch
+
+    from metrale.runtime.backends import Forward
+    from metrale.runtime.backends.aoti_batched import BatchedTarget
+    from metrale.runtime.spec.mtp_proposer import MTPProposer
+
+    gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    fed: list[torch.Tensor] = []
+    if mode == "mtp":
+        entries = MTPProposer._entries
+
+        def spy_entries(self, tokens, hidden):
+            fed.append(hidden.clone())
+            return (yield from entries(self, tokens, hidden))
+
+        monkeypatch.setattr(MTPProposer, "_entries", spy_entries)
+    else:
+        drafter = gen.decoder().proposer.drafter
+        add_context = drafter.add_context
+
+        def spy_context(rows, cache):
+            fed.append(rows.clone())
+            return add_context(rows, cache)
+
+        monkeypatch.setattr(drafter, "add_context", spy_context)
+    forwards: list[tuple] = []  # (cache, start, rows, last_logits, taps) of each target forward
+    many = BatchedTarget.forward_many
+
+    def spy_many(self, batch):
+        forwards.extend((id(f.cache), f.cache.length, f.rows, f.last_logits, f.taps) for f in batch)
+        return many(self, batch)
+
+    monkeypatch.setattr(BatchedTarget, "forward_many", spy_many)
+    prompts = [tiny_prompts[0][:10], tiny_prompts[1][:14]]
+    caught = _busy_then_free(gen, prompts, plain_tokens=10)
+    caught_fed, caught_forwards = fed[:], forwards[:]
+    fed.clear()
+    forwards.clear()
+    monkeypatch.setattr(BatchedTarget, "rows_invariant", False)  # each plain step followed
+    followed = _busy_then_free(gen, prompts, plain_tokens=10)
+    assert caught == followed
+    assert len(caught_fed) == len(fed) and all(torch.equal(a, b) for a, b in zip(caught_fed, fed))
+    for cache in {c for c, *_ in caught_forwards}:
+        mine = [f for f in caught_forwards if f[0] == cache]
+        again = [i for i, (_, start, _, last, _) in enumerate(mine) if last and start > 0]
+        assert len(again) == 1  # one catch-up, when drafting resumed
+        _, start, rows, _, taps = mine[again[0]]
+        plain = mine[1:again[0]]  # after the prompt: the busy steps, one row each, without taps
+        assert rows == len(plain) >= 9 and all(f[2] == 1 and not f[4] for f in plain)
+        assert taps == gen.decoder().proposer.taps  # DFlash's tap layers (MTP reads the last hidden)
+        assert start == plain[0][1] and start + rows == mine[again[0] + 1][1]  # their positions
+
+
+@pytest.mark.parametrize("mode", ["mtp", "dflash"])
 def test_seeded_sampled_answers_do_not_depend_on_the_load(aoti_engine, tiny_prompts, mode):
     """A seeded sampled request drafts as if alone whatever the batch, and its rows are its
     own: under 16 concurrent requests it gets the text it gets alone."""

@@ -67,8 +67,9 @@ class Proposer(Protocol):
         plain step: no drafts, and nothing of the drafter runs. The decode loop sets
         `batch_size` (the sequences running) before each call."""
 
-    # Optional: `follow(out, emitted_ids)` — a plain step of a busy batch that the proposer took
-    # no part in (no propose, no accept): it only keeps the step's row for when drafting resumes.
+    # Optional: `follow(out, emitted_ids)` — plain steps of a busy batch that the proposer took
+    # no part in (no propose, no accept): it only keeps their rows of `out` (one per token of
+    # `emitted_ids`, the token that followed each) for when drafting resumes.
 
     def accept(self, out: TargetOutput, rows: int, emitted: torch.Tensor) -> None:
         """The first `rows` rows of `out` (pending + accepted drafts) were kept; `emitted`
@@ -109,6 +110,13 @@ class Decoder:
         self.exact_verify = exact_verify
         self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
         self._follows = hasattr(proposer, "follow")  # looked up once: steps are hot
+        # A target whose rows' bits do not depend on how many rows a forward runs (the batched
+        # aoti face, its build-checked contract) lets a busy batch's plain steps keep nothing:
+        # their tokens are noted (`_missed`) and, when drafting resumes, one forward runs those
+        # rows again at their positions for the proposer (the same K/V written over the same
+        # K/V). Elsewhere the proposer follows each step (keeps its row's outputs).
+        self._catches_up = self._follows and getattr(target, "rows_invariant", False)
+        self._missed: list[int] = []  # a busy batch's plain steps' tokens, not yet followed
         self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
@@ -235,6 +243,8 @@ class Decoder:
         following = drafting and not batch.speculate and self._follows
         if following:  # a busy batch: a plain step; the proposer only keeps the kept row
             drafting = False
+        elif drafting and self._missed:  # drafting resumes: the proposer first sees what it missed
+            yield from self._catch_up(pending, cache)
         if drafting and room > 1:
             self.proposer.batch_size = batch.size
             max_drafts = room - 1 if batch.speculate else 0
@@ -265,6 +275,8 @@ class Decoder:
         t2 = time.perf_counter()
         if drafting:  # the drafter's own bookkeeping is drafter time
             self.proposer.accept(out, accepted + 1, emitted)
+        elif following and self._catches_up:
+            self._missed.append(pending)
         elif following:
             self.proposer.follow(out, emitted_ids)
         t3 = time.perf_counter()
@@ -274,6 +286,18 @@ class Decoder:
         result.steps.append(StepTrace(drafted=k, accepted=accepted, emitted=accepted + 1))
         return emitted_ids
 
+    def _catch_up(self, pending: int, cache):
+        """The missed rows (`_missed`: the tokens of the plain steps since the proposer last
+        saw a row, at the positions just before `pending`'s) run again in one forward, with the
+        proposer's taps, and the proposer follows them as if it had followed each step: the
+        target's rows have the bits they had then, so the drafts are the ones following gives."""
+        rows, self._missed = self._missed, []
+        end = cache.length
+        cache.length = end - len(rows)
+        out = yield Forward(rows, cache, self.proposer.taps, last_logits=True, device=self.device)
+        cache.length = end
+        self.proposer.follow(out, rows[1:] + [pending])
+
     def _plain_step(self, pending: int, cache, t0: float, result: DecodeResult, following: bool):
         """A greedy step without drafts: `_step`'s outcome with k = 0 (one row, the argmax
         emitted, the same metrics), without a verify's bookkeeping (the step a busy batch's
@@ -281,6 +305,9 @@ class Decoder:
         (`_taps`: a proposer that drafts or follows is one that has not retired)."""
         t1 = time.perf_counter()
         base = cache.length
+        if following and self._catches_up:
+            following = False
+            self._missed.append(pending)
         out = yield Forward([pending], cache, self.proposer.taps if following else (), device=self.device)
         emitted_ids = greedy_ids(out)[:1]
         cache.length = base + 1

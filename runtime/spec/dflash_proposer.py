@@ -92,9 +92,10 @@ class DFlashProposer:
         return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
 
     def follow(self, out, emitted_ids: list[int]) -> None:
-        """A plain step of a busy batch: its row's taps wait in `unfed`; the ladder and the
+        """Plain steps of a busy batch (one, or the rows `Decoder._catch_up` ran again, each
+        followed by its token in `emitted_ids`): their taps wait in `unfed`; the ladder and the
         acceptance estimates see nothing (a plain step measures nothing)."""
-        self.unfed.append((out.kept("taps"), 1))
+        self.unfed.append((out.kept("taps"), len(emitted_ids)))
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
         self.unfed.append((out.kept("taps"), rows))  # read when fed: a suspended step pays nothing

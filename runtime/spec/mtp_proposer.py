@@ -92,7 +92,8 @@ class MTPProposer:
         return torch.tensor(drafts, dtype=torch.long), len(drafts)
 
     def follow(self, out, emitted_ids: list[int]) -> None:
-        """A plain step of a busy batch: its row waits in `unfed` like an accepted one."""
+        """Plain steps of a busy batch (one, or the rows `Decoder._catch_up` ran again, each
+        followed by its token in `emitted_ids`): their rows wait in `unfed` like accepted ones."""
         self.unfed.append((emitted_ids, out.kept("hidden")))
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
