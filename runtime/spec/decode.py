@@ -186,7 +186,9 @@ class Decoder:
         returns after EOS (emitted) or params.max_tokens.
 
         `batch` is read before each step: with `speculate` False the step is plain (the
-        proposer still follows the kept rows, so drafting resumes from complete context), and
+        proposer still follows the kept rows, each step's or, on a target whose rows do not
+        depend on the forward's other rows, all of them at once when drafting resumes
+        (`_catch_up`), so drafting resumes from complete context), and
         its `size` reaches the proposer (`batch_size`): adaptive k is a policy for a stream
         that runs alone. A seeded sampled request ignores `batch` (it drafts as if alone), so
         its samples are the same under any load. Resume it under `torch.inference_mode` (as
