@@ -179,36 +179,42 @@ def _busy_then_free(gen, prompts: list[list[int]], plain_tokens: int) -> list[li
     return emitted
 
 
-@pytest.mark.parametrize("mode", ["mtp", "dflash"])
-def test_followed_rows_reach_the_drafter_as_the_target_computed_them(aoti_engine, tiny_prompts, mode,
-                                                                    monkeypatch):
-    """Two sequences take plain steps in shared batched forwards while their proposers follow
-    (each keeps its row of every step). When drafting resumes, what each feeds its MTP head or
-    DFlash drafter is its own sequence's hidden states or taps, position for position: those
-    one forward over the whole sequence alone computes."""
-    import torch
-
+def _spy_fed(gen, mode: str, monkeypatch, record) -> None:
+    """Call `record(cache, rows)` with a copy of every batch of rows fed to an MTP head (its
+    hidden states) or a DFlash drafter (its context taps), and the head's or drafter's cache."""
     from metrale.runtime.spec.mtp_proposer import MTPProposer
 
-    gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
-    fed: dict[int, list[torch.Tensor]] = {}  # per head or drafter cache: the rows fed, in order
     if mode == "mtp":
         entries = MTPProposer._entries
 
         def spy_entries(self, tokens, hidden):
-            fed.setdefault(id(self.cache), []).append(hidden.clone())
+            record(self.cache, hidden.clone())
             return (yield from entries(self, tokens, hidden))
 
         monkeypatch.setattr(MTPProposer, "_entries", spy_entries)
-    else:
-        drafter = gen.decoder().proposer.drafter
-        add_context = drafter.add_context
+        return
+    drafter = gen.decoder().proposer.drafter
+    add_context = drafter.add_context
 
-        def spy_context(rows, cache):
-            fed.setdefault(id(cache), []).append(rows.clone())
-            return add_context(rows, cache)
+    def spy_context(rows, cache):
+        record(cache, rows.clone())
+        return add_context(rows, cache)
 
-        monkeypatch.setattr(drafter, "add_context", spy_context)
+    monkeypatch.setattr(drafter, "add_context", spy_context)
+
+
+@pytest.mark.parametrize("mode", ["mtp", "dflash"])
+def test_followed_rows_reach_the_drafter_as_the_target_computed_them(aoti_engine, tiny_prompts, mode,
+                                                                    monkeypatch):
+    """Two sequences take plain steps in shared batched forwards while their proposers follow
+    (on the batched target: catch up on the missed rows when drafting resumes). Then what each feeds its MTP head or
+    DFlash drafter is its own sequence's hidden states or taps, position for position: those
+    one forward over the whole sequence alone computes."""
+    import torch
+
+    gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    fed: dict[int, list[torch.Tensor]] = {}  # per head or drafter cache: the rows fed, in order
+    _spy_fed(gen, mode, monkeypatch, lambda cache, rows: fed.setdefault(id(cache), []).append(rows))
     prompts = [tiny_prompts[0][:10], tiny_prompts[1][:14]]
     emitted = _busy_then_free(gen, prompts, plain_tokens=10)
     assert len(fed) == 2
@@ -237,29 +243,11 @@ def test_catching_up_feeds_the_drafter_what_following_each_step_fed(aoti_engine,
     keeps no row meanwhile."""
     import torch
 
-    from metrale.runtime.backends import Forward
     from metrale.runtime.backends.aoti_batched import BatchedTarget
-    from metrale.runtime.spec.mtp_proposer import MTPProposer
 
     gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
     fed: list[torch.Tensor] = []
-    if mode == "mtp":
-        entries = MTPProposer._entries
-
-        def spy_entries(self, tokens, hidden):
-            fed.append(hidden.clone())
-            return (yield from entries(self, tokens, hidden))
-
-        monkeypatch.setattr(MTPProposer, "_entries", spy_entries)
-    else:
-        drafter = gen.decoder().proposer.drafter
-        add_context = drafter.add_context
-
-        def spy_context(rows, cache):
-            fed.append(rows.clone())
-            return add_context(rows, cache)
-
-        monkeypatch.setattr(drafter, "add_context", spy_context)
+    _spy_fed(gen, mode, monkeypatch, lambda cache, rows: fed.append(rows))
     forwards: list[tuple] = []  # (cache, start, rows, last_logits, taps) of each target forward
     many = BatchedTarget.forward_many
 
