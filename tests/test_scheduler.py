@@ -207,9 +207,9 @@ def _spy_fed(gen, mode: str, monkeypatch, record) -> None:
 def test_followed_rows_reach_the_drafter_as_the_target_computed_them(aoti_engine, tiny_prompts, mode,
                                                                     monkeypatch):
     """Two sequences take plain steps in shared batched forwards while their proposers follow
-    (on the batched target: catch up on the missed rows when drafting resumes). Then what each feeds its MTP head or
-    DFlash drafter is its own sequence's hidden states or taps, position for position: those
-    one forward over the whole sequence alone computes."""
+    (on the batched target: catch up on the missed rows when drafting resumes). Then what each
+    feeds its MTP head or DFlash drafter is its own sequence's hidden states or taps, position
+    for position: those one forward over the whole sequence alone computes."""
     import torch
 
     gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
