@@ -20,7 +20,10 @@ under any load). Per mode and C it reports aggregate completion tokens/s, median
 latency (medians over the rounds) and lost requests (summed), and whether every answer equals
 the same request's answer at the first level (C = 1 by default: the request alone); for each
 mode but plain, also its tokens/s over plain decoding's in each round and their median (the
-two measured minutes apart at most, where medians taken over separate rounds are not). Last, per
+two measured minutes apart at most, where medians taken over separate rounds are not; two
+servers of the same code may still differ by several per cent from one start to the next:
+measured, three plain servers over 10 paired rounds at C = 32 gave 0.94 to 1.01 of one
+another). Last, per
 mode, the latency of a 4-token request sent just after another client's 1,000-token stream
 started (from its own process), the slowest of 5 such runs, against the same request alone (the
 median of two runs just before each of those: a machine's slow spell moves both).
