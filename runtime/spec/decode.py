@@ -116,7 +116,6 @@ class Decoder:
         # rows again at their positions for the proposer (the same K/V written over the same
         # K/V). Elsewhere the proposer follows each step (keeps its row's outputs).
         self._catches_up = self._follows and getattr(target, "rows_invariant", False)
-        self._missed: list[int] = []  # a busy batch's plain steps' tokens, not yet followed
         self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
@@ -217,6 +216,7 @@ class Decoder:
             if hasattr(self.proposer, "max_len"):
                 self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
             self.proposer.prefill(prompt.tokens, out, pending)
+            self._missed: list[int] = []  # this sequence's busy steps' tokens, not yet followed
         result.prefill_s = time.perf_counter() - t0
         emitted_total = 0
         next_tokens = [pending]
@@ -245,6 +245,9 @@ class Decoder:
         following = drafting and not batch.speculate and self._follows
         if following:  # a busy batch: a plain step; the proposer only keeps the kept row
             drafting = False
+            if self._catches_up:  # or keeps nothing: the row runs again when drafting resumes
+                self._missed.append(pending)
+                following = False
         elif drafting and self._missed:  # drafting resumes: the proposer first sees what it missed
             yield from self._catch_up(pending, cache)
         if drafting and room > 1:
@@ -277,8 +280,6 @@ class Decoder:
         t2 = time.perf_counter()
         if drafting:  # the drafter's own bookkeeping is drafter time
             self.proposer.accept(out, accepted + 1, emitted)
-        elif following and self._catches_up:
-            self._missed.append(pending)
         elif following:
             self.proposer.follow(out, emitted_ids)
         t3 = time.perf_counter()
@@ -294,10 +295,8 @@ class Decoder:
         proposer's taps, and the proposer follows them as if it had followed each step: the
         target's rows have the bits they had then, so the drafts are the ones following gives."""
         rows, self._missed = self._missed, []
-        end = cache.length
-        cache.length = end - len(rows)
+        cache.length -= len(rows)  # the forward leaves it where it was
         out = yield Forward(rows, cache, self.proposer.taps, last_logits=True, device=self.device)
-        cache.length = end
         self.proposer.follow(out, rows[1:] + [pending])
 
     def _plain_step(self, pending: int, cache, t0: float, result: DecodeResult, following: bool):
@@ -307,9 +306,6 @@ class Decoder:
         (`_taps`: a proposer that drafts or follows is one that has not retired)."""
         t1 = time.perf_counter()
         base = cache.length
-        if following and self._catches_up:
-            following = False
-            self._missed.append(pending)
         out = yield Forward([pending], cache, self.proposer.taps if following else (), device=self.device)
         emitted_ids = greedy_ids(out)[:1]
         cache.length = base + 1
