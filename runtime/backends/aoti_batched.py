@@ -82,10 +82,6 @@ def _parts(lanes: Lanes, groups: dict[int, list[int]], forwards) -> list[list[in
 class BatchedTarget(TargetFace):
     """The target's decode face over one batched package (see the module docstring)."""
 
-    # a row's bits do not depend on the forward's other rows or their count (the build checks
-    # it), so a row run again at its position writes the K/V it wrote (`decode.Decoder._catch_up`)
-    rows_invariant = True
-
     @classmethod
     def from_packages(cls, model, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
         """The face of the target's `cpu` entry: this one for a batched package, else (an

@@ -102,7 +102,8 @@ class EngineGenerator:
             proposer = factory.for_spec(e.component(name), embed, spec, self.dflash, max_len)
             if self.relay:
                 proposer = LeaderDrafts(proposer, self.world)
-        return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context)
+        return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context,
+                       e.rows_invariant)
 
     def _announce(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Leader: send the request to the other ranks (a sampled request gets a seed)."""

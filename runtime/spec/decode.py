@@ -105,17 +105,17 @@ class Decoder:
     """Decodes one sequence at a time with a target and an optional proposer."""
 
     def __init__(self, target: Qwen3ForCausalLM, eos_ids: frozenset[int], proposer: Proposer | None = None,
-                 exact_verify: bool = False, max_context: int | None = None):
+                 exact_verify: bool = False, max_context: int | None = None, rows_invariant: bool = False):
         self.target, self.eos_ids, self.proposer = target, eos_ids, proposer
         self.exact_verify = exact_verify
         self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
         self._follows = hasattr(proposer, "follow")  # looked up once: steps are hot
-        # A target whose rows' bits do not depend on how many rows a forward runs (the batched
-        # aoti face, its build-checked contract) lets a busy batch's plain steps keep nothing:
-        # their tokens are noted (`_missed`) and, when drafting resumes, one forward runs those
-        # rows again at their positions for the proposer (the same K/V written over the same
-        # K/V). Elsewhere the proposer follows each step (keeps its row's outputs).
-        self._catches_up = self._follows and getattr(target, "rows_invariant", False)
+        # A target whose rows' bits do not depend on how many rows a forward runs
+        # (`LoadedEngine.rows_invariant`) lets a busy batch's plain steps keep nothing: their
+        # tokens are noted (`_missed`) and, when drafting resumes, one forward runs those rows
+        # again at their positions for the proposer (the same K/V written over the same K/V).
+        # Elsewhere the proposer follows each step (keeps its row's outputs).
+        self._catches_up = self._follows and rows_invariant
         self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
