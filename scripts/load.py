@@ -28,6 +28,11 @@ mode, the latency of a 4-token request sent just after another client's 1,000-to
 started (from its own process), the slowest of 5 such runs, against the same request alone (the
 median of two runs just before each of those: a machine's slow spell moves both).
 
+Each level over HTTP also says where the time went: CPU ms per request of the clients (this
+process), the server's HTTP process and its engine process, the cores the three kept busy
+together, and the mean target rows per batched forward (`/metrics`; a batch of 32 full would run
+32), each over the timed requests only.
+
 With `--serial`, every mode also runs as `serial-MODE` on a server of its own with
 `--max-num-seqs 1`: one request at a time, the rest queued, as `serve` ran before it batched.
 Each mode's row then carries its tokens/s over its serial server's, round by round
@@ -113,7 +118,7 @@ class HttpClient:
 
 
 def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, max_tokens: int,
-             temperature: float = 0.0, client_kind: str = "openai"):
+             temperature: float = 0.0, client_kind: str = "openai", server_pid: int | None = None):
     from openai import OpenAI
 
     def new_openai() -> OpenAI:
@@ -152,6 +157,7 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
     with ThreadPoolExecutor(concurrency) as pool:
         barrier = threading.Barrier(concurrency)  # every thread warms once, none twice
         list(pool.map(lambda i: (warm(i), barrier.wait()), range(concurrency)))
+        before = (server_pid and _cpu_seconds(server_pid), _batch_counters(base))
         t0 = time.perf_counter()
         futures = [pool.submit(one, i) for i in range(concurrency * per_client)]
         done, lost = [], 0
@@ -160,7 +166,11 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
                 done.append(f.result())
             except Exception:  # noqa: BLE001 - counted as lost
                 lost += 1
-    return _figures(concurrency, len(futures), lost, done, time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        after = (server_pid and _cpu_seconds(server_pid), _batch_counters(base))
+    row, answers = _figures(concurrency, len(futures), lost, done, wall)
+    row.update(_where_time_went(before, after, len(futures), wall))
+    return row, answers
 
 
 def _figures(concurrency: int, requests: int, lost: int, done: list[tuple], wall: float):
@@ -172,6 +182,61 @@ def _figures(concurrency: int, requests: int, lost: int, done: list[tuple], wall
             "tokens_per_s": round(sum(d[2] for d in done) / wall, 1),
             "median_latency_s": round(statistics.median(lat), 3) if lat else None,
             "p99_latency_s": round(p99, 3)}, {(i, t) for i, t, _, _ in done}
+
+
+def _cpu_seconds(server_pid: int) -> dict[str, float] | None:
+    """CPU seconds (user + system) so far of this process (the clients), the server's process
+    (HTTP) and its children (the engine process), read from /proc; None where there is none."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(pid) -> list[str]:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+    try:
+        engine = 0.0
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    fields = stat(entry)
+                except OSError:  # gone since the listing
+                    continue
+                if int(fields[1]) == server_pid:  # its parent
+                    engine += (int(fields[11]) + int(fields[12])) / tick
+        http = stat(server_pid)
+    except OSError:
+        return None
+    mine = os.times()
+    return {"client": mine.user + mine.system, "http": (int(http[11]) + int(http[12])) / tick,
+            "engine": engine}
+
+
+def _batch_counters(base: str) -> tuple[float, float]:
+    """The server's scheduler counters (target rows run in batched forwards, those forwards)."""
+    import requests
+
+    text = requests.get(base + "/metrics", timeout=30).text
+    values = dict(line.split() for line in text.splitlines()
+                  if line.startswith(("metrale_scheduler_batched_rows_total ",
+                                      "metrale_scheduler_batched_forwards_total ")))
+    return (float(values.get("metrale_scheduler_batched_rows_total", 0)),
+            float(values.get("metrale_scheduler_batched_forwards_total", 0)))
+
+
+def _where_time_went(before: tuple, after: tuple, requests: int, wall: float) -> dict:
+    """What a level cost, from `_cpu_seconds` and `_batch_counters` taken just before and just
+    after it: CPU ms per request of the clients, the HTTP process and the engine process, the
+    cores they kept busy together, and the mean target rows per batched forward (at C = 32 a
+    full batch runs 32: fewer means requests spent that share of their time outside the engine,
+    in the clients, the HTTP process or the pipes between)."""
+    out = {}
+    (cpu0, (rows0, fwd0)), (cpu1, (rows1, fwd1)) = before, after
+    if cpu0 is not None and cpu1 is not None:
+        spent = {k: cpu1[k] - cpu0[k] for k in cpu0}
+        out["cpu_ms_per_request"] = {k: round(1e3 * v / requests, 2) for k, v in spent.items()}
+        out["cores_busy"] = round(sum(spent.values()) / wall, 2)
+    if fwd1 > fwd0:
+        out["rows_per_forward"] = round((rows1 - rows0) / (fwd1 - fwd0), 1)
+    return out
 
 
 _ENGINES: dict = {}
@@ -290,7 +355,19 @@ def _median_row(rows: list[dict]) -> dict:
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows), 1),
             "tokens_per_s_rounds": [r["tokens_per_s"] for r in rows],
             "median_latency_s": med("median_latency_s"), "p99_latency_s": med("p99_latency_s"),
-            "equal_to_solo": all(r["equal_to_solo"] for r in rows)}
+            "equal_to_solo": all(r["equal_to_solo"] for r in rows), **_median_costs(rows)}
+
+
+def _median_costs(rows: list[dict]) -> dict:
+    """`_where_time_went`'s figures of a level's rounds, each the median over the rounds."""
+    out = {}
+    for key in ("cores_busy", "rows_per_forward"):
+        if all(key in r for r in rows):
+            out[key] = round(statistics.median(r[key] for r in rows), 2)
+    if all("cpu_ms_per_request" in r for r in rows):
+        out["cpu_ms_per_request"] = {k: round(statistics.median(r["cpu_ms_per_request"][k] for r in rows), 2)
+                                     for k in rows[0]["cpu_ms_per_request"]}
+    return out
 
 
 def main() -> int:
@@ -356,8 +433,9 @@ def main() -> int:
                         row, answers = run_engine_only(args.engine_dir, prompts, c, per_client[c],
                                                        args.max_tokens, args.max_num_seqs)
                     else:
-                        row, answers = run_load(servers[mode][1], prompts, c, per_client[c],
-                                                args.max_tokens, args.temperature, args.client)
+                        proc, base = servers[mode]
+                        row, answers = run_load(base, prompts, c, per_client[c], args.max_tokens,
+                                                args.temperature, args.client, proc.pid)
                     solo.setdefault(mode, dict(answers))  # its first level's answers (C = 1)
                     row["equal_to_solo"] = all(solo[mode].get(i) == t for i, t in answers)
                     rows[mode][c].append(row)

@@ -118,19 +118,38 @@ def _load_script():
     return mod
 
 
-def test_load_script_counts_what_its_clients_got(server, tiny_engine, tiny_prompts):
+def test_load_script_counts_what_its_clients_got(server_proc, tiny_engine, tiny_prompts):
     """scripts/load.py's figures come from real answers: each client thread its own openai
-    client, every request counted, its answer the one it gets alone."""
+    client, every request counted, its answer the one it gets alone; where the time went comes
+    from the processes' CPU counters and the server's scheduler counters."""
     load = _load_script()
+    server, pid = server_proc
     prompts = [tiny_engine.tokenizer.decode(p[:6]) for p in tiny_prompts[:4]]
-    alone, solo = load.run_load(server, prompts, 1, 4, 6)
-    busy, together = load.run_load(server, prompts, 4, 2, 6)
+    alone, solo = load.run_load(server, prompts, 1, 4, 6, server_pid=pid)
+    busy, together = load.run_load(server, prompts, 4, 2, 6, server_pid=pid)
+    # alone, a forward runs one sequence's rows: its prompt (6 tokens at most) or a verify (the
+    # pending token and at most 7 drafts of the ladder 1,3,7); together, up to 4 such sets
+    assert 1.0 <= alone["rows_per_forward"] <= 8.0 and 1.0 <= busy["rows_per_forward"] <= 32.0
+    assert busy["cores_busy"] > 0
+    # the engine process (the server's child) computes every token; each process did some work
+    assert set(busy["cpu_ms_per_request"]) == {"client", "http", "engine"}
+    assert all(v > 0 for v in alone["cpu_ms_per_request"].values())
     assert alone["requests"] == 4 and busy["requests"] == 8 and alone["lost"] == busy["lost"] == 0
     assert busy["tokens_per_s"] > 0 and busy["p99_latency_s"] >= busy["median_latency_s"] > 0
     assert dict(solo) == dict(together) and len(solo) == 4
-    rounds = [dict(busy, equal_to_solo=True, tokens_per_s=t, lost=n) for t, n in ((3.0, 0), (1.0, 1), (2.0, 0))]
+    rounds = [dict(busy, equal_to_solo=True, tokens_per_s=t, lost=n, rows_per_forward=t,
+                   cpu_ms_per_request={"client": t, "http": 1.0, "engine": 2 * t})
+              for t, n in ((3.0, 0), (1.0, 1), (2.0, 0))]
     row = load._median_row(rounds)
     assert (row["tokens_per_s"], row["lost"], row["rounds"], row["requests"]) == (2.0, 1, 3, 24)
+    assert row["rows_per_forward"] == 2.0
+    assert row["cpu_ms_per_request"] == {"client": 2.0, "http": 1.0, "engine": 4.0}
+    # CPU seconds and counters before and after a level -> per request, per second, per forward
+    went = load._where_time_went(({"client": 1.0, "http": 2.0, "engine": 3.0}, (100.0, 10.0)),
+                                 ({"client": 1.5, "http": 2.1, "engine": 3.4}, (420.0, 30.0)), 100, 0.5)
+    assert went == {"cpu_ms_per_request": {"client": 5.0, "http": 1.0, "engine": 4.0}, "cores_busy": 2.0,
+                    "rows_per_forward": 16.0}
+    assert load._where_time_went((None, (0.0, 0.0)), (None, (0.0, 0.0)), 1, 1.0) == {}
     assert row["equal_to_solo"] and not load._median_row([dict(busy, equal_to_solo=False)])["equal_to_solo"]
     # paired by round: the median of each round's ratio, not the ratio of the two medians (1.0)
     plain = [dict(busy, tokens_per_s=t) for t in (1.5, 2.0, 4.0)]
