@@ -111,10 +111,17 @@ def aoti_engine(aoti_engine_dir):
 
 @pytest.mark.parametrize("mode,disable_at", [("plain", None), ("mtp", None), ("mtp", 2),
                                              ("dflash", None), ("dflash", 2)])
-def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mode, disable_at):
+def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mode, disable_at,
+                                                 monkeypatch):
     """On the aoti backend the running requests' rows go through one batched forward per
     iteration (the metrics show more rows than forwards); 32 requests from 32 threads get the
-    answers they get alone, drafting or backing off to plain steps under load."""
+    answers they get alone, drafting or backing off to plain steps under load (those run as
+    `PlainRun`s: the decode loop is not resumed at each)."""
+    from metrale.runtime.spec.decode import PlainRun
+
+    taken = []
+    take = PlainRun.take
+    monkeypatch.setattr(PlainRun, "take", lambda self, out: taken.append(1) or take(self, out))
     gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
     assert gen.batched
     tok = aoti_engine.tokenizer
@@ -132,6 +139,7 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
             answers = list(pool.map(ask, [i % len(texts) for i in range(32)]))
         metrics = requests.get(base + "/metrics", timeout=5).text
     assert all(text == solo[i] for i, text in answers)
+    assert bool(taken) == (mode == "plain" or disable_at is not None)  # plain steps, and busy ones
     value = lambda name: float(next(x for x in metrics.splitlines()  # noqa: E731
                                     if x.startswith(f"metrale_scheduler_{name} ")).split()[1])
     assert value("batched_rows_total") > 1.5 * value("batched_forwards_total")  # rows of many sequences
@@ -145,28 +153,47 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
         assert value("draft_blocks_total") > 1.5 * value("draft_forwards_total")
 
 
-def _busy_then_free(gen, prompts: list[list[int]], plain_tokens: int) -> list[list[int]]:
+def _busy_then_free(gen, prompts: list[list[int]], plain_tokens: int, runs: bool = False,
+                    decoders: list | None = None, max_tokens: int = 24) -> list[list[int]]:
     """The sequences' decode loops in one busy batch (plain steps, the target rows of all in one
-    batched forward) until each emitted `plain_tokens`, then drafting; -> their tokens."""
+    batched forward) until each emitted `plain_tokens`, then drafting; -> their tokens. With
+    `runs`, greedy plain steps come as `PlainRun`s, driven as the scheduler's `Job` drives them;
+    `decoders` gets each sequence's decoder."""
     import torch
 
-    from metrale.runtime.spec.decode import Batch
+    from metrale.runtime.spec.decode import Batch, PlainRun
 
     batch = Batch(size=len(prompts), speculate=False)
-    params = SamplingParams(temperature=0.0, max_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     emitted = [[] for _ in prompts]
     with torch.inference_mode():
-        loops = [gen.decoder().steps(p, params, batch) for p in prompts]
+        mine = [gen.decoder() for _ in prompts]
+        if decoders is not None:
+            decoders.extend(mine)
+        loops = [d.steps(p, params, batch, runs=runs) for d, p in zip(mine, prompts)]
         replies, live = [None] * len(prompts), list(range(len(prompts)))
+        taking: list = [None] * len(prompts)  # each sequence's run, while it runs
         while live:
             needs = {}
             for i in live:
                 while True:
+                    run = taking[i]
+                    if run is not None:
+                        emitted[i].append(run.take(replies[i]))
+                        replies[i] = None
+                        if run.forward is not None:
+                            needs[i] = run.forward
+                            break
+                        taking[i], replies[i] = None, run
                     try:
                         item = loops[i].send(replies[i])
                     except StopIteration:
                         break
                     replies[i] = None
+                    if isinstance(item, PlainRun):
+                        taking[i] = item
+                        needs[i] = item.forward
+                        break
                     if not isinstance(item, list):
                         needs[i] = item
                         break
@@ -233,14 +260,16 @@ def test_followed_rows_reach_the_drafter_as_the_target_computed_them(aoti_engine
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["steps", "runs"])
 @pytest.mark.parametrize("mode", ["mtp", "dflash"])
 def test_catching_up_feeds_the_drafter_what_following_each_step_fed(aoti_engine, tiny_prompts, mode,
-                                                                    monkeypatch):
+                                                                    runs, monkeypatch):
     """On the batched target a busy batch's plain steps keep nothing and the rows run again when
     drafting resumes (`Decoder._catch_up`): the head or drafter is fed the very bits that
     following every step fed it, the target's cache ends as it did, and so every draft, every
     acceptance and every token is the same. The plain steps carry no taps and the proposer
-    keeps no row meanwhile."""
+    keeps no row meanwhile; so too when the scheduler runs them as a `PlainRun` (`runs`),
+    which ends as the batch lets steps draft."""
     import torch
 
     from metrale.runtime.backends.aoti_batched import BatchedTarget
@@ -257,7 +286,7 @@ def test_catching_up_feeds_the_drafter_what_following_each_step_fed(aoti_engine,
 
     monkeypatch.setattr(BatchedTarget, "forward_many", spy_many)
     prompts = [tiny_prompts[0][:10], tiny_prompts[1][:14]]
-    caught = _busy_then_free(gen, prompts, plain_tokens=10)
+    caught = _busy_then_free(gen, prompts, plain_tokens=10, runs=runs)
     caught_fed, caught_forwards = fed[:], forwards[:]
     fed.clear()
     forwards.clear()
@@ -274,6 +303,33 @@ def test_catching_up_feeds_the_drafter_what_following_each_step_fed(aoti_engine,
         assert rows == len(plain) >= 9 and all(f[2] == 1 and not f[4] for f in plain)
         assert taps == gen.decoder().proposer.taps  # DFlash's tap layers (MTP reads the last hidden)
         assert start == plain[0][1] and start + rows == mine[again[0] + 1][1]  # their positions
+
+
+@pytest.mark.parametrize("ending", ["budget", "eos"])
+def test_plain_runs_decode_and_record_what_plain_steps_do(aoti_engine, tiny_prompts, ending, monkeypatch):
+    """Greedy plain steps run as `PlainRun`s (the scheduler's, the decode loop not resumed at
+    each) emit the tokens per-step decoding emits, end where it ends (the budget, or EOS) and
+    leave the same result: tokens, finish reason, steps and metrics."""
+    gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES["plain"]))
+    prompts = [tiny_prompts[0][:10], tiny_prompts[1][:14], tiny_prompts[2][:6]]
+    stepped, ran = [], []
+    want = _busy_then_free(gen, prompts, 0, decoders=stepped, max_tokens=20)
+    if ending == "eos":  # a token each sequence emits midway ends it there, as EOS would
+        eos, decoder = frozenset({want[0][7], want[1][5], want[2][9]}), EngineGenerator.decoder
+
+        def with_eos(self):
+            made = decoder(self)
+            made.eos_ids = eos
+            return made
+        monkeypatch.setattr(EngineGenerator, "decoder", with_eos)
+        stepped.clear()
+        want = _busy_then_free(gen, prompts, 0, decoders=stepped, max_tokens=20)
+        assert all(len(w) < 20 for w in want)  # EOS ended each
+    assert _busy_then_free(gen, prompts, 0, runs=True, decoders=ran, max_tokens=20) == want
+    for a, b in zip((d.last_result for d in ran), (d.last_result for d in stepped)):
+        assert (a.token_ids, a.finish_reason, len(a.steps)) == (b.token_ids, b.finish_reason, len(b.steps))
+        assert (a.metrics.steps, a.metrics.tokens_emitted, a.metrics.verify_rows) == \
+            (b.metrics.steps, b.metrics.tokens_emitted, b.metrics.verify_rows) and a.seconds > 0
 
 
 @pytest.mark.parametrize("mode", ["mtp", "dflash"])

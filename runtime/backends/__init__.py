@@ -56,6 +56,11 @@ class Forward:
     def token_ids(self) -> list[int]:
         return self.tokens if self.tokens is not None else self._ids[0].tolist()
 
+    def feed(self, token: int) -> None:
+        """A one-row step's forward made the next step's: its row is now `token`, at the
+        position after the last (the cache's length, which the forward moved on)."""
+        self.tokens[0], self._ids = token, None
+
     def __repr__(self) -> str:
         return f"Forward(rows={self.rows}, taps={self.taps}, last_logits={self.last_logits})"
 

@@ -13,10 +13,13 @@ target rows every running request needs next (a prompt, a plain step's token, a 
 and drafts) run in one batched forward per iteration (`EngineGenerator.run_forwards`), in which
 each row reads its own sequence's cache only, so every answer is the one the request gets
 alone; so do the MTP head's entries of every drafting request's chain (one head forward per
-link of the chains) and every drafting request's DFlash block (one drafter call). Drafting backs off under load: with `speculative_disable_by_batch_size` or more
-sequences running, steps are plain (the drafters still follow, see `decode.Decoder.steps`),
-and drafting resumes once fewer have run for `SPECULATE_AFTER_S`;
-greedy answers do not change, since a speculative step emits plain decoding's tokens. A
+link of the chains) and every drafting request's DFlash block (one drafter call). A request's
+greedy plain steps (plain decoding's, or those of a speculative request in a busy batch) come as
+one `decode.PlainRun`: the scheduler runs them, its token out after each, without resuming the
+request's decode loop until the run ends. Drafting backs off under load: with
+`speculative_disable_by_batch_size` or more sequences running, steps are plain (the drafters
+still follow, see `decode.Decoder.steps`), and drafting resumes once fewer have run for
+`SPECULATE_AFTER_S`; greedy answers do not change, since a speculative step emits plain decoding's tokens. A
 tensor-parallel world decodes requests in lockstep across ranks, one at a time, so there
 `max_num_seqs` is 1.
 """
@@ -33,7 +36,7 @@ from typing import Any
 
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
 from metrale.runtime.backends import DraftForward, Forward, HeadForward
-from metrale.runtime.spec.decode import Batch
+from metrale.runtime.spec.decode import Batch, PlainRun
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,8 @@ class Job:
     With a generator that can be batched (`gen.batched`), the request runs as its decode loop's
     coroutine (`gen.steps`): `advance` runs it up to the next target forward it needs and leaves
     that in `need`; the scheduler runs every job's `need` in one forward and hands each its
-    output (`reply`). Otherwise (a tensor-parallel world, a test's generator) `advance` takes
+    output (`reply`); while a `PlainRun` runs (`run`), `advance` takes its step's token and
+    leaves its next step's row in `need`, the coroutine untouched. Otherwise (a tensor-parallel world, a test's generator) `advance` takes
     the next token of `gen.stream`."""
 
     def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
@@ -100,6 +104,7 @@ class Job:
         self.coroutine = bool(getattr(gen, "batched", False))
         self.need: Forward | HeadForward | DraftForward | None = None
         self.reply = None
+        self.run: PlainRun | None = None  # greedy plain steps run here, the loop not resumed
 
     def advance(self) -> bool:
         """Run the request to its next forward (or its next token); False once it is over (its
@@ -123,12 +128,23 @@ class Job:
             self.tokens = self.gen.steps(self.req.prompt_ids, self.req.params, self.batch)
         while True:
             reply, self.reply = self.reply, None
+            run = self.run
+            if run is not None:  # a plain step of the run: its token out, the next step's row
+                if not self._take(run.take(reply)):
+                    return False
+                if run.forward is not None:
+                    self.need = run.forward
+                    return True
+                self.run, reply = None, run  # the run ended: the loop goes on from it
             try:
                 item = self.tokens.send(reply)
             except StopIteration:
                 return self._finish(stopped=False)
             if isinstance(item, (Forward, HeadForward, DraftForward)):
                 self.need = item
+                return True
+            if type(item) is PlainRun:
+                self.run, self.need = item, item.forward
                 return True
             for token in item:
                 if not self._take(token):
@@ -164,7 +180,7 @@ class Job:
 
     def _close(self) -> None:
         close = getattr(self.tokens, "close", None)
-        self.tokens, self.need = None, None
+        self.tokens, self.need, self.run = None, None, None
         if close is not None:  # a generator: its cleanup (metrics, a world's lockstep) runs now
             close()
 

@@ -148,7 +148,7 @@ class EngineGenerator:
         resumed under `thread_mode`."""
         decoder = self.decoder()
         try:
-            yield from decoder.steps(prompt_ids, params, batch)
+            yield from decoder.steps(prompt_ids, params, batch, runs=True)
         finally:
             if decoder.last_result is not None:
                 self.metrics.add(decoder.last_result.metrics)

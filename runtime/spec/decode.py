@@ -101,6 +101,49 @@ class DecodeResult:
         return len(self.token_ids) / decode_s if decode_s > 0 else float("inf")
 
 
+class PlainRun:
+    """Greedy plain steps of one sequence that a scheduler runs without resuming its decode loop
+    at each (`Decoder.steps` with `runs`): the loop yields one `PlainRun`; the scheduler runs
+    `forward` in its batched forward, hands the output to `take` (which gives the token, to
+    emit at once, and sets `forward` to the next step's) until `forward` is None, then sends
+    the run back. Each step is `Decoder._plain_step`'s without following: the same row, the
+    argmax emitted, the same metrics. A run ends at EOS, at the sequence's budget (`room`
+    tokens), or, for a sequence whose proposer drafts again once its batch lets it (`batch`
+    given), as soon as the batch lets steps draft; meanwhile each step's token is noted for
+    the catch-up (`missed`, as `_step` notes a busy step's)."""
+
+    __slots__ = ("forward", "tokens", "_room", "_eos", "_result", "_missed", "_batch", "_t0", "_at")
+
+    def __init__(self, pending: int, cache, room: int, eos: frozenset[int], result: "DecodeResult",
+                 missed: list[int] | None, batch: "Batch | None", t0: float, device):
+        self.forward: Forward | None = Forward([pending], cache, (), device=device)
+        self.tokens: list[int] = []
+        self._room, self._eos, self._result, self._missed, self._batch = room, eos, result, missed, batch
+        self._t0, self._at = t0, time.perf_counter()
+
+    def take(self, out: TargetOutput) -> int:
+        """The current step's output -> its token (recorded in the sequence's result)."""
+        token = greedy_ids(out)[0]
+        now, result = time.perf_counter(), self._result
+        result.metrics.record_plain_step(draft_s=0.0, verify_s=now - self._at)
+        result.steps.append(PLAIN_STEP)
+        result.token_ids.append(token)
+        self.tokens.append(token)
+        self._at = now
+        if token in self._eos or len(self.tokens) >= self._room:
+            if token in self._eos:
+                result.finish_reason = "stop"
+            result.seconds = now - self._t0
+            self.forward = None
+        elif self._batch is not None and self._batch.speculate:
+            self.forward = None
+        else:
+            if self._missed is not None:
+                self._missed.append(token)  # the next step's pending token, noted as `_step` notes it
+            self.forward.feed(token)  # the next step's row
+        return token
+
+
 class Decoder:
     """Decodes one sequence at a time with a target and an optional proposer."""
 
@@ -119,6 +162,7 @@ class Decoder:
         self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
+        self._runs = False  # a scheduler takes `PlainRun`s (`steps`)
         self.last_result: DecodeResult | None = None
 
     def _taps(self) -> tuple[int, ...]:
@@ -174,8 +218,9 @@ class Decoder:
         finally:
             steps.close()
 
-    def steps(self, prompt_ids: list[int], params: SamplingParams,
-              batch: Batch = ALONE) -> Generator[Forward | HeadForward | DraftForward | list[int], object, None]:
+    def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch = ALONE,
+              runs: bool = False) -> Generator[Forward | HeadForward | DraftForward | PlainRun | list[int],
+                                               object, None]:
         """The decode loop of one sequence as a coroutine, so a scheduler can run the target
         rows of many sequences in one forward: it yields a `Forward` whenever it needs target
         rows (send back their `TargetOutput`), a `HeadForward` for each link of an MTP draft
@@ -190,8 +235,11 @@ class Decoder:
         (`_catch_up`), so drafting resumes from complete context), and
         its `size` reaches the proposer (`batch_size`): adaptive k is a policy for a stream
         that runs alone. A seeded sampled request ignores `batch` (it drafts as if alone), so
-        its samples are the same under any load. Resume it under `torch.inference_mode` (as
-        `stream` and the server's scheduler thread do: entered once, not at every resume)."""
+        its samples are the same under any load. With `runs` (a scheduler that takes them), a
+        greedy plain step that does not follow yields a `PlainRun` instead of its `Forward`:
+        the steps after it run without resuming this loop until the run ends (send the run
+        back). Resume it under `torch.inference_mode` (as `stream` and the server's scheduler
+        thread do: entered once, not at every resume)."""
         t0 = time.perf_counter()
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
@@ -218,6 +266,7 @@ class Decoder:
             self.proposer.prefill(prompt.tokens, out, pending)
             self._missed: list[int] = []  # this sequence's busy steps' tokens, not yet followed
         result.prefill_s = time.perf_counter() - t0
+        self._runs = runs
         emitted_total = 0
         next_tokens = [pending]
         while True:
@@ -233,13 +282,21 @@ class Decoder:
                     yield emitted
                     return
             yield emitted
-            next_tokens = yield from self._step(next_tokens[-1], cache, params, gen,
-                                                budget - emitted_total, result, batch)
+            step = yield from self._step(next_tokens[-1], cache, params, gen, budget - emitted_total,
+                                         result, batch, t0)
+            while type(step) is PlainRun:  # its tokens went out (and into `result`) as they came
+                emitted_total += len(step.tokens)
+                if step.tokens[-1] in self.eos_ids or emitted_total >= budget:
+                    return
+                step = yield from self._step(step.tokens[-1], cache, params, gen, budget - emitted_total,
+                                             result, batch, t0)
+            next_tokens = step
 
-    def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult, batch: Batch):
+    def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult, batch: Batch,
+              started: float = 0.0):
         t0 = time.perf_counter()
         drafts, proposed = NO_DRAFTS, 0
-        drafting = self._drafting()
+        drafting = resumes = self._drafting()
         if params.seed is not None and not params.greedy:
             batch = ALONE  # its draws must not depend on the load: it drafts as if alone
         following = drafting and not batch.speculate and self._follows
@@ -259,6 +316,12 @@ class Decoder:
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]
         elif params.greedy and not drafting:  # no drafts: the pending token's row, its argmax emitted
+            if self._runs and not following:  # the scheduler runs these steps until drafting resumes
+                run = PlainRun(pending, cache, room, self.eos_ids, result,
+                               self._missed if resumes else None, batch if resumes else None,
+                               started, self.device)
+                yield run
+                return run
             return (yield from self._plain_step(pending, cache, t0, result, following))
         t1 = time.perf_counter()
         device = self.device
