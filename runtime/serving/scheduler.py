@@ -19,9 +19,9 @@ one `decode.PlainRun`: the scheduler runs them, its token out after each, withou
 request's decode loop until the run ends. Drafting backs off under load: with
 `speculative_disable_by_batch_size` or more sequences running, steps are plain (the drafters
 still follow, see `decode.Decoder.steps`), and drafting resumes once fewer have run for
-`SPECULATE_AFTER_S`; greedy answers do not change, since a speculative step emits plain decoding's tokens. A
-tensor-parallel world decodes requests in lockstep across ranks, one at a time, so there
-`max_num_seqs` is 1.
+`SPECULATE_AFTER_S`; greedy answers do not change, since a speculative step emits plain
+decoding's tokens. A tensor-parallel world decodes requests in lockstep across ranks, one at a
+time, so there `max_num_seqs` is 1.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class Job:
     coroutine (`gen.steps`): `advance` runs it up to the next target forward it needs and leaves
     that in `need`; the scheduler runs every job's `need` in one forward and hands each its
     output (`reply`); while a `PlainRun` runs (`run`), `advance` takes its step's token and
-    leaves its next step's row in `need`, the coroutine untouched. Otherwise (a tensor-parallel world, a test's generator) `advance` takes
-    the next token of `gen.stream`."""
+    leaves its next step's row in `need`, the coroutine untouched. Otherwise (a tensor-parallel
+    world, a test's generator) `advance` takes the next token of `gen.stream`."""
 
     def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
                  batch: Batch | None = None):

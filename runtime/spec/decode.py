@@ -95,6 +95,11 @@ class DecodeResult:
     steps: list[StepTrace] = field(default_factory=list)
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
 
+    def record_plain_step(self, draft_s: float, verify_s: float) -> None:
+        """A step without drafts (one row, its token emitted): its metrics and its trace."""
+        self.metrics.record_plain_step(draft_s=draft_s, verify_s=verify_s)
+        self.steps.append(PLAIN_STEP)
+
     @property
     def tokens_per_s(self) -> float:
         decode_s = self.seconds - self.prefill_s
@@ -112,12 +117,14 @@ class PlainRun:
     given), as soon as the batch lets steps draft; meanwhile each step's token is noted for
     the catch-up (`missed`, as `_step` notes a busy step's)."""
 
-    __slots__ = ("forward", "tokens", "_room", "_eos", "_result", "_missed", "_batch", "_t0", "_at")
+    __slots__ = ("forward", "tokens", "finished", "_room", "_eos", "_result", "_missed", "_batch",
+                 "_t0", "_at")
 
     def __init__(self, pending: int, cache, room: int, eos: frozenset[int], result: "DecodeResult",
                  missed: list[int] | None, batch: "Batch | None", t0: float, device):
         self.forward: Forward | None = Forward([pending], cache, (), device=device)
         self.tokens: list[int] = []
+        self.finished = False  # it ended the sequence (EOS, or the budget)
         self._room, self._eos, self._result, self._missed, self._batch = room, eos, result, missed, batch
         self._t0, self._at = t0, time.perf_counter()
 
@@ -125,8 +132,7 @@ class PlainRun:
         """The current step's output -> its token (recorded in the sequence's result)."""
         token = greedy_ids(out)[0]
         now, result = time.perf_counter(), self._result
-        result.metrics.record_plain_step(draft_s=0.0, verify_s=now - self._at)
-        result.steps.append(PLAIN_STEP)
+        result.record_plain_step(draft_s=0.0, verify_s=now - self._at)
         result.token_ids.append(token)
         self.tokens.append(token)
         self._at = now
@@ -134,7 +140,7 @@ class PlainRun:
             if token in self._eos:
                 result.finish_reason = "stop"
             result.seconds = now - self._t0
-            self.forward = None
+            self.forward, self.finished = None, True
         elif self._batch is not None and self._batch.speculate:
             self.forward = None
         else:
@@ -162,7 +168,7 @@ class Decoder:
         self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
-        self._runs = False  # a scheduler takes `PlainRun`s (`steps`)
+        self._runs, self._started = False, 0.0  # a scheduler takes `PlainRun`s; the sequence's start
         self.last_result: DecodeResult | None = None
 
     def _taps(self) -> tuple[int, ...]:
@@ -266,7 +272,7 @@ class Decoder:
             self.proposer.prefill(prompt.tokens, out, pending)
             self._missed: list[int] = []  # this sequence's busy steps' tokens, not yet followed
         result.prefill_s = time.perf_counter() - t0
-        self._runs = runs
+        self._runs, self._started = runs, t0
         emitted_total = 0
         next_tokens = [pending]
         while True:
@@ -283,17 +289,16 @@ class Decoder:
                     return
             yield emitted
             step = yield from self._step(next_tokens[-1], cache, params, gen, budget - emitted_total,
-                                         result, batch, t0)
+                                         result, batch)
             while type(step) is PlainRun:  # its tokens went out (and into `result`) as they came
-                emitted_total += len(step.tokens)
-                if step.tokens[-1] in self.eos_ids or emitted_total >= budget:
+                if step.finished:
                     return
+                emitted_total += len(step.tokens)
                 step = yield from self._step(step.tokens[-1], cache, params, gen, budget - emitted_total,
-                                             result, batch, t0)
+                                             result, batch)
             next_tokens = step
 
-    def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult, batch: Batch,
-              started: float = 0.0):
+    def _step(self, pending: int, cache, params, gen, room: int, result: DecodeResult, batch: Batch):
         t0 = time.perf_counter()
         drafts, proposed = NO_DRAFTS, 0
         drafting = resumes = self._drafting()
@@ -319,7 +324,7 @@ class Decoder:
             if self._runs and not following:  # the scheduler runs these steps until drafting resumes
                 run = PlainRun(pending, cache, room, self.eos_ids, result,
                                self._missed if resumes else None, batch if resumes else None,
-                               started, self.device)
+                               self._started, self.device)
                 yield run
                 return run
             return (yield from self._plain_step(pending, cache, t0, result, following))
@@ -376,8 +381,7 @@ class Decoder:
         if following:
             self.proposer.follow(out, emitted_ids)
             t3 = time.perf_counter()
-        result.metrics.record_plain_step(draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
-        result.steps.append(PLAIN_STEP)
+        result.record_plain_step(draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
         return emitted_ids
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:
