@@ -119,6 +119,17 @@ def aoti_engine_dir(engine_factory) -> Path:
     return engine_factory("fp8", cpu_engines="aoti")
 
 
+@pytest.fixture(scope="module")
+def aoti_engine(aoti_engine_dir):
+    """The default engine loaded on its CPU packages, one per test module (a module may change
+    its faces' settings, as the lanes of its steps)."""
+    from metrale.runtime.backends import load_engine
+
+    engine = load_engine(aoti_engine_dir, backend="aoti")
+    assert engine.backend == "aoti"
+    return engine
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_engine_dir):
     from metrale.runtime.backends import load_engine

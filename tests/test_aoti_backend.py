@@ -41,15 +41,6 @@ def test_target_step_matches_the_model(tiny_recipe):
     assert cache.length == 20
 
 
-@pytest.fixture(scope="module")
-def aoti_engine(aoti_engine_dir):
-    from metrale.runtime.backends import load_engine
-
-    engine = load_engine(aoti_engine_dir, backend="aoti")
-    assert engine.backend == "aoti"
-    return engine
-
-
 def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir):
     m = json.loads((aoti_engine_dir / "config.json").read_text())
     comps = m["components"]

@@ -102,13 +102,6 @@ def test_a_cancelled_stream_frees_its_place(tiny_engine):
         assert isinstance(text, str)
 
 
-@pytest.fixture(scope="module")
-def aoti_engine(aoti_engine_dir):
-    from metrale.runtime.backends import load_engine
-
-    return load_engine(aoti_engine_dir, backend="aoti")
-
-
 @pytest.mark.parametrize("mode,disable_at", [("plain", None), ("mtp", None), ("mtp", 2),
                                              ("dflash", None), ("dflash", 2)])
 def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mode, disable_at,

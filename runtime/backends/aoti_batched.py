@@ -130,30 +130,66 @@ class BatchedTarget(TargetFace):
         prompt reuses the kept positions it starts with (`prefix_cache`: the same bits)."""
         from metrale.runtime.backends import Forward
 
-        groups = _by_pool(forwards, [f.cache.length for f in forwards])  # each fits its cache
         hits = self._lookups(forwards)
         runs = {i: f if i not in hits else Forward(f.ids[:, hits[i].reused:], f.cache, f.taps, True)
                 for i, f in enumerate(forwards) if i not in hits or not hits[i].whole}
-        parts = _parts(self.lanes, {k: [i for i in m if i in runs] for k, m in groups.items()}, runs)
+        # decode steps of one row each (and prompts the prefix cache holds whole, which run no
+        # row): what a busy batch runs at almost every iteration, planned by _step_plans
+        steps = all(f.rows == 1 and f.tokens is not None and not f.last_logits for f in runs.values())
+        if hits or not steps:
+            groups = _by_pool(forwards, [f.cache.length for f in forwards])  # each fits its cache
+        if not steps:
+            parts = _parts(self.lanes, {k: [i for i in m if i in runs] for k, m in groups.items()}, runs)
         # lengths move only once every call succeeded: a failed batch leaves each cache as it
         # was (its slots written again, with the same values, by a retry)
         try:
             for i, hit in hits.items():
                 self._reuse(hit, forwards[i].cache)
                 forwards[i].served = hit.reused
-            plans = [self._plan([runs[i] for i in p]) for p in parts]
+            if steps:
+                parts, plans = self._step_plans(runs)
+            else:
+                plans = [self._plan([runs[i] for i in p]) for p in parts]
             done = self.lanes.map(_call_all, plans)  # the package calls only, a part per lane
         finally:
             for i in hits:
                 forwards[i].cache.length = 0
         results: list = [None] * len(forwards)
+        give = self._give_steps if steps else self._give
         for members, plan, outs in zip(parts, plans, done):
-            self._give(members, runs, _joined_calls(plan, outs), results)
+            give(members, runs, _joined_calls(plan, outs), results)
         for i, hit in hits.items():
             results[i] = self._reused(hit, results[i], forwards[i])
         for f in forwards:
             f.cache.length += f.rows
         return results
+
+    def _step_plans(self, runs: dict) -> tuple[list[list[int]], list[list[tuple]]]:
+        """The parts and package calls of one-row steps (`runs`' values, each a token given as a
+        list): each input of a call made by one comprehension over its sequences, not row by
+        row as `_plan` makes a prompt's; each step checked to fit its cache."""
+        groups: dict[int, list[int]] = {}
+        for i, f in runs.items():
+            groups.setdefault(id(f.cache.pool), []).append(i)
+        parts = [p for members in groups.values() for p in self.lanes.split(members, [1] * len(members))]
+        plans, step = [], self.max_rows
+        for part in parts:
+            caches = [runs[i].cache for i in part]
+            pos, pool, n = [c.length for c in caches], caches[0].pool, len(part)
+            if max(pos) >= pool.slots:
+                raise ValueError(f"positions up to {max(pos) + 1} exceed the cache's {pool.slots} slots")
+            ids, pos, seq = _longs([runs[i].tokens[0] for i in part]), _longs(pos), _longs([c.index for c in caches])
+            plans.append([(self.package, True, (ids[c:c + step], pos[c:c + step], seq[c:c + step],
+                                                _longs(range(min(step, n - c))), *pool.kv)) for c in range(0, n, step)])
+        return parts, plans
+
+    def _give_steps(self, members: list[int], runs: dict, outs: list[torch.Tensor], results: list) -> None:
+        """`_give` of one-row steps: row r of the part's outputs is its r-th member's."""
+        logits, hidden, *rest = outs
+        taps = rest[0] if rest else None
+        greedy = argmax_rows(logits)
+        for r, i in enumerate(members):
+            results[i] = _RowsOutput(self, logits, hidden, taps, r, 1, r, 1, runs[i].taps, greedy[r:r + 1])
 
     def _give(self, members: list[int], runs: dict, outs: list[torch.Tensor], results: list) -> None:
         """Each run forward's output, its rows' views of one part's outputs (a prompt's kept)."""

@@ -179,6 +179,8 @@ class Job:
         return False
 
     def _close(self) -> None:
+        if self.run is not None:  # a run's steps since it last recorded, into the result the loop's cleanup reads
+            self.run.close()
         close = getattr(self.tokens, "close", None)
         self.tokens, self.need, self.run = None, None, None
         if close is not None:  # a generator: its cleanup (metrics, a world's lockstep) runs now
@@ -272,15 +274,7 @@ class Scheduler:
             outs = None
         self.forward_seconds += time.perf_counter() - t0
         if outs is not None:
-            target = [f.rows - f.served for f in forwards if isinstance(f, Forward)]
-            head = [f.rows for f in forwards if isinstance(f, HeadForward)]
-            self.forwards += bool(target)
-            self.batched_rows += sum(target)
-            self.head_forwards += bool(head)
-            self.head_rows += sum(head)
-            blocks = sum(isinstance(f, DraftForward) for f in forwards)
-            self.draft_forwards += bool(blocks)
-            self.draft_blocks += blocks
+            self._count(forwards)
         for i, job in enumerate(jobs):
             job.need = None
             if outs is not None:
@@ -290,6 +284,26 @@ class Scheduler:
                 job.reply = self.run_forwards([forwards[i]])[0]
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 job.fail(e)
+
+    def _count(self, forwards: list) -> None:
+        """/metrics' counters of one batched forward's needs, in one pass over them."""
+        target = targets = head = heads = blocks = 0
+        for f in forwards:
+            kind = type(f)
+            if kind is Forward:
+                targets += 1
+                target += f.rows - f.served
+            elif kind is HeadForward:
+                heads += 1
+                head += f.rows
+            elif kind is DraftForward:
+                blocks += 1
+        self.forwards += targets > 0
+        self.batched_rows += target
+        self.head_forwards += heads > 0
+        self.head_rows += head
+        self.draft_forwards += blocks > 0
+        self.draft_blocks += blocks
 
     def _loop(self) -> None:
         with self.thread_mode():

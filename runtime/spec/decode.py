@@ -95,10 +95,11 @@ class DecodeResult:
     steps: list[StepTrace] = field(default_factory=list)
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
 
-    def record_plain_step(self, draft_s: float, verify_s: float) -> None:
-        """A step without drafts (one row, its token emitted): its metrics and its trace."""
-        self.metrics.record_plain_step(draft_s=draft_s, verify_s=verify_s)
-        self.steps.append(PLAIN_STEP)
+    def record_plain_step(self, draft_s: float, verify_s: float, n: int = 1) -> None:
+        """`n` steps without drafts (one row each, its token emitted), taking `draft_s` and
+        `verify_s` together: their metrics and their traces."""
+        self.metrics.record_plain_step(draft_s=draft_s, verify_s=verify_s, n=n)
+        self.steps.extend((PLAIN_STEP,) * n)
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,10 +116,14 @@ class PlainRun:
     argmax emitted, the same metrics. A run ends at EOS, at the sequence's budget (`room`
     tokens), or, for a sequence whose proposer drafts again once its batch lets it (`batch`
     given), as soon as the batch lets steps draft; meanwhile each step's token is noted for
-    the catch-up (`missed`, as `_step` notes a busy step's)."""
+    the catch-up (`missed`, as `_step` notes a busy step's). Its steps go into the sequence's
+    result together when it ends, or when the scheduler drops it (`close`: the request ended
+    first, at a stop string or its client's cancel): the same tokens, traces and metric
+    counts as step by step, and the same total time (each step's time runs from the one
+    before it)."""
 
     __slots__ = ("forward", "tokens", "finished", "_room", "_eos", "_result", "_missed", "_batch",
-                 "_t0", "_at")
+                 "_t0", "_at", "_recorded")
 
     def __init__(self, pending: int, cache, room: int, eos: frozenset[int], result: "DecodeResult",
                  missed: list[int] | None, batch: "Batch | None", t0: float, device):
@@ -126,28 +131,37 @@ class PlainRun:
         self.tokens: list[int] = []
         self.finished = False  # it ended the sequence (EOS, or the budget)
         self._room, self._eos, self._result, self._missed, self._batch = room, eos, result, missed, batch
-        self._t0, self._at = t0, time.perf_counter()
+        self._t0, self._at, self._recorded = t0, time.perf_counter(), 0
 
     def take(self, out: TargetOutput) -> int:
-        """The current step's output -> its token (recorded in the sequence's result)."""
+        """The current step's output -> its token."""
         token = greedy_ids(out)[0]
-        now, result = time.perf_counter(), self._result
-        result.record_plain_step(draft_s=0.0, verify_s=now - self._at)
-        result.token_ids.append(token)
-        self.tokens.append(token)
-        self._at = now
-        if token in self._eos or len(self.tokens) >= self._room:
+        tokens = self.tokens
+        tokens.append(token)
+        if token in self._eos or len(tokens) >= self._room:
+            self.close()
+            result = self._result
             if token in self._eos:
                 result.finish_reason = "stop"
-            result.seconds = now - self._t0
+            result.seconds = self._at - self._t0
             self.forward, self.finished = None, True
         elif self._batch is not None and self._batch.speculate:
+            self.close()
             self.forward = None
         else:
             if self._missed is not None:
                 self._missed.append(token)  # the next step's pending token, noted as `_step` notes it
             self.forward.feed(token)  # the next step's row
         return token
+
+    def close(self) -> None:
+        """The steps taken since the last call into the sequence's result."""
+        n = len(self.tokens) - self._recorded
+        if n:
+            now, result = time.perf_counter(), self._result
+            result.record_plain_step(draft_s=0.0, verify_s=now - self._at, n=n)
+            result.token_ids.extend(self.tokens[self._recorded:])
+            self._at, self._recorded = now, len(self.tokens)
 
 
 class Decoder:

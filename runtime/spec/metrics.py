@@ -81,14 +81,15 @@ class SpecMetrics:
         self.draft_s += draft_s
         self.verify_s += verify_s
 
-    def record_plain_step(self, draft_s: float, verify_s: float) -> None:
-        """`record_step` of a step without drafts (one row verified, its token emitted): the
-        step every sequence of a busy batch takes, so it skips the general bookkeeping."""
+    def record_plain_step(self, draft_s: float, verify_s: float, n: int = 1) -> None:
+        """`record_step` of `n` steps without drafts (one row verified and its token emitted
+        each), taking `draft_s` and `verify_s` together: the step every sequence of a busy
+        batch takes, so it skips the general bookkeeping."""
         if not (draft_s >= 0.0 and verify_s >= 0.0):
             raise ValueError(f"negative draft_s {draft_s} or verify_s {verify_s}")
-        self.steps += 1
-        self.tokens_emitted += 1
-        self.verify_rows += 1
+        self.steps += n
+        self.tokens_emitted += n
+        self.verify_rows += n
         self.draft_s += draft_s
         self.verify_s += verify_s
 

@@ -1,0 +1,126 @@
+"""A busy batch's plain steps: the batched target's one-row steps (`BatchedTarget._steps`, the
+forward almost every iteration of a busy server runs) and a `PlainRun` that its request drops
+before the run ends (a stop string, a cancel)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from metrale.runtime.backends import Forward
+from metrale.runtime.serving.api_request import GenerationRequest
+from metrale.runtime.serving.scheduler import Job
+from metrale.runtime.serving.service import EngineGenerator
+from metrale.runtime.spec.config import SpeculativeConfig
+from metrale.runtime.spec.sampling import SamplingParams
+
+
+def test_one_row_steps_of_many_sequences_equal_each_alone(aoti_engine):
+    """Decode steps of one row each (tokens given as lists: the fast plan), of sequences in two
+    pools and at different lengths, give every sequence the bits it gets alone, in the order
+    given, and move each cache on by one; a step past its cache is refused before anything
+    runs."""
+    target = aoti_engine.target
+    gen = torch.Generator().manual_seed(3)
+    lengths, starts = (40, 40, 90, 40), (5, 17, 9, 1)  # three in one pool, one in another
+    ids = torch.randint(0, target.config.vocab_size, (len(lengths), 30), generator=gen)
+    with torch.inference_mode():
+        caches = [target.new_cache(1, n) for n in lengths]
+        for b, c in enumerate(caches):  # each its own prompt first
+            target(ids[b:b + 1, :starts[b]], c)
+        steps = [Forward([int(ids[b, starts[b]])], c, (0, 1, 3)) for b, c in enumerate(caches)]
+        order = [2, 0, 3, 1]
+        outs = target.forward_many([steps[b] for b in order])
+        assert [caches[b].length for b in range(4)] == [s + 1 for s in starts]
+        for b, out in zip(order, outs):
+            alone = target.new_cache(1, lengths[b])
+            want = target(ids[b:b + 1, :starts[b] + 1], alone, taps=(0, 1, 3))
+            assert torch.equal(out.logits[0, -1], want.logits[0, -1]), b
+            assert torch.equal(out.last_hidden[0, -1], want.last_hidden[0, -1]), b
+            assert torch.equal(out.taps[0, -1], want.taps[0, -1]), b
+            assert out.argmax == [int(want.logits[0, -1].argmax())]
+        full = caches[0]
+        full.length = full.max_len
+        with pytest.raises(ValueError, match="exceed the cache's"):
+            target.forward_many([Forward([1], caches[1]), Forward([1], full)])
+        assert caches[1].length == starts[1] + 1 and full.length == full.max_len
+
+
+def test_steps_beside_a_prompt_the_prefix_cache_holds_whole_take_the_quick_plan(aoti_engine, monkeypatch):
+    """A prompt the prefix cache holds whole runs no row, so the steps beside it still take the
+    quick plan (no `_plan`, which plans rows one by one); each gets its bits alone."""
+    from metrale.runtime.backends.aoti_batched import BatchedTarget
+    from metrale.runtime.backends.prefix_cache import PrefixCache
+
+    target = aoti_engine.target
+    ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(5))
+    prompt = ids[0, :20].tolist()
+    before, target.prefix_cache = target.prefix_cache, PrefixCache(4096)
+    try:
+        with torch.inference_mode():
+            (kept,) = target.forward_many([Forward(prompt, target.new_cache(1, 40), (), last_logits=True)])
+            mid = target.new_cache(1, 40)
+            target(ids[:, 20:27], mid)
+            planned, plan = [], BatchedTarget._plan
+            monkeypatch.setattr(BatchedTarget, "_plan", lambda self, fs: planned.append(fs) or plan(self, fs))
+            again = target.new_cache(1, 40)
+            step, hit = target.forward_many([Forward([int(ids[0, 27])], mid), Forward(prompt, again, (), last_logits=True)])
+            assert not planned and mid.length == 8 and again.length == 20
+            want = target(ids[:, 20:28], target.new_cache(1, 40))
+            assert torch.equal(step.logits[0, -1], want.logits[0, -1]) and step.argmax == want.argmax[-1:]
+            assert torch.equal(hit.logits[0, -1], kept.logits[0, -1]) and hit.argmax == kept.argmax
+    finally:
+        target.prefix_cache = before
+
+
+def _drive(gen, job: Job) -> None:
+    """`job` to its end, its forwards run one at a time, as the scheduler runs them."""
+    with torch.inference_mode():
+        while job.advance():
+            if job.need is not None:
+                job.reply = gen.run_forwards([job.need])[0]
+                job.need = None
+
+
+@pytest.mark.parametrize("ending", ["stop string", "cancel"])
+def test_a_run_its_request_drops_midway_records_the_steps_it_took(aoti_engine, tiny_prompts, ending):
+    """A request that ends while its plain steps run as a `PlainRun` (its stop string, or its
+    client's cancel, midway) leaves in the server's metrics every step that emitted a token,
+    as when the run ends by itself."""
+    gen = EngineGenerator(aoti_engine, SpeculativeConfig())
+    prompt = tiny_prompts[0][:12]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+
+    def run(stop: tuple[str, ...] = (), cancel_after: int | None = None) -> tuple[list, int, int]:
+        events, cancel = [], threading.Event()
+
+        def emit(kind, payload):
+            events.append((kind, payload))
+            if cancel_after is not None and kind == "text" and len(events) >= cancel_after:
+                cancel.set()
+        _, before = gen.metrics.snapshot()
+        job = Job(gen, GenerationRequest(prompt, params, stop, cancel_after is not None, False), emit, cancel, "r")
+        _drive(gen, job)
+        assert job.run is None and job.tokens is None  # dropped with the request
+        _, after = gen.metrics.snapshot()
+        return events, after.tokens_emitted - before.tokens_emitted, after.steps - before.steps
+
+    whole, emitted, steps = run()
+    # the first token comes from the prompt's forward; each later one from a plain step
+    assert events_end(whole) == ("length", 24) and emitted == steps == 23
+    text = "".join(p for k, p in whole if k == "text")
+    if ending == "stop string":
+        cut = aoti_engine.tokenizer.decode(aoti_engine.tokenizer.encode(text)[:10])
+        events, emitted, steps = run(stop=(text[len(cut):len(cut) + 3],))
+    else:
+        events, emitted, steps = run(cancel_after=10)
+    kind, taken = events_end(events)
+    assert kind == "stop" and 1 < taken < 24
+    assert emitted == steps == taken - 1  # each later token a plain step, none lost with the run
+
+
+def events_end(events: list) -> tuple[str, int]:
+    assert events[-1][0] == "done"
+    return events[-1][1]
