@@ -165,5 +165,10 @@ def test_a_plain_steps_record_is_a_general_steps_without_drafts():
         fast.record_plain_step(draft_s=0.01, verify_s=0.02)
         general.record_step(proposed=0, verified=0, accepted=0, emitted=1, verify_rows=1, draft_s=0.01, verify_s=0.02)
     assert fast == general
+    fast.record_plain_step(draft_s=0.0, verify_s=0.06, n=3)  # three at once: their times summed
+    for _ in range(3):
+        general.record_step(proposed=0, verified=0, accepted=0, emitted=1, verify_rows=1, draft_s=0.0, verify_s=0.02)
+    assert fast.steps == general.steps and fast.tokens_emitted == general.tokens_emitted
+    assert fast.verify_rows == general.verify_rows and fast.verify_s == pytest.approx(general.verify_s)
     with pytest.raises(ValueError, match="negative"):
         fast.record_plain_step(draft_s=-1.0, verify_s=0.0)

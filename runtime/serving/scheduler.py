@@ -179,7 +179,7 @@ class Job:
         return False
 
     def _close(self) -> None:
-        if self.run is not None:  # a run's steps since it last recorded, into the result the loop's cleanup reads
+        if self.run is not None:  # its steps into the result that the loop's cleanup reads
             self.run.close()
         close = getattr(self.tokens, "close", None)
         self.tokens, self.need, self.run = None, None, None
