@@ -130,6 +130,17 @@ def aoti_engine(aoti_engine_dir):
     return engine
 
 
+@pytest.fixture(params=[1, 2], ids=["one-lane", "two-lanes"])
+def lanes(request, aoti_engine):
+    """The target face with its calls on one thread, or split over two (`aoti_native.Lanes`)."""
+    from metrale.runtime.backends.aoti_native import Lanes
+
+    target = aoti_engine.target
+    before, target.lanes = target.lanes, Lanes(request.param)
+    yield request.param
+    target.lanes = before
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_engine_dir):
     from metrale.runtime.backends import load_engine

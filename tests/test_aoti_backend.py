@@ -261,17 +261,6 @@ def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, na
     assert equal >= 0.9 * total  # the eager drafter's drafts, but for a rare near-tie
 
 
-@pytest.fixture(params=[1, 2], ids=["one-lane", "two-lanes"])
-def lanes(request, aoti_engine):
-    """The target face with its calls on one thread, or split over two (`aoti_native.Lanes`)."""
-    from metrale.runtime.backends.aoti_native import Lanes
-
-    target = aoti_engine.target
-    before, target.lanes = target.lanes, Lanes(request.param)
-    yield request.param
-    target.lanes = before
-
-
 def test_leaving_cores_to_another_process_splits_steps_over_fewer_lanes(aoti_engine, tiny_engine,
                                                                        monkeypatch):
     from metrale.runtime.serving.service import EngineGenerator

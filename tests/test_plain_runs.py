@@ -1,10 +1,11 @@
-"""A busy batch's plain steps: the batched target's one-row steps (`BatchedTarget._steps`, the
+"""A busy batch's plain steps: the batched target's one-row steps (`BatchedTarget._step_plans`, the
 forward almost every iteration of a busy server runs) and a `PlainRun` that its request drops
 before the run ends (a stop string, a cancel)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -17,29 +18,38 @@ from metrale.runtime.spec.config import SpeculativeConfig
 from metrale.runtime.spec.sampling import SamplingParams
 
 
-def test_one_row_steps_of_many_sequences_equal_each_alone(aoti_engine):
-    """Decode steps of one row each (tokens given as lists: the fast plan), of sequences in two
-    pools and at different lengths, give every sequence the bits it gets alone, in the order
+@pytest.mark.parametrize("max_rows", [None, 3], ids=["one-call", "chunked"])
+def test_one_row_steps_of_many_sequences_equal_each_alone(aoti_engine, lanes, max_rows, monkeypatch):
+    """Decode steps of one row each (tokens given as lists: the quick plan, not `_plan`), of
+    ten sequences in two pools at different lengths, their calls on one thread or two and in
+    one call or chunks of three rows, give every sequence the bits it gets alone, in the order
     given, and move each cache on by one; a step past its cache is refused before anything
     runs."""
+    from metrale.runtime.backends.aoti_batched import BatchedTarget
+
     target = aoti_engine.target
+    if max_rows is not None:
+        monkeypatch.setattr(target, "max_rows", max_rows)
+    planned, plan = [], BatchedTarget._plan
+    monkeypatch.setattr(BatchedTarget, "_plan", lambda self, fs: planned.append(fs) or plan(self, fs))
     gen = torch.Generator().manual_seed(3)
-    lengths, starts = (40, 40, 90, 40), (5, 17, 9, 1)  # three in one pool, one in another
+    lengths = (40, 40, 90, 40, 40, 90, 40, 40, 40, 40)  # eight in one pool, two in another
+    starts = tuple(int(s) for s in torch.randint(1, 25, (len(lengths),), generator=gen))
     ids = torch.randint(0, target.config.vocab_size, (len(lengths), 30), generator=gen)
     with torch.inference_mode():
         caches = [target.new_cache(1, n) for n in lengths]
         for b, c in enumerate(caches):  # each its own prompt first
             target(ids[b:b + 1, :starts[b]], c)
+        planned.clear()
         steps = [Forward([int(ids[b, starts[b]])], c, (0, 1, 3)) for b, c in enumerate(caches)]
-        order = [2, 0, 3, 1]
+        order = [2, 0, 9, 3, 5, 1, 8, 4, 7, 6]
         outs = target.forward_many([steps[b] for b in order])
-        assert [caches[b].length for b in range(4)] == [s + 1 for s in starts]
+        assert not planned  # the quick plan
+        assert [c.length for c in caches] == [s + 1 for s in starts]
         for b, out in zip(order, outs):
-            alone = target.new_cache(1, lengths[b])
-            want = target(ids[b:b + 1, :starts[b] + 1], alone, taps=(0, 1, 3))
-            assert torch.equal(out.logits[0, -1], want.logits[0, -1]), b
-            assert torch.equal(out.last_hidden[0, -1], want.last_hidden[0, -1]), b
-            assert torch.equal(out.taps[0, -1], want.taps[0, -1]), b
+            want = target(ids[b:b + 1, :starts[b] + 1], target.new_cache(1, lengths[b]), taps=(0, 1, 3))
+            for field in ("logits", "last_hidden", "taps"):
+                assert torch.equal(getattr(out, field)[0, -1], getattr(want, field)[0, -1]), (b, field)
             assert out.argmax == [int(want.logits[0, -1].argmax())]
         full = caches[0]
         full.length = full.max_len
@@ -85,13 +95,16 @@ def _drive(gen, job: Job) -> None:
 
 
 @pytest.mark.parametrize("ending", ["stop string", "cancel"])
-def test_a_run_its_request_drops_midway_records_the_steps_it_took(aoti_engine, tiny_prompts, ending):
+def test_a_run_its_request_drops_midway_records_the_steps_it_took(aoti_engine, tiny_prompts, ending, monkeypatch):
     """A request that ends while its plain steps run as a `PlainRun` (its stop string, or its
-    client's cancel, midway) leaves in the server's metrics every step that emitted a token,
-    as when the run ends by itself."""
+    client's cancel, midway) leaves in its result and the server's metrics every step that
+    emitted a token, timed up to the last one's output, as when the run ends by itself."""
     gen = EngineGenerator(aoti_engine, SpeculativeConfig())
     prompt = tiny_prompts[0][:12]
     params = SamplingParams(temperature=0.0, max_tokens=24)
+    decoders, decoder = [], EngineGenerator.decoder
+    monkeypatch.setattr(EngineGenerator, "decoder", lambda self: decoders.append(decoder(self)) or decoders[-1])
+    pause = 0.25  # between the cancelling token and the cancel: not a step's time
 
     def run(stop: tuple[str, ...] = (), cancel_after: int | None = None) -> tuple[list, int, int]:
         events, cancel = [], threading.Event()
@@ -99,6 +112,7 @@ def test_a_run_its_request_drops_midway_records_the_steps_it_took(aoti_engine, t
         def emit(kind, payload):
             events.append((kind, payload))
             if cancel_after is not None and kind == "text" and len(events) >= cancel_after:
+                time.sleep(pause)
                 cancel.set()
         _, before = gen.metrics.snapshot()
         job = Job(gen, GenerationRequest(prompt, params, stop, cancel_after is not None, False), emit, cancel, "r")
@@ -110,6 +124,7 @@ def test_a_run_its_request_drops_midway_records_the_steps_it_took(aoti_engine, t
     whole, emitted, steps = run()
     # the first token comes from the prompt's forward; each later one from a plain step
     assert events_end(whole) == ("length", 24) and emitted == steps == 23
+    want = decoders[-1].last_result.token_ids
     text = "".join(p for k, p in whole if k == "text")
     if ending == "stop string":
         cut = aoti_engine.tokenizer.decode(aoti_engine.tokenizer.encode(text)[:10])
@@ -119,6 +134,9 @@ def test_a_run_its_request_drops_midway_records_the_steps_it_took(aoti_engine, t
     kind, taken = events_end(events)
     assert kind == "stop" and 1 < taken < 24
     assert emitted == steps == taken - 1  # each later token a plain step, none lost with the run
+    result = decoders[-1].last_result
+    assert result.token_ids == want[:taken] and len(result.steps) == taken - 1
+    assert 0 < result.metrics.verify_s < pause
 
 
 def events_end(events: list) -> tuple[str, int]:

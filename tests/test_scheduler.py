@@ -279,13 +279,17 @@ def test_catching_up_feeds_the_drafter_what_following_each_step_fed(aoti_engine,
 
     monkeypatch.setattr(BatchedTarget, "forward_many", spy_many)
     prompts = [tiny_prompts[0][:10], tiny_prompts[1][:14]]
-    caught = _busy_then_free(gen, prompts, plain_tokens=10, runs=runs)
+    caught = _busy_then_free(gen, prompts, plain_tokens=10, runs=runs, decoders=(mine := []))
     caught_fed, caught_forwards = fed[:], forwards[:]
     fed.clear()
     forwards.clear()
     monkeypatch.setattr(type(aoti_engine), "rows_invariant", False)  # each plain step followed
-    followed = _busy_then_free(gen, prompts, plain_tokens=10)
+    followed = _busy_then_free(gen, prompts, plain_tokens=10, decoders=(theirs := []))
     assert caught == followed
+    for a, b in zip((d.last_result for d in mine), (d.last_result for d in theirs)):  # what each recorded
+        assert (a.token_ids, a.steps) == (b.token_ids, b.steps)
+        assert (a.metrics.steps, a.metrics.tokens_emitted, a.metrics.drafts_proposed, a.metrics.accepted_at) == \
+            (b.metrics.steps, b.metrics.tokens_emitted, b.metrics.drafts_proposed, b.metrics.accepted_at)
     assert len(caught_fed) == len(fed) and all(torch.equal(a, b) for a, b in zip(caught_fed, fed))
     for cache in {c for c, *_ in caught_forwards}:
         mine = [f for f in caught_forwards if f[0] == cache]

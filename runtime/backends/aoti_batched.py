@@ -130,14 +130,15 @@ class BatchedTarget(TargetFace):
         prompt reuses the kept positions it starts with (`prefix_cache`: the same bits)."""
         from metrale.runtime.backends import Forward
 
+        # decode steps of one row each (and prompts the prefix cache holds whole, which run no
+        # row): what a busy batch runs at almost every iteration, planned by _step_plans
+        step = [f.rows == 1 and f.tokens is not None and not f.last_logits for f in forwards]
+        if not all(step):  # each fits its cache, checked before the prefix cache is asked
+            groups = _by_pool(forwards, [f.cache.length for f in forwards])
         hits = self._lookups(forwards)
         runs = {i: f if i not in hits else Forward(f.ids[:, hits[i].reused:], f.cache, f.taps, True)
                 for i, f in enumerate(forwards) if i not in hits or not hits[i].whole}
-        # decode steps of one row each (and prompts the prefix cache holds whole, which run no
-        # row): what a busy batch runs at almost every iteration, planned by _step_plans
-        steps = all(f.rows == 1 and f.tokens is not None and not f.last_logits for f in runs.values())
-        if hits or not steps:
-            groups = _by_pool(forwards, [f.cache.length for f in forwards])  # each fits its cache
+        steps = all(step[i] for i in runs)
         if not steps:
             parts = _parts(self.lanes, {k: [i for i in m if i in runs] for k, m in groups.items()}, runs)
         # lengths move only once every call succeeded: a failed batch leaves each cache as it

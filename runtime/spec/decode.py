@@ -123,7 +123,7 @@ class PlainRun:
     before it)."""
 
     __slots__ = ("forward", "tokens", "finished", "_room", "_eos", "_result", "_missed", "_batch",
-                 "_t0", "_at", "_recorded")
+                 "_t0", "_at", "_taken_at", "_recorded")
 
     def __init__(self, pending: int, cache, room: int, eos: frozenset[int], result: "DecodeResult",
                  missed: list[int] | None, batch: "Batch | None", t0: float, device):
@@ -131,11 +131,13 @@ class PlainRun:
         self.tokens: list[int] = []
         self.finished = False  # it ended the sequence (EOS, or the budget)
         self._room, self._eos, self._result, self._missed, self._batch = room, eos, result, missed, batch
-        self._t0, self._at, self._recorded = t0, time.perf_counter(), 0
+        self._t0, self._recorded = t0, 0
+        self._at = self._taken_at = time.perf_counter()  # the last recorded step's end; the last step's
 
     def take(self, out: TargetOutput) -> int:
         """The current step's output -> its token."""
         token = greedy_ids(out)[0]
+        self._taken_at = time.perf_counter()
         tokens = self.tokens
         tokens.append(token)
         if token in self._eos or len(tokens) >= self._room:
@@ -155,13 +157,14 @@ class PlainRun:
         return token
 
     def close(self) -> None:
-        """The steps taken since the last call into the sequence's result."""
+        """The steps taken since the last call into the sequence's result, timed to the last
+        one's output (a step whose output never came is not a step)."""
         n = len(self.tokens) - self._recorded
         if n:
-            now, result = time.perf_counter(), self._result
-            result.record_plain_step(draft_s=0.0, verify_s=now - self._at, n=n)
+            result = self._result
+            result.record_plain_step(draft_s=0.0, verify_s=self._taken_at - self._at, n=n)
             result.token_ids.extend(self.tokens[self._recorded:])
-            self._at, self._recorded = now, len(self.tokens)
+            self._at, self._recorded = self._taken_at, len(self.tokens)
 
 
 class Decoder:
@@ -304,7 +307,7 @@ class Decoder:
             yield emitted
             step = yield from self._step(next_tokens[-1], cache, params, gen, budget - emitted_total,
                                          result, batch)
-            while type(step) is PlainRun:  # its tokens went out (and into `result`) as they came
+            while type(step) is PlainRun:  # its tokens went out as they came, and are in `result`
                 if step.finished:
                     return
                 emitted_total += len(step.tokens)
