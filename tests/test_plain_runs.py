@@ -142,3 +142,36 @@ def test_a_run_its_request_drops_midway_records_the_steps_it_took(aoti_engine, t
 def events_end(events: list) -> tuple[str, int]:
     assert events[-1][0] == "done"
     return events[-1][1]
+
+
+@pytest.mark.parametrize("engine", ["tiny_engine", "aoti_engine"])
+def test_a_streams_plain_steps_run_as_runs_and_record_what_steps_do(engine, tiny_prompts, request):
+    """`Decoder.stream` (generate, bench) runs its greedy plain steps as `PlainRun`s: the tokens
+    and the result (token ids, traces, metric counts) are those of per-step decoding, and a
+    stream its consumer leaves midway records the steps it yielded."""
+    from metrale.runtime.backends import run_forwards
+    from metrale.runtime.spec.decode import ALONE
+
+    gen = EngineGenerator(request.getfixturevalue(engine), SpeculativeConfig())
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    for prompt in tiny_prompts[:3]:
+        stepped, reply, tokens = gen.decoder(), None, []
+        loop = stepped.steps(prompt, params, ALONE, runs=False)
+        with torch.inference_mode():
+            for need in iter(lambda: loop.send(reply), None):  # per step, the loop resumed at each
+                if isinstance(need, list):
+                    tokens += need
+                    reply = None
+                else:
+                    reply = run_forwards(gen.engine.target, [need])[0]
+        ran = gen.decoder()
+        assert list(ran.stream(prompt, params)) == tokens == stepped.last_result.token_ids
+        a, b = ran.last_result, stepped.last_result
+        assert (a.token_ids, a.steps, a.finish_reason) == (b.token_ids, b.steps, b.finish_reason)
+        assert (a.metrics.steps, a.metrics.tokens_emitted, a.metrics.verify_rows) == \
+            (b.metrics.steps, b.metrics.tokens_emitted, b.metrics.verify_rows)
+        left = gen.decoder()
+        stream = left.stream(prompt, params)
+        taken = [next(stream) for _ in range(7)]
+        stream.close()
+        assert left.last_result.token_ids == taken == tokens[:7] and len(left.last_result.steps) == 6

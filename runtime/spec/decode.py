@@ -224,9 +224,10 @@ class Decoder:
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
         """Yield generated token ids; stops at EOS (yielded) or after params.max_tokens. Runs
-        `steps` with each forward on the target at once (one sequence)."""
-        steps = self.steps(prompt_ids, params)
-        reply = None
+        `steps` with each forward on the target at once (one sequence), its greedy plain steps
+        as `PlainRun`s, as a scheduler runs them (the loop not resumed at each)."""
+        steps = self.steps(prompt_ids, params, runs=True)
+        reply = run = None
         try:
             while True:
                 try:
@@ -235,10 +236,17 @@ class Decoder:
                     return
                 if isinstance(need, (Forward, HeadForward, DraftForward)):  # each alone, at once
                     reply = run_forwards(self.target, [need])[0]
+                elif type(need) is PlainRun:
+                    run = need
+                    while run.forward is not None:
+                        yield run.take(run_forwards(self.target, [run.forward])[0])
+                    reply, run = run, None
                 else:
                     reply = None
                     yield from need
         finally:
+            if run is not None:  # the consumer stopped midway: its steps into the result
+                run.close()
             steps.close()
 
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch = ALONE,
