@@ -175,3 +175,9 @@ def test_a_streams_plain_steps_run_as_runs_and_record_what_steps_do(engine, tiny
         taken = [next(stream) for _ in range(7)]
         stream.close()
         assert left.last_result.token_ids == taken == tokens[:7] and len(left.last_result.steps) == 6
+        _, before = gen.metrics.snapshot()
+        served = gen.stream(prompt, params)  # the server's face of a stream: its metrics too
+        assert [next(served) for _ in range(7)] == taken
+        served.close()
+        _, after = gen.metrics.snapshot()
+        assert after.steps - before.steps == after.tokens_emitted - before.tokens_emitted == 6

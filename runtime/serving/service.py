@@ -129,6 +129,8 @@ class EngineGenerator:
             if self.world.size > 1:
                 for _ in tokens:  # the other ranks decode the whole request: keep in step
                     pass
+            else:  # left midway: the steps it yielded go into its result first
+                tokens.close()
             if decoder.last_result is not None:
                 self.metrics.add(decoder.last_result.metrics)
 
