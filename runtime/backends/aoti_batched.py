@@ -156,9 +156,8 @@ class BatchedTarget(TargetFace):
             for i in hits:
                 forwards[i].cache.length = 0
         results: list = [None] * len(forwards)
-        give = self._give_steps if steps else self._give
         for members, plan, outs in zip(parts, plans, done):
-            give(members, runs, _joined_calls(plan, outs), results)
+            self._give(members, runs, _joined_calls(plan, outs), results)
         for i, hit in hits.items():
             results[i] = self._reused(hit, results[i], forwards[i])
         for f in forwards:
@@ -173,24 +172,15 @@ class BatchedTarget(TargetFace):
         for i, f in runs.items():
             groups.setdefault(id(f.cache.pool), []).append(i)
         parts = [p for members in groups.values() for p in self.lanes.split(members, [1] * len(members))]
-        plans, step = [], self.max_rows
+        plans = []
         for part in parts:
             caches = [runs[i].cache for i in part]
-            pos, pool, n = [c.length for c in caches], caches[0].pool, len(part)
+            pos, pool = [c.length for c in caches], caches[0].pool
             if max(pos) >= pool.slots:
                 raise ValueError(f"positions up to {max(pos) + 1} exceed the cache's {pool.slots} slots")
-            ids, pos, seq = _longs([runs[i].tokens[0] for i in part]), _longs(pos), _longs([c.index for c in caches])
-            plans.append([(self.package, True, (ids[c:c + step], pos[c:c + step], seq[c:c + step],
-                                                _longs(range(min(step, n - c))), *pool.kv)) for c in range(0, n, step)])
+            plans.append(self._calls(_longs([runs[i].tokens[0] for i in part]), _longs(pos),
+                                     _longs([c.index for c in caches]), range(len(part)), pool.kv))
         return parts, plans
-
-    def _give_steps(self, members: list[int], runs: dict, outs: list[torch.Tensor], results: list) -> None:
-        """`_give` of one-row steps: row r of the part's outputs is its r-th member's."""
-        logits, hidden, *rest = outs
-        taps = rest[0] if rest else None
-        greedy = argmax_rows(logits)
-        for r, i in enumerate(members):
-            results[i] = _RowsOutput(self, logits, hidden, taps, r, 1, r, 1, runs[i].taps, greedy[r:r + 1])
 
     def _give(self, members: list[int], runs: dict, outs: list[torch.Tensor], results: list) -> None:
         """Each run forward's output, its rows' views of one part's outputs (a prompt's kept)."""
@@ -256,13 +246,16 @@ class BatchedTarget(TargetFace):
             ids = _longs([t for f in forwards for t in f.tokens])
         else:
             ids = forwards[0].ids[0] if len(forwards) == 1 else torch.cat([f.ids[0] for f in forwards])
-        kv, step = forwards[0].cache.pool.kv, self.max_rows
-        calls = []
+        return self._calls(ids, pos, seq, want, forwards[0].cache.pool.kv)
+
+    def _calls(self, ids, pos, seq, want, kv) -> list[tuple]:
+        """The package calls of one part's rows (inputs ids, pos, seq over its n rows, `want`
+        the rows whose logits are wanted) in chunks of at most `max_rows`."""
+        calls, step, n = [], self.max_rows, len(ids)
         for c in range(0, n, step):
             mine = [w - c for w in want if c <= w < c + step]
-            wanted = bool(mine)
-            calls.append((self.package, wanted, (ids[c:c + step], pos[c:c + step], seq[c:c + step],
-                                                 _longs(mine or [min(step, n - c) - 1]), *kv)))
+            calls.append((self.package, bool(mine), (ids[c:c + step], pos[c:c + step], seq[c:c + step],
+                                                     _longs(mine or [min(step, n - c) - 1]), *kv)))
         return calls
 
 
