@@ -16,9 +16,15 @@
 // slots only, so a row's bits depend on its query, its sequence's first L slots and L — never
 // on the other rows of the call, the pool's slot count or its sequence count (the batched
 // step's contract). Slots go in blocks of 16 whatever the vector width (one 16-float vector
-// with AVX-512, two 8-float ones with AVX2), so the bits are the same on either ISA. Four
-// blocks' scores are computed at once, and a KV head's query heads go through its V rows two
-// at a time: more independent chains of fused multiply-adds, each in the same order.
+// with AVX-512, two 8-float ones with AVX2), so the bits are the same on either ISA. A KV
+// head's query heads go two at a time through its K rows (each load of K serving both heads'
+// scores) and then its V rows, up to four blocks' scores at once but only the blocks that hold
+// visible slots: more independent chains of fused multiply-adds, each in the same order.
+// Measured against one head at a time over four blocks whatever L (AVX-512, the tiny
+// target's 4 heads, 2 KV heads, hd 32, 32 rows of a 64-sequence pool, 4 layers, best of 9,
+// the same bits): 64 slots a sequence, up to 8 visible 68 -> 31 us, up to 20 72 -> 37, up to
+// 37 79 -> 54, up to 64 94 -> 77; 320 slots, up to 260 visible 643 -> 472 us. With AVX2 the
+// same build's bits, and 73 -> 32, 79 -> 42, 89 -> 61, 111 -> 94 us at 64 slots.
 
 #include <algorithm>
 #include <cmath>
@@ -36,7 +42,8 @@ using simd::W;
 constexpr int64_t MAX_HD = 256;  // head sizes the kernel takes: 16·k, up to this
 constexpr int BLOCK = 16;        // slots a block of scores, and partial sums of the exponentials
 constexpr int NB = BLOCK / W;    // vectors a block
-constexpr int GROUP = 4;         // blocks of scores computed at once (independent chains)
+constexpr int GROUP = 4;         // blocks of scores computed at once (independent chains), one head
+constexpr int GROUP2 = NB == 1 ? 4 : 2;  // the same for two heads at once (AVX2's 16 registers: 2 x 4)
 constexpr int ACC = 8;           // vector accumulators of the weighted values at once: 2 heads x 4, 1 x 8
 
 // out[h][0..W·NV) = inv[h] · sum over j = 0..L-1, in order, of p[h][j] · V[j][0..W·NV) (V's rows
@@ -86,44 +93,72 @@ inline int64_t weighted_at(int64_t c, const float* const* p, const float* V, int
   return W * nv;
 }
 
-// one query head's probabilities over its L visible slots, unnormalised: the scores into
-// p[0..L), then e^(score - max); returns 1 / their sum
-float softmax_row(const float* qh, const float* K /*[hd, S]*/, int64_t hd, int64_t S, int64_t L, float scale,
-                  float* p) {
-  vec mx = simd::set1(-INFINITY);
-  for (int64_t j0 = 0; j0 < L; j0 += GROUP * BLOCK) {  // GROUP blocks' scores: GROUP·NB chains at once
-    simd::mask m[GROUP * NB];
-    vec acc[GROUP * NB];
-    for (int i = 0; i < GROUP * NB; ++i) {
-      m[i] = simd::tail(L - j0 - W * i);
-      acc[i] = simd::zero();
-    }
-    for (int64_t d = 0; d < hd; ++d) {
-      const vec qd = simd::set1(qh[d]);
-      for (int i = 0; i < GROUP * NB; ++i)
-        acc[i] = simd::fmadd(qd, simd::maskz_load(m[i], K + d * S + j0 + W * i), acc[i]);
-    }
-    for (int i = 0; i < GROUP * NB; ++i) {
-      acc[i] = simd::mul(acc[i], simd::set1(scale));
-      simd::store(p + j0 + W * i, acc[i]);
-      mx = simd::mask_max(mx, m[i], acc[i]);
+// the scores of HB query heads (of one KV head) over NBLK blocks of slots from j0, into p[h]:
+// each slot's score one in-order chain of fused multiply-adds over the features, then scaled;
+// their maximum on the visible slots into mx[h]. The heads share each load of K, and only the
+// blocks holding visible slots are computed (a group's count sets how many chains run at once,
+// never a score's bits).
+template <int HB, int NBLK>
+inline void scores(const float* const* qh, const float* K, int64_t hd, int64_t S, int64_t j0, int64_t L,
+                   float scale, float* const* p, vec* mx) {
+  constexpr int NV = NBLK * NB;
+  simd::mask m[NV];
+  vec acc[HB][NV];
+  for (int i = 0; i < NV; ++i) m[i] = simd::tail(L - j0 - W * i);
+  for (int h = 0; h < HB; ++h)
+    for (int i = 0; i < NV; ++i) acc[h][i] = simd::zero();
+  for (int64_t d = 0; d < hd; ++d) {
+    vec kd[NV];
+    for (int i = 0; i < NV; ++i) kd[i] = simd::maskz_load(m[i], K + d * S + j0 + W * i);
+    for (int h = 0; h < HB; ++h) {
+      const vec qd = simd::set1(qh[h][d]);
+      for (int i = 0; i < NV; ++i) acc[h][i] = simd::fmadd(qd, kd[i], acc[h][i]);
     }
   }
-  const vec top = simd::set1(simd::reduce_max(mx));
-  vec sum[NB];
-  for (int i = 0; i < NB; ++i) sum[i] = simd::zero();
-  for (int64_t j0 = 0; j0 < L; j0 += BLOCK)
-    for (int i = 0; i < NB; ++i) {
-      float* pj = p + j0 + W * i;
-      const vec e = simd::maskz(simd::tail(L - j0 - W * i), simd::exp(simd::sub(simd::load(pj), top)));
-      simd::store(pj, e);
-      sum[i] = simd::add(sum[i], e);
+  for (int h = 0; h < HB; ++h)
+    for (int i = 0; i < NV; ++i) {
+      acc[h][i] = simd::mul(acc[h][i], simd::set1(scale));
+      simd::store(p[h] + j0 + W * i, acc[h][i]);
+      mx[h] = simd::mask_max(mx[h], m[i], acc[h][i]);
     }
-  float lanes[BLOCK];
-  for (int i = 0; i < NB; ++i) simd::store(lanes + W * i, sum[i]);
-  float total = 0.0f;
-  for (int i = 0; i < BLOCK; ++i) total += lanes[i];
-  return 1.0f / total;
+}
+
+// HB query heads' probabilities over their L visible slots, unnormalised: the scores into
+// p[h][0..L), then e^(score - max); 1 / their sum into inv[h]
+template <int HB>
+void softmax_rows(const float* const* qh, const float* K /*[hd, S]*/, int64_t hd, int64_t S, int64_t L, float scale,
+                  float* const* p, float* inv) {
+  vec mx[HB];
+  for (int h = 0; h < HB; ++h) mx[h] = simd::set1(-INFINITY);
+  for (int64_t j0 = 0; j0 < L;) {  // up to GROUP blocks' scores at once, the blocks L needs
+    const int64_t blocks = std::min<int64_t>((L - j0 + BLOCK - 1) / BLOCK, HB == 1 ? GROUP : GROUP2);
+    if (blocks >= 4)
+      scores<HB, 4>(qh, K, hd, S, j0, L, scale, p, mx);
+    else if (blocks == 3)
+      scores<HB, 3>(qh, K, hd, S, j0, L, scale, p, mx);
+    else if (blocks == 2)
+      scores<HB, 2>(qh, K, hd, S, j0, L, scale, p, mx);
+    else
+      scores<HB, 1>(qh, K, hd, S, j0, L, scale, p, mx);
+    j0 += blocks * BLOCK;
+  }
+  for (int h = 0; h < HB; ++h) {
+    const vec top = simd::set1(simd::reduce_max(mx[h]));
+    vec sum[NB];
+    for (int i = 0; i < NB; ++i) sum[i] = simd::zero();
+    for (int64_t j0 = 0; j0 < L; j0 += BLOCK)
+      for (int i = 0; i < NB; ++i) {
+        float* pj = p[h] + j0 + W * i;
+        const vec e = simd::maskz(simd::tail(L - j0 - W * i), simd::exp(simd::sub(simd::load(pj), top)));
+        simd::store(pj, e);
+        sum[i] = simd::add(sum[i], e);
+      }
+    float lanes[BLOCK];
+    for (int i = 0; i < NB; ++i) simd::store(lanes + W * i, sum[i]);
+    float total = 0.0f;
+    for (int i = 0; i < BLOCK; ++i) total += lanes[i];
+    inv[h] = 1.0f / total;
+  }
 }
 }  // namespace
 
@@ -149,10 +184,16 @@ extern "C" void metrale_pooled_attention(const float* q, const float* k_pool, co
         const int hb = (kv + 1) * G - h0 >= 2 ? 2 : 1;
         float inv[2];
         float* o[2];
+        const float* qh[2];
+        float* ph[2] = {buf.data(), buf.data() + ps};
         for (int i = 0; i < hb; ++i) {
-          inv[i] = softmax_row(q + (t * NH + h0 + i) * HD, K, HD, S, L, scale, buf.data() + i * ps);
+          qh[i] = q + (t * NH + h0 + i) * HD;
           o[i] = out + (t * NH + h0 + i) * HD;
         }
+        if (hb == 2)
+          softmax_rows<2>(qh, K, HD, S, L, scale, ph, inv);
+        else
+          softmax_rows<1>(qh, K, HD, S, L, scale, ph, inv);
         for (int64_t c = 0; c < HD;)
           c += hb == 2 ? weighted_at<2>(c, p, V, NKV * HD, HD, L, inv, o) : weighted_at<1>(c, p, V, NKV * HD, HD, L, inv, o);
       }
