@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
@@ -21,10 +20,6 @@
 namespace {
 using metrale_tiles::R;
 using metrale_tiles::tile_m;
-namespace simd = metrale_simd;
-using simd::W;
-constexpr int64_t WIDE_BLOCK = 32;  // columns a widened block: 16 KB of float32 at K = 128, read from the L1
-constexpr int64_t WIDE_ROWS = 12;   // rows from which bfloat16 weights are widened once per block
 constexpr int64_t BLOCK = 256;  // columns a block: 128 KB of float32 panels at K = 128, half that as bfloat16
 
 template <typename T>
@@ -43,32 +38,6 @@ void linear_rows(const float* x, const T* B, float* y, int64_t N, int64_t K, int
     }
   }
 }
-
-// bfloat16 weights for WIDE_ROWS rows or more: each block of panels widened once into float32
-// (exactly, as a tile's loads widen them), which every tile of rows then reads, where each tile
-// would widen the block anew. The same bits; measured on AVX-512 over the tiny target's
-// projections of one step (the LM head, 128 x 2,048, and four layers' 128 x 256 and 128 x 128),
-// best of 9: 12 rows 128 -> 123 us, 16 rows 169 -> 158 us, 26 rows 277 -> 249 us, 32 rows 337
-// -> 296 us; below 12 rows widening the blocks cost more than it saved (8 rows 87 -> 90 us).
-void linear_rows_widened(const float* x, const uint16_t* B, float* y, int64_t N, int64_t K, int64_t C) {
-  thread_local std::vector<float> buf;  // one block's panels (kept: no allocation once warm)
-  buf.resize(WIDE_BLOCK * K);
-  const float* a[R];
-  float* o[R];
-  for (int64_t c0 = 0; c0 < C; c0 += WIDE_BLOCK) {
-    const int64_t end = std::min(C, c0 + WIDE_BLOCK);
-    const uint16_t* src = B + c0 * K;  // the block's panels, contiguous
-    for (int64_t i = 0; i < (end - c0) * K; i += W) simd::store(buf.data() + i, simd::load_bf16(src + i));
-    for (int64_t b = 0; b < N; b += R) {
-      const int m = static_cast<int>(std::min<int64_t>(R, N - b));
-      for (int r = 0; r < m; ++r) a[r] = x + (b + r) * K;
-      for (int64_t c = c0; c < end;) {
-        for (int r = 0; r < m; ++r) o[r] = y + (b + r) * C + c;
-        c += tile_m(m, c - c0, end - c0, a, buf.data(), K, o);
-      }
-    }
-  }
-}
 }  // namespace
 
 extern "C" void metrale_linear_rows(const float* x, const float* B /*[C/16, K, 16]*/, float* y /*[N, C]*/,
@@ -79,10 +48,7 @@ extern "C" void metrale_linear_rows(const float* x, const float* B /*[C/16, K, 1
 // the same with bfloat16 weights (their bits)
 extern "C" void metrale_linear_rows_bf16(const float* x, const uint16_t* B /*[C/16, K, 16]*/, float* y /*[N, C]*/,
                                          int64_t N, int64_t K, int64_t C) {
-  if (N >= WIDE_ROWS)
-    linear_rows_widened(x, B, y, N, K, C);
-  else
-    linear_rows(x, B, y, N, K, C);
+  linear_rows(x, B, y, N, K, C);
 }
 
 // The C shim AOTInductor's wrapper calls for metrale::linear_rows (its name is the op's, prefixed

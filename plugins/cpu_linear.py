@@ -7,7 +7,7 @@ B is held in panels of 16 columns, [C/16, K, 16] (`cpu_panels.pack_panels`), flo
 every value is a bfloat16 one (a bfloat16 checkpoint's, widened: the tiny target's), bfloat16,
 widened exactly as the kernel loads it (`held`). Eagerly the op is its math in torch ops
 (`linear_math`); in a package it is `cpu_linear.cpp`: register tiles of up to six rows by 16
-columns with AVX2 (four by 32 with AVX-512, `cpu_tiles.h`), every output one in-order chain of
+columns with AVX2 (eight by 32 with AVX-512, `cpu_tiles.h`), every output one in-order chain of
 fused multiply-adds over k, so a row's bits never depend on the other rows of the call.
 
 Inductor's GEMM template, which the target's projections use otherwise, gives the same

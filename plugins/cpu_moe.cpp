@@ -14,7 +14,7 @@
 //
 // The (row, slot) pairs are grouped by expert, so an expert's weights are read once per call
 // for all of its pairs, and several pairs share each load in registers (`cpu_tiles.h`: up to
-// four pairs x two vectors of columns with AVX-512, six x two with AVX2). Every output element
+// eight pairs x two vectors of columns with AVX-512, six x two with AVX2). Every output element
 // is one chain of fused multiply-adds over its input features, in order, from zero, whatever
 // the tile's shape or the vector width: a row's bits depend on its own input and experts only,
 // never on the other rows of the call (the batched step's contract), and are the same on

@@ -7,8 +7,8 @@ with gate_up [E, H, 2I] (gate columns [0, I), up [I, 2I)) and down [E, I, H], ea
 held in the kernels' panels of 16 columns (`cpu_panels.pack_panels`: [E, 2I/16, H, 16] and
 [E, H/16, I, 16]), so a tile reads its weights from contiguous memory. Eagerly the op is
 its math in torch ops (`routed_math`); in a package it is `cpu_moe.cpp`: the (row, slot) pairs
-grouped by expert, each expert's weights read once per call for all of its pairs, up to eight
-vector accumulators to a register tile with AVX-512 (four pairs x 32 columns down to one pair x
+grouped by expert, each expert's weights read once per call for all of its pairs, up to sixteen
+vector accumulators to a register tile with AVX-512 (eight pairs x 32 columns down to one pair x
 128), up to twelve with AVX2 (six pairs x 16 columns down to one pair x 64), every output one
 in-order chain of fused multiply-adds, so a row's bits never depend on the other rows of the
 call, the tile's shape or the vector width. Inductor's own code for the same math reads each

@@ -76,13 +76,13 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(kernel, c):
 @NEEDS_CPU_KERNELS
 @pytest.mark.parametrize("c", [2048, 80])
 def test_bfloat16_weights_give_the_float32_kernels_bits(kernel, c):
-    """Below WIDE_ROWS (12) rows each tile widens the weights it loads, from it every block is
-    widened once for all tiles: either way the float32 kernel's bits on the widened weights,
-    and a row's bits are those it gets alone."""
+    """Every row count (every tile shape, up to eight rows with AVX-512 and six with AVX2, and
+    their tails): the float32 kernel's bits on the widened weights, and a row's bits are those
+    it gets alone."""
     g = torch.Generator().manual_seed(3)
     x, b = torch.randn(40, 128, generator=g), (torch.randn(128, c, generator=g) * 0.1).to(torch.bfloat16)
     alone = torch.cat([kernel(x[r:r + 1].contiguous(), b) for r in range(40)])
-    for n in (9, 11, 12, 13, 33, 40):
+    for n in (2, 5, 7, 9, 12, 14, 15, 33, 40):
         narrow = kernel(x[:n].contiguous(), b)
         assert torch.equal(narrow, kernel(x[:n].contiguous(), b.float()))
         assert torch.equal(narrow, alone[:n])

@@ -97,7 +97,7 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(kernel):
 @pytest.mark.parametrize("h,i", [(48, 80), (16, 16), (128, 128)])
 def test_every_tile_shape_gives_a_row_the_same_bits(kernel, h, i):
     """Calls of 1 to 9 rows with one, two or three slots on three experts: the experts' pair
-    counts, so the tiles' shapes (one pair up to a full tile of four with AVX-512 or six with
+    counts, so the tiles' shapes (one pair up to a full tile of eight with AVX-512 or six with
     AVX2, one to eight vectors, column tails where I or H is no whole number of wide tiles),
     vary from call to call; each row's bits stay those it gets alone, and match the op's math."""
     gate_up, down = _layer(e=3, h=h, i=i, seed=h + i)
