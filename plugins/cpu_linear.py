@@ -62,20 +62,28 @@ def fits(in_features: int, out_features: int) -> bool:
 class KernelLinear(torch.nn.Module):
     """A bias-free projection computed by the kernel: y = x · weightᵀ for `weight` [C, K] (an
     `nn.Linear`'s, or a fused one), held as `held` gives it (a buffer: the compiled step's
-    constant). Rows of any leading shape."""
+    constant). Rows of any leading shape. With `pad`, C need not be whole panels: the weight
+    gets rows of zeros up to the next panel, and their columns are dropped from the output
+    (each column is its own chain, so the others' bits do not change): a MoE router's few
+    columns."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, pad: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        extra = -self.out_features % PANEL if pad else 0
+        if extra:
+            weight = torch.cat([weight.detach(), weight.new_zeros(extra, self.in_features)])
         self.register_buffer("panels", held(weight), persistent=False)
 
     @classmethod
-    def of(cls, linear: torch.nn.Linear) -> "KernelLinear":
+    def of(cls, linear: torch.nn.Linear, pad: bool = False) -> "KernelLinear":
         if linear.bias is not None:
             raise ValueError("the kernel computes projections without a bias")
-        return cls(linear.weight)
+        return cls(linear.weight, pad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.metrale.linear_rows(rows, self.panels)
+        if y.shape[1] != self.out_features:  # padded: the zero rows' columns dropped
+            y = y[:, :self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)

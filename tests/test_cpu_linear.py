@@ -103,6 +103,24 @@ def test_weights_are_held_narrow_only_when_that_is_exact():
     assert cpu_linear.fits(128, 2048) and not cpu_linear.fits(128, 2040)
 
 
+@NEEDS_CPU_KERNELS
+def test_a_router_padded_to_a_panel_keeps_its_columns(kernel):
+    """A MoE router's 8 columns held with 8 columns of zeros: eagerly its math, and in the kernel
+    each of its columns has the bits it has among the padded ones (every row count)."""
+    router = torch.nn.Linear(128, 8, bias=False)
+    with torch.no_grad():
+        router.weight.copy_(router.weight.to(torch.bfloat16).float())
+    padded = cpu_linear.KernelLinear.of(router, pad=True)
+    assert padded.panels.shape == (1, 128, 16) and padded.panels.dtype == torch.bfloat16
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(padded(x), router(x), rtol=1e-6, atol=1e-6)
+    b = unpack_panels(padded.panels)  # [128, 16], the last 8 columns zeros
+    assert not b[:, 8:].any()
+    alone = torch.cat([kernel(x[r:r + 1].contiguous(), b)[:, :8] for r in range(9)])
+    assert torch.equal(kernel(x, b)[:, :8], alone)
+    torch.testing.assert_close(alone, router(x), rtol=1e-5, atol=1e-5)
+
+
 def _calls(package) -> int:
     with zipfile.ZipFile(package) as z:
         wrapper = next(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
@@ -111,7 +129,7 @@ def _calls(package) -> int:
 
 @NEEDS_CPU_KERNELS
 def test_the_tiny_packages_project_through_the_kernel(aoti_engine_dir):
-    """The target's LM head and each of its 4 layers' fused q/k/v and output projections; the
-    MTP head's input projection, its layer's two and its LM head."""
-    assert _calls(aoti_engine_dir / "target" / "cpu" / "steps.pt2") == 1 + 2 * 4
-    assert _calls(aoti_engine_dir / "mtp" / "cpu" / "steps.pt2") == 4
+    """The target's LM head and each of its 4 layers' fused q/k/v and output projections and
+    router; the MTP head's input projection, its layer's two, its router and its LM head."""
+    assert _calls(aoti_engine_dir / "target" / "cpu" / "steps.pt2") == 1 + 3 * 4
+    assert _calls(aoti_engine_dir / "mtp" / "cpu" / "steps.pt2") == 5
