@@ -170,7 +170,8 @@ extern "C" void metrale_pooled_attention(const float* q, const float* k_pool, co
   const int64_t ps = S + GROUP * BLOCK;  // a head's scores, with room for a whole group of blocks
   thread_local std::vector<float> buf;   // two heads' scores, then probabilities (kept: no allocation once warm)
   buf.resize(2 * ps);
-  const float* p[2] = {buf.data(), buf.data() + ps};
+  float* const ph[2] = {buf.data(), buf.data() + ps};  // written by the scores and the softmax
+  const float* const p[2] = {ph[0], ph[1]};           // read by the weighted values
   for (int64_t t = 0; t < T; ++t) {
     const int64_t b = seq[t], L = std::min<int64_t>(last_visible[t] + 1, S);
     if (L <= 0) {  // no visible slot (the masked math's row is undefined): zeros
@@ -185,7 +186,6 @@ extern "C" void metrale_pooled_attention(const float* q, const float* k_pool, co
         float inv[2];
         float* o[2];
         const float* qh[2];
-        float* ph[2] = {buf.data(), buf.data() + ps};
         for (int i = 0; i < hb; ++i) {
           qh[i] = q + (t * NH + h0 + i) * HD;
           o[i] = out + (t * NH + h0 + i) * HD;
