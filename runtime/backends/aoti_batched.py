@@ -171,7 +171,7 @@ class BatchedTarget(TargetFace):
         groups: dict[int, list[int]] = {}
         for i, f in runs.items():
             groups.setdefault(id(f.cache.pool), []).append(i)
-        parts = [p for members in groups.values() for p in self.lanes.split(members, [1] * len(members))]
+        parts = _parts(self.lanes, groups, runs)
         plans = []
         for part in parts:
             caches = [runs[i].cache for i in part]
