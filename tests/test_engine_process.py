@@ -185,7 +185,7 @@ def test_a_fast_streams_later_deltas_wait_for_the_flush_interval():
     clock = [100.0]
     here, there = multiprocessing.Pipe()
     cancels = {"a": threading.Event(), "b": threading.Event()}
-    box = ep._Outbox(here, threading.Lock(), cancels)
+    box = ep._Outbox(here, cancels)
     box.clock = lambda: clock[0]
     a, b = box.emitter("a", stream=True), box.emitter("b", stream=False)
 
@@ -219,3 +219,40 @@ def test_a_fast_streams_later_deltas_wait_for_the_flush_interval():
     assert sent() == [("a", "done", ("length", 4))]
     box.flush()
     assert sent() is None  # nothing left
+
+
+def test_a_scheduler_with_an_inbox_reads_it_between_iterations_on_the_callers_thread(tiny_engine):
+    """The engine process has one thread: its scheduler's loop reads the pipe before each
+    iteration, without blocking while something runs, blocking while nothing does, and returns
+    once the inbox says stop."""
+    import threading
+
+    from metrale.runtime.serving import scheduler as sched
+    from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    class Tokens:  # a generator of five tokens, one per iteration
+        tokenizer = tiny_engine.tokenizer
+
+        def stream(self, ids, params):
+            yield from [5, 6, 7, 8, 9]
+
+    events, calls = [], []
+    req = GenerationRequest([1, 2, 3], SamplingParams(temperature=0, max_tokens=5), (), False, False)
+
+    def inbox(wait: bool) -> bool:
+        calls.append((wait, threading.get_ident(), len(events)))
+        if len(calls) == 1:  # idle: the first message submits a request
+            s.submit(sched.Job(Tokens(), req, lambda kind, payload: events.append(kind),
+                               threading.Event(), "r"))
+        return not (wait and "done" in events)  # idle again once it is over: stop
+
+    threads = threading.active_count()
+    s = sched.Scheduler(4, inbox=inbox, yield_gil=False)
+    assert threading.active_count() == threads  # no thread of its own
+    s.run()
+    assert events == ["text", "done"] and {c[1] for c in calls} == {threading.get_ident()}
+    waits = [c[0] for c in calls]
+    # once before each of the five iterations (a token each), blocking only for the first (then
+    # nothing ran) and once the request is over
+    assert waits == [True] + [False] * 4 + [True]

@@ -469,16 +469,13 @@ def test_speculation_resumes_only_once_the_batch_stayed_small(monkeypatch):
     """With `speculative_disable_by_batch_size` 2: a lone request drafts; once two ran, steps stay
     plain until fewer than two have run for `SPECULATE_AFTER_S` (a closed loop's brief dips do
     not start drafting); without the setting every step may draft."""
-    import collections
-
     from metrale.runtime.serving import scheduler as S
     from metrale.runtime.spec.decode import Batch
 
     clock = [100.0]
     monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
-    sched = S.Scheduler.__new__(S.Scheduler)  # its admission alone, no model thread
-    sched.max_num_seqs, sched.disable_at, sched._busy_until, sched.peak_running = 8, 2, 0.0, 0
-    sched.batch, sched.waiting, sched._cv = Batch(), collections.deque(), threading.Condition()
+    # its admission alone: with an inbox (here, saying go on) it has no thread running its loop
+    sched = S.Scheduler(8, speculative_disable_by_batch_size=2, inbox=lambda wait: True)
 
     def speculates(running: int, at: float) -> bool:
         clock[0], sched.running = at, [object()] * running

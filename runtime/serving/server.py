@@ -132,6 +132,13 @@ class _Wakes:
         with self.lock:
             self.due.append(channel)
 
+    def flush_here(self) -> None:
+        """The same on the event loop's own thread (the engine process's messages are read
+        there): every channel woken at once, no callback queued."""
+        with self.lock:
+            due, self.due = self.due, []
+        _set_ready(due)
+
     def flush(self) -> None:
         with self.lock:
             due, self.due = self.due, []
@@ -187,10 +194,12 @@ class _Endpoints:
     completion about a quarter of the event loop's time per request (measured with an instant
     generator), which under load is CPU the model's process and the clients do not get."""
 
-    def __init__(self, app: FastAPI, posts: dict[str, Callable]) -> None:
-        self.app, self.posts = app, posts
+    def __init__(self, app: FastAPI, posts: dict[str, Callable], engine=None) -> None:
+        self.app, self.posts, self.engine = app, posts, engine
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if self.engine is not None:  # its messages are read on the loop that serves the app
+            self.engine.attach(asyncio.get_running_loop())
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.posts.get(scope["path"])
             if endpoint is not None:
@@ -209,7 +218,7 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None,
     app.add_middleware(Guard, limits=limits, max_bytes=max_bytes)
     wakes = _Wakes()
     if engine is not None:
-        scheduler, engine.flush = engine, wakes.flush
+        scheduler, engine.flush = engine, wakes.flush_here
     else:
         scheduler = Scheduler.for_generator(generator, limits.max_num_seqs,
                                             limits.speculative_disable_by_batch_size, wakes.flush)
@@ -247,8 +256,8 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        try:
-            text = generator.metrics_text()
+        try:  # off the loop: the engine process's answer is read on it
+            text = await asyncio.to_thread(generator.metrics_text)
         except Exception as e:
             raise _server_error(e, f"req-{uuid.uuid4().hex}", "metrics_text") from e
         lines = [text.rstrip("\n")] if text.strip() else []
@@ -428,7 +437,8 @@ def create_app(generator: TextGenerator, limits: ServerLimits | None = None,
             await response(scope, receive, send)
         return Guard(endpoint, limits=limits, max_bytes=max_bytes)
 
-    return _Endpoints(app, {"/v1/completions": direct(False), "/v1/chat/completions": direct(True)})
+    return _Endpoints(app, {"/v1/completions": direct(False), "/v1/chat/completions": direct(True)},
+                      engine)
 
 
 def uvicorn_config(app: Callable, host: str, port: int, limits: ServerLimits, **kw: Any):
