@@ -256,3 +256,46 @@ def test_a_scheduler_with_an_inbox_reads_it_between_iterations_on_the_callers_th
     # once before each of the five iterations (a token each), blocking only for the first (then
     # nothing ran) and once the request is over
     assert waits == [True] + [False] * 4 + [True]
+
+
+def test_the_engines_inbox_handles_what_waits_and_yields_its_core_when_nothing_does(tiny_engine,
+                                                                                     monkeypatch):
+    import multiprocessing
+
+    from metrale.runtime.serving import engine_process as ep
+    from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    class Gen:
+        tokenizer = tiny_engine.tokenizer
+
+        def metrics_text(self):
+            return "spec lines"
+
+    class Sched:
+        jobs: list = []
+
+        def submit(self, job):
+            self.jobs.append(job)
+
+        def metrics_lines(self):
+            return ["scheduler lines"]
+
+    yields = []
+    monkeypatch.setattr(ep.os, "sched_yield", lambda: yields.append(1))
+    server, engine = multiprocessing.Pipe()
+    inbox = ep._Inbox(engine, Gen())
+    inbox.scheduler = sched = Sched()
+    assert inbox(False) and len(yields) == 1  # mid-generation, nothing waiting: the core yielded
+    req = GenerationRequest([1, 2, 3], SamplingParams(temperature=0, max_tokens=5), (), False, False)
+    ep._send(server, ("submit", "a", req))
+    ep._send(server, ("metrics", 7))
+    assert inbox(False) and len(yields) == 1  # both handled in one call
+    assert [j.rid for j in sched.jobs] == ["a"] and ep._recv(server) == ("metrics", 7, "spec lines",
+                                                                          ["scheduler lines"])
+    ep._send(server, ("cancel", "a"))
+    assert inbox(False) and sched.jobs[0].cancel.is_set() and "a" not in inbox.cancels
+    ep._send(server, ("stop",))
+    assert inbox(True) is False
+    server.close()
+    assert inbox(True) is False  # the server went away

@@ -31,6 +31,7 @@ import asyncio
 import gc
 import logging
 import multiprocessing
+import os
 import pickle
 import threading
 import time
@@ -112,6 +113,55 @@ class _Outbox:
         _send(self.conn, ("events", items))
 
 
+class _Inbox:
+    """The engine side's pipe, read by its scheduler's loop before each iteration
+    (`Scheduler.run`): every waiting message handled, blocking for the first only while nothing
+    runs; False once the server said stop or went away.
+
+    With nothing waiting mid-generation it yields the core (`os.sched_yield`): on a machine
+    with more runnable threads than cores (the HTTP process, its clients, a stream's reader)
+    the kernel otherwise lets this busy thread run out its time slice, a few milliseconds,
+    before a thread woken on its core runs. Measured on 2 cores over HTTP, 40 interleaved runs
+    each: a 4-token request behind a 1,000-token stream p90 7.32 -> 5.14 ms, worst 11.73 ->
+    6.39 ms (alone: 4.1-4.2 ms); tokens/s alone 0.98x and at C = 32 1.01x, inside noise (8
+    rounds)."""
+
+    def __init__(self, conn, gen):
+        self.conn, self.gen = conn, gen
+        self.cancels: dict[str, threading.Event] = {}  # of the requests running or waiting
+        self.outbox = _Outbox(conn, self.cancels)  # what the jobs emit goes back on the pipe
+        self.scheduler = None  # set once the scheduler reading it exists
+
+    def __call__(self, wait: bool) -> bool:
+        from metrale.runtime.serving.scheduler import Job
+
+        conn = self.conn
+        if not wait and not conn.poll():
+            os.sched_yield()
+            return True
+        while True:
+            try:
+                msg = _recv(conn)
+            except (EOFError, OSError):
+                return False
+            if msg[0] == "submit":
+                _, rid, req = msg
+                self.cancels[rid] = cancel = threading.Event()
+                self.scheduler.submit(Job(self.gen, req, self.outbox.emitter(rid, req.stream),
+                                          cancel, rid))
+            elif msg[0] == "cancel":
+                cancel = self.cancels.pop(msg[1], None)
+                if cancel is not None:
+                    cancel.set()
+            elif msg[0] == "metrics":
+                _send(conn, ("metrics", msg[1], self.gen.metrics_text(),
+                             self.scheduler.metrics_lines()))
+            elif msg[0] == "stop":
+                return False
+            if not conn.poll():
+                return True
+
+
 def freeze_heap() -> None:
     """Everything alive once loading is done (imported modules, the models, the packages'
     wrappers) out of the garbage collector's generations: a full collection otherwise walks
@@ -128,7 +178,7 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
 
     import torch
 
-    from metrale.runtime.serving.scheduler import Job, Scheduler
+    from metrale.runtime.serving.scheduler import Scheduler
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it stops the engine
 
@@ -142,36 +192,9 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
         _send(conn, ("failed", isinstance(e, MetraleError), f"{type(e).__name__}: {e}", str(e)))
         return
     engine = gen.engine
-    cancels: dict[str, threading.Event] = {}
-    outbox = _Outbox(conn, cancels)
-
-    def inbox(wait: bool) -> bool:
-        """Every message waiting on the pipe handled (with `wait`, after blocking for the
-        first); False once the server said stop or went away."""
-        if not wait and not conn.poll():
-            return True
-        while True:
-            try:
-                msg = _recv(conn)
-            except (EOFError, OSError):
-                return False
-            if msg[0] == "submit":
-                _, rid, req = msg
-                cancels[rid] = cancel = threading.Event()
-                scheduler.submit(Job(gen, req, outbox.emitter(rid, req.stream), cancel, rid))
-            elif msg[0] == "cancel":
-                cancel = cancels.pop(msg[1], None)
-                if cancel is not None:
-                    cancel.set()
-            elif msg[0] == "metrics":
-                _send(conn, ("metrics", msg[1], gen.metrics_text(), scheduler.metrics_lines()))
-            elif msg[0] == "stop":
-                return False
-            if not conn.poll():
-                return True
-
-    scheduler = Scheduler.for_generator(gen, max_num_seqs, disable_at, outbox.flush,
-                                        yield_gil=False, inbox=inbox)  # no event loop here
+    inbox = _Inbox(conn, gen)
+    inbox.scheduler = Scheduler.for_generator(gen, max_num_seqs, disable_at, inbox.outbox.flush,
+                                              yield_gil=False, inbox=inbox)  # no event loop here
     freeze_heap()
     _send(conn, ("ready", {"model_id": gen.model_id, "max_context": gen.max_context,
                            "engine_dir": str(engine.path), "backend": getattr(engine, "backend", ""),
@@ -179,7 +202,7 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
                            "requantized": dict(getattr(engine, "requantized", {})),
                            "prefix_cache": cache is not None, "lanes": lanes,
                            "threads": torch.get_num_threads()}))
-    scheduler.run()
+    inbox.scheduler.run()
 
 
 class _RemoteCancel(threading.Event):
