@@ -127,14 +127,14 @@ class _Inbox:
     rounds)."""
 
     def __init__(self, conn, gen):
-        self.conn, self.gen = conn, gen
+        from metrale.runtime.serving.scheduler import Job
+
+        self.conn, self.gen, self.job = conn, gen, Job
         self.cancels: dict[str, threading.Event] = {}  # of the requests running or waiting
         self.outbox = _Outbox(conn, self.cancels)  # what the jobs emit goes back on the pipe
         self.scheduler = None  # set once the scheduler reading it exists
 
     def __call__(self, wait: bool) -> bool:
-        from metrale.runtime.serving.scheduler import Job
-
         conn = self.conn
         if not wait and not conn.poll():
             os.sched_yield()
@@ -147,8 +147,8 @@ class _Inbox:
             if msg[0] == "submit":
                 _, rid, req = msg
                 self.cancels[rid] = cancel = threading.Event()
-                self.scheduler.submit(Job(self.gen, req, self.outbox.emitter(rid, req.stream),
-                                          cancel, rid))
+                self.scheduler.submit(self.job(self.gen, req, self.outbox.emitter(rid, req.stream),
+                                               cancel, rid))
             elif msg[0] == "cancel":
                 cancel = self.cancels.pop(msg[1], None)
                 if cancel is not None:
