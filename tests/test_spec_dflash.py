@@ -1,6 +1,7 @@
-"""The DFlash proposer feeds the drafter's context lazily: kept rows' taps wait until the next
-propose and then enter in one `add_context`, so a suspended stream pays nothing per plain step
-while every draft still sees the whole context."""
+"""The DFlash proposer feeds the drafter's context lazily: the prompt's and kept rows' taps wait
+until the next propose and then enter in one `add_context` (the drafter's cache made then), so a
+request that never drafts pays nothing for the drafter and a suspended stream nothing per plain
+step, while every draft still sees the whole context."""
 
 import torch
 
@@ -28,10 +29,12 @@ def test_context_waits_for_the_next_propose_and_matches_eager_feeding(tiny_engin
     with torch.inference_mode():
         for p in (lazy, eager):
             p.prefill([], _out(feats[:, :6]), pending=5)
+        eager._feed()  # the prompt's context in the drafter's cache at once
+        assert eager.cache.length == 6
         for a, b in ((6, 7), (7, 9), (9, 12)):  # three steps keep 1, 2 and 3 rows
             lazy.accept(_out(feats[:, a:b + 2]), b - a, torch.zeros(b - a, dtype=torch.long))
             eager.drafter.add_context(feats[:, a:b], eager.cache)  # what feeding at once does
-        assert lazy.cache.length == 6 and len(lazy.unfed) == 3  # nothing fed yet
+        assert lazy.cache is None and len(lazy.unfed) == 4  # nothing fed yet, not even made
         drafts, _ = lazy.propose(pending=5, max_drafts=7)
         assert lazy.cache.length == 12 == eager.cache.length and lazy.unfed == []
         n = lazy.cache.length
@@ -95,8 +98,7 @@ def test_adaptive_k_sets_the_count_only_for_a_stream_that_runs_alone(tiny_engine
         p.prefill([], _out(torch.randn(1, 6, width)), pending=5)
         p.batch_size = 4
         assert p.draft_count() == p.settings.max_drafts
-        length = p.cache.length
         drafts, proposed = p.propose(pending=5, max_drafts=0)
-        assert drafts.numel() == 0 and proposed == 0 and p.cache.length == length
+        assert drafts.numel() == 0 and proposed == 0 and p.cache is None  # no cache even made
         p.batch_size = 1
         assert p.draft_count() == p.controller.next_k()

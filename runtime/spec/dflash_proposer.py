@@ -45,14 +45,17 @@ class DFlashProposer:
         return cls(drafter, embed, settings, max_len)
 
     def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
-        w = self.embed.weight
-        self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)
-        self.drafter.add_context(out.taps, self.cache)
-        # (the target output, its rows kept), oldest first; the taps are read when fed, so a
-        # plain step of a busy batch costs no tensor op (`kept` holds the taps only)
-        self.unfed: list[tuple[object, int]] = []
+        # (the target output, its rows kept: None for all), oldest first, the prompt's first;
+        # the taps are read when fed, so a plain step of a busy batch costs no tensor op (`kept`
+        # holds the taps only), and the drafter's cache is made at the first feed: a request
+        # that never drafts (a busy batch's) costs the drafter nothing
+        self.cache = None
+        self.unfed: list[tuple[object, int | None]] = [(out.kept("taps"), None)]
 
     def _feed(self) -> None:
+        if self.cache is None:
+            w = self.embed.weight
+            self.cache = self.drafter.new_cache(1, self.max_len, w.dtype, w.device)
         if self.unfed:
             kept = [out.taps[:, :rows] for out, rows in self.unfed]
             self.drafter.add_context(kept[0] if len(kept) == 1 else torch.cat(kept, dim=1), self.cache)
