@@ -123,6 +123,30 @@ def test_requests_fail_once_the_engine_is_gone(aoti_engine_dir):
     proc.close()
 
 
+def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error(aoti_engine_dir):
+    """The engine's exit, read on the event loop mid-stream: the running stream ends with an
+    error event, the next request gets a 500 at once, and the server stays up."""
+    import json
+
+    proc = EngineProcess(functools.partial(load_generator, aoti_engine_dir, SpeculativeConfig.from_flags(),
+                                           backend="aoti"), max_num_seqs=4, disable_at=2, prefix_cache_tokens=0)
+    proxy = EngineProxy(proc)
+    try:
+        with serve_in_thread(create_app(proxy, ServerLimits(), proc)) as base:
+            with requests.post(base + "/v1/completions", stream=True, timeout=60,
+                               json={"prompt": "def main(", "max_tokens": 1000, "stream": True}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith(b"data:")  # it runs; then the engine dies
+                proc.proc.kill()
+                events = [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
+            assert events and events[-1]["error"]["type"] == "server_error"
+            r = requests.post(base + "/v1/completions", timeout=30, json={"prompt": "import os", "max_tokens": 4})
+            assert r.status_code == 500 and "request id" in r.json()["error"]["message"]
+            assert requests.get(base + "/health", timeout=5).ok
+    finally:
+        proc.close()
+
+
 def test_freeze_heap_moves_what_is_alive_out_of_the_collectors_generations():
     import gc
 
