@@ -241,9 +241,8 @@ def test_followed_rows_reach_the_drafter_as_the_target_computed_them(aoti_engine
     taps = gen.decoder().proposer.taps
     target = aoti_engine.target
     for rows, prompt, out in zip(fed.values(), prompts, emitted):
-        # a chain's first feed holds the prompt and every followed row; a drafter gets the
-        # prompt's taps at prefill, then the followed rows at the first propose
-        got = torch.cat(rows[:1] if mode == "mtp" else rows[:2], dim=1)
+        # a chain's or a block's first feed holds the prompt and every followed row
+        got = rows[0]
         n = got.shape[1]
         assert n >= len(prompt) + 9  # the followed steps' rows are there
         whole = torch.tensor([(prompt + out)[:n]])
@@ -253,23 +252,26 @@ def test_followed_rows_reach_the_drafter_as_the_target_computed_them(aoti_engine
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("runs", [False, True], ids=["steps", "runs"])
+@pytest.mark.parametrize("runs,chunk", [(False, 64), (True, 64), (True, 4)], ids=["steps", "runs", "chunked"])
 @pytest.mark.parametrize("mode", ["mtp", "dflash"])
 def test_catching_up_feeds_the_drafter_what_following_each_step_fed(aoti_engine, tiny_prompts, mode,
-                                                                    runs, monkeypatch):
+                                                                    runs, chunk, monkeypatch):
     """On the batched target a busy batch's plain steps keep nothing and the rows run again when
-    drafting resumes (`Decoder._catch_up`): the head or drafter is fed the very bits that
-    following every step fed it, the target's cache ends as it did, and so every draft, every
-    acceptance and every token is the same. The plain steps carry no taps and the proposer
-    keeps no row meanwhile; so too when the scheduler runs them as a `PlainRun` (`runs`),
-    which ends as the batch lets steps draft."""
+    drafting resumes (`Decoder._catch_up`), in forwards of at most `CATCH_UP_ROWS` (an MTP head
+    fed in as many): the head or drafter gets the bits that following every step (whole) fed it,
+    the target's cache ends as it did, and every draft, acceptance and token is the same. The
+    plain steps carry no taps and the proposer keeps no row meanwhile; so too when the scheduler
+    runs them as a `PlainRun` (`runs`), which ends as the batch lets steps draft."""
     import torch
 
     from metrale.runtime.backends.aoti_batched import BatchedTarget
+    from metrale.runtime.spec import decode
+
+    monkeypatch.setattr(decode, "CATCH_UP_ROWS", chunk)
 
     gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
-    fed: list[torch.Tensor] = []
-    _spy_fed(gen, mode, monkeypatch, lambda cache, rows: fed.append(rows))
+    fed: list[tuple[int, torch.Tensor]] = []
+    _spy_fed(gen, mode, monkeypatch, lambda cache, rows: fed.append((id(cache), rows)))
     forwards: list[tuple] = []  # (cache, start, rows, last_logits, taps) of each target forward
     many = BatchedTarget.forward_many
 
@@ -284,22 +286,27 @@ def test_catching_up_feeds_the_drafter_what_following_each_step_fed(aoti_engine,
     fed.clear()
     forwards.clear()
     monkeypatch.setattr(type(aoti_engine), "rows_invariant", False)  # each plain step followed
+    monkeypatch.setattr(decode, "CATCH_UP_ROWS", 64)  # and an MTP head fed them whole
     followed = _busy_then_free(gen, prompts, plain_tokens=10, decoders=(theirs := []))
     assert caught == followed
     for a, b in zip((d.last_result for d in mine), (d.last_result for d in theirs)):  # what each recorded
         assert (a.token_ids, a.steps) == (b.token_ids, b.steps)
         assert (a.metrics.steps, a.metrics.tokens_emitted, a.metrics.drafts_proposed, a.metrics.accepted_at) == \
             (b.metrics.steps, b.metrics.tokens_emitted, b.metrics.drafts_proposed, b.metrics.accepted_at)
-    assert len(caught_fed) == len(fed) and all(torch.equal(a, b) for a, b in zip(caught_fed, fed))
+    def joined(fed):  # each cache's rows in the order fed, the caches in the order first fed
+        return [torch.cat([r for c, r in fed if c == k], dim=1) for k in dict.fromkeys(c for c, _ in fed)]
+    assert len(joined(caught_fed)) == len(joined(fed)) == 2 and all(map(torch.equal, joined(caught_fed), joined(fed)))
     for cache in {c for c, *_ in caught_forwards}:
         mine = [f for f in caught_forwards if f[0] == cache]
         again = [i for i, (_, start, _, last, _) in enumerate(mine) if last and start > 0]
-        assert len(again) == 1  # one catch-up, when drafting resumed
-        _, start, rows, _, taps = mine[again[0]]
         plain = mine[1:again[0]]  # after the prompt: the busy steps, one row each, without taps
-        assert rows == len(plain) >= 9 and all(f[2] == 1 and not f[4] for f in plain)
-        assert taps == gen.decoder().proposer.taps  # DFlash's tap layers (MTP reads the last hidden)
-        assert start == plain[0][1] and start + rows == mine[again[0] + 1][1]  # their positions
+        assert len(plain) >= 9 and all(f[2] == 1 and not f[4] for f in plain)
+        # the catch-up, when drafting resumed: its forwards in a row, at most `chunk` rows each,
+        # with DFlash's tap layers (MTP reads the last hidden), at the busy steps' positions
+        assert again == list(range(again[0], again[0] + -(-len(plain) // chunk)))
+        assert all(mine[i][4] == gen.decoder().proposer.taps and mine[i][2] <= chunk for i in again)
+        assert [mine[i][1] for i in again + [again[-1] + 1]] == \
+            [plain[0][1] + sum(mine[j][2] for j in again[:k]) for k in range(len(again) + 1)]
 
 
 @pytest.mark.parametrize("ending", ["budget", "eos"])

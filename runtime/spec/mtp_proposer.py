@@ -17,6 +17,7 @@ import torch
 
 from metrale.runtime.backends import HeadForward, run_alone
 from metrale.runtime.models.mtp import MTPHead
+from metrale.runtime.spec import decode
 from metrale.runtime.spec.config import DraftStop
 
 
@@ -53,13 +54,17 @@ class MTPProposer:
 
     def _feed(self):
         """The rows kept since the last chain (the prompt's before the first) enter the head in
-        one call: a request that never drafts (a busy batch) never runs the head."""
+        one call, or in calls of `decode.CATCH_UP_ROWS` where more wait (a sequence resuming
+        after a busy spell: each call is a head forward of the whole batch): a request that
+        never drafts (a busy batch) never runs the head."""
         if self.unfed:
             tokens = torch.tensor([t for ids, _ in self.unfed for t in ids], dtype=torch.long,
                                   device=self.embed.weight.device)
             hidden = torch.cat([out.last_hidden[:, :len(ids)] for ids, out in self.unfed], dim=1)
             self.unfed = []
-            yield from self._entries(tokens, hidden)
+            step = decode.CATCH_UP_ROWS
+            for i in range(0, tokens.numel(), step):
+                yield from self._entries(tokens[i:i + step], hidden[:, i:i + step])
 
     def _continues(self, prob: float, running: float) -> bool:
         if self.stop is None:
