@@ -127,18 +127,28 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error(aoti_engin
     """The engine's exit, read on the event loop mid-stream: the running stream ends with an
     error event, the next request gets a 500 at once, and the server stays up."""
     import json
+    import os
+    import signal
+    import time
 
     proc = EngineProcess(functools.partial(load_generator, aoti_engine_dir, SpeculativeConfig.from_flags(),
                                            backend="aoti"), max_num_seqs=4, disable_at=2, prefix_cache_tokens=0)
     proxy = EngineProxy(proc)
     try:
         with serve_in_thread(create_app(proxy, ServerLimits(), proc)) as base:
-            with requests.post(base + "/v1/completions", stream=True, timeout=60,
-                               json={"prompt": "def main(", "max_tokens": 1000, "stream": True}) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith(b"data:")  # it runs; then the engine dies
-                proc.proc.kill()
-                events = [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
+            for _ in range(10):
+                with requests.post(base + "/v1/completions", stream=True, timeout=60,
+                                   json={"prompt": "def main(", "max_tokens": 1000, "stream": True}) as r:
+                    lines = r.iter_lines()
+                    assert next(lines).startswith(b"data:")  # it runs: the engine stops there
+                    os.kill(proc.proc.pid, signal.SIGSTOP)
+                    time.sleep(0.3)  # what it sent before stopping reaches the server
+                    if not proc.channels:  # it had finished already: again
+                        os.kill(proc.proc.pid, signal.SIGCONT)
+                        continue
+                    proc.proc.kill()  # mid-stream
+                    events = [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
+                    break
             assert events and events[-1]["error"]["type"] == "server_error"
             r = requests.post(base + "/v1/completions", timeout=30, json={"prompt": "import os", "max_tokens": 4})
             assert r.status_code == 500 and "request id" in r.json()["error"]["message"]
@@ -323,3 +333,61 @@ def test_the_engines_inbox_handles_what_waits_and_yields_its_core_when_nothing_d
     assert inbox(True) is False
     server.close()
     assert inbox(True) is False  # the server went away
+
+
+def test_the_pipes_frames_are_read_whole_however_they_arrive():
+    """The HTTP side parses the engine's bytes as `multiprocessing`'s `send_bytes` frames them,
+    whatever the split: a message cut anywhere waits for its rest, and messages that arrive
+    together are handled together."""
+    import multiprocessing
+    import os
+    import pickle
+    import random
+
+    from metrale.runtime.serving import engine_process as ep
+
+    msgs = [("events", [("a", "text", "x" * n)]) for n in (0, 5, 20_000, 70_000)] + [("metrics", 3, "t", [])]
+    here, there = multiprocessing.Pipe()
+    for m in msgs:  # what the engine's side writes, framed by multiprocessing itself
+        there.send_bytes(pickle.dumps(m))
+    stream = b""
+    while here.poll(0.2):
+        stream += os.read(here.fileno(), 1 << 20)
+    assert stream.startswith(ep._frame(pickle.dumps(msgs[0])))  # the same framing
+
+    class Engine:
+        got: list[list] = []
+
+        def _handle(self, batch):
+            self.got.append(batch)
+
+    rng = random.Random(0)
+    for _ in range(20):
+        engine, cut = Engine(), sorted(rng.sample(range(1, len(stream)), 6))
+        engine.got = []
+        proto = ep._FromEngine(engine)
+        for a, b in zip([0, *cut], [*cut, len(stream)]):
+            proto.data_received(stream[a:b])
+        assert [m for batch in engine.got for m in batch] == msgs and not proto.buf
+
+
+def test_a_send_on_the_loop_never_waits_for_the_engine(engine):
+    """A message far larger than the pipe holds, sent from the event loop, returns with the rest
+    in the transport's buffer (the engine reads only between iterations); the engine then reads
+    it whole, and the pipe stays in step: a metrics request after it is answered."""
+    import asyncio
+
+    async def main():
+        await engine.attach()
+        engine.send(("cancel", "no-such-request-" + "x" * (8 << 20)))
+        assert engine.transport.get_write_buffer_size() > 0  # not written through: held
+        for _ in range(600):
+            if engine.transport.get_write_buffer_size() == 0:
+                break
+            await asyncio.sleep(0.05)
+        return await asyncio.to_thread(engine.metrics_text)
+
+    try:
+        assert "metrale_" in asyncio.run(main())
+    finally:
+        engine.detach()

@@ -13,8 +13,10 @@ Python thread, which between iterations reads the pipe: ("submit", rid, request)
 rid), ("metrics", n), ("stop",). What the jobs emit is sent back once per scheduler phase, every
 request's events of the phase in one message (a fast stream's later deltas at most once per
 `STREAM_FLUSH_S`). The server's side (`EngineProcess`) is the `Scheduler` its app submits to,
-reading the engine's messages on the app's event loop (`attach`): `start` sends a request and
-routes its events to the request's channel, `new_cancel` gives an event whose `set` cancels the
+reading and writing the pipe on the app's event loop (`attach`: an asyncio transport, so a send
+never blocks the loop and the engine, which reads only between iterations, never waits on a
+server that is itself waiting to send): `start` sends a request and routes its events to the
+request's channel, `new_cancel` gives an event whose `set` cancels the
 request there too, `metrics_lines` and `metrics_text` ask the engine for its counters.
 
 Neither side has a reader thread: a hand-off through one cost a wake-up of that thread, which
@@ -33,6 +35,8 @@ import logging
 import multiprocessing
 import os
 import pickle
+import socket
+import struct
 import threading
 import time
 from typing import Any, Callable
@@ -205,6 +209,49 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
     inbox.scheduler.run()
 
 
+def _frame(data: bytes) -> bytes:
+    """`data` framed as `multiprocessing.connection.Connection.send_bytes` frames it (a 4-byte
+    big-endian length, or -1 and an 8-byte length), so the engine's `recv_bytes` reads it."""
+    n = len(data)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return head + data
+
+
+class _FromEngine(asyncio.Protocol):
+    """The HTTP side's end of the pipe on the event loop: whole messages out of the bytes as
+    they arrive (framed as `_frame` frames them), handed to the `EngineProcess` together; the
+    engine's exit (end of file) fails what waits for it."""
+
+    def __init__(self, engine: "EngineProcess"):
+        self.engine, self.buf = engine, bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        msgs, at, buf = [], 0, self.buf
+        while len(buf) - at >= 4:
+            (n,), head = struct.unpack_from("!i", buf, at), 4
+            if n == -1:
+                if len(buf) - at < 12:
+                    break
+                (n,), head = struct.unpack_from("!Q", buf, at + 4), 12
+            if len(buf) - at < head + n:
+                break
+            msgs.append(pickle.loads(buf[at + head:at + head + n]))
+            at += head + n
+        del buf[:at]
+        if msgs:
+            self.engine._handle(msgs)
+
+    def eof_received(self) -> bool:
+        self.engine.detach()
+        self.engine._gone()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None and self.engine.dead is None:  # a failed pipe, not our own close
+            self.engine._gone()
+
+
 class _RemoteCancel(threading.Event):
     """A request's cancel event on the server's side: setting it cancels it in the engine, while
     it runs there. The app sets it once every request is over (`server._events`); a request
@@ -232,7 +279,11 @@ class EngineProcess:
 
         self.dead: str | None = None
         self.closing = False
-        self.send_lock = threading.Lock()  # the event loop's messages, and `metrics_text`'s
+        self.send_lock = threading.Lock()  # sends down the pipe itself (not attached)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.transport: asyncio.Transport | None = None  # the pipe on `loop`, once attached
+        self._attached: asyncio.Future | None = None
+        self._loop_thread = 0
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_main, name="metrale-engine", daemon=True,
@@ -259,35 +310,55 @@ class EngineProcess:
         self._metrics_ready = threading.Condition()
         self._asked = 0
         self._lines: list[str] = []
-        self.loop: asyncio.AbstractEventLoop | None = None
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the engine's messages on `loop` (the app's event loop: the app attaches at
-        each call, a no-op but for the first on a loop) as they arrive: the channels' events,
-        answers to `metrics_text`, the engine's exit."""
-        if loop is self.loop or self.dead is not None or self.conn.closed:
+    async def attach(self) -> None:
+        """Read and write the engine's pipe on the running loop (the app's: it attaches at each
+        call, which costs nothing but on a loop's first): messages are handled as they arrive,
+        and sends never block the loop (the transport buffers what the pipe does not take, as
+        the engine reads only between iterations), so neither side can wait on the other."""
+        loop = asyncio.get_running_loop()
+        if loop is self.loop:
+            await self._attached
+            return
+        if self.dead is not None or self.conn.closed:
             return
         self.detach()
-        self.loop = loop
-        loop.add_reader(self.conn.fileno(), self._read)
+        self.loop, self._loop_thread, self._attached = loop, threading.get_ident(), loop.create_future()
+        try:
+            sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            self.transport, _ = await loop.connect_accepted_socket(lambda: _FromEngine(self), sock)
+        finally:
+            self._attached.set_result(None)
 
     def detach(self) -> None:
-        if self.loop is not None and not self.loop.is_closed() and not self.conn.closed:
-            self.loop.remove_reader(self.conn.fileno())
-        self.loop = None
+        if self.transport is not None and self.loop is not None and not self.loop.is_closed():
+            self.transport.close()
+        self.loop = self.transport = None
 
     def send(self, msg: tuple) -> None:
+        """From the loop's thread: into the transport's buffer. From another thread: handed to
+        the loop. Before attaching or once its loop is closed: down the pipe itself."""
         if self.dead is not None:
+            return
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        loop, transport = self.loop, self.transport
+        if transport is not None and not loop.is_closed():
+            frame = _frame(data)
+            if threading.get_ident() == self._loop_thread:
+                transport.write(frame)
+            else:
+                loop.call_soon_threadsafe(transport.write, frame)
             return
         try:
             with self.send_lock:
-                _send(self.conn, msg)
-        except (OSError, ValueError):  # the engine is gone: `_read` reports it
+                os.set_blocking(self.conn.fileno(), True)  # (the transport made it non-blocking)
+                self.conn.send_bytes(data)
+        except (OSError, ValueError):  # the engine is gone
             pass
 
     # the app's scheduler face
     def start(self, gen, req, emit: Callable[[str, Any], None], cancel, rid: str) -> None:
-        """(On the event loop, as `_read` is.)"""
+        """(On the event loop, where the engine's messages are handled.)"""
         if self.dead is not None:
             emit("error", RuntimeError(self.dead))
             self.flush()
@@ -316,26 +387,19 @@ class EngineProcess:
             text, self._lines = self._metrics.pop(n)
         return text
 
-    def _read(self) -> None:
-        """Every message waiting on the pipe (the event loop calls this when it is readable),
-        then the app's wake-ups once."""
-        try:
-            while True:
-                msg = _recv(self.conn)
-                if msg[0] == "events":
-                    for rid, kind, payload in msg[1]:
-                        emit = self.channels.get(rid) if kind == "text" else self.channels.pop(rid, None)
-                        if emit is not None:
-                            emit(kind, RuntimeError(payload) if kind == "error" else payload)
-                elif msg[0] == "metrics":
-                    with self._metrics_ready:
-                        self._metrics[msg[1]] = (msg[2], msg[3])
-                        self._metrics_ready.notify_all()
-                if not self.conn.poll():
-                    break
-        except (EOFError, OSError):
-            self.detach()
-            self._gone()
+    def _handle(self, msgs: list[tuple]) -> None:
+        """The engine's messages that arrived together (on the loop), then the app's wake-ups
+        once."""
+        for msg in msgs:
+            if msg[0] == "events":
+                for rid, kind, payload in msg[1]:
+                    emit = self.channels.get(rid) if kind == "text" else self.channels.pop(rid, None)
+                    if emit is not None:
+                        emit(kind, RuntimeError(payload) if kind == "error" else payload)
+            elif msg[0] == "metrics":
+                with self._metrics_ready:
+                    self._metrics[msg[1]] = (msg[2], msg[3])
+                    self._metrics_ready.notify_all()
         self.flush()
 
     def _gone(self) -> None:
@@ -349,6 +413,7 @@ class EngineProcess:
             emit("error", RuntimeError(self.dead))
         with self._metrics_ready:
             self._metrics_ready.notify_all()
+        self.flush()
 
     def close(self) -> None:
         self.closing = True

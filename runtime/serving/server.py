@@ -198,8 +198,8 @@ class _Endpoints:
         self.app, self.posts, self.engine = app, posts, engine
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if self.engine is not None:  # its messages are read on the loop that serves the app
-            self.engine.attach(asyncio.get_running_loop())
+        if self.engine is not None:  # its pipe is read and written on the loop serving the app
+            await self.engine.attach()
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.posts.get(scope["path"])
             if endpoint is not None:

@@ -15,6 +15,8 @@ ladder's rung or γ−1, as the flag's help says, and the controller keeps learn
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from metrale.runtime.backends import DraftForward, run_alone
@@ -50,7 +52,9 @@ class DFlashProposer:
         # holds the taps only), and the drafter's cache is made at the first feed: a request
         # that never drafts (a busy batch's) costs the drafter nothing
         self.cache = None
-        self.unfed: list[tuple[object, int | None]] = [(out.kept("taps"), None)]
+        # (its own rows copied: a batched forward's output holds every sequence's, and this
+        # one may wait for a request's whole life)
+        self.unfed: list[tuple[object, int | None]] = [(SimpleNamespace(taps=out.taps.clone()), None)]
 
     def _feed(self) -> None:
         if self.cache is None:
