@@ -41,6 +41,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from metrale.runtime.serving.scheduler import Job, Scheduler
+
 log = logging.getLogger(__name__)
 
 # Cores the batched steps leave to the HTTP process (parsing, tokenizing, responses), as vLLM's CPU
@@ -131,9 +133,7 @@ class _Inbox:
     rounds)."""
 
     def __init__(self, conn, gen):
-        from metrale.runtime.serving.scheduler import Job
-
-        self.conn, self.gen, self.job = conn, gen, Job
+        self.conn, self.gen = conn, gen
         self.cancels: dict[str, threading.Event] = {}  # of the requests running or waiting
         self.outbox = _Outbox(conn, self.cancels)  # what the jobs emit goes back on the pipe
         self.scheduler = None  # set once the scheduler reading it exists
@@ -151,8 +151,7 @@ class _Inbox:
             if msg[0] == "submit":
                 _, rid, req = msg
                 self.cancels[rid] = cancel = threading.Event()
-                self.scheduler.submit(self.job(self.gen, req, self.outbox.emitter(rid, req.stream),
-                                               cancel, rid))
+                self.scheduler.submit(Job(self.gen, req, self.outbox.emitter(rid, req.stream), cancel, rid))
             elif msg[0] == "cancel":
                 cancel = self.cancels.pop(msg[1], None)
                 if cancel is not None:
@@ -181,8 +180,6 @@ def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
     import signal
 
     import torch
-
-    from metrale.runtime.serving.scheduler import Scheduler
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it stops the engine
 
