@@ -1,5 +1,6 @@
 """The draft count: E(k), the cost-model chooser, the estimator, the ladder, the controller."""
 
+import math
 import random
 
 import pytest
@@ -16,6 +17,13 @@ from metrale.runtime.spec.adaptive_k import (
 from metrale.runtime.spec.config import CostModel
 
 SEED_COST = CostModel.parse("0:32,1:44,2:50,3:56")
+
+
+@pytest.fixture
+def interval_only(monkeypatch):
+    """Probes as often as the re-probe interval allows: their cost budget out of the way, for
+    the tests of the interval's own rules."""
+    monkeypatch.setattr(AdaptiveKController, "PROBE_BUDGET", float("inf"))
 
 
 def test_expected_tokens_by_hand():
@@ -152,7 +160,7 @@ def test_ladder_stays_on_its_rungs(rungs, fractions):
         assert ladder.current in rungs and abs(ladder.index - before) <= 1
 
 
-def test_controller_suspends_and_reprobes():
+def test_controller_suspends_and_reprobes(interval_only):
     ctl = AdaptiveKController(SEED_COST, max_k=3, reprobe_interval=3)
     # No data: every a_j = prior 0.5; r2 = 1.75/50 = 0.035 is best (r1 ≈ 0.0341, r3 ≈ 0.0335).
     assert ctl.next_k() == 2
@@ -183,7 +191,7 @@ def test_controller_is_capped_by_ladder_and_max_k():
     assert AdaptiveKController(SEED_COST, max_k=2, reprobe_interval=16).next_k() <= 2
 
 
-def test_controller_never_probes_where_no_count_can_pay():
+def test_controller_never_probes_where_no_count_can_pay(interval_only):
     """A table where even fully accepted drafts lose to a plain step ((k+1)/c(k) <= 1/c(0)):
     no probe could change the decision, so the stream decodes plainly throughout."""
     hopeless = CostModel(first=0, ms=(1.0, 2.5, 3.5, 4.5))
@@ -202,7 +210,7 @@ def test_controller_never_probes_where_no_count_can_pay():
     assert AdaptiveKController(CostModel(first=1, ms=(2.0, 3.0)), max_k=2, reprobe_interval=2).can_pay(2)
 
 
-def test_a_resumed_stream_restarts_the_backoff():
+def test_a_resumed_stream_restarts_the_backoff(interval_only):
     ctl = AdaptiveKController(SEED_COST, max_k=3, reprobe_interval=2)
     for _ in range(3):
         ctl.observe(2, 0)
@@ -228,3 +236,71 @@ def test_a_calibrated_acceptance_starts_the_estimate_and_gates_the_probes():
     # without a calibrated acceptance: prior 0.5 weighing one position, optimism up to 1
     plain = AdaptiveKController(CostModel(0, ms), max_k=3, reprobe_interval=2)
     assert plain.strength == 1.0 and plain.optimistic_acceptance() == 1.0
+
+
+def test_probes_keep_their_expected_loss_within_the_budget():
+    """A suspended stream's probe costs c(k) and is expected to emit E(k) tokens, which plain
+    steps would have cost E(k)·c(0): its expected loss is spread over enough plain steps to stay
+    under PROBE_BUDGET (1%) of their time, however short the interval."""
+    ms = (1.0, 1.8, 2.2, 2.6)  # pays at full acceptance (4 / 2.6 > 1), not at 0.5
+    ctl = AdaptiveKController(CostModel(0, ms), max_k=3, reprobe_interval=2)
+    assert ctl.next_k() == 0
+    # no data: a_j = 0.5 everywhere; the probe's best count is 1 (1.5 tokens in 1.8 ms), whose
+    # loss is 1.8 - 1.5 = 0.3 ms: 30 plain steps of 1 ms keep it within 1%
+    acc = ctl.estimator.rates(3, prior=0.5, strength=1.0)
+    assert ctl.budget_wait(1, acc) == 30
+    assert ctl.plain_ahead() == 29  # after the step that just chose 0
+    assert [ctl.next_k() for _ in range(30)] == [0] * 29 + [1]
+    # a probe expected to pay for itself waits only for the interval
+    assert ctl.budget_wait(1, [0.9]) == 0  # 1.8 - 1.9 < 0
+
+
+def test_plain_ahead_and_skip_stand_for_the_plain_steps_between_probes():
+    """Running `plain_ahead()` plain steps at once and recording them with `skip` leaves the
+    controller where as many `next_k` calls returning 0 would: the probe comes next."""
+    ms = (1.0, 1.8, 2.2, 2.6)
+    one, many = (AdaptiveKController(CostModel(0, ms), max_k=3, reprobe_interval=4) for _ in range(2))
+    for _ in range(2):  # a probe each, observed as rejected: backoff and a moved estimate
+        for ctl in (one, many):
+            assert ctl.next_k() == 0
+        ahead = many.plain_ahead()
+        assert ahead > 0
+        many.skip(ahead)
+        ks = [one.next_k() for _ in range(ahead)]
+        assert ks == [0] * ahead
+        k = one.next_k()
+        assert k > 0 and many.next_k() == k
+        one.observe(k, 0)
+        many.observe(k, 0)
+    assert one.plain_steps == many.plain_steps and one.interval == many.interval
+    assert one.next_k() == many.next_k() == 0 and one.settled and many.settled  # no optimism left
+    assert many.plain_ahead() == 0
+
+
+def test_rows_run_again_before_a_probe_count_against_its_budget():
+    """Where the plain steps' rows run again before a probe (`rerun_rows`), each waited step
+    costs a target row (`CostModel.row_ms`, the table's cost per extra verify row): where that
+    alone exceeds the budget's share of a plain step the stream settles at once; where it
+    leaves some, the probe waits longer."""
+    # measured on the CPU packages: a row costs 8% of a plain step, the budget 1%
+    cpu = CostModel(0, (0.187, 0.777, 0.793, 0.815, 0.84, 0.843, 0.857, 0.868), acceptance=0.69)
+    assert cpu.row_ms == pytest.approx((0.868 - 0.777) / 6)
+    kept = AdaptiveKController(cpu, max_k=7, reprobe_interval=16)
+    assert kept.next_k() == 0 and not kept.settled and kept.plain_ahead() > 16
+    rerun = AdaptiveKController(cpu, max_k=7, reprobe_interval=16)
+    rerun.rerun_rows()
+    assert rerun.next_k() == 0 and rerun.settled and rerun.plain_ahead() == 0
+    # a table whose rows are cheap: one costs 0.2% of a plain step, so probes still pay off
+    cheap = CostModel.parse("0:1,1:1.5,2:1.502,3:1.504")
+    assert cheap.row_ms == pytest.approx(0.002)
+    kept, rerun = (AdaptiveKController(cheap, max_k=3, reprobe_interval=4) for _ in range(2))
+    rerun.rerun_rows()
+    for ctl in (kept, rerun):
+        for _ in range(3):
+            ctl.observe(3, 0)  # a_1 low: suspended, but optimism remains
+        assert ctl.next_k() == 0 and not ctl.settled
+    # the probe's loss (1.5 - E(1)) over 0.01 per step, or over 0.01 - 0.002 with its rows
+    acc = kept.estimator.rates(3, prior=kept.prior, strength=kept.strength)
+    loss = 1.5 - expected_tokens(acc, 1)
+    assert kept.plain_ahead() + 1 == math.ceil(loss / 0.01 - 1e-9)
+    assert rerun.plain_ahead() + 1 == math.ceil(loss / 0.008 - 1e-9)

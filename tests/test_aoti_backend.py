@@ -332,3 +332,44 @@ def test_a_batched_forward_refuses_rows_past_a_cache(aoti_engine):
     with pytest.raises(ValueError, match="exceed the cache's"):
         target.forward_many([Forward(torch.zeros(1, 2, dtype=torch.long), cache)])
     assert cache.length == cache.max_len - 1  # refused before anything ran
+
+
+def test_a_suspended_adaptive_stream_keeps_nothing_and_reruns_its_rows(aoti_engine, tiny_prompts, monkeypatch):
+    """On the row-invariant packages a suspended adaptive-k stream's plain steps are plain
+    decoding's (one row, no taps, nothing kept); before each probe its rows run again (the
+    catch-up), so the drafter gets the context that following each step gives: the same steps,
+    drafts and acceptances as a stream whose proposer follows, and plain decoding's tokens."""
+    from metrale.runtime.backends import Forward
+    from metrale.runtime.spec import decode
+    from metrale.runtime.spec.adaptive_k import AdaptiveKController
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+
+    monkeypatch.setattr(AdaptiveKController, "PROBE_BUDGET", float("inf"))  # probes every 4 or so
+    spec = SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2", dflash_reprobe_interval=4,
+                                        dflash_adaptive_k="0:1,1:1.7,2:2.4,3:3.1")
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    forwards, real = [], decode.run_forwards
+    monkeypatch.setattr(decode, "run_forwards",
+                        lambda t, needs: (forwards.extend((n.rows, bool(n.taps)) for n in needs if type(n) is Forward),
+                                          real(t, needs))[1])
+    plain = EngineGenerator(aoti_engine).generate(tiny_prompts[0], params)
+    forwards.clear()
+    rerun = EngineGenerator(aoti_engine, spec).generate(tiny_prompts[0], params)
+    rerun_forwards = list(forwards)
+    forwards.clear()
+    monkeypatch.setattr(type(aoti_engine), "rows_invariant", property(lambda self: False))
+    followed = EngineGenerator(aoti_engine, spec).generate(tiny_prompts[0], params)
+    assert rerun.token_ids == followed.token_ids == plain.token_ids
+    assert rerun.steps == followed.steps
+    probes = sum(1 for s in rerun.steps if s.drafted)
+    assert probes >= 2
+    # following: every decode step's row carries taps; rerunning: only the catch-ups and the
+    # probes' verifies do, and the plain steps' one-row forwards carry none
+    assert all(taps for _, taps in forwards[1:])
+    plain_rows = [rows for rows, taps in rerun_forwards[1:] if not taps]
+    assert plain_rows and set(plain_rows) == {1}
+    tapped = [rows for rows, taps in rerun_forwards[1:] if taps]
+    assert len(tapped) >= 2 * probes - 1  # a catch-up and a verify per probe (none before the first)
+    assert sum(plain_rows) == len(rerun.steps) - probes

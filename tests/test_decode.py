@@ -6,6 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from metrale.runtime.backends import run_forwards
+
+from metrale.runtime.spec.adaptive_k import AdaptiveKController
+from metrale.runtime.spec.decode import PlainRun
 from metrale.runtime.spec.sampling import SamplingParams
 from metrale.runtime.serving.service import EngineGenerator
 from metrale.runtime.spec.config import SpeculativeConfig
@@ -75,10 +79,12 @@ def test_confidence_stop_verifies_fewer_drafts_same_tokens(tiny_engine, tiny_pro
         assert all(s.drafted >= 1 for r in stopped for s in r.steps[:-1])
 
 
-def test_adaptive_k_suspends_when_plain_is_cheaper(tiny_engine, tiny_prompts):
+def test_adaptive_k_suspends_when_plain_is_cheaper(tiny_engine, tiny_prompts, monkeypatch):
     """A cost model where drafts pay only if all are accepted: k = 0 except for the re-probes,
-    whose intervals double while they leave the stream suspended; one where even that cannot
-    pay: no probe at all."""
+    whose intervals double while they leave the stream suspended (as often as the interval
+    allows: the probes' cost budget out of the way); one where even that cannot pay: no probe
+    at all."""
+    monkeypatch.setattr(AdaptiveKController, "PROBE_BUDGET", float("inf"))
     results = run(tiny_engine, tiny_prompts[:1], dflash=True, dflash_adaptive_k="0:1,1:1.99,2:2.99",
                   dflash_reprobe_interval=4, exact_verify=True)
     drafted = [s.drafted for s in results[0].steps]
@@ -171,3 +177,86 @@ def test_argmax_rows_is_torch_argmax():
     for x in (logits, logits[::3], logits[:, :1000], logits.to(torch.bfloat16)):
         assert argmax_rows(x) == x.argmax(dim=-1).tolist()
     assert argmax_rows(logits)[3] == 7 and argmax_rows(logits)[5] == 0
+
+
+def test_a_suspended_adaptive_stream_runs_plain_decodings_steps(tiny_engine, tiny_prompts, monkeypatch):
+    """Between its probes a suspended adaptive-k stream takes plain decoding's path: the loop
+    yields one `PlainRun` for the plain steps up to the next probe (not a propose and a
+    one-row verify per step), the proposer is asked for a count once per run and once per
+    probe, every step's row is followed (the drafter's context complete at each probe), and
+    the tokens, step traces and metrics are those of the per-step path."""
+    monkeypatch.setattr(AdaptiveKController, "PROBE_BUDGET", float("inf"))  # probes every 4
+    flags = dict(dflash=True, dflash_drafter="dflash2", dflash_adaptive_k="0:1,1:1.7,2:2.4,3:3.1",
+                 dflash_reprobe_interval=4)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**flags))
+    plain = EngineGenerator(tiny_engine).generate(tiny_prompts[0], params)
+    add = tiny_engine.drafters["dflash2"].add_context
+
+    def drive(runs: bool):
+        decoder = gen.decoder()
+        counts, fed, followed = [], [], []
+        proposer = decoder.proposer
+        count = proposer.draft_count
+        monkeypatch.setattr(proposer, "draft_count", lambda: (counts.append(1), count())[1])
+        follow = proposer.follow
+        monkeypatch.setattr(proposer, "follow", lambda out, ids: (followed.append(len(ids)), follow(out, ids))[1])
+        monkeypatch.setattr(proposer.drafter, "add_context", lambda f, c: (fed.append(f.shape[1]), add(f, c))[1])
+        items, reply = [], None
+        steps = decoder.steps(tiny_prompts[0], params, runs=runs)
+        with torch.inference_mode():
+            for item in iter(lambda: steps.send(reply), None):
+                items.append(type(item).__name__)
+                if type(item) is PlainRun:
+                    while item.forward is not None:
+                        item.take(run_forwards(decoder.target, [item.forward])[0])
+                    reply = item
+                elif isinstance(item, list):
+                    reply = None
+                else:
+                    reply = run_forwards(decoder.target, [item])[0]
+        return decoder.last_result, items, counts, fed, followed
+
+    per_step, step_items, step_counts, step_fed, _ = drive(runs=False)
+    res, items, counts, fed, followed = drive(runs=True)
+    assert res.token_ids == per_step.token_ids == plain.token_ids
+    assert res.steps == per_step.steps and res.metrics.steps == per_step.metrics.steps
+    assert res.metrics.drafts_verified == per_step.metrics.drafts_verified
+    assert fed == step_fed  # the drafter saw the same context at every probe
+    probes = sum(1 for s in res.steps if s.drafted)
+    assert probes >= 2 and len(fed) == probes  # suspended, with probes (each feeding the drafter)
+    plain_steps = len(res.steps) - probes
+    assert sum(followed) == plain_steps  # every plain step's row followed, one at a time
+    runs = items.count("PlainRun")
+    assert 0 < runs <= probes + 1 and len(counts) == runs + probes  # a count per run, not per step
+    # per step: a count at every step but a last one with room for no draft
+    assert len(step_counts) >= len(res.steps) - 1 > 3 * len(counts) and "PlainRun" not in step_items
+    assert items.count("Forward") == probes + 1  # the prompt, then a verify per probe
+
+
+def test_busy_batch_steps_of_a_suspended_stream_still_catch_up(tiny_engine, tiny_prompts):
+    """A suspended adaptive stream whose batch stops letting it draft, then lets it again,
+    emits plain decoding's tokens (runs of both kinds in one stream)."""
+    from metrale.runtime.spec.decode import Batch
+
+    flags = dict(dflash=True, dflash_adaptive_k="0:1,1:1.2,2:1.3,3:1.4,4:1.5,5:1.6,6:1.7,7:1.8",
+                 dflash_reprobe_interval=2)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    decoder = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**flags)).decoder()
+    plain = EngineGenerator(tiny_engine).generate(tiny_prompts[1], params)
+    batch, reply, n = Batch(), None, 0
+    steps = decoder.steps(tiny_prompts[1], params, batch=batch, runs=True)
+    with torch.inference_mode():
+        for item in iter(lambda: steps.send(reply), None):
+            n += 1
+            batch.size, batch.speculate = (3, False) if (n // 7) % 2 else (1, True)
+            if type(item) is PlainRun:
+                while item.forward is not None:
+                    item.take(run_forwards(decoder.target, [item.forward])[0])
+                    batch.size, batch.speculate = (1, True) if batch.size == 3 else (3, False)
+                reply = item
+            elif isinstance(item, list):
+                reply = None
+            else:
+                reply = run_forwards(decoder.target, [item])[0]
+    assert decoder.last_result.token_ids == plain.token_ids

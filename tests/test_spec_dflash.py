@@ -48,7 +48,11 @@ def test_a_suspended_stream_feeds_nothing_per_plain_step(tiny_engine, tiny_promp
     from metrale.runtime.spec.sampling import SamplingParams
     from metrale.runtime.serving.service import EngineGenerator
 
-    # plain steps pay at any acceptance below 1, yet full acceptance would pay: it probes
+    # plain steps pay at any acceptance below 1, yet full acceptance would pay: it probes (as
+    # often as the interval allows: the probes' cost budget out of the way)
+    from metrale.runtime.spec.adaptive_k import AdaptiveKController
+
+    monkeypatch.setattr(AdaptiveKController, "PROBE_BUDGET", float("inf"))
     costly = "0:1,1:1.95,2:2.95,3:3.95,4:4.95,5:5.95,6:6.95,7:7.95"
     spec = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k=costly, dflash_reprobe_interval=8,
                                         exact_verify=True)

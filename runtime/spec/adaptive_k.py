@@ -17,6 +17,7 @@ ladder or to γ there.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from metrale.runtime.spec.config import CostModel
@@ -158,14 +159,30 @@ class AdaptiveKController:
     it has any, the calibrated acceptance the cost model carries) is far below what the table
     needs is not probed.
 
+    A probe is an investment a suspended stream pays for in plain decoding's time: its expected
+    loss (the probe's step cost less the plain steps its expected tokens replace, at the
+    current estimate) is spread over enough plain steps to stay under `PROBE_BUDGET` of their
+    time, so where drafting costs many plain steps (a CPU) probes are rare and a stream close
+    to paying is probed as often as the interval allows. The wait before a probe is the larger
+    of the (backed-off) interval and that budget's. Where the drafter's context is kept by
+    running the plain steps' rows again before the probe (`rerun_rows`: a target whose rows do
+    not depend on the forward's others), each waited step also costs a target row
+    (`CostModel.row_ms`) against the budget; where that alone exceeds it no probe can be
+    afforded and the stream settles.
+
     A cost model with `acceptance` (measured by `metrale calibrate` or `bench`) starts the
     stream at that rate, weighted as `CALIBRATED_STRENGTH` tested positions; otherwise at `prior`
     with the weight of one.
+
+    While suspended the choice cannot change before the probe (plain steps measure nothing), so
+    a caller may run the plain steps `plain_ahead()` counts without asking `next_k` at each and
+    record them with `skip(n)`.
     """
 
     MAX_BACKOFF = 64
     Z = 2.0
     CALIBRATED_STRENGTH = 16.0
+    PROBE_BUDGET = 0.01
 
     def __init__(
         self,
@@ -191,6 +208,12 @@ class AdaptiveKController:
         self._choice = None  # (what it depends on, rates, k, a probe could pay) of the last choice
         self.settled = False  # suspended with no probe that could pay: plain from here on
         self.probed = False  # the last k came from a probe
+        self.row_ms = 0.0  # what keeping a plain step's row for the probe costs (`rerun_rows`)
+
+    def rerun_rows(self) -> None:
+        """The plain steps' rows run again before a probe (rather than being kept as they
+        come): each costs a target row, `cost.row_ms`, counted against the probe budget."""
+        self.row_ms, self._choice = self.cost.row_ms, None
 
     def cap(self) -> int:
         return min(self.max_k, self.ladder.current) if self.ladder else self.max_k
@@ -226,8 +249,14 @@ class AdaptiveKController:
             acc = self.estimator.rates(cap, prior=self.prior, strength=self.strength)
             k = choose_k(self.cost, acc, cap)
             pays = k > 0 or self.can_pay(cap, self.optimistic_acceptance())
-            self._choice = (key, acc, k, pays)
-        _, acc, k, pays = self._choice
+            probe, budget_wait = 0, 0
+            if k == 0 and pays:
+                positive = CostModel(first=1, ms=self.cost.ms[1:])  # the same costs without 0
+                probe = choose_k(positive, acc, cap)
+                budget_wait = self.budget_wait(probe, acc)
+                pays = budget_wait is not None  # else no probe can be afforded
+            self._choice = (key, k, pays, probe, budget_wait)
+        _, k, pays, probe, budget_wait = self._choice
         probed, self.probed = self.probed, False
         if k > 0:
             self.plain_steps, self.interval = 0, self.reprobe_interval
@@ -238,12 +267,34 @@ class AdaptiveKController:
             # no probe will run, so no measurement will change this: plain for good
             self.settled = True
             return 0
-        if self.plain_steps >= self.interval:
+        if self.plain_steps >= max(self.interval, budget_wait):
             self.plain_steps, self.probed = 0, True
-            positive = CostModel(first=1, ms=self.cost.ms[1:])  # the same costs without 0:
-            return choose_k(positive, acc, cap)
+            return probe
         self.plain_steps += 1
         return 0
+
+    def budget_wait(self, probe: int, acc: Sequence[float]) -> int | None:
+        """The plain steps before a probe of `probe` drafts that keep its expected loss (its
+        cost less E(probe) plain steps' at the rates `acc`), with the rows kept for it
+        (`row_ms` each), within `PROBE_BUDGET` of their time: 0 where the probe is expected to
+        lose nothing, None where no wait is long enough."""
+        plain = self.cost.cost(0)
+        loss = self.cost.cost(probe) - expected_tokens(acc, probe) * plain
+        spare = self.PROBE_BUDGET * plain - self.row_ms  # each waited step's share, its row paid
+        if spare <= 0:
+            return None if self.row_ms > 0 else 0
+        return math.ceil(loss / spare - 1e-9) if loss > 0 else 0
+
+    def plain_ahead(self) -> int:
+        """After `next_k` returned 0: how many more steps will be plain before a probe is due
+        (0 once settled: the decode loop then stops asking)."""
+        if self.settled or self._choice is None:
+            return 0
+        return max(0, max(self.interval, self._choice[4]) - self.plain_steps)
+
+    def skip(self, n: int) -> None:
+        """`n` plain steps run without `next_k` (at most `plain_ahead()` of them)."""
+        self.plain_steps += n
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.estimator.update(drafted, accepted)

@@ -130,6 +130,16 @@ class CostModel:
             raise KeyError(count)
         return self.ms[count - self.first]
 
+    @property
+    def row_ms(self) -> float:
+        """What one more target row costs, ms: the mean step from 1 draft to the most (each
+        draft is one more verify row), or, in a table of counts 0 and 1 only, the whole step
+        from 0 to 1 (the propose included: an upper bound); never below 0."""
+        lo = 1 if self.max_count >= 2 else self.first
+        if self.max_count == lo:
+            return 0.0
+        return max(0.0, (self.cost(self.max_count) - self.cost(lo)) / (self.max_count - lo))
+
     def pairs(self) -> list[tuple[int, float]]:
         return list(zip(self.counts, self.ms))
 

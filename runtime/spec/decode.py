@@ -67,6 +67,18 @@ class Proposer(Protocol):
         plain step: no drafts, and nothing of the drafter runs. The decode loop sets
         `batch_size` (the sequences running) before each call."""
 
+    # A proposer that can `follow`, after a propose without drafts: how many of the steps after
+    # it it keeps plain too (adaptive k's suspension until its probe). The decode loop runs this
+    # step and those as one greedy `PlainRun` whose rows the proposer follows or, on a target
+    # whose rows do not depend on the forward's others, keeps nothing of (they run again
+    # before the next propose, `Decoder._catch_up`; the loop says so once, `rerun_rows`),
+    # then calls `skip(n)` with how many of the later ones ran.
+    plain_ahead: int
+
+    def skip(self, n: int) -> None: ...
+
+    def rerun_rows(self) -> None: ...
+
     # Optional: `follow(out, emitted_ids)` — plain steps of a busy batch that the proposer took
     # no part in (no propose, no accept): it only keeps their rows of `out` (one per token of
     # `emitted_ids`, the token that followed each) for when drafting resumes.
@@ -124,27 +136,38 @@ class PlainRun:
     argmax emitted, the same metrics. A run ends at EOS, at the sequence's budget (`room`
     tokens), or, for a sequence whose proposer drafts again once its batch lets it (`batch`
     given), as soon as the batch lets steps draft; meanwhile each step's token is noted for
-    the catch-up (`missed`, as `_step` notes a busy step's). Its steps go into the sequence's
+    the catch-up (`missed`, as `_step` notes a busy step's). A run of a suspended stream (adaptive
+    k's plain steps until its probe, `Proposer.plain_ahead`) is given the proposer (`follower`):
+    each step's row carries its taps and the proposer follows it, as it keeps a verify's kept
+    row; the run ends after `limit` steps, or as soon as the sequence no longer runs alone
+    (adaptive k sets the count only then). Its steps go into the sequence's
     result together when it ends, or when the scheduler drops it (`close`: the request ended
     first, at a stop string or its client's cancel): the same tokens, traces and metric
     counts as step by step, and the same total time (each step's time runs from the one
     before it)."""
 
     __slots__ = ("forward", "tokens", "finished", "_room", "_eos", "_result", "_missed", "_batch",
-                 "_t0", "_at", "_taken_at", "_recorded")
+                 "_t0", "_at", "_taken_at", "_recorded", "_follow", "_limit", "_alone")
 
     def __init__(self, pending: int, cache, room: int, eos: frozenset[int], result: "DecodeResult",
-                 missed: list[int] | None, batch: "Batch | None", t0: float, device):
-        self.forward: Forward | None = Forward([pending], cache, (), device=device)
+                 missed: list[int] | None, batch: "Batch | None", t0: float, device,
+                 follower: "Proposer | None" = None, limit: int | None = None, alone: "Batch | None" = None):
+        taps = follower.taps if follower is not None else ()
+        self.forward: Forward | None = Forward([pending], cache, taps, device=device)
         self.tokens: list[int] = []
         self.finished = False  # it ended the sequence (EOS, or the budget)
         self._room, self._eos, self._result, self._missed, self._batch = room, eos, result, missed, batch
+        self._follow = follower.follow if follower is not None else None
+        self._limit = room if limit is None else min(limit, room)  # steps before the run ends
+        self._alone = alone  # the batch the run ends in once it no longer holds this sequence alone
         self._t0, self._recorded = t0, 0
         self._at = self._taken_at = time.perf_counter()  # the last recorded step's end; the last step's
 
     def take(self, out: TargetOutput) -> int:
         """The current step's output -> its token."""
         token = greedy_ids(out)[0]
+        if self._follow is not None:
+            self._follow(out, (token,))  # the row stays in the cache: the proposer keeps it
         self._taken_at = time.perf_counter()
         tokens = self.tokens
         tokens.append(token)
@@ -155,7 +178,8 @@ class PlainRun:
                 result.finish_reason = "stop"
             result.seconds = self._at - self._t0
             self.forward, self.finished = None, True
-        elif self._batch is not None and self._batch.speculate:
+        elif ((self._batch is not None and self._batch.speculate) or len(tokens) >= self._limit
+              or (self._alone is not None and self._alone.size != 1)):
             self.close()
             self.forward = None
         else:
@@ -190,6 +214,8 @@ class Decoder:
         # again at their positions for the proposer (the same K/V written over the same K/V).
         # Elsewhere the proposer follows each step (keeps its row's outputs).
         self._catches_up = self._follows and rows_invariant
+        if self._catches_up:
+            proposer.rerun_rows()
         self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
@@ -346,13 +372,34 @@ class Decoder:
         elif drafting and self._missed:  # drafting resumes: the proposer first sees what it missed
             yield from self._catch_up(pending, cache)
         if drafting and room > 1:
-            self.proposer.batch_size = batch.size
+            proposer = self.proposer
+            proposer.batch_size = batch.size
             max_drafts = room - 1 if batch.speculate else 0
-            steps = getattr(self.proposer, "propose_steps", None)  # drafts a scheduler can batch
+            steps = getattr(proposer, "propose_steps", None)  # drafts a scheduler can batch
             drafts, proposed = (yield from steps(pending, max_drafts)) if steps is not None else \
-                self.proposer.propose(pending, max_drafts)
+                proposer.propose(pending, max_drafts)
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]
+            if not drafts.numel() and params.greedy and self._runs and self._follows:
+                # a suspended stream: this step and the plain ones after it as one run, each
+                # row followed (as a verify's kept row is) or noted for the catch-up, the next
+                # choice made after it
+                if self._retires and proposer.off:  # settled: plain for good, nothing kept
+                    run = PlainRun(pending, cache, room, self.eos_ids, result, None, None,
+                                   self._started, self.device)
+                    yield run
+                    return run
+                ahead = proposer.plain_ahead
+                if self._catches_up:  # its rows run again before the probe
+                    self._missed.append(pending)
+                run = PlainRun(pending, cache, room, self.eos_ids, result,
+                               self._missed if self._catches_up else None, None, self._started,
+                               self.device, follower=None if self._catches_up else proposer,
+                               limit=1 + ahead, alone=batch if batch.size == 1 else None)
+                yield run
+                if len(run.tokens) > 1:  # its first step was this one, counted by the propose
+                    proposer.skip(len(run.tokens) - 1)
+                return run
         elif params.greedy and not drafting:  # no drafts: the pending token's row, its argmax emitted
             if self._runs and not following:  # the scheduler runs these steps until drafting resumes
                 run = PlainRun(pending, cache, room, self.eos_ids, result,

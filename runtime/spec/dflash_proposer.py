@@ -4,7 +4,9 @@ Each step runs one block propose `[pending, MASK×(γ−1)]` and verifies its fi
 k comes from, in order of precedence: `--dflash-adaptive-k` (the cost model, capped by the
 ladder's rung when there is one), `--dflash-draft-ladder` (the sequence's rung), or γ−1.
 k = 0 (adaptive k only) is a plain step: no propose, but the drafter's context is still fed
-with the target's taps of the kept row, so a later re-probe drafts from complete context. The
+with the target's taps of the kept row, so a later re-probe drafts from complete context; the
+suspension's plain steps up to the probe (`plain_ahead`) run as one plain run of the decode
+loop, followed one row at a time, or, on a row-invariant target, run again before the probe. The
 feeding is deferred: kept rows' taps wait in `unfed` and enter the drafter's cache in one
 `add_context` just before the next propose, so every draft sees the whole context while a
 suspended stream pays nothing per plain step (as the tensorrt backend's pending features do).
@@ -28,6 +30,9 @@ from metrale.runtime.spec.config import ResolvedDFlash
 
 class DFlashProposer:
     batch_size = 1  # the sequences running with this one (set by the decode loop)
+    # after a propose without drafts: the steps after it that adaptive k keeps plain (its
+    # suspension until the next probe); the decode loop runs them without proposing
+    plain_ahead = 0
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Embedding, settings: ResolvedDFlash,
                  max_len: int):
@@ -75,8 +80,12 @@ class DFlashProposer:
         return False
 
     def draft_count(self) -> int:
+        self.plain_ahead = 0
         if self.controller is not None and self.batch_size == 1:
-            return self.controller.next_k()
+            k = self.controller.next_k()
+            if k == 0:
+                self.plain_ahead = self.controller.plain_ahead()
+            return k
         if self.ladder is not None:
             return self.ladder.current
         return self.settings.max_drafts
@@ -90,6 +99,8 @@ class DFlashProposer:
         so a scheduler can propose every drafting sequence's block in one drafter call;
         returns (drafts [k], drafts proposed)."""
         k = min(self.draft_count(), max_drafts) if max_drafts > 0 else 0
+        if max_drafts <= 0:
+            self.plain_ahead = 0
         self.last_k = k
         if k == 0:
             return NO_DRAFTS, 0
@@ -97,6 +108,17 @@ class DFlashProposer:
         anchor = torch.tensor([pending], device=self.embed.weight.device)
         proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma)
         return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
+
+    def rerun_rows(self) -> None:
+        """The decode loop keeps the rows of plain steps by running them again when drafting
+        resumes (`Decoder._catch_up`), not by having this proposer follow each: adaptive k
+        counts what that costs against its probes."""
+        if self.controller is not None:
+            self.controller.rerun_rows()
+
+    def skip(self, n: int) -> None:
+        """`n` of the `plain_ahead` steps ran (each followed, or noted to run again)."""
+        self.controller.skip(n)
 
     def follow(self, out, emitted_ids: list[int]) -> None:
         """Plain steps of a busy batch (one, or the rows `Decoder._catch_up` ran again, each

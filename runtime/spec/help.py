@@ -108,8 +108,14 @@ HELP: dict[str, str] = {
         "the stream suspended doubles N for it (up to 64 times the value; resuming resets it), "
         "and no probe runs while no draft count could beat a plain step even at an optimistic "
         "acceptance (the measured one two standard errors up; each count judged at the largest "
-        "cost listed up to it). The drafter keeps reading the context while suspended, "
-        "so a probe drafts from all of it. At least 1. Requires --dflash-adaptive-k."
+        "cost listed up to it). Probes are also spaced so that their expected cost (the "
+        "probe's step less the plain steps its expected tokens replace) stays within 1% of "
+        "the plain steps' time between them. The drafter keeps reading the context while "
+        "suspended, so a probe drafts from all of it: on a target whose rows do not depend on "
+        "the rest of the forward (the CPU packages) the plain steps keep nothing and their "
+        "rows run again before the probe, which counts against that 1% too; where a row costs "
+        "more than it, the stream decodes plainly to its end. At least 1. Requires "
+        "--dflash-adaptive-k."
     ),
     "--exact-verify": (
         "Compute the verification rows so that greedy output is byte-identical to plain "

@@ -24,6 +24,13 @@ from metrale.runtime.spec.config import DraftStop
 class MTPProposer:
     taps: tuple[int, ...] = ()
     batch_size = 1  # set by the decode loop; a chain's length does not depend on it
+    plain_ahead = 0  # a chain's length is its own each step: no step is known plain in advance
+
+    def rerun_rows(self) -> None:
+        """Nothing to weigh: a chain's length does not depend on what keeping rows costs."""
+
+    def skip(self, n: int) -> None:
+        raise AssertionError("an MTP proposer never keeps steps plain in advance (plain_ahead 0)")
 
     def __init__(self, head: MTPHead, embed: torch.nn.Embedding, num_drafts: int,
                  stop: DraftStop | None, max_len: int):
