@@ -73,19 +73,21 @@ def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: st
 
 
 def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], max_tokens: int,
-              repeats: int, between=None) -> dict[str, list[list]]:
+              repeats: int, between=None, generators: dict | None = None) -> dict[str, list[list]]:
     """Every mode of `table` over the prompts, `repeats` times, interleaved per prompt: each
     prompt is decoded by every mode in turn before the next, so a slow stretch of a shared
     machine (they last seconds here) lands on all modes alike instead of on the ones that
     happened to run during it; `between()`, when given, runs before each prompt's turn (the
-    bench's cost sweeps, spread over the same stretch). -> {mode: per prompt, its runs'
-    DecodeResults}."""
+    bench's cost sweeps, spread over the same stretch); `generators`, when given, receives each
+    mode's `EngineGenerator`. -> {mode: per prompt, its runs' DecodeResults}."""
     from metrale.runtime.spec.sampling import SamplingParams
     from metrale.runtime.serving.service import EngineGenerator
     from metrale.runtime.spec.config import SpeculativeConfig
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     gens = [(name, EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))) for name, flags in table]
+    if generators is not None:
+        generators.update(gens)
     runs = {name: [[] for _ in prompts] for name, _ in table}
     for _ in range(repeats):
         for i, ids in enumerate(prompts):
@@ -205,7 +207,7 @@ def bench(
     with user_errors():
         from rich.table import Table
 
-        from metrale.bench_costs import host_ms, mode_bound, target_row_costs, transformers_reference
+        from metrale.bench_costs import host_ms, mode_bound, step_counts, target_row_costs, transformers_reference
         from metrale.runtime.errors import ConfigError
         from metrale.runtime.backends import resolve_backend
 
@@ -248,8 +250,9 @@ def bench(
         table = [(name, flags) for name, flags in mode_table(engine, costs)
                  if not wanted or name == "plain" or any(w in name for w in wanted)]
         sweeps: list[dict[int, float]] = []  # c(r), one sweep before each prompt's turn
+        gens: dict = {}
         runs = run_modes(engine, table, prompts, max_tokens, repeats,
-                         between=lambda: sweeps.append(target_row_costs(engine, prompts[0])))
+                         between=lambda: sweeps.append(target_row_costs(engine, prompts[0])), generators=gens)
         row_costs = {r: round(statistics.median(s[r] for s in sweeps), 4) for r in sweeps[0]}
         for name, flags in table:
             row, outputs = summarize(runs[name], plain_tokens)
@@ -258,6 +261,7 @@ def bench(
                 host = host_ms(row, row_costs)
             row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3)
             row.update(mode_bound(row, row_costs, exact=bool(flags.get("exact_verify")), host=host))
+            row.update(step_counts(gens[name], prompts[0]))
             shown = {k: str(v) if k == "dflash_adaptive_k" else v for k, v in flags.items()}
             rows.append({"mode": name, "flags": shown, **row})
         ref = transformers_reference(engine, prompts, max_tokens, repeats) if reference else None

@@ -130,3 +130,35 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def step_counts(gen, prompt: list[int], max_tokens: int = 16) -> dict:
+    """Per decode step of one greedy request on `gen` (an `EngineGenerator`): the ops that run
+    (`ops_per_step`: each a kernel launch when run eagerly, a graph node when captured) and the
+    host reads among them (`host_reads_per_step`: each a sync on a GPU), and what ran the steps
+    (`steps_run_as`). The decode loop's are counted over the request's steps; whole-iteration
+    graphs' are one iteration's ops and none inside it (the host waits once per iteration, on
+    the copy of its tokens)."""
+    from metrale.runtime.spec.host_reads import OpCount
+    from metrale.runtime.spec.iteration_loop import IterationDecoder
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    decoder = gen.decoder()
+    if isinstance(decoder, IterationDecoder):
+        it = decoder.loop.iteration
+        with torch.inference_mode():
+            it.check_room(len(prompt), max_tokens)
+            it.prefill(prompt)
+            with OpCount() as count:
+                it()
+        return {"ops_per_step": count.ops, "host_reads_per_step": count.host_reads,
+                "steps_run_as": "iteration graph"}
+    counts = []
+    for n in (1, max_tokens):  # the prompt alone, then with the steps: their difference
+        with OpCount() as count:
+            res = gen.decoder().generate(prompt, SamplingParams(temperature=0.0, max_tokens=n))
+        counts.append(count)
+    steps = max(1, len(res.steps))
+    return {"ops_per_step": round((counts[1].ops - counts[0].ops) / steps, 1),
+            "host_reads_per_step": round((counts[1].host_reads - counts[0].host_reads) / steps, 2),
+            "steps_run_as": "decode loop"}

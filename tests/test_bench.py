@@ -57,6 +57,11 @@ def test_bench_json(tiny_engine_dir, tmp_path):
             assert r[key] >= 0, (name, key)
         assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.01)
     assert modes["plain"]["tau"] == 1.0 and modes["plain"]["bound"] == 1.0
+    # what a step costs in ops and host reads: the decode loop reads the device at every step
+    for name in ("plain", "mtp k=2", "dflash γ=8"):
+        assert modes[name]["steps_run_as"] == "decode loop" and modes[name]["ops_per_step"] > 50
+        assert modes[name]["host_reads_per_step"] >= 1, name
+    assert modes["dflash γ=8"]["ops_per_step"] > modes["plain"]["ops_per_step"]
     assert modes["mtp k=2"]["tau"] > 1.0 and modes["mtp k=2"]["identical_to_plain"] == 2
     # the reference decodes the same weights greedily: the same text as plain decoding
     assert modes["transformers generate"]["identical_to_plain"] == 2

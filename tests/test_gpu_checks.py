@@ -124,17 +124,26 @@ def _bench(speedups: dict, identical: int = 4) -> dict:
 
 
 def test_speedup_targets():
-    good = _bench({"mtp k=1": 1.3, "mtp k=3": 1.6, "mtp k=3 exact": 1.2, "dflash γ=8": 1.35,
-                   "dflash γ=8 exact": 1.1, "dflash2 γ=8": 1.7})
+    good = _bench({"mtp k=1": 1.3, "mtp k=3": 1.7, "mtp k=3 exact": 1.2, "dflash γ=8": 1.55,
+                   "dflash γ=8 exact": 1.1, "dflash adaptive-k": 1.53, "dflash2 γ=8": 2.1})
+    good["modes"][0]["tokens_per_s"] = 2300.0
     ok, note = gc.speedup_targets({**good, "backend": "cuda-graphs"}, 4)
     assert ok, note
     assert note.startswith("backend cuda-graphs; ")
-    assert "dflash2 1.70x (>= 1.5x: yes)" in note and "mtp 1.60x" in note and "dflash 1.35x" in note
-    ok, note = gc.speedup_targets(_bench({"mtp k=3": 1.6, "mtp k=3 exact": 1.2, "dflash γ=8": 1.2,
-                                          "dflash2 γ=8": 1.7}), 4)
-    assert not ok and "dflash 1.20x (>= 1.3x: NO)" in note
-    ok, note = gc.speedup_targets(_bench({"mtp k=3": 1.6, "mtp k=3 exact": 1.6, "dflash γ=8": 1.4,
-                                          "dflash2 γ=8": 1.7}, identical=3), 4)
+    assert "dflash2 2.10x (>= 2.0x: yes)" in note and "mtp 1.70x" in note and "dflash 1.55x" in note
+    assert "plain 2300 tok/s (>= 2197: yes)" in note and "dflash adaptive-k 1.53x (best fixed 1.55x: yes)" in note
+    ok, note = gc.speedup_targets(_bench({"mtp k=3": 1.7, "mtp k=3 exact": 1.2, "dflash γ=8": 1.4,
+                                          "dflash2 γ=8": 2.1}), 4)
+    assert not ok and "dflash 1.40x (>= 1.5x: NO)" in note
+    ok, note = gc.speedup_targets(_bench({"mtp k=3": 1.7, "mtp k=3 exact": 1.7, "dflash γ=8": 1.6,
+                                          "dflash adaptive-k": 1.5, "dflash2 γ=8": 2.1}), 4)
+    assert not ok and "dflash adaptive-k 1.50x (best fixed 1.60x: NO)" in note
+    slow = _bench({"mtp k=3": 1.7, "mtp k=3 exact": 1.7, "dflash γ=8": 1.6, "dflash2 γ=8": 2.1})
+    slow["modes"][0]["tokens_per_s"] = 1690.0
+    ok, note = gc.speedup_targets(slow, 4)
+    assert not ok and "plain 1690 tok/s (>= 2197: NO)" in note
+    ok, note = gc.speedup_targets(_bench({"mtp k=3": 1.7, "mtp k=3 exact": 1.7, "dflash γ=8": 1.6,
+                                          "dflash2 γ=8": 2.1}, identical=3), 4)
     assert not ok and "exact modes == plain: NO ['mtp k=3 exact']" in note
     assert gc.speedup_targets({"modes": [{"mode": "plain"}]}, 4) == (
         False, "the bench JSON has no per-mode speedup")

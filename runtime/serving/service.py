@@ -30,6 +30,8 @@ import torch
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.backends import run_forwards
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
+from metrale.runtime.backends.cuda_graphs import GraphTarget
+from metrale.runtime.spec.iteration_loop import IterationDecoder, loop_for
 from metrale.runtime.backends import Backend, load_engine
 from metrale.runtime.components import KINDS, Role, names_with_role, resolve
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -89,8 +91,21 @@ class EngineGenerator:
             role = Role.HEAD if self.spec.mode is SpecMode.MTP else Role.DRAFTER
             name = self.spec.dflash_drafter if role is Role.DRAFTER else names_with_role(comps, role)[0]
             self._proposing = (resolve(KINDS[comps[name].kind].proposer), name)
+        # a target that runs as graphs: greedy requests run whole iterations as graphs, captured
+        # now (`iteration_loop`); one process holds the whole model
+        self._iterations = None
+        if isinstance(engine.target, GraphTarget) and self.world.size == 1:
+            self._iterations = loop_for(engine, self.spec, self.dflash, engine.target.runner.graphs)
 
-    def decoder(self) -> Decoder:
+    def decoder(self) -> Decoder | IterationDecoder:
+        """A request's decoder: the iterations' (`IterationDecoder`, which runs a sampled request
+        through the decode loop) where they were captured, else the decode loop."""
+        if self._iterations is not None:
+            return IterationDecoder(self._iterations, self.tokenizer.eos_token_ids, self.max_context,
+                                    self._decode_loop)
+        return self._decode_loop()
+
+    def _decode_loop(self) -> Decoder:
         e, spec = self.engine, self.spec
         embed = e.target.model.embed_tokens
         max_len = self.max_context + 64
@@ -147,8 +162,8 @@ class EngineGenerator:
 
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
-        resumed under `thread_mode`."""
-        decoder = self.decoder()
+        resumed under `thread_mode` (the decode loop's, whatever `decoder` gives)."""
+        decoder = self._decode_loop()
         try:
             yield from decoder.steps(prompt_ids, params, batch, runs=True)
         finally:

@@ -1,0 +1,230 @@
+"""Decoding by whole-iteration graphs: `IterationLoop` replays one `iteration` per step and
+reads its tokens one step late; `IterationDecoder` gives it the decode loop's face, so
+`generate`, `bench` and the CLI run it where the engine's target runs as graphs.
+
+The loop: the prompt runs eagerly (`prefill`), then each iteration is one replay followed by a
+copy of the device ring and count into a host buffer (pinned on a GPU, two alternating) and an
+event. Iteration i's copy is waited on only after i+1 is enqueued, so the host's reading and
+its checks (EOS, the budget) overlap the device's next iteration; the iteration enqueued past
+the end is discarded (its rows lie past the request's positions). One host wait per iteration,
+and no read inside one.
+
+Which requests: greedy ones (`loop_for`): plain decoding, MTP chains (with the confidence stop),
+DFlash / DFlash2, chunkwise or exact. A DFlash draft ladder or adaptive k picks, before each
+iteration, one of the graphs captured per count (`CountPolicy`). A sampled request runs the
+decode loop (`Decoder`) instead, on the same engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
+from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
+from metrale.runtime.spec.decode import DecodeResult, Decoder
+from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration
+from metrale.runtime.spec.sampling import SamplingParams
+
+
+@dataclass
+class IterationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS) or "length"
+    emitted: list[int] = field(default_factory=list)  # tokens each iteration emitted
+    verified: list[int] = field(default_factory=list)  # drafts each iteration verified
+    seconds: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return sum(self.emitted) / max(1, len(self.emitted))
+
+
+class CountPolicy:
+    """Which of a `DFlashIteration`'s counts the next iteration verifies: adaptive k's choice
+    (`--dflash-adaptive-k`; `SETTLED` once it settled on plain decoding), else the draft
+    ladder's rung (`--dflash-draft-ladder`). The loop runs one stream, so adaptive k decides
+    every iteration; it learns each iteration's outcome when the host reads it, one iteration
+    after the next count was chosen."""
+
+    def __init__(self, settings: ResolvedDFlash):
+        self.ladder = DraftLadder(settings.ladder) if settings.ladder else None
+        self.controller = None
+        if settings.adaptive_k is not None:
+            self.controller = AdaptiveKController(settings.adaptive_k, settings.max_drafts,
+                                                  settings.reprobe_interval or 16, self.ladder)
+        cost = settings.adaptive_k
+        self.counts = (tuple(k for k in cost.counts if k <= settings.max_drafts) if cost is not None
+                       else self.ladder.rungs)
+
+    def next(self):
+        if self.controller is None:
+            return self.ladder.current
+        k = self.controller.next_k()
+        return SETTLED if self.controller.settled else k
+
+    def observe(self, key, emitted: int) -> None:
+        if key is SETTLED:
+            return
+        (self.controller or self.ladder).observe(key, emitted - 1)
+
+
+class IterationLoop:
+    """Runs an iteration (`iteration.PlainIteration`, `DFlashIteration`, `MTPIteration`) captured
+    once by `graphs` (`cuda_graphs.CudaGraphs` on a GPU; `cuda_graphs.EagerGraphs` stands in on
+    a CPU); with a `policy` (`CountPolicy`), each of the iteration's variants is captured and
+    the policy picks one per iteration. `last_result` is the last request's `IterationResult`."""
+
+    def __init__(self, iteration, graphs, policy: CountPolicy | None = None):
+        self.iteration, self.graphs, self.policy = iteration, graphs, policy
+        state = iteration.state
+        variants = iteration.variants() if policy is not None else {None: iteration}
+        self.captured = {}
+        with torch.inference_mode():
+            for key, fn in variants.items():
+                graphs.warmup(fn)
+                self.captured[key] = graphs.capture(fn)[0]
+        cuda = state.tokens.device.type == "cuda"
+        self._host = [(torch.empty_like(state.tokens, device="cpu", pin_memory=cuda),
+                       torch.empty_like(state.count, device="cpu", pin_memory=cuda)) for _ in range(2)]
+        self._cuda = cuda
+        self.replays = 0
+        self.last_result: IterationResult | None = None
+
+    def _enqueue(self, slot: int, key):
+        """One replay of variant `key` and its copy into host buffer `slot` -> an event to wait
+        on (None on a CPU, where the copy is done)."""
+        self.graphs.replay(self.captured[key])
+        self.replays += 1
+        state, (tokens, count) = self.iteration.state, self._host[slot]
+        tokens.copy_(state.tokens, non_blocking=self._cuda)
+        count.copy_(state.count, non_blocking=self._cuda)
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _verified(self, key) -> int:
+        return self.iteration.k if key is None else (0 if key is SETTLED else key)
+
+    def stream(self, prompt_ids: list[int], max_tokens: int, eos: frozenset[int] = frozenset()) -> Iterator[int]:
+        """Yield the request's tokens as their iterations are read; stops at EOS (yielded) or
+        after `max_tokens`. Resume it under `torch.inference_mode`."""
+        t0 = time.perf_counter()
+        it = self.iteration
+        it.check_room(len(prompt_ids), max_tokens)
+        it.prefill(prompt_ids)
+        first = int(it.state.pending[0])
+        result = self.last_result = IterationResult([first], "length")
+        result.prefill_s = time.perf_counter() - t0
+        yield first
+        if first in eos or max_tokens <= 1:
+            result.finish_reason = "stop" if first in eos else "length"
+            result.seconds = time.perf_counter() - t0
+            return
+        ring = it.state.tokens.shape[0]
+        choose = self.policy.next if self.policy is not None else (lambda: None)
+        read, slot = 0, 0  # tokens of the ring read so far; the host buffer of the oldest iteration
+        key = choose()
+        waiting = self._enqueue(slot, key)
+        try:
+            while True:
+                next_key = choose()
+                following = self._enqueue(1 - slot, next_key)  # i+1 enqueued before i is read
+                if waiting is not None:
+                    waiting.synchronize()
+                tokens, count = self._host[slot]
+                n = int(count[0])
+                result.emitted.append(n - read)
+                result.verified.append(self._verified(key))
+                if self.policy is not None:
+                    self.policy.observe(key, n - read)
+                for j in range(read, n):
+                    tok = int(tokens[j % ring])
+                    result.token_ids.append(tok)
+                    yield tok
+                    if tok in eos or len(result.token_ids) >= max_tokens:
+                        result.finish_reason = "stop" if tok in eos else "length"
+                        result.seconds = time.perf_counter() - t0
+                        return
+                read, waiting, slot, key = n, following, 1 - slot, next_key
+        finally:
+            if self._cuda:  # the discarded iteration's writes finish before anything reuses them
+                torch.cuda.current_stream().synchronize()
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, eos: frozenset[int] = frozenset()) -> IterationResult:
+        with torch.inference_mode():
+            for _ in self.stream(prompt_ids, max_tokens, eos):
+                pass
+        assert self.last_result is not None
+        return self.last_result
+
+
+def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs) -> IterationLoop:
+    """`spec`'s mode on `engine`'s models as whole iterations captured by `graphs`, their caches
+    holding the target's context and two iterations' rows past it."""
+    model = engine.target.model_ref  # the eager model behind the target's graph face
+    context, exact = model.config.max_position_embeddings, spec.exact_verify
+    if spec.mode is SpecMode.OFF:
+        return IterationLoop(PlainIteration(model, slots=context + 2), graphs)
+    if spec.mode is SpecMode.MTP:
+        k = spec.num_drafts
+        return IterationLoop(MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact,
+                                          slots=context + 2 * (k + 1)), graphs)
+    policy = CountPolicy(dflash) if dflash.ladder is not None or dflash.adaptive_k is not None else None
+    counts = policy.counts if policy is not None else (dflash.max_drafts,)
+    gamma = dflash.gamma
+    iteration = DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma, exact=exact,
+                                settled=policy is not None and policy.controller is not None,
+                                slots=context + 3 * gamma)
+    return IterationLoop(iteration, graphs, policy)
+
+
+class IterationDecoder:
+    """The decode loop's face (`generate`, `stream`, `last_result`) over an `IterationLoop`: a
+    greedy request runs its iterations, any other the decode loop (`fallback()`). Each
+    iteration is recorded as a step: k drafts verified (`k`, of `proposed`), its tokens less
+    one accepted; the graph fuses drafting and verifying, so a step's time is all verify."""
+
+    def __init__(self, loop: IterationLoop, eos_ids: frozenset[int], max_context: int,
+                 fallback: Callable[[], Decoder]):
+        self.loop, self.eos_ids, self.max_context, self.fallback = loop, eos_ids, max_context, fallback
+        it = loop.iteration
+        self.proposed = getattr(it, "gamma", it.k + 1) - 1  # a block's drafts, or a chain's
+        self.last_result: DecodeResult | None = None
+        self._decoder: Decoder | None = None
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        if not params.greedy:
+            self._decoder = self.fallback()
+            yield from self._decoder.stream(prompt_ids, params)
+            self.last_result = self._decoder.last_result
+            return
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
+        if budget < 1:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
+                             f"context of {self.max_context} tokens")
+        with torch.inference_mode():
+            yield from self.loop.stream(list(prompt_ids), budget, self.eos_ids)
+        self.last_result = self._result(self.loop.last_result)
+
+    def _result(self, res: IterationResult) -> DecodeResult:
+        out = DecodeResult(list(res.token_ids), res.seconds, res.prefill_s, res.finish_reason)
+        per = (res.seconds - res.prefill_s) / max(1, len(res.emitted))
+        for n, k in zip(res.emitted, res.verified):
+            out.metrics.record_step(proposed=self.proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
+                                    verify_rows=k + 1, draft_s=0.0, verify_s=per)
+        return out
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:
+        for _ in self.stream(prompt_ids, params):
+            pass
+        assert self.last_result is not None
+        return self.last_result

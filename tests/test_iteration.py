@@ -1,0 +1,286 @@
+"""Whole speculative iterations (`runtime/spec/iteration.py`) on the capture stand-in: every mode
+decodes plain decoding's tokens, plain and exact; acceptance, the ring and the stop are worked on
+the device; and no op inside an iteration reads the device from the host
+(`host_reads.forbid_host_reads`, which these tests also show failing where a read happens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale.runtime.backends.cuda_graphs import EagerGraphs
+from metrale.runtime.spec.config import DraftStop
+from metrale.runtime.spec.host_reads import HostRead, forbid_host_reads
+from metrale.runtime.spec.iteration import (DFlashIteration, IterationState, MTPIteration, PlainIteration,
+                                            accepted_count)
+from metrale.runtime.spec.iteration_loop import IterationLoop
+from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.serving.service import EngineGenerator
+
+MAX_TOKENS = 40
+SLOTS = 256
+
+# name -> (iteration class, its arguments besides the model and slots): chunkwise modes verify
+# over row-invariant projections ("rowwise"), so their rows are the one-row steps' bits
+MODES = {
+    "plain": ("plain", {}),
+    "dflash k=7": ("dflash", dict(k=7, linear="rowwise")),
+    "dflash k=3 γ=4": ("dflash", dict(k=3, gamma=4, linear="rowwise")),
+    "dflash k=7 exact": ("dflash", dict(k=7, exact=True)),
+    "dflash2 k=7": ("dflash2", dict(k=7, linear="rowwise")),
+    "dflash2 k=7 exact": ("dflash2", dict(k=7, exact=True)),
+    "mtp k=3": ("mtp", dict(k=3, linear="rowwise")),
+    "mtp k=3 exact": ("mtp", dict(k=3, exact=True)),
+    "mtp k=3 stop cum:0.5 exact": ("mtp", dict(k=3, exact=True, stop=DraftStop.parse("cum:0.5"))),
+    "mtp k=2 stop 0.7": ("mtp", dict(k=2, linear="rowwise", stop=DraftStop.parse("0.7"))),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_dir):
+    """An engine of its own: the iterations' steps ready the models in place."""
+    from metrale.runtime.backends import load_engine
+
+    return load_engine(tiny_engine_dir).pack()
+
+
+def make(engine, mode: str):
+    kind, args = MODES[mode]
+    model = engine.target
+    if kind == "plain":
+        return PlainIteration(model, slots=SLOTS, **args)
+    if kind == "mtp":
+        return MTPIteration(model, engine.mtp, slots=SLOTS, **args)
+    args = dict(args)
+    return DFlashIteration(model, engine.drafters[kind], args.pop("k"), slots=SLOTS, **args)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_engine, tiny_prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return [EngineGenerator(tiny_engine).generate(p, params).token_ids for p in tiny_prompts]
+
+
+def test_accepted_count_by_hand():
+    t = torch.tensor([5, 6, 9, 1])
+    assert int(accepted_count(torch.tensor([5, 6, 7]), t)) == 2  # d_3 = 7 is not t_2 = 9
+    assert int(accepted_count(torch.tensor([4, 6, 9]), t)) == 0  # a later match does not count
+    assert int(accepted_count(torch.tensor([5, 6, 9]), t)) == 3  # all: t_3 is the bonus
+    assert int(accepted_count(torch.tensor([5, 6, 9]), t, torch.tensor(1))) == 1  # the stop's cap
+    assert int(accepted_count(torch.empty(0, dtype=torch.long), t[:1])) == 0  # a plain step
+
+
+def test_the_ring_keeps_what_each_iteration_emitted():
+    s = IterationState(torch.device("cpu"), ring=8)
+    s.start(pending=3, pos=10)
+    s.emit(torch.tensor([11, 12, 13, 14]), torch.tensor(2))  # t_0..t_2 emitted, t_3 a stale row
+    assert int(s.count) == 3 and int(s.pending) == 13 and int(s.pos) == 13
+    s.emit(torch.tensor([21, 22, 23, 24]), torch.tensor(3))
+    s.emit(torch.tensor([31, 32, 33, 34]), torch.tensor(0))  # wraps: slots 7, 0, 1, 2
+    assert int(s.count) == 8 and int(s.pending) == 31 and int(s.pos) == 18
+    assert s.tokens.tolist() == [32, 33, 34, 21, 22, 23, 24, 31]  # the count's 8 read in ring order
+    assert [s.tokens[j % 8].item() for j in range(8)][:7] == [32, 33, 34, 21, 22, 23, 24]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_decodes_plain_decodings_tokens(engine, tiny_prompts, plain_tokens, mode):
+    """Each iteration replayed from one capture (the stand-in), its tokens read one iteration
+    late: plain decoding's tokens, every prompt; the speculative modes accept drafts."""
+    graphs = EagerGraphs()
+    loop = IterationLoop(make(engine, mode), graphs)
+    assert graphs.captured == 1
+    emitted = []
+    for ids, want in zip(tiny_prompts, plain_tokens):
+        res = loop.generate(ids, MAX_TOKENS, engine.tokenizer.eos_token_ids)
+        assert res.token_ids == want, mode
+        emitted += res.emitted
+    assert graphs.captured == 1 and loop.replays == graphs.replays
+    if mode == "plain":
+        assert set(emitted) == {1}
+    else:
+        assert sum(emitted) / len(emitted) > 1.3, f"{mode}: τ {sum(emitted) / len(emitted):.2f}"
+        assert max(emitted) <= MODES[mode][1]["k"] + 1
+
+
+def test_exact_dflash_iterations_accept_what_the_decode_loop_accepts(engine, tiny_engine, tiny_prompts):
+    """The device's acceptance is the decode loop's: the same tokens per iteration as the eager
+    loop's steps with the same drafter, k and exact verify."""
+    from metrale.runtime.spec.config import SpeculativeConfig
+
+    loop = IterationLoop(make(engine, "dflash k=7 exact"), EagerGraphs())
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True, exact_verify=True))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for ids in tiny_prompts:
+        eager = gen.generate(ids, params)
+        res = loop.generate(ids, MAX_TOKENS)
+        assert res.token_ids == eager.token_ids
+        assert res.emitted[:len(eager.steps) - 1] == [s.emitted for s in eager.steps[:-1]]
+
+
+def test_the_stop_counts_fewer_drafts_and_leaves_the_tokens(engine, tiny_prompts):
+    full = IterationLoop(make(engine, "mtp k=3 exact"), EagerGraphs())
+    stopped = IterationLoop(make(engine, "mtp k=3 stop cum:0.5 exact"), EagerGraphs())
+    fewer = 0
+    for ids in tiny_prompts:
+        a, b = full.generate(ids, MAX_TOKENS), stopped.generate(ids, MAX_TOKENS)
+        assert a.token_ids == b.token_ids
+        fewer += sum(a.emitted) / len(a.emitted) > sum(b.emitted) / len(b.emitted)
+    assert fewer  # a chain cut short accepts no more than it verified
+
+
+def test_a_budget_and_eos_end_the_request_one_iteration_late(engine, tiny_prompts, plain_tokens):
+    loop = IterationLoop(make(engine, "dflash k=7"), EagerGraphs())
+    res = loop.generate(tiny_prompts[0], 9)
+    assert res.token_ids == plain_tokens[0][:9] and res.finish_reason == "length"
+    eos = plain_tokens[0][5]
+    res = loop.generate(tiny_prompts[0], MAX_TOKENS, frozenset({eos}))
+    assert res.token_ids == plain_tokens[0][:plain_tokens[0].index(eos) + 1] and res.finish_reason == "stop"
+    with pytest.raises(ValueError, match="need .* cache slots"):
+        loop.generate(tiny_prompts[0], SLOTS)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_no_host_read_inside_an_iteration(engine, tiny_prompts, mode):
+    it = make(engine, mode)
+    with torch.inference_mode():
+        it.prefill(tiny_prompts[0])
+        with forbid_host_reads(mode):
+            for _ in range(3):
+                it()
+
+
+def test_the_guard_catches_host_reads():
+    x = torch.arange(6)
+    for read in (lambda: x.sum().item(), lambda: int(x[2]), lambda: x.nonzero(), lambda: x[x > 2],
+                 lambda: bool(x.any()), lambda: x.repeat_interleave(x)):
+        with pytest.raises(HostRead), forbid_host_reads("a test"):
+            read()
+    with forbid_host_reads("a test"):  # what an iteration does instead
+        n = (x[:3] == torch.tensor([0, 1, 7])).long().cumprod(0).sum()
+        x.index_select(0, n.view(1))
+
+
+def test_the_decode_loop_reads_the_host_where_an_iteration_does_not(engine, tiny_engine, tiny_prompts):
+    """The guard's positive control on real code: a step of the eager decode loop (DFlash,
+    greedy) reads the device several times; the DFlash iteration none, in fewer ops."""
+    from metrale.runtime.backends import run_forwards
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.host_reads import OpCount
+
+    decoder = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True)).decoder()
+    steps = decoder.steps(tiny_prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+
+    def one_step():
+        """Run the loop to the tokens of its next step."""
+        reply = None
+        while not isinstance(need := steps.send(reply), list):
+            reply = run_forwards(decoder.target, [need])[0]
+        return need
+
+    with torch.inference_mode():
+        assert one_step()  # the prompt's token
+        count = OpCount()
+        with count:  # one speculative step: propose, verify, accept, to its tokens
+            assert one_step()
+        with pytest.raises(HostRead), forbid_host_reads("the decode loop"):
+            one_step()
+        it = make(engine, "dflash k=7")
+        it.prefill(tiny_prompts[0])
+        iteration = OpCount()
+        with iteration:
+            it()
+    assert count.host_reads >= 3 and iteration.host_reads == 0
+    assert iteration.ops > 0
+
+
+def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny_prompts, plain_tokens):
+    """Through the engine as `--device cuda` loads it (the stand-in's graphs here): greedy
+    requests of plain decoding, MTP and DFlash (fixed, laddered, adaptive) run whole
+    iterations, with plain decoding's tokens and no host read inside a step (bench's counts); a
+    sampled request runs the decode loop."""
+    from metrale.bench_costs import step_counts
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.iteration_loop import IterationDecoder
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for flags, iterates in (({}, True), (dict(speculative=True, num_drafts=3), True),
+                            (dict(dflash=True, exact_verify=True), True),
+                            (dict(dflash=True, dflash_drafter="dflash2", dflash_gamma=4), True),
+                            (dict(dflash=True, dflash_draft_ladder="1,3,7"), True),
+                            (dict(dflash=True, dflash_adaptive_k="0:1,1:1.2,2:1.3,3:1.4,4:1.5,5:1.6,6:1.7,7:1.8"),
+                             True)):
+        gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
+        assert isinstance(gen.decoder(), IterationDecoder) is iterates, flags
+        res = gen.generate(tiny_prompts[1], greedy)
+        assert res.token_ids == plain_tokens[1], flags
+        if flags:
+            assert res.metrics.tau > 1.2 and res.metrics.drafts_verified > 0, flags
+        counts = step_counts(gen, tiny_prompts[0])
+        assert counts["steps_run_as"] == "iteration graph" and counts["host_reads_per_step"] == 0, flags
+    sampled = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))
+    res = sampled.generate(tiny_prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=12))
+    again = sampled.generate(tiny_prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=12))
+    assert len(res.token_ids) == 12 and res.token_ids == again.token_ids  # the decode loop's, seeded
+
+
+class Scripted:
+    """A count policy that plays a fixed sequence of variants, round and round."""
+
+    def __init__(self, keys):
+        self.keys, self.i, self.seen = list(keys), 0, []
+
+    def next(self):
+        key = self.keys[self.i % len(self.keys)]
+        self.i += 1
+        return key
+
+    def observe(self, key, emitted):
+        self.seen.append((key, emitted))
+
+
+def test_dflash_variants_share_their_state(engine, tiny_prompts, plain_tokens):
+    """One DFlash iteration's variants (counts 0, 1, 3, 7, each its own graph) picked in any
+    order decode plain decoding's tokens: a plain variant keeps its row for the drafter, so the
+    drafting variants after it still accept; each iteration's outcome reaches the policy."""
+    it = DFlashIteration(engine.target, engine.drafters["dflash"], (0, 1, 3, 7), linear="rowwise", slots=SLOTS)
+    policy = Scripted([7, 0, 0, 3, 1, 0, 7, 7])
+    graphs = EagerGraphs()
+    loop = IterationLoop(it, graphs, policy)
+    assert graphs.captured == 4
+    for ids, want in zip(tiny_prompts, plain_tokens):
+        res = loop.generate(ids, MAX_TOKENS)
+        assert res.token_ids == want
+        assert all(n <= k + 1 for n, k in zip(res.emitted, res.verified))
+    drafting = [(k, n) for k, n in policy.seen if k]
+    assert all(n == 1 for k, n in policy.seen if k == 0)
+    assert sum(n for _, n in drafting) / len(drafting) > 1.5  # the drafter's context stayed whole
+
+
+def test_adaptive_k_over_captured_counts(engine, tiny_prompts, plain_tokens):
+    """`--dflash-adaptive-k` on whole iterations: a table where drafting pays drafts; one where
+    plain steps pay suspends (k = 0, with probes); one where nothing can pay settles on the
+    variant that keeps nothing. Plain decoding's tokens throughout."""
+    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
+    from metrale.runtime.spec.iteration_loop import CountPolicy
+
+    def run(table: str):
+        spec = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k=table, dflash_reprobe_interval=2)
+        settings = resolve_dflash(spec, engine.drafters["dflash"].config.block_size)
+        policy = CountPolicy(settings)
+        it = DFlashIteration(engine.target, engine.drafters["dflash"], policy.counts, linear="rowwise",
+                             settled=True, slots=SLOTS)
+        loop = IterationLoop(it, EagerGraphs(), policy)
+        res = [loop.generate(ids, MAX_TOKENS) for ids in tiny_prompts]
+        assert [r.token_ids for r in res] == plain_tokens, table
+        return [k for r in res for k in r.verified], policy
+
+    drafts, _ = run("0:1,1:1.05,2:1.1,3:1.15,4:1.2,5:1.25,6:1.3,7:1.35")
+    assert sum(k > 0 for k in drafts) > len(drafts) // 2
+    suspended, policy = run("0:1,1:1.7,2:2.4,3:3.1")
+    assert suspended.count(0) > len(suspended) // 2 and any(suspended)
+    settled, policy = run("0:1,1:50,2:50,3:50")
+    assert policy.controller.settled and not any(settled)
