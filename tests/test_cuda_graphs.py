@@ -195,7 +195,7 @@ class _FailingCapture(EagerGraphs):
         super().__init__()
         self.exc = exc
 
-    def capture(self, fn):
+    def capture(self, fn, generators=()):
         raise self.exc
 
 

@@ -88,13 +88,13 @@ def test_every_mode_decodes_plain_decodings_tokens(engine, tiny_prompts, plain_t
     late: plain decoding's tokens, every prompt; the speculative modes accept drafts."""
     graphs = EagerGraphs()
     loop = IterationLoop(make(engine, mode), graphs)
-    assert graphs.captured == 1
+    assert graphs.captured == 2  # greedy and sampled
     emitted = []
     for ids, want in zip(tiny_prompts, plain_tokens):
         res = loop.generate(ids, MAX_TOKENS, engine.tokenizer.eos_token_ids)
         assert res.token_ids == want, mode
         emitted += res.emitted
-    assert graphs.captured == 1 and loop.replays == graphs.replays
+    assert graphs.captured == 2 and loop.replays == graphs.replays
     if mode == "plain":
         assert set(emitted) == {1}
     else:
@@ -141,12 +141,15 @@ def test_a_budget_and_eos_end_the_request_one_iteration_late(engine, tiny_prompt
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_no_host_read_inside_an_iteration(engine, tiny_prompts, mode):
+    """Every variant, greedy and sampled, every count."""
     it = make(engine, mode)
     with torch.inference_mode():
+        it.sampling(SamplingParams(temperature=0.9, top_p=0.9, seed=1))
         it.prefill(tiny_prompts[0])
         with forbid_host_reads(mode):
-            for _ in range(3):
-                it()
+            for fn in it.variants().values():
+                fn()
+                fn()
 
 
 def test_the_guard_catches_host_reads():
@@ -196,8 +199,8 @@ def test_the_decode_loop_reads_the_host_where_an_iteration_does_not(engine, tiny
 def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny_prompts, plain_tokens):
     """Through the engine as `--device cuda` loads it (the stand-in's graphs here): greedy
     requests of plain decoding, MTP and DFlash (fixed, laddered, adaptive) run whole
-    iterations, with plain decoding's tokens and no host read inside a step (bench's counts); a
-    sampled request runs the decode loop."""
+    iterations, with plain decoding's tokens and no host read inside a step (bench's counts);
+    so does a sampled request, reproducible under its seed."""
     from metrale.bench_costs import step_counts
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
@@ -224,7 +227,8 @@ def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny
     sampled = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))
     res = sampled.generate(tiny_prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=12))
     again = sampled.generate(tiny_prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=12))
-    assert len(res.token_ids) == 12 and res.token_ids == again.token_ids  # the decode loop's, seeded
+    assert len(res.token_ids) == 12 and res.token_ids == again.token_ids
+    assert isinstance(sampled.decoder(), IterationDecoder)
 
 
 class Scripted:
@@ -250,7 +254,7 @@ def test_dflash_variants_share_their_state(engine, tiny_prompts, plain_tokens):
     policy = Scripted([7, 0, 0, 3, 1, 0, 7, 7])
     graphs = EagerGraphs()
     loop = IterationLoop(it, graphs, policy)
-    assert graphs.captured == 4
+    assert graphs.captured == 8  # four counts, greedy and sampled
     for ids, want in zip(tiny_prompts, plain_tokens):
         res = loop.generate(ids, MAX_TOKENS)
         assert res.token_ids == want
@@ -284,3 +288,27 @@ def test_adaptive_k_over_captured_counts(engine, tiny_prompts, plain_tokens):
     assert suspended.count(0) > len(suspended) // 2 and any(suspended)
     settled, policy = run("0:1,1:50,2:50,3:50")
     assert policy.controller.settled and not any(settled)
+
+
+SAMPLED = ["plain", "dflash k=7 exact", "dflash2 k=7 exact", "mtp k=3 exact", "mtp k=3 stop cum:0.5 exact"]
+
+
+@pytest.mark.parametrize("mode", SAMPLED)
+def test_sampled_iterations_draw_what_plain_sampling_draws(engine, tiny_engine, tiny_prompts, mode):
+    """A sampled request on the device: near temperature 0 its draws are greedy decoding's
+    tokens (each iteration's rejection sampling accepts exactly the matching drafts); at
+    temperature 0.8 a seed gives the same tokens every time, another seed others; plain
+    decoding's iteration draws the decode loop's tokens under the same seed (the same
+    uniforms in the same order)."""
+    loop = IterationLoop(make(engine, mode), EagerGraphs())
+    cold = SamplingParams(temperature=0.001, max_tokens=MAX_TOKENS)
+    greedy = IterationLoop(make(engine, mode), EagerGraphs())
+    for ids in tiny_prompts[:2]:
+        assert loop.generate(ids, MAX_TOKENS, params=cold).token_ids == greedy.generate(ids, MAX_TOKENS).token_ids
+    warm = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24)
+    a = loop.generate(tiny_prompts[0], 24, params=warm).token_ids
+    assert loop.generate(tiny_prompts[0], 24, params=warm).token_ids == a
+    other = SamplingParams(temperature=0.8, top_p=0.95, seed=12, max_tokens=24)
+    assert loop.generate(tiny_prompts[0], 24, params=other).token_ids != a
+    if mode == "plain":
+        assert EngineGenerator(tiny_engine).generate(tiny_prompts[0], warm).token_ids == a

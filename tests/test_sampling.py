@@ -115,3 +115,17 @@ def test_sample_from_probs_follows_each_row_of_a_batch():
     for col, want in ((0, [0.5, 0.25, 0.25, 0.0]), (1, [0.0, 0.0, 0.75, 0.25])):
         freq = torch.bincount(ids[:, col], minlength=4).float() / 4000
         assert torch.allclose(freq, torch.tensor(want), atol=0.03), freq.tolist()  # > 4 s.e.
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.8, 0.9), (1.3, 0.5), (0.05, 0.95)])
+def test_probs_on_the_device_are_probs_from_logits(temperature, top_p):
+    """The captured form of a sampled request's distribution (temperature and top_p as
+    tensors, no branch on their values): the reference's bits, and no host read."""
+    from metrale.runtime.spec.host_reads import forbid_host_reads
+    from metrale.runtime.spec.sampling import probs_on_device
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 3
+    want = probs_from_logits(logits, SamplingParams(temperature=temperature, top_p=top_p))
+    with forbid_host_reads("sampling"):
+        got = probs_on_device(logits, torch.tensor([temperature]), torch.tensor([top_p]))
+    assert torch.equal(got, want)

@@ -168,3 +168,50 @@ def test_a_plain_step_draws_its_token_from_row_0():
     again = torch.Generator().manual_seed(11)
     assert [int(verify_sampling(torch.empty(0, dtype=torch.long), P0[None], again)[1][0])
             for _ in range(50)] == [int(out[0]) for _, out in draws[:50]]
+
+
+def _on_device(drafts, target, g):
+    """`verify_sampling_on_device` as `verify_sampling` answers (for the chain harness), run
+    under the host-read guard."""
+    from metrale.runtime.spec.host_reads import forbid_host_reads
+    from metrale.runtime.spec.verify import verify_sampling_on_device
+
+    with forbid_host_reads("the device verify"):
+        m, ids = verify_sampling_on_device(drafts, target, g)
+    return int(m), ids[:int(m) + 1]
+
+
+def test_sampling_on_the_device_matches_plain_sampling():
+    first, second = run_chains(_on_device)
+    assert first.sum() == N and second.sum() == first[1] and second.sum() > 1600
+    for counts, probs in [(first, P0), (second, P1)]:
+        assert chi_square(counts, probs) < CRITICAL_DF4_P001, counts.tolist()
+
+
+def test_sampling_on_the_device_draws_what_the_reference_draws():
+    """The same uniforms in the same order: with one seed, the reference's tokens, chain after
+    chain (a plain step's too), and a sole-mass draft is never rejected."""
+    target = torch.stack([P0, P1, P2])
+    a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for _ in range(300):
+        assert _on_device(DRAFTS, target, a)[1].tolist() == verify_sampling(DRAFTS, target, b)[1].tolist()
+    assert _on_device(DRAFTS[:0], target[:1], a)[1].tolist() == verify_sampling(DRAFTS[:0], target[:1], b)[1].tolist()
+    sole = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
+    for _ in range(50):
+        assert _on_device(torch.tensor([1]), sole, a)[0] == 1
+
+
+def test_a_draft_stop_on_the_device_draws_the_bonus_after_the_counted_drafts():
+    """With only d_1 counted, accepting it ends the judging: the next token is drawn from row 1
+    whole (d_2 = 3 keeps its mass there), as a chain of one draft would draw it."""
+    from metrale.runtime.spec.verify import verify_sampling_on_device
+
+    target = torch.stack([torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]), P1, P2])  # d_1 always accepted
+    g = torch.Generator().manual_seed(3)
+    seconds = []
+    for _ in range(N):
+        m, ids = verify_sampling_on_device(DRAFTS, target, g, counted=torch.tensor(1))
+        assert int(m) == 1 and int(ids[0]) == 1
+        seconds.append(int(ids[1]))
+    counts = torch.bincount(torch.tensor(seconds), minlength=V).float()
+    assert chi_square(counts, P1) < CRITICAL_DF4_P001, counts.tolist()

@@ -90,9 +90,14 @@ class CudaGraphs:
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
 
-    def capture(self, fn):
-        """-> (graph, outputs): the outputs are the graph's static output tensors."""
+    def capture(self, fn, generators=()):
+        """-> (graph, outputs): the outputs are the graph's static output tensors. `generators`:
+        the random generators `fn` draws from besides the default one, registered so each
+        replay draws afresh from their state."""
         graph = torch.cuda.CUDAGraph()
+        for g in generators:
+            if g.device.type == "cuda":
+                graph.register_generator_state(g)
         with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):
             outs = fn()
         torch.cuda.synchronize(self.device)
@@ -122,7 +127,7 @@ class EagerGraphs:
         for _ in range(WARMUP):
             fn()
 
-    def capture(self, fn):
+    def capture(self, fn, generators=()):
         self.captured += 1
         outs = tuple(fn())
         return _Recorded(fn, outs), outs

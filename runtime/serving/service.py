@@ -98,11 +98,10 @@ class EngineGenerator:
             self._iterations = loop_for(engine, self.spec, self.dflash, engine.target.runner.graphs)
 
     def decoder(self) -> Decoder | IterationDecoder:
-        """A request's decoder: the iterations' (`IterationDecoder`, which runs a sampled request
-        through the decode loop) where they were captured, else the decode loop."""
+        """A request's decoder: the iterations' (`IterationDecoder`) where they were captured,
+        else the decode loop."""
         if self._iterations is not None:
-            return IterationDecoder(self._iterations, self.tokenizer.eos_token_ids, self.max_context,
-                                    self._decode_loop)
+            return IterationDecoder(self._iterations, self.tokenizer.eos_token_ids, self.max_context)
         return self._decode_loop()
 
     def _decode_loop(self) -> Decoder:

@@ -45,6 +45,8 @@ from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPSte
 from metrale.runtime.models.layers import MoE
 from metrale.runtime.models.step_caches import PooledKV
 from metrale.runtime.spec.config import DraftStop
+from metrale.runtime.spec.sampling import SamplingParams, probs_on_device, sample_from_probs
+from metrale.runtime.spec.verify import verify_sampling_on_device
 
 
 def accepted_count(drafts: torch.Tensor, target_ids: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,11 +122,47 @@ class _Verifying:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.target = TargetStep(capturable(model), taps, linear).to(self.device).eval()
         self.embed = model.model.embed_tokens
-        self.slots = slots
+        self.slots, self.vocab_size = slots, c.vocab_size
         if ring < 4 * (self.k + 1):  # unread: up to two iterations' tokens, and the next's rows
             raise ValueError(f"a ring of {ring} tokens is too small for {self.k + 1} rows an iteration")
         self.kv = _static_kv(c.num_hidden_layers, slots, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
         self.state = IterationState(self.device, ring)
+        # a sampled request's temperature and top_p [1], and the generator of its draws
+        self.temperature = torch.ones(1, dtype=torch.float32, device=self.device)
+        self.top_p = torch.ones(1, dtype=torch.float32, device=self.device)
+        self.generator = torch.Generator(device=self.device)
+
+    def variants(self) -> dict:
+        """{(count, sampled): the iteration verifying that many drafts, greedy or sampled}: what
+        the loop captures, one graph each."""
+        return {(k, sampled): functools.partial(self.step, k, sampled)
+                for k in self.keys() for sampled in (False, True)}
+
+    def keys(self) -> tuple:
+        return (self.k,)
+
+    def __call__(self) -> tuple:
+        return self.step(self.k, False)
+
+    def sampling(self, params: SamplingParams) -> None:
+        """A sampled request's settings into the tensors its iterations read (its seed, or a
+        fresh one, into their generator)."""
+        self.temperature.fill_(params.temperature)
+        self.top_p.fill_(params.top_p)
+        seed = params.seed % 2**64 if params.seed is not None else int(torch.randint(2**62, ()))
+        self.generator.manual_seed(seed)
+
+    def select(self, logits: torch.Tensor, drafts: torch.Tensor, sampled: bool,
+               counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits [1, k+1, V] of the rows [pending, drafts [k]] -> (tokens [k+1]
+        whose first n+1 are emitted, n accepted): the argmax and its leading matches, or the
+        rejection sampling of a sampled request."""
+        if not sampled:
+            target_ids = logits[0].argmax(-1)  # [k+1]
+            return target_ids, accepted_count(drafts, target_ids, counted)
+        probs = probs_on_device(logits[0], self.temperature, self.top_p)  # [k+1, V]
+        n, ids = verify_sampling_on_device(drafts, probs, self.generator, counted)
+        return ids, n
 
     def verify(self, ids: torch.Tensor):
         """ids [k+1] at `pos`.. -> the target step's outputs (logits [1, k+1, V], last hidden,
@@ -143,30 +181,32 @@ class _Verifying:
             raise ValueError(f"a prompt of {prompt_len} tokens and {max_tokens} more need {need} "
                              f"cache slots; the iteration's caches hold {self.slots}")
 
-    def prompt(self, prompt_ids: list[int]):
+    def prompt(self, prompt_ids: list[int], sampled: bool = False):
         """The prompt's rows at positions 0.. (eager, before the iterations) -> the step's
-        outputs, its first token made pending."""
+        outputs, its first token (the last row's argmax, or its draw) made pending."""
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         out = self.target(ids, torch.zeros(1, dtype=torch.long, device=self.device), *self.kv)
-        pending = out[0][0, -1].argmax(-1)
+        last = out[0][0, -1:]  # [1, V]
+        pending = (sample_from_probs(probs_on_device(last, self.temperature, self.top_p), self.generator)
+                   if sampled else last[0].argmax(-1))
         self.state.start(0, len(prompt_ids))
         self.state.pending.copy_(pending.view(1))
         return out
 
 
 class PlainIteration(_Verifying):
-    """Plain decoding: the pending token's row, its argmax emitted."""
+    """Plain decoding: the pending token's row, its argmax or its draw emitted."""
 
     def __init__(self, model, *, slots: int, ring: int = 64, linear: str = "gemm"):
         super().__init__(model, (), slots, ring, linear)
-        self._zero = torch.zeros((), dtype=torch.long, device=self.device)
+        self._no_drafts = torch.zeros(0, dtype=torch.long, device=self.device)
 
-    def prefill(self, prompt_ids: list[int]) -> None:
-        self.prompt(prompt_ids)
+    def prefill(self, prompt_ids: list[int], sampled: bool = False) -> None:
+        self.prompt(prompt_ids, sampled)
 
-    def __call__(self) -> tuple:
+    def step(self, k: int, sampled: bool) -> tuple:
         logits = self.verify(self.state.pending)[0]  # [1, 1, V]
-        self.state.emit(logits[0].argmax(-1), self._zero)
+        self.state.emit(*self.select(logits, self._no_drafts, sampled))
         return ()
 
 
@@ -204,49 +244,38 @@ class DFlashIteration(_Verifying):
         self._seq = torch.zeros(gamma, dtype=torch.long, device=device)
         self._one_seq = torch.zeros(1, dtype=torch.long, device=device)
         self._gamma = torch.full((1,), gamma, dtype=torch.long, device=device)
-        self._zero = torch.zeros((), dtype=torch.long, device=device)
+        self._no_drafts = torch.zeros(0, dtype=torch.long, device=device)
 
-    def variants(self) -> dict:
-        """{k: the iteration verifying k drafts} for every count, and `SETTLED` where asked."""
-        out = {k: functools.partial(self.step, k) for k in self.counts}
-        if self.settled:
-            out[SETTLED] = self.plain
-        return out
+    def keys(self) -> tuple:
+        """Every count, and `SETTLED` where asked."""
+        return self.counts + ((SETTLED,) if self.settled else ())
 
-    def prefill(self, prompt_ids: list[int]) -> None:
+    def prefill(self, prompt_ids: list[int], sampled: bool = False) -> None:
         """The prompt's rows, and their taps into the drafter's cache."""
-        taps = self.prompt(prompt_ids)[2]  # [1, n, n·Ht]
+        taps = self.prompt(prompt_ids, sampled)[2]  # [1, n, n·Ht]
         n = taps.shape[1]
         positions = torch.arange(n, device=self.device)
         self.draft.drafter.add_context(taps, PooledKV(self.draft_kv, torch.zeros_like(positions), positions))
         self.kept.zero_()
 
-    def __call__(self) -> tuple:
-        return self.step(self.k)
-
-    def step(self, k: int) -> tuple:
+    def step(self, k, sampled: bool) -> tuple:
         s = self.state
+        if k is SETTLED:  # a plain step whose row the drafter never needs
+            self.state.emit(*self.select(self.verify(s.pending)[0], self._no_drafts, sampled))
+            return ()
         feed_pos = s.pos - self.kept + self._rows  # [γ]: the kept rows' positions, then slots from pos on
         if k:
             block = torch.cat([s.pending, self._masks])[None]  # [1, γ]
             drafts = self.draft(self.feats, feed_pos, self._seq, block, self._one_seq, s.pos, self._gamma,
                                 *self.draft_kv)[0, :k]  # [k]
-            ids = torch.cat([s.pending, drafts])
         else:  # the kept rows only (those past them land from pos on, written over before read)
             self.draft.drafter.add_context(self.feats[None], PooledKV(self.draft_kv, self._seq, feed_pos))
-            ids = s.pending
-        logits, _, taps = self.verify(ids)
-        target_ids = logits[0].argmax(-1)  # [k+1]
-        n = accepted_count(drafts, target_ids) if k else self._zero
+            drafts = self._no_drafts
+        logits, _, taps = self.verify(torch.cat([s.pending, drafts]))
+        ids, n = self.select(logits, drafts, sampled)
         self.feats[: k + 1].copy_(taps[0])
         self.kept.copy_(n.view(1) + 1)
-        s.emit(target_ids, n)
-        return ()
-
-    def plain(self) -> tuple:
-        """A plain step whose row the drafter never needs."""
-        logits = self.verify(self.state.pending)[0]
-        self.state.emit(logits[0].argmax(-1), self._zero)
+        s.emit(ids, n)
         return ()
 
 
@@ -277,9 +306,9 @@ class MTPIteration(_Verifying):
         self.next_logits.copy_(logits.index_select(0, last.view(1)))
         self.next_h.copy_(h.index_select(0, last.view(1)))
 
-    def prefill(self, prompt_ids: list[int]) -> None:
+    def prefill(self, prompt_ids: list[int], sampled: bool = False) -> None:
         """The prompt's rows, and its head entries (token p+1 for p < n−1, then the pending)."""
-        out = self.prompt(prompt_ids)
+        out = self.prompt(prompt_ids, sampled)
         n = len(prompt_ids)
         tokens = torch.cat([torch.tensor(prompt_ids[1:], dtype=torch.long, device=self.device), self.state.pending])
         positions = torch.arange(n, device=self.device)
@@ -294,8 +323,8 @@ class MTPIteration(_Verifying):
         p = probs.cumprod(0) if self.stop.cumulative else probs
         return (p[:-1] >= self.stop.tau).long().cumprod(0).sum() + 1
 
-    def __call__(self) -> tuple:
-        s, k = self.state, self.k
+    def step(self, k: int, sampled: bool) -> tuple:
+        s = self.state
         logits, h = self.next_logits, self.next_h
         drafts, probs = [], []
         for j in range(k):
@@ -306,8 +335,7 @@ class MTPIteration(_Verifying):
             probs.append(p)
         d = torch.cat(drafts)  # [k]
         target_logits, hidden = self.verify(torch.cat([s.pending, d]))[:2]
-        target_ids = target_logits[0].argmax(-1)  # [k+1]
-        n = accepted_count(d, target_ids, self._counted(torch.cat(probs)))
-        self._entries(target_ids, hidden[0], s.pos + self._rows, n)
-        s.emit(target_ids, n)
+        ids, n = self.select(target_logits, d, sampled, self._counted(torch.cat(probs)))
+        self._entries(ids, hidden[0], s.pos + self._rows, n)
+        s.emit(ids, n)
         return ()

@@ -9,23 +9,24 @@ its checks (EOS, the budget) overlap the device's next iteration; the iteration 
 the end is discarded (its rows lie past the request's positions). One host wait per iteration,
 and no read inside one.
 
-Which requests: greedy ones (`loop_for`): plain decoding, MTP chains (with the confidence stop),
-DFlash / DFlash2, chunkwise or exact. A DFlash draft ladder or adaptive k picks, before each
-iteration, one of the graphs captured per count (`CountPolicy`). A sampled request runs the
-decode loop (`Decoder`) instead, on the same engine.
+Which requests (`loop_for`): plain decoding, MTP chains (with the confidence stop),
+DFlash / DFlash2, chunkwise or exact, greedy or sampled (temperature, top-p and the rejection
+sampling of `verify`, on the device: each variant is captured greedy and sampled). A DFlash
+draft ladder or adaptive k picks, before each iteration, one of the graphs captured per count
+(`CountPolicy`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
-from metrale.runtime.spec.decode import DecodeResult, Decoder
+from metrale.runtime.spec.decode import DecodeResult
 from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration
 from metrale.runtime.spec.sampling import SamplingParams
 
@@ -82,12 +83,11 @@ class IterationLoop:
     def __init__(self, iteration, graphs, policy: CountPolicy | None = None):
         self.iteration, self.graphs, self.policy = iteration, graphs, policy
         state = iteration.state
-        variants = iteration.variants() if policy is not None else {None: iteration}
         self.captured = {}
         with torch.inference_mode():
-            for key, fn in variants.items():
+            for key, fn in iteration.variants().items():
                 graphs.warmup(fn)
-                self.captured[key] = graphs.capture(fn)[0]
+                self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
         cuda = state.tokens.device.type == "cuda"
         self._host = [(torch.empty_like(state.tokens, device="cpu", pin_memory=cuda),
                        torch.empty_like(state.count, device="cpu", pin_memory=cuda)) for _ in range(2)]
@@ -109,16 +109,23 @@ class IterationLoop:
         event.record()
         return event
 
-    def _verified(self, key) -> int:
-        return self.iteration.k if key is None else (0 if key is SETTLED else key)
+    @staticmethod
+    def _verified(count) -> int:
+        return 0 if count is SETTLED else count
 
-    def stream(self, prompt_ids: list[int], max_tokens: int, eos: frozenset[int] = frozenset()) -> Iterator[int]:
+    def stream(self, prompt_ids: list[int], max_tokens: int, eos: frozenset[int] = frozenset(),
+               params: SamplingParams | None = None) -> Iterator[int]:
         """Yield the request's tokens as their iterations are read; stops at EOS (yielded) or
-        after `max_tokens`. Resume it under `torch.inference_mode`."""
+        after `max_tokens`. Greedy unless `params` samples (its temperature, top_p and seed; the
+        first token from the prompt is the prompt's argmax or draw). Resume it under
+        `torch.inference_mode`."""
         t0 = time.perf_counter()
         it = self.iteration
+        sampled = params is not None and not params.greedy
         it.check_room(len(prompt_ids), max_tokens)
-        it.prefill(prompt_ids)
+        if sampled:
+            it.sampling(params)
+        it.prefill(prompt_ids, sampled)
         first = int(it.state.pending[0])
         result = self.last_result = IterationResult([first], "length")
         result.prefill_s = time.perf_counter() - t0
@@ -128,14 +135,14 @@ class IterationLoop:
             result.seconds = time.perf_counter() - t0
             return
         ring = it.state.tokens.shape[0]
-        choose = self.policy.next if self.policy is not None else (lambda: None)
+        choose = self.policy.next if self.policy is not None else (lambda: it.k)
         read, slot = 0, 0  # tokens of the ring read so far; the host buffer of the oldest iteration
         key = choose()
-        waiting = self._enqueue(slot, key)
+        waiting = self._enqueue(slot, (key, sampled))
         try:
             while True:
                 next_key = choose()
-                following = self._enqueue(1 - slot, next_key)  # i+1 enqueued before i is read
+                following = self._enqueue(1 - slot, (next_key, sampled))  # i+1 enqueued before i is read
                 if waiting is not None:
                     waiting.synchronize()
                 tokens, count = self._host[slot]
@@ -157,9 +164,10 @@ class IterationLoop:
             if self._cuda:  # the discarded iteration's writes finish before anything reuses them
                 torch.cuda.current_stream().synchronize()
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, eos: frozenset[int] = frozenset()) -> IterationResult:
+    def generate(self, prompt_ids: list[int], max_tokens: int, eos: frozenset[int] = frozenset(),
+                 params: SamplingParams | None = None) -> IterationResult:
         with torch.inference_mode():
-            for _ in self.stream(prompt_ids, max_tokens, eos):
+            for _ in self.stream(prompt_ids, max_tokens, eos, params):
                 pass
         assert self.last_result is not None
         return self.last_result
@@ -186,33 +194,29 @@ def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, gra
 
 
 class IterationDecoder:
-    """The decode loop's face (`generate`, `stream`, `last_result`) over an `IterationLoop`: a
-    greedy request runs its iterations, any other the decode loop (`fallback()`). Each
-    iteration is recorded as a step: k drafts verified (`k`, of `proposed`), its tokens less
-    one accepted; the graph fuses drafting and verifying, so a step's time is all verify."""
+    """The decode loop's face (`generate`, `stream`, `last_result`) over an `IterationLoop`.
+    Each iteration is recorded as a step: the drafts it verified (of a block's or a chain's),
+    its tokens less one accepted; the graph fuses drafting and verifying, so a step's time is
+    all verify."""
 
-    def __init__(self, loop: IterationLoop, eos_ids: frozenset[int], max_context: int,
-                 fallback: Callable[[], Decoder]):
-        self.loop, self.eos_ids, self.max_context, self.fallback = loop, eos_ids, max_context, fallback
+    def __init__(self, loop: IterationLoop, eos_ids: frozenset[int], max_context: int):
+        self.loop, self.eos_ids, self.max_context = loop, eos_ids, max_context
         it = loop.iteration
         self.proposed = getattr(it, "gamma", it.k + 1) - 1  # a block's drafts, or a chain's
         self.last_result: DecodeResult | None = None
-        self._decoder: Decoder | None = None
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        if not params.greedy:
-            self._decoder = self.fallback()
-            yield from self._decoder.stream(prompt_ids, params)
-            self.last_result = self._decoder.last_result
-            return
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
+        vocab = self.loop.iteration.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # the graphs index without checks
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         budget = min(params.max_tokens, self.max_context - len(prompt_ids))
         if budget < 1:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
                              f"context of {self.max_context} tokens")
         with torch.inference_mode():
-            yield from self.loop.stream(list(prompt_ids), budget, self.eos_ids)
+            yield from self.loop.stream(list(prompt_ids), budget, self.eos_ids, params)
         self.last_result = self._result(self.loop.last_result)
 
     def _result(self, res: IterationResult) -> DecodeResult:

@@ -95,6 +95,20 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def probs_on_device(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`probs_from_logits` of a sampled request with its temperature and top_p as device
+    tensors ([1] float32 each), so one captured graph serves every request: logits [N, V] ->
+    probs [N, V] float32, the same bits."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [N, V]
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    nucleus = probs * keep
+    return torch.where(top_p >= 1.0, probs, nucleus / nucleus.sum(dim=-1, keepdim=True))
+
+
 def sample_from_probs(
     probs: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:

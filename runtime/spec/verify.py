@@ -97,3 +97,31 @@ def verify_sampling(
         last = sample_from_probs(row, generator)  # bonus token
     emitted = torch.cat([drafts[:accepted], last.reshape(1)])  # [m+1]
     return accepted, emitted
+
+
+def verify_sampling_on_device(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
+                              generator: torch.Generator | None = None,
+                              counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_sampling` in fixed shapes with nothing read by the host (what a captured
+    iteration runs): draft_tokens [k] int64, target_probs [k+1, V] float -> (accepted m, a 0-dim
+    int64 tensor; tokens [k+1] int64 whose first m+1 are the emitted ones). `counted` (0-dim)
+    caps the drafts judged (a draft stop): when all of those are accepted the bonus token is
+    drawn from the row after them. The same draws in the same order as `verify_sampling`."""
+    k = _check(draft_tokens, target_probs)
+    device = target_probs.device
+    u = torch.rand(k, generator=generator, device=device, dtype=torch.float64)  # [k]
+    p_draft = target_probs[:k].gather(1, draft_tokens[:, None])[:, 0].double()  # [k]
+    sole = (target_probs[:k] > 0).sum(dim=-1) == (p_draft > 0).long()  # [k] bool
+    accepted = ((u < p_draft) | (sole & (p_draft > 0))).long().cumprod(dim=0).sum()
+    limit = torch.full((), k, dtype=torch.long, device=device)
+    if counted is not None:
+        limit = torch.minimum(limit, counted)
+    m = torch.minimum(accepted, limit)
+    # every row's residual (its draft's mass removed, renormalized), and row k whole
+    residual = target_probs[:k].float().scatter(1, draft_tokens[:, None], 0.0)  # [k, V]
+    residual = residual / residual.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    rows = torch.cat([residual, target_probs[k:].float()])  # [k+1, V]
+    pick = m.view(1)
+    row = torch.where(m < limit, rows.index_select(0, pick), target_probs.float().index_select(0, pick))  # [1, V]
+    last = sample_from_probs(row, generator)  # [1]: the recovered or bonus token
+    return m, torch.cat([draft_tokens, last]).index_copy(0, pick, last)
