@@ -45,6 +45,23 @@ def test_the_eager_norm_agrees_with_the_traced_one(zero_centred):
     torch.testing.assert_close(norm(x), traced(x), rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_norm_is_the_same_norm(zero_centred, dtype):
+    """On a GPU the norm is one fused `F.rms_norm` of x with the (zero-centred: 1 + w) weight:
+    here, the same function on the CPU agrees with the module's own arithmetic (bfloat16: the
+    one rounding the fused kernel skips, before the weight's product, at most an ulp apart)."""
+    norm = RMSNorm(64, 1e-6, zero_centred).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 1.5)
+    x = (torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    weight = 1.0 + norm.weight if zero_centred else norm.weight
+    fused = F.rms_norm(x, (64,), weight.to(dtype), 1e-6)
+    tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(fused, norm(x), **tol)
+    assert fused.dtype == dtype
+
+
 def test_rope_by_roll_is_rotate_half():
     x = torch.randn(2, 6, 5, 16)
     cos, sin = rope_cos_sin(torch.arange(3, 8), 16, 10000.0, torch.float32)
