@@ -312,3 +312,39 @@ def test_sampled_iterations_draw_what_plain_sampling_draws(engine, tiny_engine, 
     assert loop.generate(tiny_prompts[0], 24, params=other).token_ids != a
     if mode == "plain":
         assert EngineGenerator(tiny_engine).generate(tiny_prompts[0], warm).token_ids == a
+
+
+def test_serving_on_a_graph_target_runs_one_request_at_a_time(tiny_engine_dir, tiny_prompts):
+    """`serve` on a target run as graphs (one static cache): concurrent requests over HTTP (the
+    official client) queue and each runs its whole iterations, with its solo answer; none is
+    refused for a cache another took."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import serve_in_thread
+    from openai import OpenAI
+
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.serving.http_guard import ServerLimits
+    from metrale.runtime.serving.server import create_app
+    from metrale.runtime.spec.config import SpeculativeConfig
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))
+    assert gen.sequential and not gen.batched
+    texts = [engine.tokenizer.decode(p[:12]) for p in tiny_prompts]
+    solo = []
+    for text in texts:
+        res = gen.generate(engine.tokenizer.encode(text), SamplingParams(temperature=0.0, max_tokens=16))
+        solo.append(engine.tokenizer.decode([t for t in res.token_ids if t not in engine.tokenizer.eos_token_ids]))
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(i):
+            return client.completions.create(model=gen.model_id, prompt=texts[i], max_tokens=16,
+                                             temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, [i % len(texts) for i in range(8)]))
+    assert answers == [solo[i % len(texts)] for i in range(8)]

@@ -231,10 +231,12 @@ class Scheduler:
                       flush: Callable[[], None] = lambda: None, yield_gil: bool = True,
                       inbox: Callable[[bool], bool] | None = None) -> "Scheduler":
         """The scheduler of `gen`: batched where it can batch (`gen.batched`), one request at a
-        time in a tensor-parallel world (its ranks decode in lockstep). `yield_gil`: whether an
-        event loop shares its interpreter (see `_iterate`); `inbox`: see `run`."""
+        time where it decodes so (`gen.sequential`: a tensor-parallel world, whose ranks decode
+        in lockstep, or a target run as graphs). `yield_gil`: whether an event loop shares its
+        interpreter (see `_iterate`); `inbox`: see `run`."""
         world = getattr(gen, "world", None)
-        return cls(1 if getattr(world, "size", 1) > 1 else max_num_seqs,
+        sequential = getattr(gen, "sequential", getattr(world, "size", 1) > 1)
+        return cls(1 if sequential else max_num_seqs,
                    gen.run_forwards if getattr(gen, "batched", False) else None, disable_at,
                    getattr(gen, "thread_mode", contextlib.nullcontext), flush, yield_gil, inbox)
 

@@ -151,8 +151,15 @@ class EngineGenerator:
     @property
     def batched(self) -> bool:
         """Whether a scheduler may gather this generator's sequences into one forward (`steps`,
-        `run_forwards`): in one process; a tensor-parallel world decodes one request at a time."""
-        return self.world.size == 1
+        `run_forwards`): in one process, on a target that holds many sequences' caches."""
+        return self.world.size == 1 and self._iterations is None
+
+    @property
+    def sequential(self) -> bool:
+        """Whether it decodes one request at a time: a tensor-parallel world (its ranks in
+        lockstep), or a target that runs as graphs over one static cache (each request then
+        runs its whole iterations, `stream`)."""
+        return self.world.size > 1 or self._iterations is not None
 
     @staticmethod
     def thread_mode():
