@@ -220,6 +220,7 @@ def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny
         assert isinstance(gen.decoder(), IterationDecoder) is iterates, flags
         res = gen.generate(tiny_prompts[1], greedy)
         assert res.token_ids == plain_tokens[1], flags
+        assert len(res.steps) == res.metrics.steps and sum(t.emitted for t in res.steps) >= len(res.token_ids) - 1
         if flags:
             assert res.metrics.tau > 1.2 and res.metrics.drafts_verified > 0, flags
         counts = step_counts(gen, tiny_prompts[0])
@@ -348,3 +349,17 @@ def test_serving_on_a_graph_target_runs_one_request_at_a_time(tiny_engine_dir, t
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(ask, [i % len(texts) for i in range(8)]))
     assert answers == [solo[i % len(texts)] for i in range(8)]
+
+
+def test_the_cost_model_is_measured_on_the_iterations(tiny_engine_dir, tiny_prompts):
+    """`bench` and `calibrate` measure adaptive k's table per draft count: on a graph target,
+    over the iterations of each count (a one-rung ladder each), every count's steps recorded."""
+    from metrale.bench import measure_costs
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    cost = measure_costs(engine, tiny_prompts[:1], 12, "dflash", repeats=1)
+    assert cost.first == 0 and len(cost.ms) == engine.drafters["dflash"].config.block_size
+    assert all(ms > 0 for ms in cost.ms) and 0 < cost.acceptance <= 1

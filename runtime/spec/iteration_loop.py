@@ -26,7 +26,7 @@ import torch
 
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
-from metrale.runtime.spec.decode import DecodeResult
+from metrale.runtime.spec.decode import DecodeResult, StepTrace
 from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration
 from metrale.runtime.spec.sampling import SamplingParams
 
@@ -225,6 +225,7 @@ class IterationDecoder:
         for n, k in zip(res.emitted, res.verified):
             out.metrics.record_step(proposed=self.proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
                                     verify_rows=k + 1, draft_s=0.0, verify_s=per)
+            out.steps.append(StepTrace(drafted=k, accepted=n - 1, emitted=n))
         return out
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:
