@@ -168,8 +168,9 @@ class EngineGenerator:
 
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
-        resumed under `thread_mode` (the decode loop's, whatever `decoder` gives)."""
-        decoder = self._decode_loop()
+        resumed under `thread_mode` (a generator that runs iterations is not `batched`: its
+        requests stream)."""
+        decoder = self.decoder()
         try:
             yield from decoder.steps(prompt_ids, params, batch, runs=True)
         finally:
