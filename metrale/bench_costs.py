@@ -148,7 +148,7 @@ def step_counts(gen, prompt: list[int], max_tokens: int = 16) -> dict:
         it = decoder.loop.iteration
         with torch.inference_mode():
             it.check_room(len(prompt), max_tokens)
-            it.prefill(prompt)
+            it.prefill(0, prompt)
             with OpCount() as count:
                 it()
         return {"ops_per_step": count.ops, "host_reads_per_step": count.host_reads,

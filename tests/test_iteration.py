@@ -71,15 +71,20 @@ def test_accepted_count_by_hand():
 
 
 def test_the_ring_keeps_what_each_iteration_emitted():
-    s = IterationState(torch.device("cpu"), ring=8)
-    s.start(pending=3, pos=10)
-    s.emit(torch.tensor([11, 12, 13, 14]), torch.tensor(2))  # t_0..t_2 emitted, t_3 a stale row
-    assert int(s.count) == 3 and int(s.pending) == 13 and int(s.pos) == 13
-    s.emit(torch.tensor([21, 22, 23, 24]), torch.tensor(3))
-    s.emit(torch.tensor([31, 32, 33, 34]), torch.tensor(0))  # wraps: slots 7, 0, 1, 2
-    assert int(s.count) == 8 and int(s.pending) == 31 and int(s.pos) == 18
-    assert s.tokens.tolist() == [32, 33, 34, 21, 22, 23, 24, 31]  # the count's 8 read in ring order
-    assert [s.tokens[j % 8].item() for j in range(8)][:7] == [32, 33, 34, 21, 22, 23, 24]
+    """Two lanes, ragged: each emits its own count into its own ring; an inactive lane moves
+    nothing."""
+    s = IterationState(torch.device("cpu"), lanes=3, ring=8)
+    s.start(0, torch.tensor(3), pos=10)
+    s.start(1, torch.tensor(4), pos=20)
+    s.emit(torch.tensor([[11, 12, 13, 14], [51, 52, 53, 54]]), torch.tensor([2, 0]))  # t_3 of lane 0: stale
+    assert s.count.tolist() == [3, 1, 0] and s.pending.tolist()[:2] == [13, 51] and s.pos.tolist()[:2] == [13, 21]
+    s.emit(torch.tensor([[21, 22, 23, 24], [61, 62, 63, 64]]), torch.tensor([3, 1]))
+    s.active[1] = 0
+    s.emit(torch.tensor([[31, 32, 33, 34], [71, 72, 73, 74]]), torch.tensor([0, 3]))  # lane 0 wraps
+    assert s.count.tolist() == [8, 3, 0] and s.pending.tolist()[:2] == [31, 62] and s.pos.tolist()[:2] == [18, 23]
+    assert s.tokens[0].tolist() == [32, 33, 34, 21, 22, 23, 24, 31]  # the count's 8, read in ring order
+    assert s.tokens[1, :3].tolist() == [51, 61, 62]
+    assert int(accepted_count(torch.tensor([[5, 6, 7], [5, 0, 9]]), torch.tensor([[5, 6, 9, 1], [5, 6, 9, 1]]))[1]) == 1
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -144,8 +149,9 @@ def test_no_host_read_inside_an_iteration(engine, tiny_prompts, mode):
     """Every variant, greedy and sampled, every count."""
     it = make(engine, mode)
     with torch.inference_mode():
-        it.sampling(SamplingParams(temperature=0.9, top_p=0.9, seed=1))
-        it.prefill(tiny_prompts[0])
+        params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
+        it.seed(params)
+        it.prefill(0, tiny_prompts[0], params)
         with forbid_host_reads(mode):
             for fn in it.variants().values():
                 fn()
@@ -188,7 +194,7 @@ def test_the_decode_loop_reads_the_host_where_an_iteration_does_not(engine, tiny
         with pytest.raises(HostRead), forbid_host_reads("the decode loop"):
             one_step()
         it = make(engine, "dflash k=7")
-        it.prefill(tiny_prompts[0])
+        it.prefill(0, tiny_prompts[0])
         iteration = OpCount()
         with iteration:
             it()

@@ -26,9 +26,10 @@ _READS = {
     _aten._local_scalar_dense.default, _aten.item.default, _aten.is_nonzero.default,
     _aten.nonzero.default, _aten.nonzero_static.default, _aten.masked_select.default,
     _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
-    _aten.repeat_interleave.Tensor, _aten.equal.default, _aten.allclose.default,
+    _aten.equal.default, _aten.allclose.default,
 }
 _READ_PACKETS = {f.overloadpacket for f in _READS}
+_READ_OVERLOADS = {_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor}  # counts as a tensor
 
 
 class HostRead(RuntimeError):
@@ -93,7 +94,7 @@ class _PyGuard(TorchFunctionMode):
 
 def host_read(func, args, kwargs) -> str | None:
     """Why the op reads device values into the host, or None."""
-    if func.overloadpacket in _READ_PACKETS:
+    if func.overloadpacket in _READ_PACKETS or func in _READ_OVERLOADS:
         return "reads tensor values into the host"
     if _by_mask(func, args):
         return "indexes by a boolean mask (a shape read from values)"

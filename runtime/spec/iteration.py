@@ -2,10 +2,14 @@
 captures whole, draft -> verify -> accept -> advance, with acceptance on the device (as SGLang's
 DFlash worker v2 and TensorRT-LLM's one-model MTP run theirs).
 
-An iteration reads and writes only its `IterationState` and the static caches of the steps it
-runs (`backends.aoti_steps`: every row placed by a position tensor, attention masked by
-position), so its shapes never change and it never reads the device from the host
-(`host_reads.forbid_host_reads` proves it on a CPU). Greedy decoding:
+An iteration runs `lanes` sequences at once (B of them: a bucket, the first B lanes), each with
+its own caches in a pool, its own position and its own accepted length (ragged acceptance, on
+the device). It reads and writes only its `IterationState` and the caches of the batched steps
+it runs (`backends.aoti_steps`: every row placed by its sequence and a position tensor,
+attention masked by position, a row's bits its sequence's alone), so its shapes never change and
+it never reads the device from the host (`host_reads.forbid_host_reads` proves it on a CPU). A
+lane that is not `active` moves nothing (its position, count and kept rows stay; what it writes
+lies at positions it writes again before reading). Greedy decoding, per lane:
 
 - verify: the target's argmax t_0..t_k of the rows [pending, d_1..d_k] at `pos`.., in one
   forward (chunkwise) or k+1 one-row forwards (`exact`: plain decoding's bits, so plain
@@ -15,8 +19,11 @@ position), so its shapes never change and it never reads the device from the hos
   token); the new pending token is t_n and the cache's length pos + n + 1. Rows past n were
   written to the caches too: they lie at positions no later row sees before they are written
   again;
-- emit: t_0..t_k go into a device ring (`tokens` [R]) from `count` on, and `count` grows by n+1,
-  so the rows past n are overwritten by the next iteration.
+- emit: t_0..t_k go into the lane's device ring (`tokens` [L, R]) from `count` on, and `count`
+  grows by n+1, so the rows past n are overwritten by the next iteration.
+
+A sampled lane (`sampled`) draws instead: temperature and top-p per lane, the rejection sampling
+of `verify.verify_sampling_lanes`; a variant that samples computes both and picks per lane.
 
 Modes:
 - `PlainIteration`: one row, its argmax.
@@ -32,7 +39,8 @@ Modes:
   over by the next chain before any entry reads them), its entry at the last kept row seeding
   the next chain.
 
-`iteration_loop.IterationLoop` drives one over a request.
+`iteration_loop.IterationLoop` drives one lane over a request; `iteration_loop.Lanes` many
+requests' lanes at once (serving).
 """
 
 from __future__ import annotations
@@ -41,62 +49,76 @@ import functools
 
 import torch
 
-from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPStep, TargetStep
+from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPStep, BatchedTargetStep
 from metrale.runtime.models.layers import MoE
 from metrale.runtime.models.step_caches import PooledKV
 from metrale.runtime.spec.config import DraftStop
 from metrale.runtime.spec.sampling import SamplingParams, probs_on_device, sample_from_probs
-from metrale.runtime.spec.verify import verify_sampling_on_device
+from metrale.runtime.spec.verify import verify_sampling_lanes
+
+PROMPT_ROWS = 256  # a prompt's rows per forward (its attention's scores are rows x slots)
 
 
 def accepted_count(drafts: torch.Tensor, target_ids: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
-    """drafts [k], the target's argmax of the k+1 rows [k+1] -> the leading drafts equal to it
-    (a 0-dim int64 tensor), at most `counted` (0-dim) when given."""
-    n = (drafts == target_ids[:-1]).long().cumprod(0).sum()
+    """drafts [..., k], the target's argmax of the k+1 rows [..., k+1] -> the leading drafts equal
+    to it ([...] int64), at most `counted` ([...]) when given."""
+    n = (drafts == target_ids[..., :-1]).long().cumprod(-1).sum(-1)
     return n if counted is None else torch.minimum(n, counted)
 
 
 class IterationState:
-    """What an iteration owns besides the caches, on its device: `pending` [1] (the last
-    emitted token, not yet fed), `pos` [1] (its position: the target cache's length), the ring
-    `tokens` [R] and `count` [1] (tokens emitted since the prompt)."""
+    """What an iteration owns besides the caches, per lane, on its device: `pending` [L] (the
+    last emitted token, not yet fed), `pos` [L] (its position: the lane's target cache length),
+    the ring `tokens` [L, R] and `count` [L] (tokens emitted since the prompt), `active` [L]
+    (1: the lane advances), and a sampled lane's `sampled` [L] (bool), `temperature` and
+    `top_p` [L]."""
 
-    def __init__(self, device: torch.device, ring: int):
-        def longs(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.long, device=device)
+    def __init__(self, device: torch.device, lanes: int, ring: int):
+        def longs(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.long, device=device)
 
-        self.pending, self.pos, self.count, self.tokens = longs(1), longs(1), longs(1), longs(ring)
+        self.pending, self.pos, self.count, self.active = longs(lanes), longs(lanes), longs(lanes), longs(lanes)
+        self.tokens = longs(lanes, ring)
+        self.sampled = torch.zeros(lanes, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(lanes, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(lanes, dtype=torch.float32, device=device)
         self._ring_rows = torch.arange(ring, device=device)
 
     def emit(self, target_ids: torch.Tensor, n: torch.Tensor) -> None:
-        """t_0..t_n emitted (t = `target_ids` [k+1], n 0-dim): into the ring, pending t_n, the
-        position on by n+1."""
-        ring = self.tokens.shape[0]
-        slots = (self.count + self._ring_rows[: target_ids.shape[0]]) % ring
-        self.tokens.index_copy_(0, slots, target_ids)
-        self.count.add_(n + 1)
-        self.pending.copy_(target_ids.index_select(0, n.view(1)))
-        self.pos.add_(n + 1)
+        """Each of the first B lanes emits t_0..t_n (t = `target_ids` [B, k+1], n [B]): into its
+        ring, pending t_n, its position on by n+1 (an inactive lane: nothing moves)."""
+        b, rows = target_ids.shape
+        ring = self.tokens.shape[1]
+        slots = (self.count[:b, None] + self._ring_rows[:rows]) % ring  # [B, k+1]
+        self.tokens[:b].scatter_(1, slots, target_ids)
+        active = self.active[:b]
+        step = (n + 1) * active
+        self.count[:b].add_(step)
+        self.pos[:b].add_(step)
+        self.pending[:b].copy_(torch.where(active.bool(), target_ids.gather(1, n[:, None])[:, 0], self.pending[:b]))
 
-    def start(self, pending: int, pos: int) -> None:
-        """A new request: its first token (from the prompt) pending at `pos`."""
-        self.pending.fill_(pending)
-        self.pos.fill_(pos)
-        self.count.zero_()
+    def start(self, lane: int, pending: torch.Tensor, pos: int) -> None:
+        """A new request in `lane`: its first token (from the prompt) pending at `pos`."""
+        self.pending[lane:lane + 1].copy_(pending.view(1))
+        self.pos[lane] = pos
+        self.count[lane] = 0
+        self.active[lane] = 1
+
+    def sampling(self, lane: int, params: SamplingParams | None) -> None:
+        """The lane's request samples with `params`, or is greedy (None, or temperature 0)."""
+        sampled = params is not None and not params.greedy
+        self.sampled[lane] = sampled
+        self.temperature[lane] = params.temperature if sampled else 1.0
+        self.top_p[lane] = params.top_p if sampled else 1.0
 
 
-def _static_kv(layers: int, slots: int, heads: int, head_dim: int, dtype, device) -> list[torch.Tensor]:
-    """One sequence's target cache for `TargetStep`: per layer K and V [S, nkv, hd]."""
-    return [torch.zeros(slots, heads, head_dim, dtype=dtype, device=device) for _ in range(2 * layers)]
-
-
-def _pooled_kv(layers: int, slots: int, heads: int, head_dim: int, dtype, device) -> list[torch.Tensor]:
-    """A pool of one cache for the batched drafter and head steps: per layer K [1, nkv, hd, S]
-    and V [1, S, nkv, hd]."""
+def _pooled_kv(layers: int, lanes: int, slots: int, heads: int, head_dim: int, dtype, device) -> list[torch.Tensor]:
+    """A pool of one cache per lane for the batched steps: per layer K [L, nkv, hd, S] and V
+    [L, S, nkv, hd]."""
     out = []
     for _ in range(layers):
-        out += [torch.zeros(1, heads, head_dim, slots, dtype=dtype, device=device),
-                torch.zeros(1, slots, heads, head_dim, dtype=dtype, device=device)]
+        out += [torch.zeros(lanes, heads, head_dim, slots, dtype=dtype, device=device),
+                torch.zeros(lanes, slots, heads, head_dim, dtype=dtype, device=device)]
     return out
 
 
@@ -111,67 +133,80 @@ def capturable(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class _Verifying:
-    """What every iteration shares: the target's step, its cache, the state, the verify."""
+    """What every iteration shares: the target's step, its caches, the state, the verify."""
 
     k = 0
     exact = False
 
-    def __init__(self, model, taps: tuple[int, ...], slots: int, ring: int, linear: str):
+    def __init__(self, model, taps: tuple[int, ...], slots: int, ring: int, linear: str, lanes: int):
         c = model.config
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
-        self.target = TargetStep(capturable(model), taps, linear).to(self.device).eval()
+        self.target = BatchedTargetStep(capturable(model), taps, linear).to(self.device).eval()
         self.embed = model.model.embed_tokens
-        self.slots, self.vocab_size = slots, c.vocab_size
+        self.slots, self.vocab_size, self.lanes = slots, c.vocab_size, lanes
         if ring < 4 * (self.k + 1):  # unread: up to two iterations' tokens, and the next's rows
             raise ValueError(f"a ring of {ring} tokens is too small for {self.k + 1} rows an iteration")
-        self.kv = _static_kv(c.num_hidden_layers, slots, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
-        self.state = IterationState(self.device, ring)
-        # a sampled request's temperature and top_p [1], and the generator of its draws
-        self.temperature = torch.ones(1, dtype=torch.float32, device=self.device)
-        self.top_p = torch.ones(1, dtype=torch.float32, device=self.device)
-        self.generator = torch.Generator(device=self.device)
+        self.kv = _pooled_kv(c.num_hidden_layers, lanes, slots, c.num_key_value_heads, c.head_dim,
+                             self.dtype, self.device)
+        self.state = IterationState(self.device, lanes, ring)
+        self.generator = torch.Generator(device=self.device)  # a sampled lane's draws
+        self._index: dict = {}
 
-    def variants(self) -> dict:
-        """{(count, sampled): the iteration verifying that many drafts, greedy or sampled}: what
-        the loop captures, one graph each."""
-        return {(k, sampled): functools.partial(self.step, k, sampled)
-                for k in self.keys() for sampled in (False, True)}
+    def index(self, b: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each row's lane [B·rows], the rows' offsets in a lane [rows]) for B lanes of `rows`
+        rows each: made once per shape (before a capture, by its warm-up)."""
+        key = (b, rows)
+        if key not in self._index:
+            lanes = torch.arange(b, device=self.device)
+            self._index[key] = (lanes[:, None].expand(b, rows).reshape(-1), torch.arange(rows, device=self.device))
+        return self._index[key]
+
+    def variants(self, buckets: tuple[int, ...] = (1,)) -> dict:
+        """{(B, count, sampled): the iteration of the first B lanes verifying that many drafts,
+        greedy or with its sampled lanes drawing}: what a loop captures, one graph each."""
+        return {(b, k, sampled): functools.partial(self.step, b, k, sampled)
+                for b in buckets for k in self.keys() for sampled in (False, True)}
 
     def keys(self) -> tuple:
         return (self.k,)
 
     def __call__(self) -> tuple:
-        return self.step(self.k, False)
-
-    def sampling(self, params: SamplingParams) -> None:
-        """A sampled request's settings into the tensors its iterations read (its seed, or a
-        fresh one, into their generator)."""
-        self.temperature.fill_(params.temperature)
-        self.top_p.fill_(params.top_p)
-        seed = params.seed % 2**64 if params.seed is not None else int(torch.randint(2**62, ()))
-        self.generator.manual_seed(seed)
+        return self.step(1, self.k, False)
 
     def select(self, logits: torch.Tensor, drafts: torch.Tensor, sampled: bool,
                counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's logits [1, k+1, V] of the rows [pending, drafts [k]] -> (tokens [k+1]
-        whose first n+1 are emitted, n accepted): the argmax and its leading matches, or the
-        rejection sampling of a sampled request."""
+        """The target's logits [B, k+1, V] of the rows [pending, drafts [B, k]] -> (tokens
+        [B, k+1] whose first n+1 are emitted, n [B] accepted): each lane's argmax and its leading
+        matches or, where `sampled` and the lane samples, the rejection sampling's."""
+        target_ids = logits.argmax(-1)  # [B, k+1]
+        n = accepted_count(drafts, target_ids, counted)
         if not sampled:
-            target_ids = logits[0].argmax(-1)  # [k+1]
-            return target_ids, accepted_count(drafts, target_ids, counted)
-        probs = probs_on_device(logits[0], self.temperature, self.top_p)  # [k+1, V]
-        n, ids = verify_sampling_on_device(drafts, probs, self.generator, counted)
-        return ids, n
+            return target_ids, n
+        b = logits.shape[0]
+        st = self.state
+        probs = probs_on_device(logits, st.temperature[:b, None, None], st.top_p[:b, None, None])
+        m, drawn = verify_sampling_lanes(drafts, probs, self.generator, counted)
+        lanes = st.sampled[:b]
+        return torch.where(lanes[:, None], drawn, target_ids), torch.where(lanes, m, n)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor):
+        """Rows ids, pos, seq [N] -> (logits [N, V], last hidden [N, H], taps [N, n·H] when
+        taken)."""
+        return self.target(ids, pos, seq, self.index(1, ids.shape[0])[1], *self.kv)
 
     def verify(self, ids: torch.Tensor):
-        """ids [k+1] at `pos`.. -> the target step's outputs (logits [1, k+1, V], last hidden,
-        taps when it has them): one forward, or one per row (`exact`)."""
-        pos = self.state.pos
+        """ids [B, k+1]: each lane's rows at its `pos`.. -> the outputs per lane (logits
+        [B, k+1, V], last hidden, taps when taken): one forward, or one per row (`exact`)."""
+        b, rows = ids.shape
+        pos = self.state.pos[:b]
         if not self.exact:
-            return self.target(ids[None], pos, *self.kv)
-        outs = [self.target(ids[None, j:j + 1], pos + j, *self.kv) for j in range(ids.shape[0])]
-        return tuple(torch.cat(parts, dim=1) for parts in zip(*outs))
+            seq, offset = self.index(b, rows)
+            outs = self.forward(ids.reshape(-1), (pos[:, None] + offset).reshape(-1), seq)
+            return tuple(o.view(b, rows, -1) for o in outs)
+        seq = self.index(b, 1)[0]
+        outs = [self.forward(ids[:, j], pos + j, seq) for j in range(rows)]
+        return tuple(torch.stack(parts, dim=1) for parts in zip(*outs))
 
     def check_room(self, prompt_len: int, max_tokens: int) -> None:
         """A request fits the caches: its positions, two iterations' rows past its budget (the
@@ -181,32 +216,49 @@ class _Verifying:
             raise ValueError(f"a prompt of {prompt_len} tokens and {max_tokens} more need {need} "
                              f"cache slots; the iteration's caches hold {self.slots}")
 
-    def prompt(self, prompt_ids: list[int], sampled: bool = False):
-        """The prompt's rows at positions 0.. (eager, before the iterations) -> the step's
-        outputs, its first token (the last row's argmax, or its draw) made pending."""
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        out = self.target(ids, torch.zeros(1, dtype=torch.long, device=self.device), *self.kv)
-        last = out[0][0, -1:]  # [1, V]
-        pending = (sample_from_probs(probs_on_device(last, self.temperature, self.top_p), self.generator)
-                   if sampled else last[0].argmax(-1))
-        self.state.start(0, len(prompt_ids))
-        self.state.pending.copy_(pending.view(1))
-        return out
+    def prompt(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None):
+        """The prompt's rows in `lane` at positions 0.. (eager, before its iterations, in pieces
+        of `PROMPT_ROWS`) -> (last hidden [n, H], taps [n, n·H] or None), its first token (the
+        last row's argmax, or its draw) made pending."""
+        st = self.state
+        st.sampling(lane, params)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        n = ids.shape[0]
+        hidden, taps = [], []
+        for start in range(0, n, PROMPT_ROWS):
+            rows = ids[start:start + PROMPT_ROWS]
+            pos = torch.arange(start, start + rows.shape[0], device=self.device)
+            out = self.target(rows, pos, torch.full_like(pos, lane), pos[-1:] - start, *self.kv)
+            hidden.append(out[1])
+            taps.append(out[2] if len(out) > 2 else None)
+        last = out[0]  # [1, V]: the prompt's last row
+        if params is not None and not params.greedy:
+            pending = sample_from_probs(probs_on_device(last, st.temperature[lane:lane + 1, None],
+                                                        st.top_p[lane:lane + 1, None]), self.generator)
+        else:
+            pending = last[0].argmax(-1)
+        st.start(lane, pending, n)
+        return torch.cat(hidden), (torch.cat(taps) if taps[0] is not None else None)
+
+    def seed(self, params: SamplingParams) -> None:
+        """A sampled request's seed (or a fresh one) into the generator its lanes draw from."""
+        seed = params.seed % 2**64 if params.seed is not None else int(torch.randint(2**62, ()))
+        self.generator.manual_seed(seed)
 
 
 class PlainIteration(_Verifying):
-    """Plain decoding: the pending token's row, its argmax or its draw emitted."""
+    """Plain decoding: each lane's pending token's row, its argmax or its draw emitted."""
 
-    def __init__(self, model, *, slots: int, ring: int = 64, linear: str = "gemm"):
-        super().__init__(model, (), slots, ring, linear)
-        self._no_drafts = torch.zeros(0, dtype=torch.long, device=self.device)
+    def __init__(self, model, *, slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
+        super().__init__(model, (), slots, ring, linear, lanes)
+        self._no_drafts = torch.zeros(lanes, 0, dtype=torch.long, device=self.device)
 
-    def prefill(self, prompt_ids: list[int], sampled: bool = False) -> None:
-        self.prompt(prompt_ids, sampled)
+    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        self.prompt(lane, prompt_ids, params)
 
-    def step(self, k: int, sampled: bool) -> tuple:
-        logits = self.verify(self.state.pending)[0]  # [1, 1, V]
-        self.state.emit(*self.select(logits, self._no_drafts, sampled))
+    def step(self, b: int, k: int, sampled: bool) -> tuple:
+        logits = self.verify(self.state.pending[:b, None])[0]  # [B, 1, V]
+        self.state.emit(*self.select(logits, self._no_drafts[:b], sampled))
         return ()
 
 
@@ -222,7 +274,8 @@ class DFlashIteration(_Verifying):
     whose adaptive k settled on plain decoding)."""
 
     def __init__(self, model, drafter, counts: int | tuple[int, ...], *, gamma: int | None = None,
-                 exact: bool = False, settled: bool = False, slots: int, ring: int = 64, linear: str = "gemm"):
+                 exact: bool = False, settled: bool = False, slots: int, lanes: int = 1, ring: int = 64,
+                 linear: str = "gemm"):
         cfg = drafter.config
         gamma = gamma or cfg.block_size
         counts = (counts,) if isinstance(counts, int) else tuple(sorted(set(counts)))
@@ -231,50 +284,51 @@ class DFlashIteration(_Verifying):
                              "and some count drafts")
         self.counts, self.settled = counts, settled
         self.k, self.gamma, self.exact = max(counts), gamma, exact
-        super().__init__(model, tuple(cfg.target_layer_ids), slots, ring, linear)
+        super().__init__(model, tuple(cfg.target_layer_ids), slots, ring, linear, lanes)
         d = cfg.decoder
         self.draft = BatchedDFlashStep(capturable(drafter), self.embed, gamma).to(self.device).eval()
-        self.draft_kv = _pooled_kv(d.num_hidden_layers, slots, d.num_key_value_heads, d.head_dim,
+        self.draft_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,
                                    self.dtype, self.device)
         device, width = self.device, cfg.num_context_features * cfg.target_hidden_size
-        self.kept = torch.zeros(1, dtype=torch.long, device=device)  # valid rows of `feats`
-        self.feats = torch.zeros(gamma, width, dtype=self.dtype, device=device)  # [γ, n·Ht]
-        self._masks = torch.full((gamma - 1,), cfg.mask_token_id, dtype=torch.long, device=device)
-        self._rows = torch.arange(gamma, device=device)
-        self._seq = torch.zeros(gamma, dtype=torch.long, device=device)
-        self._one_seq = torch.zeros(1, dtype=torch.long, device=device)
-        self._gamma = torch.full((1,), gamma, dtype=torch.long, device=device)
-        self._no_drafts = torch.zeros(0, dtype=torch.long, device=device)
+        self.kept = torch.zeros(lanes, dtype=torch.long, device=device)  # valid rows of `feats`
+        self.feats = torch.zeros(lanes, gamma, width, dtype=self.dtype, device=device)  # [L, γ, n·Ht]
+        self._masks = torch.full((lanes, gamma - 1), cfg.mask_token_id, dtype=torch.long, device=device)
+        self._gamma = torch.full((lanes,), gamma, dtype=torch.long, device=device)
+        self._no_drafts = torch.zeros(lanes, 0, dtype=torch.long, device=device)
 
     def keys(self) -> tuple:
         """Every count, and `SETTLED` where asked."""
         return self.counts + ((SETTLED,) if self.settled else ())
 
-    def prefill(self, prompt_ids: list[int], sampled: bool = False) -> None:
-        """The prompt's rows, and their taps into the drafter's cache."""
-        taps = self.prompt(prompt_ids, sampled)[2]  # [1, n, n·Ht]
-        n = taps.shape[1]
-        positions = torch.arange(n, device=self.device)
-        self.draft.drafter.add_context(taps, PooledKV(self.draft_kv, torch.zeros_like(positions), positions))
-        self.kept.zero_()
+    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """The prompt's rows, and their taps into the lane's drafter cache."""
+        taps = self.prompt(lane, prompt_ids, params)[1]  # [n, n·Ht]
+        positions = torch.arange(taps.shape[0], device=self.device)
+        self.draft.drafter.add_context(taps[None], PooledKV(self.draft_kv, torch.full_like(positions, lane), positions))
+        self.kept[lane] = 0
 
-    def step(self, k, sampled: bool) -> tuple:
+    def step(self, b: int, k, sampled: bool) -> tuple:
         s = self.state
+        pending = s.pending[:b]
         if k is SETTLED:  # a plain step whose row the drafter never needs
-            self.state.emit(*self.select(self.verify(s.pending)[0], self._no_drafts, sampled))
+            logits = self.verify(pending[:, None])[0]
+            s.emit(*self.select(logits, self._no_drafts[:b], sampled))
             return ()
-        feed_pos = s.pos - self.kept + self._rows  # [γ]: the kept rows' positions, then slots from pos on
+        seq, offset = self.index(b, self.gamma)
+        feed_pos = (s.pos[:b, None] - self.kept[:b, None] + offset).reshape(-1)  # the kept rows, then from pos on
+        feats = self.feats[:b].reshape(b * self.gamma, -1)
         if k:
-            block = torch.cat([s.pending, self._masks])[None]  # [1, γ]
-            drafts = self.draft(self.feats, feed_pos, self._seq, block, self._one_seq, s.pos, self._gamma,
-                                *self.draft_kv)[0, :k]  # [k]
+            block = torch.cat([pending[:, None], self._masks[:b]], dim=1)  # [B, γ]
+            drafts = self.draft(feats, feed_pos, seq, block, self.index(b, 1)[0], s.pos[:b], self._gamma[:b],
+                                *self.draft_kv)[:, :k]  # [B, k]
         else:  # the kept rows only (those past them land from pos on, written over before read)
-            self.draft.drafter.add_context(self.feats[None], PooledKV(self.draft_kv, self._seq, feed_pos))
-            drafts = self._no_drafts
-        logits, _, taps = self.verify(torch.cat([s.pending, drafts]))
+            self.draft.drafter.add_context(feats[None], PooledKV(self.draft_kv, seq, feed_pos))
+            drafts = self._no_drafts[:b]
+        logits, _, taps = self.verify(torch.cat([pending[:, None], drafts], dim=1))
         ids, n = self.select(logits, drafts, sampled)
-        self.feats[: k + 1].copy_(taps[0])
-        self.kept.copy_(n.view(1) + 1)
+        active = s.active[:b].bool()
+        self.feats[:b, : k + 1].copy_(torch.where(active[:, None, None], taps, self.feats[:b, : k + 1]))
+        self.kept[:b].copy_(torch.where(active, n + 1, self.kept[:b]))
         s.emit(ids, n)
         return ()
 
@@ -284,58 +338,62 @@ class MTPIteration(_Verifying):
     docstring)."""
 
     def __init__(self, model, head, k: int, *, stop: DraftStop | None = None, exact: bool = False,
-                 slots: int, ring: int = 64, linear: str = "gemm"):
+                 slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
         if k < 1:
             raise ValueError(f"k = {k}: a chain has at least one draft")
         self.k, self.stop, self.exact = k, stop, exact
-        super().__init__(model, (), slots, ring, linear)
+        super().__init__(model, (), slots, ring, linear, lanes)
         d = head.config.decoder
         self.head = BatchedMTPStep(capturable(head)).to(self.device).eval()
-        self.head_kv = _pooled_kv(d.num_hidden_layers, slots, d.num_key_value_heads, d.head_dim,
+        self.head_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,
                                   self.dtype, self.device)
-        device = self.device
-        self.next_logits = torch.zeros(1, d.vocab_size, dtype=self.dtype, device=device)  # [1, V]
-        self.next_h = torch.zeros(1, d.hidden_size, dtype=self.dtype, device=device)  # [1, H]
-        self._rows = torch.arange(k + 1, device=device)
-        self._seq = torch.zeros(1, dtype=torch.long, device=device)
+        self.next_logits = torch.zeros(lanes, d.vocab_size, dtype=self.dtype, device=self.device)  # [L, V]
+        self.next_h = torch.zeros(lanes, d.hidden_size, dtype=self.dtype, device=self.device)  # [L, H]
 
-    def _entries(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, last: torch.Tensor) -> None:
-        """Head entries (token p+1, target hidden p) for tokens/hidden [T, ·] at positions `pos`
-        [T]; the one at row `last` (0-dim) seeds the next chain."""
-        logits, h = self.head(self.embed(tokens), hidden, pos, torch.zeros_like(pos), *self.head_kv)
-        self.next_logits.copy_(logits.index_select(0, last.view(1)))
-        self.next_h.copy_(h.index_select(0, last.view(1)))
+    def _entries(self, tokens, hidden, pos, seq, last, lanes: slice, active) -> None:
+        """Head entries (token p+1, target hidden p) for rows tokens/hidden/pos/seq [N]; row
+        `last` [B] of each lane seeds its next chain (an inactive lane's seed stays)."""
+        logits, h = self.head(self.embed(tokens), hidden, pos, seq, *self.head_kv)
+        self.next_logits[lanes].copy_(torch.where(active[:, None], logits.index_select(0, last), self.next_logits[lanes]))
+        self.next_h[lanes].copy_(torch.where(active[:, None], h.index_select(0, last), self.next_h[lanes]))
 
-    def prefill(self, prompt_ids: list[int], sampled: bool = False) -> None:
-        """The prompt's rows, and its head entries (token p+1 for p < n−1, then the pending)."""
-        out = self.prompt(prompt_ids, sampled)
+    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """The prompt's rows, and its head entries in the lane (token p+1 for p < n−1, then the
+        pending)."""
+        hidden = self.prompt(lane, prompt_ids, params)[0]
         n = len(prompt_ids)
-        tokens = torch.cat([torch.tensor(prompt_ids[1:], dtype=torch.long, device=self.device), self.state.pending])
-        positions = torch.arange(n, device=self.device)
-        self._entries(tokens, out[1][0], positions, torch.full((), n - 1, dtype=torch.long, device=self.device))
+        tokens = torch.cat([torch.tensor(prompt_ids[1:], dtype=torch.long, device=self.device),
+                            self.state.pending[lane:lane + 1]])
+        pos = torch.arange(n, device=self.device)
+        one = torch.ones(1, dtype=torch.bool, device=self.device)
+        self._entries(tokens, hidden, pos, torch.full_like(pos, lane), pos[-1:], slice(lane, lane + 1), one)
 
     def _counted(self, probs: torch.Tensor) -> torch.Tensor | None:
-        """probs [k] (each draft's top-1 probability) -> the drafts the stop lets count: the
+        """probs [B, k] (each draft's top-1 probability) -> the drafts the stop lets count: the
         chain goes on after draft i while p_i (or p_1·…·p_i) >= TAU, and the draft that trips
-        it counts (0-dim); None without a stop."""
+        it counts ([B]); None without a stop."""
         if self.stop is None or self.k == 1:
             return None
-        p = probs.cumprod(0) if self.stop.cumulative else probs
-        return (p[:-1] >= self.stop.tau).long().cumprod(0).sum() + 1
+        p = probs.cumprod(1) if self.stop.cumulative else probs
+        return (p[:, :-1] >= self.stop.tau).long().cumprod(1).sum(1) + 1
 
-    def step(self, k: int, sampled: bool) -> tuple:
+    def step(self, b: int, k: int, sampled: bool) -> tuple:
         s = self.state
-        logits, h = self.next_logits, self.next_h
+        seq1 = self.index(b, 1)[0]
+        logits, h = self.next_logits[:b], self.next_h[:b]
         drafts, probs = [], []
         for j in range(k):
             if j:  # a speculative entry: the last draft with the head's own output, at pos + j − 1
-                logits, h = self.head(self.embed(drafts[-1]), h, s.pos + (j - 1), self._seq, *self.head_kv)
-            p, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # [1] each
+                logits, h = self.head(self.embed(drafts[-1]), h, s.pos[:b] + (j - 1), seq1, *self.head_kv)
+            p, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # [B] each
             drafts.append(tok)
             probs.append(p)
-        d = torch.cat(drafts)  # [k]
-        target_logits, hidden = self.verify(torch.cat([s.pending, d]))[:2]
-        ids, n = self.select(target_logits, d, sampled, self._counted(torch.cat(probs)))
-        self._entries(ids, hidden[0], s.pos + self._rows, n)
+        d = torch.stack(drafts, dim=1)  # [B, k]
+        target_logits, hidden = self.verify(torch.cat([s.pending[:b, None], d], dim=1))[:2]
+        ids, n = self.select(target_logits, d, sampled, self._counted(torch.stack(probs, dim=1)))
+        seq, offset = self.index(b, k + 1)
+        rows = seq1 * (k + 1) + n  # each lane's last kept row
+        self._entries(ids.reshape(-1), hidden.reshape(b * (k + 1), -1), (s.pos[:b, None] + offset).reshape(-1),
+                      seq, rows, slice(0, b), s.active[:b].bool())
         s.emit(ids, n)
         return ()

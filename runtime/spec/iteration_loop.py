@@ -96,9 +96,9 @@ class IterationLoop:
         self.last_result: IterationResult | None = None
 
     def _enqueue(self, slot: int, key):
-        """One replay of variant `key` and its copy into host buffer `slot` -> an event to wait
-        on (None on a CPU, where the copy is done)."""
-        self.graphs.replay(self.captured[key])
+        """One replay of variant `key` (a count, sampled or not) and its copy into host buffer
+        `slot` -> an event to wait on (None on a CPU, where the copy is done)."""
+        self.graphs.replay(self.captured[(1, *key)])
         self.replays += 1
         state, (tokens, count) = self.iteration.state, self._host[slot]
         tokens.copy_(state.tokens, non_blocking=self._cuda)
@@ -124,8 +124,8 @@ class IterationLoop:
         sampled = params is not None and not params.greedy
         it.check_room(len(prompt_ids), max_tokens)
         if sampled:
-            it.sampling(params)
-        it.prefill(prompt_ids, sampled)
+            it.seed(params)
+        it.prefill(0, prompt_ids, params)  # the loop's one lane
         first = int(it.state.pending[0])
         result = self.last_result = IterationResult([first], "length")
         result.prefill_s = time.perf_counter() - t0
@@ -134,7 +134,7 @@ class IterationLoop:
             result.finish_reason = "stop" if first in eos else "length"
             result.seconds = time.perf_counter() - t0
             return
-        ring = it.state.tokens.shape[0]
+        ring = it.state.tokens.shape[1]
         choose = self.policy.next if self.policy is not None else (lambda: it.k)
         read, slot = 0, 0  # tokens of the ring read so far; the host buffer of the oldest iteration
         key = choose()
@@ -146,7 +146,7 @@ class IterationLoop:
                 if waiting is not None:
                     waiting.synchronize()
                 tokens, count = self._host[slot]
-                n = int(count[0])
+                tokens, n = tokens[0], int(count[0])
                 result.emitted.append(n - read)
                 result.verified.append(self._verified(key))
                 if self.policy is not None:

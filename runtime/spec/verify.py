@@ -107,21 +107,34 @@ def verify_sampling_on_device(draft_tokens: torch.Tensor, target_probs: torch.Te
     int64 tensor; tokens [k+1] int64 whose first m+1 are the emitted ones). `counted` (0-dim)
     caps the drafts judged (a draft stop): when all of those are accepted the bonus token is
     drawn from the row after them. The same draws in the same order as `verify_sampling`."""
-    k = _check(draft_tokens, target_probs)
+    _check(draft_tokens, target_probs)
+    m, ids = verify_sampling_lanes(draft_tokens[None], target_probs[None], generator,
+                                   None if counted is None else counted.view(1))
+    return m[0], ids[0]
+
+
+def verify_sampling_lanes(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
+                          generator: torch.Generator | None = None,
+                          counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_sampling_on_device` for B sequences at once: draft_tokens [B, k], target_probs
+    [B, k+1, V], counted [B] -> (accepted [B], tokens [B, k+1]); each sequence's uniforms drawn
+    in its order (one sequence: exactly `verify_sampling`'s draws)."""
+    b, k = draft_tokens.shape
     device = target_probs.device
-    u = torch.rand(k, generator=generator, device=device, dtype=torch.float64)  # [k]
-    p_draft = target_probs[:k].gather(1, draft_tokens[:, None])[:, 0].double()  # [k]
-    sole = (target_probs[:k] > 0).sum(dim=-1) == (p_draft > 0).long()  # [k] bool
-    accepted = ((u < p_draft) | (sole & (p_draft > 0))).long().cumprod(dim=0).sum()
-    limit = torch.full((), k, dtype=torch.long, device=device)
+    u = torch.rand(b, k, generator=generator, device=device, dtype=torch.float64)  # [B, k]
+    p_draft = target_probs[:, :k].gather(2, draft_tokens[..., None])[..., 0].double()  # [B, k]
+    sole = (target_probs[:, :k] > 0).sum(dim=-1) == (p_draft > 0).long()  # [B, k] bool
+    accepted = ((u < p_draft) | (sole & (p_draft > 0))).long().cumprod(dim=1).sum(dim=1)  # [B]
+    limit = torch.full((b,), k, dtype=torch.long, device=device)
     if counted is not None:
         limit = torch.minimum(limit, counted)
-    m = torch.minimum(accepted, limit)
+    m = torch.minimum(accepted, limit)  # [B]
     # every row's residual (its draft's mass removed, renormalized), and row k whole
-    residual = target_probs[:k].float().scatter(1, draft_tokens[:, None], 0.0)  # [k, V]
+    residual = target_probs[:, :k].float().scatter(2, draft_tokens[..., None], 0.0)  # [B, k, V]
     residual = residual / residual.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    rows = torch.cat([residual, target_probs[k:].float()])  # [k+1, V]
-    pick = m.view(1)
-    row = torch.where(m < limit, rows.index_select(0, pick), target_probs.float().index_select(0, pick))  # [1, V]
-    last = sample_from_probs(row, generator)  # [1]: the recovered or bonus token
-    return m, torch.cat([draft_tokens, last]).index_copy(0, pick, last)
+    rows = torch.cat([residual, target_probs[:, k:].float()], dim=1)  # [B, k+1, V]
+    pick = m[:, None, None].expand(b, 1, rows.shape[-1])
+    row = torch.where((m < limit)[:, None], rows.gather(1, pick)[:, 0],
+                      target_probs.float().gather(1, pick)[:, 0])  # [B, V]
+    last = sample_from_probs(row, generator)  # [B]: each sequence's recovered or bonus token
+    return m, torch.cat([draft_tokens, last[:, None]], dim=1).scatter(1, m[:, None], last[:, None])
