@@ -321,12 +321,16 @@ def test_sampled_iterations_draw_what_plain_sampling_draws(engine, tiny_engine, 
         assert EngineGenerator(tiny_engine).generate(tiny_prompts[0], warm).token_ids == a
 
 
-def test_serving_on_a_graph_target_runs_one_request_at_a_time(tiny_engine_dir, tiny_prompts):
-    """`serve` on a target run as graphs (one static cache): concurrent requests over HTTP (the
-    official client) queue and each runs its whole iterations, with its solo answer; none is
-    refused for a cache another took."""
+@pytest.mark.parametrize("flags", [{}, dict(dflash=True), dict(speculative=True, num_drafts=3),
+                                   dict(dflash=True, dflash_drafter="dflash2", dflash_draft_ladder="1,3,7")],
+                         ids=["plain", "dflash", "mtp", "dflash2 ladder"])
+def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_prompts, flags):
+    """`serve` on a target run as graphs: concurrent requests over HTTP (the official client)
+    run in the lanes of one iteration graph per bucket, each accepting its own drafts, each
+    with its solo answer (greedy); several ran at once."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import requests
     from conftest import serve_in_thread
     from openai import OpenAI
 
@@ -338,12 +342,12 @@ def test_serving_on_a_graph_target_runs_one_request_at_a_time(tiny_engine_dir, t
 
     engine = load_engine(tiny_engine_dir, backend="torch")
     use_cuda_graphs(engine, graphs=EagerGraphs())
-    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))
-    assert gen.sequential and not gen.batched
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
+    assert gen.batched and not gen.sequential and gen.max_running == 32
     texts = [engine.tokenizer.decode(p[:12]) for p in tiny_prompts]
     solo = []
     for text in texts:
-        res = gen.generate(engine.tokenizer.encode(text), SamplingParams(temperature=0.0, max_tokens=16))
+        res = EngineGenerator(engine).generate(engine.tokenizer.encode(text), SamplingParams(temperature=0.0, max_tokens=16))
         solo.append(engine.tokenizer.decode([t for t in res.token_ids if t not in engine.tokenizer.eos_token_ids]))
     with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
         client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -352,20 +356,9 @@ def test_serving_on_a_graph_target_runs_one_request_at_a_time(tiny_engine_dir, t
             return client.completions.create(model=gen.model_id, prompt=texts[i], max_tokens=16,
                                              temperature=0).choices[0].text
 
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(ask, [i % len(texts) for i in range(8)]))
-    assert answers == [solo[i % len(texts)] for i in range(8)]
-
-
-def test_the_cost_model_is_measured_on_the_iterations(tiny_engine_dir, tiny_prompts):
-    """`bench` and `calibrate` measure adaptive k's table per draft count: on a graph target,
-    over the iterations of each count (a one-rung ladder each), every count's steps recorded."""
-    from metrale.bench import measure_costs
-    from metrale.runtime.backends import load_engine
-    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
-
-    engine = load_engine(tiny_engine_dir, backend="torch")
-    use_cuda_graphs(engine, graphs=EagerGraphs())
-    cost = measure_costs(engine, tiny_prompts[:1], 12, "dflash", repeats=1)
-    assert cost.first == 0 and len(cost.ms) == engine.drafters["dflash"].config.block_size
-    assert all(ms > 0 for ms in cost.ms) and 0 < cost.acceptance <= 1
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, [i % len(texts) for i in range(12)]))
+        metrics = requests.get(base + "/metrics", timeout=5).text
+    assert answers == [solo[i % len(texts)] for i in range(12)]
+    peak = int(next(x for x in metrics.splitlines() if x.startswith("metrale_scheduler_peak_running ")).split()[1])
+    assert 2 <= peak <= 8

@@ -37,6 +37,7 @@ from typing import Any
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
 from metrale.runtime.backends import DraftForward, Forward, HeadForward
 from metrale.runtime.spec.decode import Batch, PlainRun
+from metrale.runtime.spec.iteration_loop import LaneStep
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Job:
                 item = self.tokens.send(reply)
             except StopIteration:
                 return self._finish(stopped=False)
-            if isinstance(item, (Forward, HeadForward, DraftForward)):
+            if isinstance(item, (Forward, HeadForward, DraftForward, LaneStep)):
                 self.need = item
                 return True
             if type(item) is PlainRun:
@@ -232,11 +233,13 @@ class Scheduler:
                       inbox: Callable[[bool], bool] | None = None) -> "Scheduler":
         """The scheduler of `gen`: batched where it can batch (`gen.batched`), one request at a
         time where it decodes so (`gen.sequential`: a tensor-parallel world, whose ranks decode
-        in lockstep, or a target run as graphs). `yield_gil`: whether an event loop shares its
-        interpreter (see `_iterate`); `inbox`: see `run`."""
+        in lockstep), and never more at once than it runs (`gen.max_running`: a graph target's
+        lanes). `yield_gil`: whether an event loop shares its interpreter (see `_iterate`);
+        `inbox`: see `run`."""
         world = getattr(gen, "world", None)
         sequential = getattr(gen, "sequential", getattr(world, "size", 1) > 1)
-        return cls(1 if sequential else max_num_seqs,
+        most = getattr(gen, "max_running", None)  # a graph target's lanes
+        return cls(1 if sequential else min(max_num_seqs, most or max_num_seqs),
                    gen.run_forwards if getattr(gen, "batched", False) else None, disable_at,
                    getattr(gen, "thread_mode", contextlib.nullcontext), flush, yield_gil, inbox)
 
@@ -323,6 +326,9 @@ class Scheduler:
                 head += f.rows
             elif kind is DraftForward:
                 blocks += 1
+            elif kind is LaneStep:  # a whole iteration: its target rows
+                targets += 1
+                target += f.rows
         self.forwards += targets > 0
         self.batched_rows += target
         self.head_forwards += heads > 0

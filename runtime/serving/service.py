@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -31,7 +32,8 @@ from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.backends import run_forwards
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
 from metrale.runtime.backends.cuda_graphs import GraphTarget
-from metrale.runtime.spec.iteration_loop import IterationDecoder, loop_for
+from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
+                                                 lanes_for, loop_for)
 from metrale.runtime.backends import Backend, load_engine
 from metrale.runtime.components import KINDS, Role, names_with_role, resolve
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -44,6 +46,8 @@ from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resol
 from metrale.runtime.models.tp import TensorParallel, World
 
 log = logging.getLogger(__name__)
+
+LANES = 32  # the requests a graph target runs at once (its iterations' lanes)
 
 
 def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
@@ -91,16 +95,21 @@ class EngineGenerator:
             role = Role.HEAD if self.spec.mode is SpecMode.MTP else Role.DRAFTER
             name = self.spec.dflash_drafter if role is Role.DRAFTER else names_with_role(comps, role)[0]
             self._proposing = (resolve(KINDS[comps[name].kind].proposer), name)
-        # a target that runs as graphs: greedy requests run whole iterations as graphs, captured
-        # now (`iteration_loop`); one process holds the whole model
-        self._iterations = None
+        # a target that runs as graphs (one process holding the whole model): requests run whole
+        # iterations as graphs (`iteration_loop`), one at a time (`decoder`), or many in lanes
+        # (`steps`, a scheduler's); each kind captured at its first use
+        self._graphs = None
         if isinstance(engine.target, GraphTarget) and self.world.size == 1:
-            self._iterations = loop_for(engine, self.spec, self.dflash, engine.target.runner.graphs)
+            self._graphs = engine.target.runner.graphs
+        self._iterations: IterationLoop | None = None
+        self._lanes: IterationLanes | None = None
 
     def decoder(self) -> Decoder | IterationDecoder:
         """A request's decoder: the iterations' (`IterationDecoder`) where they were captured,
         else the decode loop."""
-        if self._iterations is not None:
+        if self._graphs is not None:
+            if self._iterations is None:
+                self._iterations = loop_for(self.engine, self.spec, self.dflash, self._graphs)
             return IterationDecoder(self._iterations, self.tokenizer.eos_token_ids, self.max_context)
         return self._decode_loop()
 
@@ -151,15 +160,20 @@ class EngineGenerator:
     @property
     def batched(self) -> bool:
         """Whether a scheduler may gather this generator's sequences into one forward (`steps`,
-        `run_forwards`): in one process, on a target that holds many sequences' caches."""
-        return self.world.size == 1 and self._iterations is None
+        `run_forwards`): in one process."""
+        return self.world.size == 1
 
     @property
     def sequential(self) -> bool:
-        """Whether it decodes one request at a time: a tensor-parallel world (its ranks in
-        lockstep), or a target that runs as graphs over one static cache (each request then
-        runs its whole iterations, `stream`)."""
-        return self.world.size > 1 or self._iterations is not None
+        """Whether it decodes one request at a time: a tensor-parallel world (its ranks decode
+        in lockstep)."""
+        return self.world.size > 1
+
+    @property
+    def max_running(self) -> int | None:
+        """The most requests it runs at once (a graph target's lanes), or None: no limit of
+        its own."""
+        return LANES if self._graphs is not None else None
 
     @staticmethod
     def thread_mode():
@@ -168,8 +182,10 @@ class EngineGenerator:
 
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
-        resumed under `thread_mode` (a generator that runs iterations is not `batched`: its
-        requests stream)."""
+        resumed under `thread_mode`; on a graph target its iterations in a lane (`_lane_steps`)."""
+        if self._graphs is not None:
+            yield from self._lane_steps(prompt_ids, params)
+            return
         decoder = self.decoder()
         try:
             yield from decoder.steps(prompt_ids, params, batch, runs=True)
@@ -177,9 +193,53 @@ class EngineGenerator:
             if decoder.last_result is not None:
                 self.metrics.add(decoder.last_result.metrics)
 
+    def _lane_steps(self, prompt_ids: list[int], params: SamplingParams):
+        """A request in a lane of the iterations (`iteration_loop.IterationLanes`): its prompt
+        at once, then a `LaneStep` per iteration (send back its tokens); each batch of tokens
+        yielded as the decode loop yields a step's. It ends at its budget; the scheduler ends it
+        at EOS or its limit (closing it frees the lane)."""
+        if self._lanes is None:
+            self._lanes = lanes_for(self.engine, self.spec, self.dflash, self._graphs, LANES)
+        lanes = self._lanes
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        vocab = self.engine.target.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # the graphs index without checks
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
+        if budget < 1:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
+                             f"context of {self.max_context} tokens")
+        k = lanes.iteration.k
+        proposed = getattr(lanes.iteration, "gamma", k + 1) - 1
+        result = DecodeResult([], 0.0, 0.0, "length")
+        lane = lanes.acquire()
+        t0 = time.perf_counter()
+        try:
+            tokens = [lanes.prefill(lane, list(prompt_ids), params, budget)]
+            result.prefill_s = time.perf_counter() - t0
+            while True:
+                tokens = tokens[: budget - len(result.token_ids)]  # an iteration past the budget: cut
+                result.token_ids.extend(tokens)
+                yield tokens
+                if len(result.token_ids) >= budget:
+                    return
+                t1 = time.perf_counter()
+                tokens = yield LaneStep(lanes, lane)
+                n = len(tokens)
+                result.metrics.record_step(proposed=proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
+                                           verify_rows=k + 1, draft_s=0.0, verify_s=time.perf_counter() - t1)
+        finally:
+            lanes.release(lane)
+            result.seconds = time.perf_counter() - t0
+            self.metrics.add(result.metrics)
+
     def run_forwards(self, forwards: list) -> list:
         """The outputs of many sequences' `Forward`s (target rows) and `HeadForward`s (MTP
-        chain entries), in one batched forward per model where the backend has one."""
+        chain entries), in one batched forward per model where the backend has one; on a graph
+        target, their `LaneStep`s in one replay."""
+        if self._lanes is not None and forwards and type(forwards[0]) is LaneStep:
+            return self._lanes.run(forwards)
         with torch.inference_mode():
             return run_forwards(self.engine.target, forwards)
 

@@ -18,6 +18,7 @@ draft ladder or adaptive k picks, before each iteration, one of the graphs captu
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -173,24 +174,134 @@ class IterationLoop:
         return self.last_result
 
 
-def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs) -> IterationLoop:
-    """`spec`'s mode on `engine`'s models as whole iterations captured by `graphs`, their caches
-    holding the target's context and two iterations' rows past it."""
+def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, lanes: int = 1,
+                  counts: tuple[int, ...] | None = None, settled: bool = False):
+    """`spec`'s mode on `engine`'s models as an iteration of `lanes` lanes, its caches holding
+    the target's context and two iterations' rows past it; a DFlash iteration of `counts`
+    (default: the mode's fixed count)."""
     model = engine.target.model_ref  # the eager model behind the target's graph face
     context, exact = model.config.max_position_embeddings, spec.exact_verify
     if spec.mode is SpecMode.OFF:
-        return IterationLoop(PlainIteration(model, slots=context + 2), graphs)
+        return PlainIteration(model, slots=context + 2, lanes=lanes)
     if spec.mode is SpecMode.MTP:
         k = spec.num_drafts
-        return IterationLoop(MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact,
-                                          slots=context + 2 * (k + 1)), graphs)
-    policy = CountPolicy(dflash) if dflash.ladder is not None or dflash.adaptive_k is not None else None
-    counts = policy.counts if policy is not None else (dflash.max_drafts,)
+        return MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact, slots=context + 2 * (k + 1),
+                            lanes=lanes)
     gamma = dflash.gamma
-    iteration = DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma, exact=exact,
-                                settled=policy is not None and policy.controller is not None,
-                                slots=context + 3 * gamma)
-    return IterationLoop(iteration, graphs, policy)
+    return DFlashIteration(model, engine.drafters[dflash.drafter], counts or (dflash.max_drafts,), gamma=gamma,
+                           exact=exact, settled=settled, slots=context + 3 * gamma, lanes=lanes)
+
+
+def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs) -> IterationLoop:
+    """`spec`'s mode on `engine`'s models as whole iterations of one sequence captured by
+    `graphs`; a DFlash draft ladder or adaptive k with a graph per count."""
+    if spec.mode is SpecMode.DFLASH and (dflash.ladder is not None or dflash.adaptive_k is not None):
+        policy = CountPolicy(dflash)
+        return IterationLoop(iteration_for(engine, spec, dflash, counts=policy.counts,
+                                           settled=policy.controller is not None), graphs, policy)
+    return IterationLoop(iteration_for(engine, spec, dflash), graphs)
+
+
+def lanes_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs, lanes: int) -> "IterationLanes":
+    """`spec`'s mode as an iteration of `lanes` lanes, captured per bucket (serving); a DFlash
+    ladder or adaptive k verifies its largest count."""
+    counts = None
+    if spec.mode is SpecMode.DFLASH and (dflash.ladder is not None or dflash.adaptive_k is not None):
+        counts = (max(CountPolicy(dflash).counts),)
+    return IterationLanes(iteration_for(engine, spec, dflash, lanes=lanes, counts=counts), graphs)
+
+
+@dataclass(frozen=True)
+class LaneStep:
+    """A request's next iteration in its lane of `IterationLanes`: what a scheduler gathers from
+    every running request and runs in one replay (`IterationLanes.run`); answered with the
+    tokens the iteration emitted for the lane."""
+
+    lanes: "IterationLanes"
+    lane: int
+
+    @property
+    def rows(self) -> int:
+        return self.lanes.iteration.k + 1
+
+
+class IterationLanes:
+    """Many requests at once through one iteration of `lanes` lanes (serving on a graph target):
+    a request takes the lowest free lane (`acquire`), its prompt runs eagerly (`prefill`), and
+    each `run` replays the graph of the smallest bucket (`BUCKETS`, then every lane) holding the
+    lanes asked for, with only those lanes active, then reads their tokens (one wait per
+    iteration). Each lane accepts its own count; a greedy batch runs the greedy graph, one with
+    a sampled lane the graph that also draws (the lanes' one generator: a seed makes a request's
+    draws reproducible only while it runs alone)."""
+
+    BUCKETS = (1, 2, 4, 8, 16, 32)
+
+    def __init__(self, iteration, graphs):
+        self.iteration, self.graphs = iteration, graphs
+        n = iteration.lanes
+        self.buckets = tuple(b for b in self.BUCKETS if b < n) + (n,)
+        state = iteration.state
+        iteration.generator.manual_seed(int(torch.randint(2**62, ())))
+        self.captured = {}
+        with torch.inference_mode():
+            for key, fn in iteration.variants(self.buckets).items():
+                if key[1] == iteration.k:
+                    graphs.warmup(fn)
+                    self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
+            state.active.zero_()
+        self._cuda = state.tokens.device.type == "cuda"
+        pin = self._cuda
+        self._tokens = torch.empty_like(state.tokens, device="cpu", pin_memory=pin)
+        self._count = torch.empty_like(state.count, device="cpu", pin_memory=pin)
+        self._active = torch.zeros_like(state.active, device="cpu", pin_memory=pin)
+        self._free = list(range(n))  # a heap: the lowest lane first keeps the buckets small
+        self._read = [0] * n  # per lane, the tokens of its ring read so far
+        self._sampled: set[int] = set()
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.iteration.lanes} lanes are taken")
+        return heapq.heappop(self._free)
+
+    def release(self, lane: int) -> None:
+        self.iteration.state.active[lane] = 0
+        self._sampled.discard(lane)
+        heapq.heappush(self._free, lane)
+
+    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> int:
+        """The request's prompt in `lane` -> its first token."""
+        it = self.iteration
+        it.check_room(len(prompt_ids), max_tokens)
+        with torch.inference_mode():
+            it.prefill(lane, prompt_ids, params)
+        if not params.greedy:
+            self._sampled.add(lane)
+        self._read[lane] = 0
+        return int(it.state.pending[lane])
+
+    def run(self, steps: list[LaneStep]) -> list[list[int]]:
+        """One iteration of the lanes of `steps` -> each one's emitted tokens."""
+        lanes = [s.lane for s in steps]
+        top = max(lanes) + 1
+        b = next(x for x in self.buckets if x >= top)
+        state = self.iteration.state
+        self._active.zero_()
+        self._active[lanes] = 1
+        with torch.inference_mode():
+            state.active.copy_(self._active, non_blocking=self._cuda)
+            self.graphs.replay(self.captured[(b, self.iteration.k, not self._sampled.isdisjoint(lanes))])
+            self._tokens[:b].copy_(state.tokens[:b], non_blocking=self._cuda)
+            self._count[:b].copy_(state.count[:b], non_blocking=self._cuda)
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+        ring = self._tokens.shape[1]
+        out = []
+        for lane in lanes:
+            n, read = int(self._count[lane]), self._read[lane]
+            row = self._tokens[lane]
+            out.append([int(row[j % ring]) for j in range(read, n)])
+            self._read[lane] = n
+        return out
 
 
 class IterationDecoder:
