@@ -33,7 +33,7 @@ from metrale.runtime.backends import run_forwards
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
 from metrale.runtime.backends.cuda_graphs import GraphTarget
 from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
-                                                 lanes_for, loop_for)
+                                                 lanes_for, loop_for, request_budget)
 from metrale.runtime.backends import Backend, load_engine
 from metrale.runtime.components import KINDS, Role, names_with_role, resolve
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -201,17 +201,8 @@ class EngineGenerator:
         if self._lanes is None:
             self._lanes = lanes_for(self.engine, self.spec, self.dflash, self._graphs, LANES)
         lanes = self._lanes
-        if not prompt_ids:
-            raise ValueError("the prompt must hold at least one token")
-        vocab = self.engine.target.config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # the graphs index without checks
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
-        if budget < 1:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
-                             f"context of {self.max_context} tokens")
-        k = lanes.iteration.k
-        proposed = getattr(lanes.iteration, "gamma", k + 1) - 1
+        budget = request_budget(prompt_ids, params, lanes.iteration.vocab_size, self.max_context)
+        k, proposed = lanes.iteration.k, lanes.iteration.proposed
         result = DecodeResult([], 0.0, 0.0, "length")
         lane = lanes.acquire()
         t0 = time.perf_counter()

@@ -171,6 +171,11 @@ class _Verifying:
     def keys(self) -> tuple:
         return (self.k,)
 
+    @property
+    def proposed(self) -> int:
+        """The drafts a drafting step proposes (a chain's k; a block's γ−1)."""
+        return self.k
+
     def __call__(self) -> tuple:
         return self.step(1, self.k, False)
 
@@ -295,6 +300,10 @@ class DFlashIteration(_Verifying):
         self._masks = torch.full((lanes, gamma - 1), cfg.mask_token_id, dtype=torch.long, device=device)
         self._gamma = torch.full((lanes,), gamma, dtype=torch.long, device=device)
         self._no_drafts = torch.zeros(lanes, 0, dtype=torch.long, device=device)
+
+    @property
+    def proposed(self) -> int:
+        return self.gamma - 1
 
     def keys(self) -> tuple:
         """Every count, and `SETTLED` where asked."""

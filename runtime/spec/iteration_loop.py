@@ -304,6 +304,20 @@ class IterationLanes:
         return out
 
 
+def request_budget(prompt_ids: list[int], params: SamplingParams, vocab: int, max_context: int) -> int:
+    """The tokens a request may emit (its max_tokens, within the context), its prompt checked
+    as the decode loop checks it (the graphs index without checks)."""
+    if not prompt_ids:
+        raise ValueError("the prompt must hold at least one token")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    budget = min(params.max_tokens, max_context - len(prompt_ids))
+    if budget < 1:
+        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
+                         f"context of {max_context} tokens")
+    return budget
+
+
 class IterationDecoder:
     """The decode loop's face (`generate`, `stream`, `last_result`) over an `IterationLoop`.
     Each iteration is recorded as a step: the drafts it verified (of a block's or a chain's),
@@ -312,20 +326,11 @@ class IterationDecoder:
 
     def __init__(self, loop: IterationLoop, eos_ids: frozenset[int], max_context: int):
         self.loop, self.eos_ids, self.max_context = loop, eos_ids, max_context
-        it = loop.iteration
-        self.proposed = getattr(it, "gamma", it.k + 1) - 1  # a block's drafts, or a chain's
+        self.proposed = loop.iteration.proposed
         self.last_result: DecodeResult | None = None
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        if not prompt_ids:
-            raise ValueError("the prompt must hold at least one token")
-        vocab = self.loop.iteration.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # the graphs index without checks
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
-        if budget < 1:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) leaves no room in the "
-                             f"context of {self.max_context} tokens")
+        budget = request_budget(prompt_ids, params, self.loop.iteration.vocab_size, self.max_context)
         with torch.inference_mode():
             yield from self.loop.stream(list(prompt_ids), budget, self.eos_ids, params)
         self.last_result = self._result(self.loop.last_result)
