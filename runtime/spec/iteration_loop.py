@@ -14,6 +14,9 @@ DFlash / DFlash2, chunkwise or exact, greedy or sampled (temperature, top-p and 
 sampling of `verify`, on the device: each variant is captured greedy and sampled). A DFlash
 draft ladder or adaptive k picks, before each iteration, one of the graphs captured per count
 (`CountPolicy`).
+
+Serving (`IterationLanes`): many requests in the lanes of one iteration, a graph per batch
+bucket, the scheduler gathering each running request's `LaneStep` into one replay.
 """
 
 from __future__ import annotations
