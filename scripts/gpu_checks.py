@@ -26,6 +26,9 @@ $METRALE_GPU_BUDGET_S (default 450 s; a step that would start with under 20 s le
   bench-torch-cuda  bench-torch-cuda.json: `metrale bench --device cuda` (CUDA graphs)
   targets       DFlash2 >= 2.0x, DFlash >= 1.5x, best MTP >= 1.6x plain, plain >= 1.3 x 1,690 tok/s,
                 adaptive k >= its best fixed mode - 2%, exact modes == plain
+  serve-cuda    serve-cuda.json: scripts/load.py, `metrale serve --device cuda` for plain, MTP and
+                DFlash at 32 concurrent requests over HTTP (the requests in an iteration's lanes)
+  serve-targets every speculative mode >= 1.0x plain's tokens/s at C = 32, no request lost
   trt-build, pytest-trt, bench-tensorrt   only where a TensorRT flavour builds this SM
 Each step's outcome (ok, failed, skipped) goes to summary.json the moment it ends, with why a
 step was skipped; result files are written as their cases finish. Without a GPU every GPU step
@@ -278,6 +281,31 @@ def speedup_targets(bench: dict, prompts: int) -> tuple[bool, str]:
     return ok, "; ".join(parts)
 
 
+def serve_targets(load: dict, concurrency: int = 32) -> tuple[bool, str]:
+    """The serving target over one load run (scripts/load.py's JSON): at `concurrency`, every
+    mode but plain at least plain's tokens/s (the paired rounds' median) with no request
+    lost."""
+    modes = load.get("modes") or {}
+    if "plain" not in modes or len(modes) < 2:
+        return False, "the load JSON has no plain mode and no speculative one"
+    parts, ok = [], True
+    for mode, data in modes.items():
+        level = next((r for r in data.get("levels", []) if r.get("concurrency") == concurrency), None)
+        if level is None:
+            parts.append(f"{mode}: no level C = {concurrency}")
+            ok = False
+            continue
+        lost = level.get("lost", 0)
+        ok &= lost == 0
+        if mode == "plain":
+            parts.append(f"plain {level['tokens_per_s']:.0f} tok/s, lost {lost}")
+            continue
+        ratio = level.get("vs_plain", 0.0)
+        ok &= ratio >= 1.0
+        parts.append(f"{mode} {ratio:.2f}x plain (>= 1.0: {'yes' if ratio >= 1.0 else 'NO'}), lost {lost}")
+    return ok, f"C = {concurrency}: " + "; ".join(parts)
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -351,7 +379,7 @@ def cmd_run(out: Path) -> int:
 
     prebuilt = os.environ.get("METRALE_GPU_ENGINES")
     tiny = Path(prebuilt).resolve() if prebuilt else work / "tiny"
-    bench_json = out / "bench-torch-cuda.json"
+    bench_json, load_json = out / "bench-torch-cuda.json", out / "serve-cuda.json"
     bench = ["--num-prompts", "4", "--max-tokens", "48", "--repeats", "2"]
     trt_dir = work / f"tiny-trt-{info.get('sm')}"
     steps = [
@@ -367,6 +395,11 @@ def cmd_run(out: Path) -> int:
          [py, "-m", "metrale", "bench", "--engine-dir", tiny, "--device", "cuda",
           "--json", bench_json, *bench]),
         ("targets", 0, ("cuda", "cli"), ("bench-torch-cuda",), None),
+        ("serve-cuda", 150, ("cuda", "cli"), ("build",),
+         [py, ROOT / "scripts" / "load.py", "--engine-dir", tiny, "--serve-flags=--device cuda",
+          "--concurrency", "32", "--requests", "2", "--rounds", "2", "--max-tokens", "32",
+          "--json", load_json]),
+        ("serve-targets", 0, ("cuda", "cli"), ("serve-cuda",), None),
         ("trt-build", 150, ("cuda", "builder", "flavor"), (),
          [py, "-m", "metrale", "build", "--engine-dir", trt_dir, "--draft-weight-quantization",
           "nvfp4", "--mtp-experts-nvfp4", "--trt-flavor", info.get("build_flavor") or "-",
@@ -392,11 +425,13 @@ def cmd_run(out: Path) -> int:
                 reason = f"needs step {failed[0]}, which {said}"
         if reason is not None:
             rec.record(name, "skipped", note=reason)
-        elif name == "targets":
+        elif name in ("targets", "serve-targets"):
+            source, check = ((bench_json, lambda d: speedup_targets(d, 4)) if name == "targets"
+                             else (load_json, serve_targets))
             try:
-                ok, note = speedup_targets(json.loads(bench_json.read_text()), 4)
+                ok, note = check(json.loads(source.read_text()))
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                ok, note = False, f"cannot read {bench_json.name}: {type(exc).__name__}: {exc}"
+                ok, note = False, f"cannot read {source.name}: {type(exc).__name__}: {exc}"
             rec.record(name, "ok" if ok else "failed", note=note)
         else:
             work.mkdir(parents=True, exist_ok=True)

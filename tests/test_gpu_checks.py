@@ -149,6 +149,23 @@ def test_speedup_targets():
         False, "the bench JSON has no per-mode speedup")
 
 
+def test_serve_targets():
+    def load(ratios: dict, lost: int = 0) -> dict:
+        modes = {"plain": {"levels": [{"concurrency": 32, "tokens_per_s": 900.0, "lost": 0}]}}
+        for mode, r in ratios.items():
+            modes[mode] = {"levels": [{"concurrency": 32, "tokens_per_s": 900.0 * r, "lost": lost, "vs_plain": r}]}
+        return {"modes": modes}
+
+    ok, note = gc.serve_targets(load({"mtp": 1.2, "dflash": 1.05}))
+    assert ok, note
+    assert note == "C = 32: plain 900 tok/s, lost 0; mtp 1.20x plain (>= 1.0: yes), lost 0; dflash 1.05x plain (>= 1.0: yes), lost 0"
+    ok, note = gc.serve_targets(load({"mtp": 1.2, "dflash": 0.9}))
+    assert not ok and "dflash 0.90x plain (>= 1.0: NO)" in note
+    assert not gc.serve_targets(load({"mtp": 1.2}, lost=1))[0]
+    assert gc.serve_targets({"modes": {"plain": {}}}) == (False, "the load JSON has no plain mode and no speculative one")
+    assert not gc.serve_targets({"modes": {"plain": {"levels": []}, "mtp": {"levels": []}}})[0]
+
+
 def test_spec_modes_cover_every_mode_the_directory_runs(tiny_engine_dir):
     modes = dict(gc.spec_modes(tiny_engine_dir))
     assert list(modes) == ["mtp k=1", "mtp k=2", "mtp k=3", "mtp k=3 stop=cum:0.5",
