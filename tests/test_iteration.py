@@ -5,6 +5,8 @@ the device; and no op inside an iteration reads the device from the host
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -362,3 +364,47 @@ def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_
     assert answers == [solo[i % len(texts)] for i in range(12)]
     peak = int(next(x for x in metrics.splitlines() if x.startswith("metrale_scheduler_peak_running ")).split()[1])
     assert 2 <= peak <= 8
+
+
+class _Refusing(EagerGraphs):
+    """The stand-in, refusing the captures `refuse(fn)` picks (as a GPU refuses a capture)."""
+
+    def __init__(self, refuse):
+        super().__init__()
+        self.refuse = refuse
+
+    def capture(self, fn, generators=()):
+        if self.refuse(fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(fn, generators)
+
+
+def test_a_failed_capture_leaves_the_decode_loop(tiny_engine_dir, tiny_prompts, plain_tokens):
+    """Iterations that cannot be captured: the decode loop runs instead, and the engine says
+    why; sampled variants alone refused: greedy requests iterate, sampled ones run the decode
+    loop; lanes refused: serving runs one request at a time."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.decode import Decoder
+    from metrale.runtime.spec.iteration_loop import IterationDecoder
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    spec = SpeculativeConfig.from_flags(dflash=True)
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    iteration = lambda fn: isinstance(fn, functools.partial)  # noqa: E731 - the iterations' captures
+    engine.target.runner.graphs = _Refusing(iteration)  # the target's own graphs are captured already
+    gen = EngineGenerator(engine, spec)
+    assert isinstance(gen.decoder(), Decoder)
+    assert gen.generate(tiny_prompts[1], greedy).token_ids == plain_tokens[1]
+    assert "whole-iteration graphs failed, the decode loop runs: RuntimeError" in engine.backend_note
+    assert gen.max_running == 1  # the lanes too: one request at a time on the target's graphs
+
+    engine.target.runner.graphs = _Refusing(lambda fn: iteration(fn) and fn.args[-1])  # sampled ones
+    gen = EngineGenerator(engine, spec)
+    decoder = gen.decoder()
+    assert isinstance(decoder, IterationDecoder) and decoder.loop.unsampled.startswith("RuntimeError")
+    assert gen.generate(tiny_prompts[1], greedy).token_ids == plain_tokens[1]
+    sampled = gen.generate(tiny_prompts[1], SamplingParams(temperature=0.8, seed=2, max_tokens=12))
+    assert len(sampled.token_ids) == 12 and sampled.steps  # the decode loop's result

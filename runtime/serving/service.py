@@ -101,16 +101,17 @@ class EngineGenerator:
         self._graphs = None
         if isinstance(engine.target, GraphTarget) and self.world.size == 1:
             self._graphs = engine.target.runner.graphs
-        self._iterations: IterationLoop | None = None
-        self._lanes: IterationLanes | None = None
+        self._iterations: IterationLoop | bool | None = None  # False: its capture failed
+        self._lanes: IterationLanes | bool | None = None
 
     def decoder(self) -> Decoder | IterationDecoder:
         """A request's decoder: the iterations' (`IterationDecoder`) where they were captured,
         else the decode loop."""
-        if self._graphs is not None:
-            if self._iterations is None:
-                self._iterations = loop_for(self.engine, self.spec, self.dflash, self._graphs)
-            return IterationDecoder(self._iterations, self.tokenizer.eos_token_ids, self.max_context)
+        if self._graphs is not None and self._iterations is None:
+            self._iterations = self._captured(loop_for, "whole-iteration graphs")
+        if self._iterations:
+            return IterationDecoder(self._iterations, self.tokenizer.eos_token_ids, self.max_context,
+                                    self._decode_loop)
         return self._decode_loop()
 
     def _decode_loop(self) -> Decoder:
@@ -171,9 +172,29 @@ class EngineGenerator:
 
     @property
     def max_running(self) -> int | None:
-        """The most requests it runs at once (a graph target's lanes), or None: no limit of
-        its own."""
-        return LANES if self._graphs is not None else None
+        """The most requests it runs at once, or None: no limit of its own. On a graph target,
+        its lanes (captured on the first read, which a scheduler's construction makes), or 1
+        where they could not be: the decode loop then runs one request at a time on the
+        target's graphs."""
+        if self._graphs is None:
+            return None
+        return LANES if self._serving_lanes() else 1
+
+    def _serving_lanes(self) -> "IterationLanes | None":
+        if self._lanes is None:
+            self._lanes = self._captured(lambda *a: lanes_for(*a, LANES), "iteration lanes")
+        return self._lanes or None
+
+    def _captured(self, make, what: str):
+        """`make(engine, spec, dflash, graphs)`, or False where capturing failed: the decode
+        loop runs instead, and the engine's `backend_note` says why."""
+        try:
+            return make(self.engine, self.spec, self.dflash, self._graphs)
+        except Exception as exc:  # noqa: BLE001 - any capture failure leaves the decode loop
+            why = f"{what} failed, the decode loop runs: {type(exc).__name__}: {exc}"
+            log.warning("engine directory %s: %s", self.engine.path, why)
+            self.engine.backend_note = "; ".join(n for n in (self.engine.backend_note, why) if n)
+            return False
 
     @staticmethod
     def thread_mode():
@@ -183,10 +204,10 @@ class EngineGenerator:
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
         resumed under `thread_mode`; on a graph target its iterations in a lane (`_lane_steps`)."""
-        if self._graphs is not None:
+        if self._graphs is not None and self._serving_lanes():
             yield from self._lane_steps(prompt_ids, params)
             return
-        decoder = self.decoder()
+        decoder = self._decode_loop() if self._graphs is not None else self.decoder()
         try:
             yield from decoder.steps(prompt_ids, params, batch, runs=True)
         finally:
@@ -198,9 +219,7 @@ class EngineGenerator:
         at once, then a `LaneStep` per iteration (send back its tokens); each batch of tokens
         yielded as the decode loop yields a step's. It ends at its budget; the scheduler ends it
         at EOS or its limit (closing it frees the lane)."""
-        if self._lanes is None:
-            self._lanes = lanes_for(self.engine, self.spec, self.dflash, self._graphs, LANES)
-        lanes = self._lanes
+        lanes = self._serving_lanes()
         budget = request_budget(prompt_ids, params, lanes.iteration.vocab_size, self.max_context)
         k, proposed = lanes.iteration.k, lanes.iteration.proposed
         result = DecodeResult([], 0.0, 0.0, "length")
@@ -229,7 +248,7 @@ class EngineGenerator:
         """The outputs of many sequences' `Forward`s (target rows) and `HeadForward`s (MTP
         chain entries), in one batched forward per model where the backend has one; on a graph
         target, their `LaneStep`s in one replay."""
-        if self._lanes is not None and forwards and type(forwards[0]) is LaneStep:
+        if self._lanes and forwards and type(forwards[0]) is LaneStep:
             return self._lanes.run(forwards)
         with torch.inference_mode():
             return run_forwards(self.engine.target, forwards)

@@ -22,17 +22,20 @@ bucket, the scheduler gathering each running request's `LaneStep` into one repla
 from __future__ import annotations
 
 import heapq
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
-from metrale.runtime.spec.decode import DecodeResult, StepTrace
+from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
 from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration
 from metrale.runtime.spec.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,10 +91,21 @@ class IterationLoop:
         self.iteration, self.graphs, self.policy = iteration, graphs, policy
         state = iteration.state
         self.captured = {}
+        self.unsampled = None  # why the sampled variants could not be captured, if they could not
         with torch.inference_mode():
             for key, fn in iteration.variants().items():
-                graphs.warmup(fn)
-                self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
+                if key[-1] and self.unsampled is not None:
+                    continue
+                try:
+                    graphs.warmup(fn)
+                    self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
+                except Exception as exc:  # noqa: BLE001 - greedy ones raise; sampled ones are left out
+                    if not key[-1]:
+                        raise
+                    self.unsampled = f"{type(exc).__name__}: {exc}"
+                    log.warning("the sampled iterations could not be captured (%s): sampled "
+                                "requests run the decode loop", self.unsampled)
+        self.captured = {k: g for k, g in self.captured.items() if not (k[-1] and self.unsampled)}
         cuda = state.tokens.device.type == "cuda"
         self._host = [(torch.empty_like(state.tokens, device="cpu", pin_memory=cuda),
                        torch.empty_like(state.count, device="cpu", pin_memory=cuda)) for _ in range(2)]
@@ -322,17 +336,24 @@ def request_budget(prompt_ids: list[int], params: SamplingParams, vocab: int, ma
 
 
 class IterationDecoder:
-    """The decode loop's face (`generate`, `stream`, `last_result`) over an `IterationLoop`.
+    """The decode loop's face (`generate`, `stream`, `last_result`) over an `IterationLoop` (a
+    sampled request whose graphs could not be captured runs the decode loop, `fallback()`).
     Each iteration is recorded as a step: the drafts it verified (of a block's or a chain's),
     its tokens less one accepted; the graph fuses drafting and verifying, so a step's time is
     all verify."""
 
-    def __init__(self, loop: IterationLoop, eos_ids: frozenset[int], max_context: int):
-        self.loop, self.eos_ids, self.max_context = loop, eos_ids, max_context
+    def __init__(self, loop: IterationLoop, eos_ids: frozenset[int], max_context: int,
+                 fallback: Callable[[], Decoder]):
+        self.loop, self.eos_ids, self.max_context, self.fallback = loop, eos_ids, max_context, fallback
         self.proposed = loop.iteration.proposed
         self.last_result: DecodeResult | None = None
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        if not params.greedy and self.loop.unsampled is not None:  # the decode loop draws it
+            decoder = self.fallback()
+            yield from decoder.stream(prompt_ids, params)
+            self.last_result = decoder.last_result
+            return
         budget = request_budget(prompt_ids, params, self.loop.iteration.vocab_size, self.max_context)
         with torch.inference_mode():
             yield from self.loop.stream(list(prompt_ids), budget, self.eos_ids, params)
