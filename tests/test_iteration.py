@@ -408,3 +408,39 @@ def test_a_failed_capture_leaves_the_decode_loop(tiny_engine_dir, tiny_prompts, 
     assert gen.generate(tiny_prompts[1], greedy).token_ids == plain_tokens[1]
     sampled = gen.generate(tiny_prompts[1], SamplingParams(temperature=0.8, seed=2, max_tokens=12))
     assert len(sampled.token_ids) == 12 and sampled.steps  # the decode loop's result
+
+
+@pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3)], ids=["dflash", "mtp"])
+def test_lanes_step_plainly_while_the_batch_may_not_draft(tiny_engine_dir, tiny_prompts, plain_tokens, flags):
+    """Three requests in lanes, their iterations alternating between drafting and the plain
+    variant (`--speculative-disable-by-batch-size` under load): each lane's tokens are plain
+    decoding's, a plain iteration emits one token a lane, and drafting after plain steps still
+    accepts (the drafter kept every row)."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
+    from metrale.runtime.spec.iteration_loop import LaneStep, lanes_for
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    spec = SpeculativeConfig.from_flags(**flags)
+    dflash = resolve_dflash(spec, engine.drafters["dflash"].config.block_size) if "dflash" in flags else None
+    lanes = lanes_for(engine, spec, dflash, engine.target.runner.graphs, 4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    got = {lane: [lanes.prefill(lane, tiny_prompts[lane], greedy, MAX_TOKENS)] for lane in (lanes.acquire() for _ in range(3))}
+    drafted = []
+    for i in range(30):
+        speculate = i % 3 != 1
+        steps = [LaneStep(lanes, lane, speculate) for lane, toks in got.items() if len(toks) < MAX_TOKENS]
+        if not steps:
+            break
+        for step, toks in zip(steps, lanes.run(steps)):
+            got[step.lane] += toks
+            assert lanes.last_k == (lanes.iteration.k if speculate else 0)
+            if speculate:
+                drafted.append(len(toks))
+            else:
+                assert len(toks) == 1
+    for lane, toks in got.items():
+        assert toks[:MAX_TOKENS] == plain_tokens[lane]
+    assert sum(drafted) / len(drafted) > 1.3

@@ -205,7 +205,7 @@ class EngineGenerator:
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
         resumed under `thread_mode`; on a graph target its iterations in a lane (`_lane_steps`)."""
         if self._graphs is not None and self._serving_lanes():
-            yield from self._lane_steps(prompt_ids, params)
+            yield from self._lane_steps(prompt_ids, params, batch)
             return
         decoder = self._decode_loop() if self._graphs is not None else self.decoder()
         try:
@@ -214,14 +214,15 @@ class EngineGenerator:
             if decoder.last_result is not None:
                 self.metrics.add(decoder.last_result.metrics)
 
-    def _lane_steps(self, prompt_ids: list[int], params: SamplingParams):
+    def _lane_steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
         """A request in a lane of the iterations (`iteration_loop.IterationLanes`): its prompt
         at once, then a `LaneStep` per iteration (send back its tokens); each batch of tokens
         yielded as the decode loop yields a step's. It ends at its budget; the scheduler ends it
-        at EOS or its limit (closing it frees the lane)."""
+        at EOS or its limit (closing it frees the lane). Its iterations draft while `batch`
+        lets them."""
         lanes = self._serving_lanes()
         budget = request_budget(prompt_ids, params, lanes.iteration.vocab_size, self.max_context)
-        k, proposed = lanes.iteration.k, lanes.iteration.proposed
+        proposed = lanes.iteration.proposed
         result = DecodeResult([], 0.0, 0.0, "length")
         lane = lanes.acquire()
         t0 = time.perf_counter()
@@ -235,8 +236,8 @@ class EngineGenerator:
                 if len(result.token_ids) >= budget:
                     return
                 t1 = time.perf_counter()
-                tokens = yield LaneStep(lanes, lane)
-                n = len(tokens)
+                tokens = yield LaneStep(lanes, lane, batch.speculate)
+                n, k = len(tokens), lanes.last_k
                 result.metrics.record_step(proposed=proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
                                            verify_rows=k + 1, draft_s=0.0, verify_s=time.perf_counter() - t1)
         finally:

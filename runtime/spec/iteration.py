@@ -347,10 +347,10 @@ class MTPIteration(_Verifying):
     docstring)."""
 
     def __init__(self, model, head, k: int, *, stop: DraftStop | None = None, exact: bool = False,
-                 slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
+                 plain: bool = False, slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
         if k < 1:
             raise ValueError(f"k = {k}: a chain has at least one draft")
-        self.k, self.stop, self.exact = k, stop, exact
+        self.k, self.stop, self.exact, self.plain = k, stop, exact, plain
         super().__init__(model, (), slots, ring, linear, lanes)
         d = head.config.decoder
         self.head = BatchedMTPStep(capturable(head)).to(self.device).eval()
@@ -358,6 +358,7 @@ class MTPIteration(_Verifying):
                                   self.dtype, self.device)
         self.next_logits = torch.zeros(lanes, d.vocab_size, dtype=self.dtype, device=self.device)  # [L, V]
         self.next_h = torch.zeros(lanes, d.hidden_size, dtype=self.dtype, device=self.device)  # [L, H]
+        self._no_drafts = torch.zeros(lanes, 0, dtype=torch.long, device=self.device)
 
     def _entries(self, tokens, hidden, pos, seq, last, lanes: slice, active) -> None:
         """Head entries (token p+1, target hidden p) for rows tokens/hidden/pos/seq [N]; row
@@ -386,9 +387,20 @@ class MTPIteration(_Verifying):
         p = probs.cumprod(1) if self.stop.cumulative else probs
         return (p[:, :-1] >= self.stop.tau).long().cumprod(1).sum(1) + 1
 
+    def keys(self) -> tuple:
+        """k, and with `plain` 0: a plain step whose row the head still takes."""
+        return ((0,) if self.plain else ()) + (self.k,)
+
     def step(self, b: int, k: int, sampled: bool) -> tuple:
         s = self.state
         seq1 = self.index(b, 1)[0]
+        if not k:  # a plain step: its row's head entry, no chain
+            target_logits, hidden = self.verify(s.pending[:b, None])[:2]
+            ids, n = self.select(target_logits, self._no_drafts[:b], sampled)
+            self._entries(ids.reshape(-1), hidden.reshape(b, -1), s.pos[:b], seq1, seq1, slice(0, b),
+                          s.active[:b].bool())
+            s.emit(ids, n)
+            return ()
         logits, h = self.next_logits[:b], self.next_h[:b]
         drafts, probs = [], []
         for j in range(k):

@@ -192,20 +192,22 @@ class IterationLoop:
 
 
 def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, lanes: int = 1,
-                  counts: tuple[int, ...] | None = None, settled: bool = False):
+                  counts: tuple[int, ...] | None = None, settled: bool = False, plain: bool = False):
     """`spec`'s mode on `engine`'s models as an iteration of `lanes` lanes, its caches holding
     the target's context and two iterations' rows past it; a DFlash iteration of `counts`
-    (default: the mode's fixed count)."""
+    (default: the mode's fixed count); `plain`: with a plain variant (k = 0) that keeps its
+    row for the drafter."""
     model = engine.target.model_ref  # the eager model behind the target's graph face
     context, exact = model.config.max_position_embeddings, spec.exact_verify
     if spec.mode is SpecMode.OFF:
         return PlainIteration(model, slots=context + 2, lanes=lanes)
     if spec.mode is SpecMode.MTP:
         k = spec.num_drafts
-        return MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact, slots=context + 2 * (k + 1),
-                            lanes=lanes)
+        return MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact, plain=plain,
+                            slots=context + 2 * (k + 1), lanes=lanes)
     gamma = dflash.gamma
-    return DFlashIteration(model, engine.drafters[dflash.drafter], counts or (dflash.max_drafts,), gamma=gamma,
+    counts = (counts or (dflash.max_drafts,)) + ((0,) if plain else ())
+    return DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma,
                            exact=exact, settled=settled, slots=context + 3 * gamma, lanes=lanes)
 
 
@@ -220,12 +222,14 @@ def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, gra
 
 
 def lanes_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs, lanes: int) -> "IterationLanes":
-    """`spec`'s mode as an iteration of `lanes` lanes, captured per bucket (serving); a DFlash
-    ladder or adaptive k verifies its largest count."""
+    """`spec`'s mode as an iteration of `lanes` lanes, captured per bucket (serving), with a
+    plain variant for iterations whose batch may not draft; a DFlash ladder or adaptive k
+    verifies its largest count."""
     counts = None
     if spec.mode is SpecMode.DFLASH and (dflash.ladder is not None or dflash.adaptive_k is not None):
         counts = (max(CountPolicy(dflash).counts),)
-    return IterationLanes(iteration_for(engine, spec, dflash, lanes=lanes, counts=counts), graphs)
+    plain = spec.mode is not SpecMode.OFF
+    return IterationLanes(iteration_for(engine, spec, dflash, lanes=lanes, counts=counts, plain=plain), graphs)
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,7 @@ class LaneStep:
 
     lanes: "IterationLanes"
     lane: int
+    speculate: bool = True  # the batch lets steps draft (`decode.Batch.speculate`)
 
     @property
     def rows(self) -> int:
@@ -249,7 +254,9 @@ class IterationLanes:
     lanes asked for, with only those lanes active, then reads their tokens (one wait per
     iteration). Each lane accepts its own count; a greedy batch runs the greedy graph, one with
     a sampled lane the graph that also draws (the lanes' one generator: a seed makes a request's
-    draws reproducible only while it runs alone)."""
+    draws reproducible only while it runs alone). An iteration whose batch may not draft
+    (`--speculative-disable-by-batch-size`) runs the plain variant, which still keeps every
+    row for the drafter; `last_k` is the count the last iteration verified."""
 
     BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -262,7 +269,7 @@ class IterationLanes:
         self.captured = {}
         with torch.inference_mode():
             for key, fn in iteration.variants(self.buckets).items():
-                if key[1] == iteration.k:
+                if key[1] in (iteration.k, 0):
                     graphs.warmup(fn)
                     self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
             state.active.zero_()
@@ -274,6 +281,8 @@ class IterationLanes:
         self._free = list(range(n))  # a heap: the lowest lane first keeps the buckets small
         self._read = [0] * n  # per lane, the tokens of its ring read so far
         self._sampled: set[int] = set()
+        self._plain = 0 in iteration.keys() and iteration.k > 0
+        self.last_k = iteration.k
 
     def acquire(self) -> int:
         if not self._free:
@@ -304,9 +313,11 @@ class IterationLanes:
         state = self.iteration.state
         self._active.zero_()
         self._active[lanes] = 1
+        k = self.iteration.k if not self._plain or all(s.speculate for s in steps) else 0
+        self.last_k = k
         with torch.inference_mode():
             state.active.copy_(self._active, non_blocking=self._cuda)
-            self.graphs.replay(self.captured[(b, self.iteration.k, not self._sampled.isdisjoint(lanes))])
+            self.graphs.replay(self.captured[(b, k, not self._sampled.isdisjoint(lanes))])
             self._tokens[:b].copy_(state.tokens[:b], non_blocking=self._cuda)
             self._count[:b].copy_(state.count[:b], non_blocking=self._cuda)
         if self._cuda:
