@@ -47,10 +47,6 @@ class IterationResult:
     seconds: float = 0.0
     prefill_s: float = 0.0
 
-    @property
-    def tau(self) -> float:
-        return sum(self.emitted) / max(1, len(self.emitted))
-
 
 class CountPolicy:
     """Which of a `DFlashIteration`'s counts the next iteration verifies: adaptive k's choice
