@@ -7,7 +7,7 @@ DFlash/DFlash2 drafter (`BatchedDFlashStep`: the blocks of up to `DRAFT_BLOCKS` 
 parallel drafters keep running eagerly): four packages for the tiny default. Each is built over
 the staged model (loaded back exactly as serve loads it, then packed), exported with
 `torch.export` with the caches' slot count as a dynamic dimension (and, for the target and the
-head, the row count: one package where fixed row counts took four, as fast per call, measured,
+head, the row count: one package for every row count, as fast per call as one of fixed rows,
 with no padding rows), and compiled with `torch._inductor.aoti_compile_and_package`:
 inductor `freezing` (weights are constants, so its CPU code is specialised to them) and
 max-autotune with its C++ micro-GEMM templates for the projections; on an x86 machine with
@@ -59,14 +59,14 @@ FEED_ROWS = 8  # context rows a propose feeds at once, per sequence
 DRAFT_BLOCKS = 64  # most sequences' blocks one drafter call proposes
 THREADS = 1
 # Both: a pointwise result read by a reduction is computed once, not inlined into the
-# reduction's loop (inductor's default re-derived the normed, roped queries for every cache slot:
-# 5x the attention's time), and indirect indices are not bounds-checked inside the loops (the
-# faces check every position against its cache, and token ids are checked on entry). Measured
-# on the tiny target's batched step: 64 rows 6.8 -> 4.3 ms, one row 0.102 -> 0.087 ms.
+# reduction's loop (inductor's default derives the normed, roped queries again for every cache
+# slot, several times the attention's own work), and indirect indices are not bounds-checked
+# inside the loops (the faces check every position against its cache, and token ids are checked
+# on entry).
 _LOOPS = {"realize_reads_threshold": 1, "assert_indirect_indexing": False}
 # "extern": the projections are the GEMM library's (not row-invariant across row counts; the
 # drafters' packages only move drafts). The drafter's batched step takes them: compiled with the
-# micro-GEMM templates it gave wrong drafts, then crashed, for more blocks than its example had.
+# micro-GEMM templates it gives wrong drafts, then crashes, for more blocks than its example has.
 INDUCTOR = {"gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", **_LOOPS},
             "rowwise": {"freezing": True, **_LOOPS},
             "extern": {"freezing": True, **_LOOPS}}
@@ -197,8 +197,8 @@ def uses_linear_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> b
     fused q/k/v projection (`Attention.use_linear_kernel`) and every bias-free linear named
     `o_proj`, `lm_head` or `fc` (the MTP head's input projection) whose outputs are whole panels
     (`cpu_linear.fits`) goes through it, and so does every MoE router, its few columns padded to
-    a panel (inductor's GEMM for the tiny target's 128 x 8 routers was 4.4 % of a batched step
-    at 26 rows); the experts have their own kernel."""
+    a panel (so narrow a matrix is a slow shape for inductor's GEMM); the experts have their own
+    kernel."""
     from metrale.runtime.models.layers import Attention, MoE
 
     if (kind_named(job.kind).role not in (Role.TARGET, Role.HEAD) or job.linear == "extern"

@@ -2,12 +2,12 @@
 
 The builder quantizes the whole drafter first (every NVFP4 global scale from the whole
 unsharded tensor) and only then cuts its engine state into N shards with the runtime's layout
-(`runtime.tp.drafter_cut`): rank r's `rank{r}.safetensors` holds its KV heads with their query
-groups, its slice of the MLP intermediate and of the LM head's vocab rows, its heads' rows of
+(`runtime.models.tp.drafter_cut`): rank r's `rank{r}.safetensors` holds its KV heads with their
+query groups, its slice of the MLP intermediate and of the LM head's vocab rows, its heads' rows of
 the stacked context K/V projection, and a copy of everything else. Because the cut comes after
 the quantization, the ranks' bytes put back in rank order are exactly the one-rank drafter's
-bytes (`runtime.tp.merge_drafter_state` is the inverse, which a one-rank load of a sharded
-build uses).
+bytes (`runtime.models.tp.merge_drafter_state` is the inverse, which a one-rank load of a
+sharded build uses).
 
 Refusals, before any quantizing (`check_drafter_tp`): N < 1; fewer KV heads than ranks; under NVFP4, a column cut (o_proj's heads, down_proj's intermediate) off a 16-weight
 block boundary. Each message names the flag and the numbers.

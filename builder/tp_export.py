@@ -1,9 +1,9 @@
 """Per-rank ONNX graphs of a tensor-parallel DFlash drafter (`<drafter>/rank{r}.onnx`).
 
 A drafter built with `--draft-tp-size N` is exported once per rank r: the rank's sharded module,
-built exactly as `runtime.engine.load_engine(..., tp=TensorParallel(r, N))` builds it (its KV
-heads, intermediate slice and vocab slice, filled from `rank{r}.safetensors`), traced through the
-one-rank propose adapter (`onnx_export.DFlashPropose`) with the drafter's collectives as
+built exactly as `runtime.artifact.engine.load_models(..., tp=TensorParallel(r, N))` builds it
+(its KV heads, intermediate slice and vocab slice, filled from `rank{r}.safetensors`), traced
+through the one-rank propose adapter (`onnx_export.DFlashPropose`) with the drafter's collectives as
 `metrale`-domain nodes (opset `metrale` 1; attributes `group_size` = N and `rank` = r):
 
     AllReduce(x act [...]) -> y act [...]          the sum of x over the N ranks
@@ -178,7 +178,7 @@ def export_rank(drafter: DFlashDrafter) -> onnx.ModelProto:
 
 
 def collective_ops(model: onnx.ModelProto) -> dict[str, int]:
-    """Count of AllReduce / AllGather nodes (a subset of `onnx_export.metrale_ops`)."""
+    """Count of AllReduce / AllGather nodes (a subset of `onnx_lowering.metrale_ops`)."""
     return {op: n for op, n in lw.metrale_ops(model).items() if op in COLLECTIVE_OPS}
 
 

@@ -4,7 +4,7 @@ For each drafter of the engine directory, the median ms of a greedy decode step 
 exactly k drafts (k = 0..γ−1, k = 0 being a plain step), over held-out prompts and repeats, on
 the backend, dtype and thread count given (those of the serve that will use it), and the
 drafter's per-position acceptance over those steps. The table goes
-into the engine directory's `calibration.json` (see `runtime.calibration`), checksummed in the
+into the engine directory's `calibration.json` (see `runtime.spec.calibration`), checksummed in the
 manifest; an entry for the same setting is replaced.
 """
 

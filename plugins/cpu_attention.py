@@ -4,19 +4,13 @@ sequence's cache in a pool, as one op with a C++ kernel that the CPU packages ca
     out [T, nh·hd]: row t, head h attends to slots 0..last_visible[t] of sequence seq[t]'s
     K [nkv, hd, S] and V [S, nkv, hd] (KV head h // (nh / nkv)), scaled by hd^-1/2
 
-Eagerly the op is `pooled_math`, the masked math over all S slots that the compiled steps ran
-before the kernel (and still run where it is not available); in a package it is
-`cpu_attention.cpp`, which reads only the row's visible slots: inductor's code for the masked
-math gathers each row's whole sequence of S slots from the pool and multiplies all of them, so
-a request whose cache was sized for 128 slots paid for 128 at every step from its first token.
+Eagerly the op is `pooled_math`, the masked math over all S slots (what the compiled steps run
+where the kernel is not available); in a package it is `cpu_attention.cpp`, which reads only the
+row's visible slots: inductor's code for the masked math gathers each row's whole sequence of S
+slots from the pool and multiplies all of them, so a request whose cache is sized for 128 slots
+would pay for 128 at every step from its first token.
 A row's bits depend on its query, its sequence's visible slots and their count only — not on
 the other rows of the call, the pool's slot count or its sequence count.
-
-With both kernels (this one and `cpu_moe`'s) on an AVX2 machine (AMD EPYC, Zen 3), the tiny
-target's whole package step over a pool of 32 sequences of 128 slots, 61 of them visible, one
-thread, medians, the packages without the kernels and with them measured one after the other:
-1 row 298 -> 282 us, 4 rows 725 -> 508 us, 8 rows 1,681 -> 625 us, 16 rows 3,190 -> 1,942 us,
-32 rows 5,517 -> 3,257 us.
 
 Compiled with metrale's other CPU kernels into one library (`cpu_kernels`): float32, x86 CPUs
 with AVX-512 or AVX2 and FMA (the same bits with either), head sizes of whole 16-float vectors

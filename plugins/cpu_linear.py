@@ -11,10 +11,9 @@ columns with AVX2 (eight by 32 with AVX-512, `cpu_tiles.h`), every output one in
 fused multiply-adds over k, so a row's bits never depend on the other rows of the call.
 
 Inductor's GEMM template, which the target's projections use otherwise, gives the same
-row-invariance but reads B row-major: measured with AVX2 on the tiny target's LM head (128 x
-2,048), one call of 1 / 8 / 16 / 32 rows took 66 / 120 / 211 / 416 us there, 19 / 57 / 100 /
-197 us in this kernel (bfloat16 panels), and 50 / 93 / 168 / 249 us in torch's `linear`
-(whose rows' bits depend on the row count, so a batched step cannot use it).
+row-invariance but reads B row-major, so a call takes longer there than in this kernel's panels;
+torch's `linear` is quicker than the template, but its rows' bits depend on the row count, so a
+batched step cannot use it.
 """
 
 from __future__ import annotations

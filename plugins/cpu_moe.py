@@ -12,23 +12,14 @@ vector accumulators to a register tile with AVX-512 (eight pairs x 32 columns do
 128), up to twelve with AVX2 (six pairs x 16 columns down to one pair x 64), every output one
 in-order chain of fused multiply-adds, so a row's bits never depend on the other rows of the
 call, the tile's shape or the vector width. Inductor's own code for the same math reads each
-pair's expert weights anew and keeps one accumulator per loop. Measured single-threaded on
-the tiny target's layer (E = 8, H = I = 128, top-2) on an AVX-512 machine, the layer alone
-(inductor's code for the same math -> the kernel): 1 row 42 -> 8 us, 16 rows 150 -> 60 us,
-32 rows 260 -> 116 us; the whole target package step (4 layers, best of 7, one after the
-other): 1 row 104 -> 98 us, 8 rows 497 -> 434 us, 16 rows 1,333 -> 1,124 us, 32 rows 3,185 ->
-2,559 us. With AVX2 (an AMD EPYC of the Zen 3 generation) the kernel alone takes about 7, 45
-and 100 us for 1, 8 and 32 rows, where `routed_math` in eager torch takes 190 to 260, 800 and
-4,000 to 4,500 us.
+pair's expert weights anew and keeps one accumulator per loop.
 
 Float32 experts whose weights are all bfloat16 values (a bfloat16 checkpoint's, widened: the
 tiny target's) are held as bfloat16 (`narrowed`) and widened exactly in the kernel's loads, so the
 bits are unchanged and a step streams half the bytes; the kernel also fetches each tile's weight
-rows 16 rows ahead (they lie 2I or H floats apart). A batched step at 32 rows reads every
-expert, more than the L2 holds. Measured with AVX2, 32 rows, 4 layers in turn, per layer: with
-the caches warm, 116-199 us float32 against 117-153 us; after a 64 MB sweep, weights from
-memory, 365-388 us (float32, no prefetch), 325-333 (float32) and 210-264 (bfloat16). The
-tiny target's package at 32 running sequences in serving, median of 4 runs: 2.9 -> 2.25 ms.
+rows 16 rows ahead (they lie 2I or H floats apart). A batched step of many rows reads every
+expert, more than the L2 holds, so its weights come from memory: that is where the halved bytes
+and the prefetch pay.
 
 The kernel and its C shim, `aoti_torch_cpu_routed_experts`, are compiled with metrale's other
 CPU kernels into one library linked into the package (`cpu_kernels`): float32, on x86 CPUs with

@@ -7,7 +7,7 @@ channel c in group g = c // (H/G):
     y[b, t, c] = kernel[b, t, g, 0]·x[b, t, c] + kernel[b, t, g, 1]·x[b, t−1, c]
 
 where the second tap is absent (x[t−1] = 0) at each block's first slot, t % block == 0. This is
-`runtime.dflash.DynamicConv.forward` after its kernel projection. Both products and their sum
+`runtime.models.dflash.DynamicConv.forward` after its kernel projection. Both products and their sum
 are float32 and the result is rounded once to x's dtype: identical to `DynamicConv` in float32;
 for bf16 it rounds once where `DynamicConv` in bf16 rounds three times.
 

@@ -9,7 +9,7 @@ router's top-k weights, already renormalised if the model does so) and per exper
     D_e  = dequant(down_packed[e], down_scale[e], down_global[e])           float32 [H, I]
     y[t] = sum_j weights[t, j] * D_e (silu(g) * u),  [g; u] = GU_e x[t],  e = expert_ids[t, j]
 
-computed in float32 and returned in x's dtype [T, H]. This is `runtime.layers.MoE`'s routed
+computed in float32 and returned in x's dtype [T, H]. This is `runtime.models.layers.MoE`'s routed
 part (its `experts[e]` MLPs) with dequantized expert weights; it rounds once at the end where
 an x-dtype MLP rounds after each projection, so it equals `MoE` exactly in float32 up to
 summation order. The router and the shared expert stay outside the op. The NVFP4 format is

@@ -11,10 +11,11 @@ plugin is a class implementing `IPluginV3` + `IPluginV3OneCore/OneBuild/OneRunti
 Ops (inputs in node order; output y has x's dtype and shape [..., N]):
 - `Fp8W8A16Gemm(x [..., K] f32|f16|bf16, w [N, K], scale f32 [N])`
 - `NvFp4W4A16Gemm(x [..., K], packed [N, K/2], block_scale [N, K/16], global_scale f32 [])`
-The ONNX node carries w/block_scale as FLOAT8E4M3FN and packed as uint8; `onnx_export.lower_for_sm`
-retypes them int8 with the same bytes before TensorRT sees them (its parser widens uint8 to int32,
-refuses int8 and fp8 in one network, and SM75-SM86 have no fp8), so the plugin's inputs are int8
-bytes: E4M3 bit patterns and packed E2M1 codes that the kernel decodes.
+The ONNX node carries w/block_scale as FLOAT8E4M3FN and packed as uint8;
+`onnx_lowering.lower_for_sm` retypes them int8 with the same bytes before TensorRT sees them (its
+parser widens uint8 to int32, refuses int8 and fp8 in one network, and SM75-SM86 have no fp8), so
+the plugin's inputs are int8 bytes: E4M3 bit patterns and packed E2M1 codes that the kernel
+decodes.
 Math: exactly the PyTorch references `plugins.fp8_gemm` / `plugins.nvfp4_gemm`.
 
 Build time (CPU-only works): the plugin answers shapes, types and formats; it never runs.

@@ -282,7 +282,7 @@ def test_rows_run_again_before_a_probe_count_against_its_budget():
     costs a target row (`CostModel.row_ms`, the table's cost per extra verify row): where that
     alone exceeds the budget's share of a plain step the stream settles at once; where it
     leaves some, the probe waits longer."""
-    # measured on the CPU packages: a row costs 8% of a plain step, the budget 1%
+    # a table like the CPU packages': a row costs 8% of a plain step, the budget 1%
     cpu = CostModel(0, (0.187, 0.777, 0.793, 0.815, 0.84, 0.843, 0.857, 0.868), acceptance=0.69)
     assert cpu.row_ms == pytest.approx((0.868 - 0.777) / 6)
     kept = AdaptiveKController(cpu, max_k=7, reprobe_interval=16)

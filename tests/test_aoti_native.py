@@ -45,7 +45,7 @@ def test_native_runs_equal_the_loaders(target_package):
 
 def test_other_threads_run_while_a_package_computes(target_package):
     """A Python thread counting beside a thread that loops package calls keeps a good share
-    of its solo count (the loader, holding the GIL, left it under 1%)."""
+    of its solo count (torch's loader holds the GIL through a call and leaves it almost none)."""
     runner = load_runner(target_package)
     args = _target_inputs(32)
 

@@ -128,8 +128,8 @@ def _addresses(model: torch.nn.Module) -> dict[str, int]:
 def test_nothing_moves_the_captured_weights_after_capture(tiny_engine_dir, tiny_prompts):
     """A CUDA graph replays the addresses its kernels read at capture: the generator's own
     `engine.pack()` (and any later pack) must leave every target weight where it was. A second
-    fusing pack used to allocate new q/k/v and gate/up copies, and the real graphs on a GPU then
-    decoded garbage from freed memory (the stand-in, re-running Python, could not tell)."""
+    fusing pack would allocate new q/k/v and gate/up copies, and the real graphs on a GPU would
+    then decode garbage from freed memory (the stand-in, re-running Python, cannot tell)."""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
     from metrale.runtime.serving.service import EngineGenerator

@@ -1,4 +1,4 @@
-"""Dispatch of runtime.qlinear: the stored format picks the op, and the result is the op's."""
+"""Dispatch of runtime.models.qlinear: the stored format picks the op, and the result is the op's."""
 
 import pytest
 import torch

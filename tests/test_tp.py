@@ -1,4 +1,4 @@
-"""Drafter tensor parallelism (runtime.tp, builder.shard): the cut layout worked out by hand,
+"""Drafter tensor parallelism (runtime.models.tp, builder.shard): the cut layout worked out by hand,
 shards that put back together are the one-rank bytes for every tier, the refusals, and two
 ranks over gloo (separate processes) drafting exactly what one rank drafts.
 

@@ -288,7 +288,7 @@ MTP_NAMINGS = ("qwen3_next", "deepseek")
 
 @dataclass(frozen=True)
 class MTPConfig:
-    """One MTP head. `naming` says which checkpoint layout it came from (DESIGN.md)."""
+    """One MTP head. `naming` says which checkpoint layout it came from (`loader.RENAMES`)."""
 
     decoder: DecoderConfig
     naming: str  # qwen3_next: `mtp.*`; deepseek: `model.layers.{N}.*`

@@ -16,7 +16,7 @@ draft LM head are rescored with
     score(c) = logit(c) + ⟨hidden_projection(h_slot) + predecessor_codebook[prev], successor_codebook[c]⟩
 where prev is the token chosen at the slot before (the anchor for slot 1), left to right.
 
-Tensor parallel (`tp`, see `runtime.tp`): each rank builds the drafter with its own heads,
+Tensor parallel (`tp`, see `runtime.models.tp`): each rank builds the drafter with its own heads,
 intermediate slice and LM-head vocab slice; the partial outputs of o_proj and down_proj are
 summed over the ranks (one all-reduce each), and the drafts come from the global top
 candidates gathered from every rank's vocab slice (one all-gather), so every rank drafts the

@@ -3,7 +3,7 @@
 Conventions: B batch, T new tokens, S keys (cache + new), H hidden, nh query heads, nkv KV heads,
 hd head dim, E experts. Norms compute in fp32 and return the input dtype, like transformers, so
 the fp32 target matches transformers' Qwen3 to rounding. Linear layers are plain `nn.Linear`;
-the loader swaps in quantized modules (`runtime.qlinear`) where an engine stores FP8/NVFP4
+the loader swaps in quantized modules (`runtime.models.qlinear`) where an engine stores FP8/NVFP4
 weights, so model code never branches on precision.
 """
 
@@ -111,8 +111,8 @@ def rope_table(head_dim: int, theta: float, dtype: torch.dtype, device, length: 
 def rope_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [T, hd] at positions [T]: computed eagerly; in a compiled step (torch.export,
     torch.compile) gathered from the shared table (`rope_table`, which the step builds first),
-    a constant of the graph (derived in the graph, inductor computed cos and sin again inside
-    the attention's loops: a drafter step 3x slower, measured)."""
+    a constant of the graph (derived in the graph, inductor computes cos and sin again inside
+    the attention's loops, which makes a drafter step several times slower)."""
     if torch.compiler.is_compiling():
         cos, sin = rope_table(head_dim, theta, dtype, positions.device)
         return cos[positions], sin[positions]

@@ -7,7 +7,7 @@ head's own pre-norm output of entry p−1. Entry p sits at rotary position p and
 through `norm` and the draft LM head gives the draft distribution for token p+2. The layer's
 output h is fed back, so a chain reuses the one head k times.
 
-Two checkpoint namings (see `loader.MTP_RENAMES`): Qwen3-Next `mtp.*` (zero-centred norms x̂·(1+w),
+Two checkpoint namings (see `loader.RENAMES`): Qwen3-Next `mtp.*` (zero-centred norms x̂·(1+w),
 shared expert with a sigmoid gate) and DeepSeek/GLM `model.layers.{N}.*` (`enorm`, `hnorm`,
 `eh_proj`, `shared_head.norm`; plain norms; `shared_experts` without a gate). Internally both use
 the names of this module: `fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layer.*`, `norm`,

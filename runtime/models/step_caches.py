@@ -18,7 +18,7 @@ Both attend over *all* S slots with a mask, written as reductions over one row's
 row's bits depend on its sequence and position, never on how many rows the call has. A CPU
 package's `PooledKV` may instead call metrale's kernel (`kernel=True`, `plugins.cpu_attention`),
 which reads a row's visible slots only, under the same contract.
-`rowwise_linears` writes every projection as a reduction over its input features for the same
+`linears("rowwise")` writes every projection as a reduction over its input features for the same
 reason (a GEMM library picks other kernels at M = 1 than at M = 8).
 """
 
