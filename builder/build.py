@@ -35,7 +35,7 @@ from metrale.runtime.models.configs import read_config
 from metrale.runtime.artifact.digests import checkpoint_digest
 from metrale.runtime.artifact.engine_dir import EngineDirWriter, Manifest
 from metrale.runtime.errors import CheckpointError, ConfigError
-from metrale.runtime.components import KINDS, resolve
+from metrale.runtime.components import KINDS
 from metrale.runtime.models.loader import read_safetensors, rename
 from metrale.runtime.artifact.tokenizer import Tokenizer
 
@@ -70,7 +70,7 @@ def build_engine(recipe: Recipe, engine_dir: Path | None = None, *, overwrite: b
         shard.check_drafter_tp(cfg, tp, tier_format, name)
 
     progress("loading checkpoints")
-    loader = {name: resolve(k.checkpoint) for name, k in KINDS.items()}  # by kind: the registry's
+    loader = {name: k.checkpoint for name, k in KINDS.items()}  # by kind: the registry's
     target = loader["target"](recipe.target.checkpoint)
     check_tokenizer(recipe.target.checkpoint, target.config.vocab_size)
     lm_head = target.lm_head.weight.detach()

@@ -38,7 +38,7 @@ def _check_batched(target, package, taps, slots, gen) -> bool:
     sequence's rows chunked differently) equals the same sequence's rows run alone, and each
     sequence's k-row step equals its k one-row steps."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
-    from metrale.runtime.backends import Forward
+    from metrale.runtime.steps import Forward
 
     ids = torch.randint(0, target.config.vocab_size, (5, 40), generator=gen)
     together = BatchedTarget(target, package, taps, slots)
@@ -105,7 +105,7 @@ def _check_target(root, jobs, staged, taps, slots, gen) -> dict:
 def _check_mtp(root, jobs, name, staged, slots, gen) -> dict:
     """Three sequences' entries, chunked differently and run together (two in one pool, one in
     another), against the eager head's for each sequence alone."""
-    from metrale.runtime.backends import HeadForward
+    from metrale.runtime.steps import HeadForward
     from metrale.runtime.backends.aoti_batched import BatchedMTP
 
     head = staged.mtp
@@ -134,7 +134,7 @@ def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
     feed) against the eager drafter's for each sequence alone (`drafts_equal`, the share of
     equal draft tokens) and against the same package run one sequence at a time
     (`batched_equal_alone`)."""
-    from metrale.runtime.backends import DraftForward
+    from metrale.runtime.steps import DraftForward
     from metrale.runtime.backends.aoti_batched import BatchedDFlash
 
     drafter, target = staged.drafters[name], staged.target

@@ -50,7 +50,7 @@ from torch import nn
 
 from metrale.plugins.formats import FORMATS
 from metrale.plugins.onnx_lowering import CONV_OP, DOMAIN, FP8_OP, MOE_OP, NVFP4_OP, lower_for_sm
-from metrale.runtime.components import GraphIO, kind_named, resolve
+from metrale.runtime.components import GraphIO, StepShape, kind_named
 from metrale.runtime.models import qlinear
 from metrale.runtime.models.dflash import DFlashDrafter, DynamicConv
 from metrale.runtime.models.layers import MoE
@@ -282,6 +282,10 @@ class DFlashPropose(nn.Module):
         return tuple(outs)
 
 
+# The module the export traces for each step shape (`components.StepShape`).
+ADAPTERS = {StepShape.TARGET: TargetStep, StepShape.CHAIN: MTPStep, StepShape.BLOCK: DFlashPropose}
+
+
 # -- export --------------------------------------------------------------------------------
 
 
@@ -299,7 +303,7 @@ def example_inputs(kind: str, module: nn.Module, *, t: int = 3, past: int = 4, p
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    return resolve(kind_named(kind).adapter).example_inputs(module, rand, gen, t, past, pos, context)
+    return ADAPTERS[kind_named(kind).shape].example_inputs(module, rand, gen, t, past, pos, context)
 
 
 def graph_io(kind: str, module: nn.Module, taps: tuple[int, ...] = ()) -> GraphIO:
@@ -308,7 +312,7 @@ def graph_io(kind: str, module: nn.Module, taps: tuple[int, ...] = ()) -> GraphI
 
 def adapter(kind: str, module: nn.Module, taps: tuple[int, ...] = ()) -> nn.Module:
     """The step module of a component of `kind` that the export traces."""
-    return resolve(kind_named(kind).adapter)(module, taps)
+    return ADAPTERS[kind_named(kind).shape](module, taps)
 
 
 def export_component(kind: str, module: nn.Module, *, taps: tuple[int, ...] = (),

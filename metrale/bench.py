@@ -31,7 +31,7 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / 
 
 def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
     """(name, flags) for every mode the engine directory can run: plain, then each loaded
-    component's modes as its kind names them (`components.KINDS`), the measured cost models
+    component's modes as its step shape names them (`spec.shapes`), the measured cost models
     `gamma_costs` (drafter name -> CostModel) adding adaptive k."""
     from metrale.runtime.components import KINDS
 
@@ -40,9 +40,11 @@ def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
 
 
 def _modes(components: dict, gamma_costs: dict | None) -> list[tuple[str, dict]]:
+    from metrale.runtime.spec.shapes import bench_modes
+
     modes: list[tuple[str, dict]] = [("plain", {})]
     for name, (kind, cfg) in components.items():
-        modes += kind.bench_modes(name, cfg, (gamma_costs or {}).get(name))
+        modes += bench_modes(kind.shape, name, cfg, (gamma_costs or {}).get(name))
     return modes
 
 
@@ -271,8 +273,8 @@ def bench(
                          "speedup": round(ref["tokens_per_s"] / plain_tps, 3),
                          "identical_to_plain": same})
         result = {"engine_dir": str(engine_dir), "prompts": len(prompts), "max_tokens": max_tokens,
-                  "backend": getattr(engine, "backend", backend_kind.value),
-                  "backend_note": getattr(engine, "backend_note", ""), "device": device, "dtype": str(getattr(engine, "dtype", dtype)).removeprefix("torch."),
+                  "backend": engine.backend.name, "backend_note": engine.backend_note, "device": device,
+                  "dtype": str(engine.dtype).removeprefix("torch."),
                   "cost_model_ms": {n: str(c) for n, c in (costs or {}).items()} or None,
                   "acceptance": {n: c.acceptance for n, c in (costs or {}).items()} or None,
                   "target_rows_ms": row_costs, "repeats": repeats,

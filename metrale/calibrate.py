@@ -62,7 +62,7 @@ def calibrate(
         for name in sorted(engine.drafters):
             t0 = time.time()
             table = measure_costs(engine, prompts, max_tokens, name, repeats)
-            entries.append({**calibration.setting(name, engine.backend, dtype_name, threads),
+            entries.append({**calibration.setting(name, engine.backend.name, dtype_name, threads),
                             "table": str(table), "acceptance": table.acceptance,
                             "repeats": repeats, "prompts": len(prompts),
                             "max_tokens": max_tokens, "measured": now})

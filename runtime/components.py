@@ -1,29 +1,26 @@
 """The component registry: one entry per kind of engine-directory component.
 
 An engine directory's manifest names each component's `kind` (`target`, `mtp`, `dflash`); this
-table is the one place that maps a kind to everything about it:
+table maps a kind to the facts of its model, and to the step shape the rest of the runtime
+works with:
 
-- `role`: where a loaded engine holds it (the target; the MTP head the target's hidden states
-  feed; a drafter the target's taps feed, any number by name) — what the decode loop sees.
+- `shape`: the steps it runs (`StepShape`): the target's rows, a chain of one-entry links fed
+  by the target's hidden states (an MTP head), or a block proposed at once from the target's
+  taps (a DFlash drafter). Its `role` (where a loaded engine holds it) follows from it.
 - `parse`: its config from the checkpoint's `config.json` (and its manifest entry).
-- `module`: its torch module ("package.module:Class"; a drafter's takes a `TensorParallel`).
+- `module`: its torch module class (a drafter's takes a `TensorParallel`).
 - `decoder`: its decoder config (layers, KV heads, head dim: the shape of its caches).
-- `graph_io`: its exported step graph's inputs, outputs and dynamic axes.
-- `adapter`: the module the builder traces to ONNX (`builder.onnx_export`), with its
-  `example_inputs`.
-- `graph_face` / `aoti_face`: what runs it over an exported graph (`backends.graph_steps`, the
-  onnxruntime and tensorrt backends) or over its AOTInductor packages (`backends.aoti`).
-- `proposer`: the drafts it makes for the decode loop (`spec`), for roles that propose.
-- `bench_modes`: the speculative modes `metrale bench` runs with it.
-- `checkpoint`: its Hugging Face checkpoint loader (`models.loader`), `(folder, target lm_head)`.
+- `checkpoint`: its Hugging Face checkpoint loader, `(folder, target lm_head)`: the weights
+  mapping from the checkpoint's tensor names to the module's.
 - `tensor_sets`: its named sets of linears (module names, matched in full) that the build's
   quantization tiers choose from (`builder.quantize`).
 
-Classes of the layers above the models are named by "module:Class" strings and imported when
-first used (`resolve`), so this table depends on the models only and every layer reads it.
-DFlash2 is the `dflash` kind at `version` 2 (its config adds the dynamic convs and the candidate
-selector; its graph adds `selector_query`). Adding a drafter kind is one entry here plus its
-module, its export adapter and its face: see DESIGN's "adding a drafter".
+Everything else is keyed by the shape, in the layer it belongs to: the exported step graph's
+interface (`graph_io`, here), the builder's export adapters (`builder.onnx_export.ADAPTERS`),
+each backend's faces (`backend_registry`), the decode loop's proposers and `metrale bench`'s
+modes (`spec.shapes`). So a drafter kind with an existing shape is its entry here, its module
+and its checkpoint mapping; DFlash2 is the `dflash` kind at `version` 2 (its config adds the
+dynamic convs and the candidate selector; its graph adds `selector_query`).
 """
 
 from __future__ import annotations
@@ -36,12 +33,29 @@ from typing import Any, Callable
 
 from metrale.runtime.errors import CheckpointError, EngineDirError
 from metrale.runtime.models.configs import MTP_NAMINGS, DecoderConfig, DFlashConfig, MTPConfig
+from metrale.runtime.models.dflash import DFlashDrafter
+from metrale.runtime.models.loader import load_dflash, load_mtp, load_target
+from metrale.runtime.models.mtp import MTPHead
+from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 
 
 class Role(enum.Enum):
     TARGET = "target"  # LoadedEngine.target
     HEAD = "head"  # LoadedEngine.mtp
     DRAFTER = "drafter"  # LoadedEngine.drafters[name]
+
+
+class StepShape(enum.Enum):
+    """The steps a component runs, which every layer above keys its part by."""
+
+    TARGET = "target"  # rows [pending, drafts...] of a sequence, with taps and hidden states
+    CHAIN = "chain"  # one head entry per link, fed the target's hidden states (MTP)
+    BLOCK = "block"  # a block of drafts at once from the target's taps (DFlash)
+
+    @property
+    def role(self) -> Role:
+        return {StepShape.TARGET: Role.TARGET, StepShape.CHAIN: Role.HEAD,
+                StepShape.BLOCK: Role.DRAFTER}[self]
 
 
 @dataclass(frozen=True)
@@ -59,20 +73,22 @@ class GraphIO:
 @dataclass(frozen=True)
 class ComponentKind:
     name: str
-    role: Role
+    shape: StepShape
     # (config.json, where, its manifest entry or None at build time) -> config
     parse: Callable[[dict, str, Any], Any]
-    module: str
+    module: type
     decoder: Callable[[Any], DecoderConfig]
-    graph_io: Callable[[Any, tuple[int, ...]], GraphIO]  # (config, target taps) -> GraphIO
-    adapter: str
-    graph_face: str
-    aoti_face: str
-    proposer: str | None
-    # (name, config, measured cost model or None) -> its `metrale bench` modes
-    bench_modes: Callable[[str, Any, Any], list[tuple[str, dict]]]
-    checkpoint: str = ""
+    # (checkpoint folder[, the target's lm_head for a head or drafter]) -> the filled module
+    checkpoint: Callable
     tensor_sets: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def role(self) -> Role:
+        return self.shape.role
+
+    def graph_io(self, cfg, taps: tuple[int, ...]) -> GraphIO:
+        """Its exported step graph's interface for `cfg` and the target's taps."""
+        return _GRAPH_IO[self.shape](cfg, taps)
 
     def tensor_set(self, name: str) -> re.Pattern:
         """Its set `name` of linears as a pattern over module names."""
@@ -80,12 +96,12 @@ class ComponentKind:
 
     def build(self, cfg, tp=None):
         """Its torch module for `cfg` (a drafter's with `tp`, its tensor-parallel rank)."""
-        cls = resolve(self.module)
-        return cls(cfg, tp) if self.role is Role.DRAFTER else cls(cfg)
+        return self.module(cfg, tp) if self.role is Role.DRAFTER else self.module(cfg)
 
 
 def resolve(ref: str):
-    """"package.module:Class" -> the class."""
+    """"package.module:Class" -> the class (a table of classes in a layer that imports them
+    only when used)."""
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -134,49 +150,21 @@ def _mtp_config(cfg: dict, where: str, info) -> MTPConfig:
     return MTPConfig(decoder=DecoderConfig.from_hf(cfg, where), naming=naming)
 
 
-def _mtp_modes(name: str, cfg, cost) -> list[tuple[str, dict]]:
-    base = {"speculative": True}
-    modes = [(f"mtp k={k}", {**base, "num_drafts": k}) for k in (1, 2, 3)]
-    modes.append(("mtp k=3 stop=0.6", {**base, "num_drafts": 3, "draft_confidence_stop": "0.6"}))
-    modes.append(("mtp k=3 stop=cum:0.5", {**base, "num_drafts": 3, "draft_confidence_stop": "cum:0.5"}))
-    modes.append(("mtp k=3 exact", {**base, "num_drafts": 3, "exact_verify": True}))
-    return modes
-
-
-def _dflash_modes(name: str, cfg: DFlashConfig, cost) -> list[tuple[str, dict]]:
-    base = {"dflash": True, "dflash_drafter": name}
-    g = cfg.block_size
-    rungs = ",".join(str(r) for r in (1, 3, 7) if r <= g - 1)
-    modes = [(f"{name} γ={g}", base), (f"{name} γ={g} exact", {**base, "exact_verify": True}),
-             (f"{name} γ=4", {**base, "dflash_gamma": 4}),
-             (f"{name} ladder {rungs}", {**base, "dflash_draft_ladder": rungs})]
-    if cost is not None:  # its measured CostModel, with its acceptance
-        modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": cost}))
-    return modes
+_GRAPH_IO = {StepShape.TARGET: _target_io, StepShape.CHAIN: _mtp_io, StepShape.BLOCK: _dflash_io}
 
 
 KINDS: dict[str, ComponentKind] = {k.name: k for k in (
     ComponentKind(
-        "target", Role.TARGET, lambda cfg, where, info: DecoderConfig.from_hf(cfg, where),
-        "metrale.runtime.models.qwen3:Qwen3ForCausalLM", lambda cfg: cfg, _target_io,
-        "metrale.builder.onnx_export:TargetStep", "metrale.runtime.backends.graph_steps:GraphTarget",
-        "metrale.runtime.backends.aoti_batched:BatchedTarget", None, lambda name, cfg, cost: [],
-        "metrale.runtime.models.loader:load_target"),
+        "target", StepShape.TARGET, lambda cfg, where, info: DecoderConfig.from_hf(cfg, where),
+        Qwen3ForCausalLM, lambda cfg: cfg, load_target),
     ComponentKind(
-        "mtp", Role.HEAD, _mtp_config, "metrale.runtime.models.mtp:MTPHead",
-        lambda cfg: cfg.decoder, _mtp_io, "metrale.builder.onnx_export:MTPStep",
-        "metrale.runtime.backends.graph_steps:GraphMTP", "metrale.runtime.backends.aoti_batched:BatchedMTP",
-        "metrale.runtime.spec.mtp_proposer:MTPProposer", _mtp_modes,
-        "metrale.runtime.models.loader:load_mtp",
+        "mtp", StepShape.CHAIN, _mtp_config, MTPHead, lambda cfg: cfg.decoder, load_mtp,
         (("experts", r"layer\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj"),
          ("fp8", r"fc|layer\.self_attn\.[qkvo]_proj"
                  r"|layer\.mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj"))),
     ComponentKind(
-        "dflash", Role.DRAFTER, lambda cfg, where, info: DFlashConfig.from_hf(cfg, where),
-        "metrale.runtime.models.dflash:DFlashDrafter", lambda cfg: cfg.decoder, _dflash_io,
-        "metrale.builder.onnx_export:DFlashPropose", "metrale.runtime.backends.graph_steps:GraphDrafter",
-        "metrale.runtime.backends.aoti_batched:BatchedDFlash", "metrale.runtime.spec.dflash_proposer:DFlashProposer",
-        _dflash_modes, "metrale.runtime.models.loader:load_dflash",
+        "dflash", StepShape.BLOCK, lambda cfg, where, info: DFlashConfig.from_hf(cfg, where),
+        DFlashDrafter, lambda cfg: cfg.decoder, load_dflash,
         (("core", r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head"),
          ("aux", r"fc|context_kv_proj|layers\.\d+\.(attention_conv|mlp_conv)\.kernel_projection"
                  r"|candidate_selector\.hidden_projection"))),

@@ -126,7 +126,7 @@ def aoti_engine(aoti_engine_dir):
     from metrale.runtime.backends import load_engine
 
     engine = load_engine(aoti_engine_dir, backend="aoti")
-    assert engine.backend == "aoti"
+    assert engine.backend.name == "aoti"
     return engine
 
 

@@ -142,13 +142,13 @@ def test_backend_choice(tiny_engine_dir, aoti_engine_dir, tmp_path):
     from metrale.runtime.backends.aoti import check_fingerprint
     from metrale.runtime.backends import load_engine
 
-    assert load_engine(tiny_engine_dir, backend="auto").backend == "torch"  # no packages: eager
-    assert load_engine(aoti_engine_dir, backend="auto").backend == "aoti"
-    assert load_engine(aoti_engine_dir, backend="torch").backend == "torch"
+    assert load_engine(tiny_engine_dir, backend="auto").backend.name == "torch"  # no packages: eager
+    assert load_engine(aoti_engine_dir, backend="auto").backend.name == "aoti"
+    assert load_engine(aoti_engine_dir, backend="torch").backend.name == "torch"
     with pytest.raises(EngineDirError, match="--backend aoti: .*no CPU packages"):
         load_engine(tiny_engine_dir, backend="aoti")
     # bf16 activations: the packages are float32, so auto runs eager and aoti is refused by name
-    assert load_engine(aoti_engine_dir, backend="auto", dtype=torch.bfloat16).backend == "torch"
+    assert load_engine(aoti_engine_dir, backend="auto", dtype=torch.bfloat16).backend.name == "torch"
     with pytest.raises(EngineDirError, match="built for dtype 'float32'.*'bfloat16'"):
         load_engine(aoti_engine_dir, backend="aoti", dtype=torch.bfloat16)
     cpu = load_manifest(aoti_engine_dir).components["target"].cpu
@@ -182,7 +182,7 @@ def test_packages_of_an_older_layout_are_refused_by_name(aoti_engine_dir, tmp_pa
 def test_batched_head_entries_equal_each_chain_alone(aoti_engine, tiny_engine):
     """The MTP head's entries for several sequences' chains in one call (a prompt's rows, chain
     links, two pools) equal each sequence's entries run alone, and the eager head's."""
-    from metrale.runtime.backends import HeadForward
+    from metrale.runtime.steps import HeadForward
     from metrale.runtime.backends.aoti_batched import BatchedMTP
 
     head = aoti_engine.mtp
@@ -219,7 +219,7 @@ def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, na
     """Five sequences' blocks proposed in one drafter call (contexts fed in steps of different
     sizes, backlogs longer than a package's feed, caches in two pools, γ 8 and 4) are the
     drafts each sequence gets alone, and the eager drafter's; a call that fails moves no cache."""
-    from metrale.runtime.backends import DraftForward
+    from metrale.runtime.steps import DraftForward
     from metrale.runtime.backends.aoti_batched import BatchedDFlash
 
     drafter, eager = aoti_engine.drafters[name], tiny_engine.drafters[name]
@@ -281,7 +281,7 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
     lengths, in two pools, while a pool grows; its calls on one thread or split over two) gives
     every sequence the bits it gets alone, and freed places are reused."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
-    from metrale.runtime.backends import Forward
+    from metrale.runtime.steps import Forward
 
     target = aoti_engine.target
     assert isinstance(target, BatchedTarget) and target.lanes.n == lanes
@@ -324,7 +324,7 @@ def test_batched_forward_rows_equal_each_sequence_alone(aoti_engine, lanes):
 
 
 def test_a_batched_forward_refuses_rows_past_a_cache(aoti_engine):
-    from metrale.runtime.backends import Forward
+    from metrale.runtime.steps import Forward
 
     target = aoti_engine.target
     cache = target.new_cache(1, 10)
@@ -339,7 +339,7 @@ def test_a_suspended_adaptive_stream_keeps_nothing_and_reruns_its_rows(aoti_engi
     decoding's (one row, no taps, nothing kept); before each probe its rows run again (the
     catch-up), so the drafter gets the context that following each step gives: the same steps,
     drafts and acceptances as a stream whose proposer follows, and plain decoding's tokens."""
-    from metrale.runtime.backends import Forward
+    from metrale.runtime.steps import Forward
     from metrale.runtime.spec import decode
     from metrale.runtime.spec.adaptive_k import AdaptiveKController
     from metrale.runtime.spec.config import SpeculativeConfig

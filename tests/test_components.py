@@ -1,6 +1,6 @@
-"""The component registry (`runtime.components`): every entry's references resolve to classes with
-the faces the layers call, and a kind registered there alone is loaded, proposes, and is
-benchmarked: no other module tests kind names."""
+"""The component registry (`runtime.components`): every kind is its model's facts and a step
+shape, and every layer keys its part by the shape, so a kind registered there alone is built,
+loaded, proposes and is benchmarked: no other module tests kind names."""
 
 from __future__ import annotations
 
@@ -10,32 +10,45 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from metrale.runtime import components
 from metrale.runtime.backends import load_engine
-from metrale.runtime.components import KINDS, Role, resolve
+from metrale.runtime.components import KINDS, ComponentKind, Role, StepShape
+from metrale.runtime.models.configs import DFlashConfig
+from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.spec.config import SpeculativeConfig
 from metrale.runtime.spec.sampling import SamplingParams
 from metrale.runtime.serving.service import EngineGenerator
 
-FACES = {"adapter": "example_inputs", "graph_face": "from_graph", "aoti_face": "from_packages",
-         "proposer": "for_spec"}
+def test_every_kind_is_model_facts_and_a_shape_that_every_layer_keys_its_part_by():
+    from metrale.builder.onnx_export import ADAPTERS
+    from metrale.runtime.backend_registry import BACKENDS
+    from metrale.runtime.components import StepShape
+    from metrale.runtime.spec.proposer import Proposer
+    from metrale.runtime.spec.shapes import SHAPES
 
-
-def test_every_reference_resolves_to_a_class_with_its_face():
     assert set(KINDS) == {"target", "mtp", "dflash"}
     assert [k.role for k in KINDS.values()] == [Role.TARGET, Role.HEAD, Role.DRAFTER]
+    assert [k.shape for k in KINDS.values()] == [StepShape.TARGET, StepShape.CHAIN, StepShape.BLOCK]
     for kind in KINDS.values():
-        assert isinstance(resolve(kind.module), type)
-        for field, method in FACES.items():
-            ref = getattr(kind, field)
-            if ref is None:
-                assert kind.role is Role.TARGET and field == "proposer"  # the target proposes nothing
-                continue
-            assert callable(getattr(resolve(ref), method)), (kind.name, field)
-        assert callable(resolve(kind.checkpoint))  # its checkpoint loader
+        assert isinstance(kind.module, type) and callable(kind.checkpoint)
+        assert all(isinstance(v, (str, tuple)) is False or not str(v).startswith("metrale.")
+                   for v in vars(kind).values())  # no "module:Class" references left
         for set_name, _ in kind.tensor_sets:
             kind.tensor_set(set_name)
+    # each layer's table covers every shape it serves
+    assert set(ADAPTERS) == set(StepShape)
+    assert set(SHAPES) == {StepShape.CHAIN, StepShape.BLOCK}
+    for shape in SHAPES.values():
+        assert issubclass(shape.proposer, Proposer) and "for_spec" in vars(shape.proposer)
+    for entry in BACKENDS.values():
+        for shape, _ in entry.faces:
+            face = entry.face(shape)
+            assert isinstance(face, type), (entry.name, shape)
+    assert {e.name for e in BACKENDS.values() if e.faces and all(
+        callable(getattr(e.face(s), "from_graph", None)) for s, _ in e.faces)} == {"onnxruntime", "tensorrt"}
+    assert all(callable(BACKENDS["aoti"].face(s).from_packages) for s in StepShape)
     assert KINDS["dflash"].tensor_set("core").fullmatch("layers.1.mlp.down_proj")
     assert not KINDS["dflash"].tensor_set("core").fullmatch("fc")
     assert KINDS["dflash"].tensor_set("aux").fullmatch("fc")
@@ -96,3 +109,86 @@ def test_a_recipe_names_its_drafters_kind(tmp_path, monkeypatch):
     monkeypatch.delitem(KINDS, "dflash_copy")
     with pytest.raises(ConfigError, match=r"\[drafters.dflash\] kind = 'dflash_copy': expected one of dflash"):
         load_recipe(path)
+
+
+# -- a new drafter kind, end to end ---------------------------------------------------------
+
+
+class HubDrafter(DFlashDrafter):
+    """A drafter kind's own module (the DFlash block's arithmetic, under another class)."""
+
+
+def load_hub(folder, target_lm_head, dtype=torch.float32):
+    """Its weights mapping: a checkpoint whose tensors sit under `draft_model.` (as training
+    frameworks that wrap the drafter save it), mapped onto the module's names."""
+    from metrale.runtime.models.loader import read_config, read_safetensors, strict_fill
+
+    cfg = DFlashConfig.from_hf(read_config(folder), f"{folder}/config.json")
+    tensors = {k.removeprefix("draft_model."): v for k, v in read_safetensors(folder).items()}
+    tensors["lm_head.weight"] = target_lm_head
+    drafter = HubDrafter(cfg).to(dtype)
+    strict_fill(drafter, tensors, f"checkpoint {folder}")
+    return drafter.eval()
+
+
+HUB = ComponentKind("dflash_hub", StepShape.BLOCK, KINDS["dflash"].parse, HubDrafter,
+                    lambda cfg: cfg.decoder, load_hub, KINDS["dflash"].tensor_sets)
+
+
+@pytest.mark.slow
+def test_a_new_drafter_kind_is_its_entry_its_module_and_its_weights_mapping(tmp_path, monkeypatch,
+                                                                            tiny_prompts):
+    """A kind added as its table entry, its module and its checkpoint mapping, nothing else: a
+    recipe naming it builds (quantized, its step exported to ONNX), and the engine runs it on
+    the eager backend (its module) and on the ONNX graphs (the block shape's graph face),
+    drafting exactly what the `dflash` kind does with the same weights in its own layout."""
+    from safetensors.torch import load_file, save_file
+
+    from metrale.builder.build import build_engine
+    from metrale.builder.recipe import load_recipe
+
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    shutil.copy(recipes / "tiny" / "dflash" / "config.json", hub / "config.json")
+    state = load_file(str(recipes / "tiny" / "dflash" / "model.safetensors"))
+    save_file({f"draft_model.{k}": v.contiguous() for k, v in state.items()}, str(hub / "model.safetensors"))
+    (tmp_path / "recipe.toml").write_text(f"""
+[recipe]
+name = "hub"
+engine_dir = "{tmp_path / 'engine'}"
+
+[target]
+checkpoint = "{recipes / 'tiny' / 'target'}"
+
+[drafters.dflash]
+checkpoint = "{recipes / 'tiny' / 'dflash'}"
+
+[drafters.hub]
+checkpoint = "{hub}"
+kind = "dflash_hub"
+
+[build]
+draft_weight_quantization = "fp8"
+trt_flavor = "none"
+cpu_engines = "none"
+onnx = true
+""")
+    monkeypatch.setitem(KINDS, "dflash_hub", HUB)
+    out = build_engine(load_recipe(tmp_path / "recipe.toml"), tmp_path / "engine").engine_dir
+    entries = json.loads((out / "config.json").read_text())["components"]
+    assert entries["hub"]["kind"] == "dflash_hub" and entries["hub"]["quantization"] == entries["dflash"]["quantization"]
+
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    for backend, face in (("torch", HubDrafter), ("onnxruntime", None)):
+        engine = load_engine(out, backend=backend)
+        if face is not None:
+            assert type(engine.drafters["hub"]) is face
+        else:  # the block shape's graph face, as for every DFlash drafter
+            assert type(engine.drafters["hub"]) is type(engine.drafters["dflash"])
+        runs = {}
+        for name in ("dflash", "hub"):
+            spec = SpeculativeConfig.from_flags(dflash=True, dflash_drafter=name)
+            runs[name] = EngineGenerator(engine, spec).decoder().generate(tiny_prompts[0], params)
+        assert runs["hub"].token_ids == runs["dflash"].token_ids, backend
+        assert runs["hub"].steps == runs["dflash"].steps and runs["hub"].metrics.tau > 1.0, backend

@@ -148,7 +148,7 @@ def test_nothing_moves_the_captured_weights_after_capture(tiny_engine_dir, tiny_
 
 
 def test_engine_records_what_runs_the_target(stand_in_engine):
-    assert stand_in_engine.backend == "eager-graphs" and stand_in_engine.backend_note == ""
+    assert stand_in_engine.backend.name == "eager-graphs" and stand_in_engine.backend_note == ""
     target = stand_in_engine.target
     assert isinstance(target, GraphTarget)
     assert set(target.taps) == {i for d in stand_in_engine.drafters.values()
@@ -211,7 +211,7 @@ def test_a_capture_failure_falls_back_to_eager_with_the_reason(tiny_engine_dir, 
     engine = load_engine(tiny_engine_dir, backend="torch")
     with caplog.at_level("WARNING"):
         use_cuda_graphs(engine, graphs=_FailingCapture(exc))
-    assert engine.backend == "torch" and isinstance(engine.target, Qwen3ForCausalLM)
+    assert engine.backend.name == "torch" and isinstance(engine.target, Qwen3ForCausalLM)
     assert engine.backend_note.startswith("CUDA graphs failed, running eager torch")
     assert str(exc) in engine.backend_note and str(exc) in caplog.text
     out = Decoder(engine.target, engine.tokenizer.eos_token_ids).generate(
@@ -226,7 +226,7 @@ def test_real_capture_on_a_cpu_device_falls_back(tiny_engine_dir):
 
     engine = load_engine(tiny_engine_dir, backend="torch")
     use_cuda_graphs(engine)
-    assert engine.backend == "torch" and "need a CUDA device" in engine.backend_note
+    assert engine.backend.name == "torch" and "need a CUDA device" in engine.backend_note
 
 
 def test_auto_on_a_cpu_does_not_try_cuda_graphs(tiny_engine_dir):
@@ -236,13 +236,13 @@ def test_auto_on_a_cpu_does_not_try_cuda_graphs(tiny_engine_dir):
     from metrale.runtime.artifact.entries import ComponentEntry, CpuPackages
 
     engine = load_engine(tiny_engine_dir, backend="auto")
-    assert engine.backend == "torch" and engine.backend_note == ""  # no CPU packages: nothing to note
+    assert engine.backend.name == "torch" and engine.backend_note == ""  # no CPU packages: nothing to note
     # packages built for another machine: eager torch, and the note says why
     info = ComponentEntry(kind="target", files=[], cpu=CpuPackages(
         **{**build_fingerprint(torch.float32, 1), "isa": "AVX512_NOT_HERE"}, packages=[],
         max_slots=64, linear="gemm"))
-    use_cpu_packages(engine, info, "auto")
-    assert engine.backend == "torch" and "built for isa 'AVX512_NOT_HERE'" in engine.backend_note
+    use_cpu_packages(engine, info, False)
+    assert engine.backend.name == "torch" and "built for isa 'AVX512_NOT_HERE'" in engine.backend_note
 
 
 # -- on a GPU ----------------------------------------------------------------------------------
@@ -258,8 +258,8 @@ def test_cuda_graphs_on_gpu_decode_like_plain_greedy_in_every_mode(tiny_engine_d
     from metrale.runtime.spec.config import SpeculativeConfig
 
     engine = load_engine(tiny_engine_dir, device="cuda", backend="auto")
-    assert engine.backend == "cuda-graphs", engine.backend_note
-    assert load_engine(tiny_engine_dir, device="cuda", backend="torch").backend == "torch"
+    assert engine.backend.name == "cuda-graphs", engine.backend_note
+    assert load_engine(tiny_engine_dir, device="cuda", backend="torch").backend.name == "torch"
     params = SamplingParams(temperature=0.0, max_tokens=32)
     plain = EngineGenerator(engine)
     want = [plain.generate(ids, params).token_ids for ids in tiny_prompts]

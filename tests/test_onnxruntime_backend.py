@@ -112,7 +112,7 @@ def ort_engines(engine_factory):
 
 def test_graphs_match_the_torch_target(ort_engines, tiny_prompts):
     engine, ref = ort_engines["fp8"]
-    assert engine.backend == "onnxruntime" and engine.dtype == torch.float32
+    assert engine.backend.name == "onnxruntime" and engine.dtype == torch.float32
     ids = torch.tensor([tiny_prompts[0][:12]])
     a = engine.target(ids, engine.target.new_cache(1, 64), taps=(0, 1, 3))
     b = ref.target(ids, ref.target.new_cache(1, 64), taps=(0, 1, 3))

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from metrale.runtime.backends import Forward
+from metrale.runtime.steps import Forward
 from metrale.runtime.serving.api_request import GenerationRequest
 from metrale.runtime.serving.scheduler import Job
 from metrale.runtime.serving.service import EngineGenerator

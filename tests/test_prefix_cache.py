@@ -64,7 +64,7 @@ def _prompts(vocab: int):
 def _run(target, prompts, together: bool):
     """Each prompt's forward (all in one batched forward, or one by one) then two decode steps;
     -> per prompt its outputs and its cache's K/V."""
-    from metrale.runtime.backends import Forward
+    from metrale.runtime.steps import Forward
 
     caches = [target.new_cache(1, 80) for _ in prompts]
     firsts = [Forward(p, c, (0, 1, 3), last_logits=True) for p, c in zip(prompts, caches)]
@@ -100,7 +100,7 @@ def test_reused_prefixes_give_the_bits_of_a_full_prefill(target, together):
 def test_a_forward_counts_the_rows_the_prefix_cache_served(target):
     """`Forward.served`: a prompt's positions that came from the cache (none when nothing was
     kept, all of a prompt kept whole, whole blocks of one sharing a prefix)."""
-    from metrale.runtime.backends import Forward
+    from metrale.runtime.steps import Forward
 
     a, shares, same = _prompts(target.config.vocab_size)[:3]
     target.prefix_cache = PrefixCache(4096)
@@ -112,7 +112,7 @@ def test_a_forward_counts_the_rows_the_prefix_cache_served(target):
 
 
 def test_a_failed_forward_leaves_a_hit_prompts_cache_empty(target, monkeypatch):
-    from metrale.runtime.backends import Forward
+    from metrale.runtime.steps import Forward
 
     prompt = _prompts(target.config.vocab_size)[0]
     target.prefix_cache = PrefixCache(4096)

@@ -151,7 +151,7 @@ def test_aoti_runs_a_requantized_drafter_eagerly(aoti_engine_dir):
     m = load_manifest(aoti_engine_dir)
     states = requantized_states(aoti_engine_dir, m, draft_tier="nvfp4", drafters=("dflash",))
     engine = load_engine(aoti_engine_dir, backend="aoti", states=states)
-    assert engine.backend == "aoti"
+    assert engine.backend.name == "aoti"
     assert isinstance(engine.drafters["dflash"], DFlashDrafter)  # eager: packages hold fp8
     assert not isinstance(engine.drafters["dflash2"], DFlashDrafter)  # its package, as built
     assert "dflash runs eagerly: its CPU packages hold the weights it was built with" in engine.backend_note

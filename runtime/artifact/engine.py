@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from metrale.plugins import formats
+from metrale.runtime.backend_registry import BACKENDS, BackendEntry
 from metrale.runtime.components import KINDS, Role
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.dflash import DFlashDrafter
@@ -37,8 +38,6 @@ from metrale.runtime.artifact.entries import ComponentEntry
 from metrale.runtime.errors import CheckpointError, EngineDirError
 from metrale.runtime.models.layers import Attention, MoE, pack_for_inference
 from metrale.runtime.models.loader import strict_fill
-from metrale.runtime.models.mtp import MTPHead
-from metrale.runtime.models.qwen3 import Qwen3ForCausalLM
 from metrale.runtime.artifact.tokenizer import Tokenizer
 from metrale.runtime.models.tp import (TensorParallel, check_drafter_split, cut_tensor, drafter_cut,
                                 merge_drafter_state)
@@ -140,18 +139,19 @@ def _component_files(engine_dir: Path, name: str, rank: int = 0, meta: bool = Fa
 
 @dataclass
 class LoadedEngine:
-    """The torch backend's models for one engine directory (one rank)."""
+    """One engine directory loaded for one rank: each component's face (its torch module, or
+    what its backend runs it with: `backends.TargetSteps`, `MTPSteps`, `DrafterSteps`)."""
 
     path: Path
     manifest: Manifest
     tokenizer: Tokenizer
-    target: Qwen3ForCausalLM
-    mtp: MTPHead | None = None
-    drafters: dict[str, DFlashDrafter] = field(default_factory=dict)
+    target: object  # backends.TargetSteps
+    mtp: object | None = None  # backends.MTPSteps
+    drafters: dict[str, object] = field(default_factory=dict)  # name -> backends.DrafterSteps
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     packed: bool = False
-    backend: str = "torch"  # what runs the target: torch (eager), aoti (CPU packages), cuda-graphs
+    backend: BackendEntry = BACKENDS["torch"]  # what runs its steps (`backend_registry`)
     backend_note: str = ""  # why auto runs eager torch where it would have run something else
     requantized: dict[str, str] = field(default_factory=dict)  # component -> its weights' source
 
@@ -189,7 +189,7 @@ class LoadedEngine:
             for model in self.models().values():
                 if isinstance(model, nn.Module):  # engine-backed faces hold their own weights
                     pack_for_inference(model)
-            if self.backend == "torch" and self.eager_rows_invariant:
+            if self.backend.eager and self.eager_rows_invariant:
                 for module in self.target.modules():
                     if isinstance(module, (Attention, MoE)):
                         module.row_invariant = True
@@ -206,7 +206,7 @@ class LoadedEngine:
     @property
     def rows_invariant(self) -> bool:
         """Does chunkwise verify emit plain greedy decoding's tokens (rows batch-invariant)?"""
-        return self.backend == "aoti" or (self.backend == "torch" and self.eager_rows_invariant)
+        return self.backend.row_invariant or (self.backend.eager and self.eager_rows_invariant)
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes held per model: parameters and every buffer, packed copies included."""

@@ -1,7 +1,7 @@
 """Backends: what runs the decode loop's three steps for an engine directory.
 
-The decode loop (`decode`) and the proposers (`spec_mtp`, `spec_dflash`) call three faces and
-nothing else; every backend gives each component one of them (`TargetSteps`, `MTPSteps`,
+The decode loop (`spec.decode`) and the proposers (`spec.mtp_proposer`, `spec.dflash_proposer`)
+call three faces and nothing else; every backend gives each component one of them (`TargetSteps`, `MTPSteps`,
 `DrafterSteps` below, the protocol), in a `LoadedEngine`:
 
     backend       target                  MTP head / drafters        runs
@@ -24,103 +24,9 @@ from typing import Protocol
 
 import torch
 
+from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.errors import ConfigError, FlagChoice
-
-
-class Forward:
-    """Target rows a sequence needs next: `ids` [1, T] at positions `cache.length`.., with the
-    outputs of target layers `taps`. `last_logits`: only the last row's logits are needed (a
-    prompt): a batched forward then computes no others and gives logits [1, 1, V].
-
-    `ids` may be given as a list of token ids (the decode loop's steps: a batched forward
-    builds one tensor for all its rows); `ids` is then made, on `device`, when first read.
-    `served`: of its rows, those a backend answered without running them (a prompt's positions
-    its prefix cache held), set by the backend."""
-
-    __slots__ = ("_ids", "tokens", "cache", "taps", "last_logits", "device", "rows", "served")
-
-    def __init__(self, ids: torch.Tensor | list[int], cache, taps: tuple[int, ...] = (),
-                 last_logits: bool = False, device: torch.device | str = "cpu"):
-        self._ids, self.tokens = (None, list(ids)) if isinstance(ids, list) else (ids, None)
-        self.cache, self.taps, self.last_logits, self.device = cache, taps, last_logits, device
-        # read several times per forward by a batched step's planning: counted once
-        self.rows = len(self.tokens) if self.tokens is not None else ids.shape[1]
-        self.served = 0
-
-    @property
-    def ids(self) -> torch.Tensor:
-        if self._ids is None:
-            self._ids = torch.tensor([self.tokens], dtype=torch.long, device=self.device)
-        return self._ids
-
-    def token_ids(self) -> list[int]:
-        return self.tokens if self.tokens is not None else self._ids[0].tolist()
-
-    def feed(self, token: int) -> None:
-        """A one-row step's forward made the next step's: its row is now `token`, at the
-        position after the last (the cache's length, which the forward moved on)."""
-        self.tokens[0], self._ids = token, None
-
-    def __repr__(self) -> str:
-        return f"Forward(rows={self.rows}, taps={self.taps}, last_logits={self.last_logits})"
-
-
-@dataclass
-class HeadForward:
-    """MTP-head entries a sequence's draft chain needs next: `embeds`, `hidden` [1, T, H] at
-    positions `start`.. (default `cache.length`) of `head`'s cache -> (logits [1, T, V], h
-    [1, T, H]), the cache's length then start + T (`MTPSteps.__call__`)."""
-
-    head: object
-    embeds: torch.Tensor
-    hidden: torch.Tensor
-    cache: object
-    start: int | None = None
-
-    @property
-    def rows(self) -> int:
-        return self.embeds.shape[1]
-
-    @property
-    def face(self):
-        return self.head
-
-    def run(self):
-        """This forward alone."""
-        return self.head(self.embeds, self.hidden, self.cache, start=self.start)
-
-
-@dataclass
-class DraftForward:
-    """A block propose a sequence needs next: `drafter.propose(anchor [1], embed, cache, gamma)`
-    (`DrafterSteps.propose`, the context added since the last propose fed first) -> its
-    `dflash.Proposal`."""
-
-    drafter: object
-    anchor: torch.Tensor
-    embed: object
-    cache: object
-    gamma: int
-    rows = 1  # one block
-
-    @property
-    def face(self):
-        return self.drafter
-
-    def run(self):
-        """This propose alone."""
-        return self.drafter.propose(self.anchor, self.embed, self.cache, self.gamma)
-
-
-def run_alone(steps):
-    """Drive a proposer's coroutine (`propose_steps`) for one sequence: each `HeadForward` or
-    `DraftForward` it yields runs at once; returns what it returns."""
-    reply = None
-    while True:
-        try:
-            reply = steps.send(reply).run()
-        except StopIteration as done:
-            return done.value
+from metrale.runtime.steps import BatchedFace, run_each
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -133,24 +39,25 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 
 def run_forwards(target, needs: list) -> list:
-    """Each need's output, in order: the target's `Forward`s in one batched call where the target
-    has one (`forward_many`, the aoti backend's `aoti_batched.BatchedTarget`), each head's
-    `HeadForward`s and each drafter's `DraftForward`s likewise (`aoti_batched.BatchedMTP`,
-    `BatchedDFlash`); else one after another."""
+    """Each model step's output, in order (`steps`): the target's `Forward`s on `target`, every
+    other step on its own face; a `BatchedFace` runs all of its steps in one call (the aoti
+    backend's `aoti_batched` faces, a graph target's lanes), any other face one step after
+    another."""
     out: list = [None] * len(needs)
     groups: dict[int, tuple[object, list[int]]] = {}
     for i, need in enumerate(needs):
-        face = target if isinstance(need, Forward) else need.face
+        face = need.face
+        if face is None:
+            face = target
         groups.setdefault(id(face), (face, []))[1].append(i)
     for face, members in groups.values():
         mine = [needs[i] for i in members]
-        many = getattr(face, "forward_many", None)
-        if many is not None:
-            results = many(mine)
+        if isinstance(face, BatchedFace):
+            results = face.forward_many(mine)
         elif face is target:
             results = [target(f.ids, f.cache, taps=f.taps) for f in mine]
         else:
-            results = [f.run() for f in mine]
+            results = run_each(mine)
         for i, r in zip(members, results):
             out[i] = r
     return out
@@ -158,9 +65,8 @@ def run_forwards(target, needs: list) -> list:
 
 class TargetSteps(Protocol):
     """The target: `config` (its `DecoderConfig`, `max_position_embeddings` = usable context),
-    `model.embed_tokens` (the drafters and the head embed with it), `dtype`. A target may also
-    have `forward_many(forwards)`: the rows of many sequences' `Forward`s in one batched call
-    (`run_forwards`)."""
+    `model.embed_tokens` (the drafters and the head embed with it), `dtype`. A target that is a
+    `steps.BatchedFace` runs the rows of many sequences' `Forward`s in one call (`run_forwards`)."""
 
     def new_cache(self, batch: int, max_len: int): ...
 
@@ -171,8 +77,8 @@ class TargetSteps(Protocol):
 
 
 class MTPSteps(Protocol):
-    """The MTP head: `config` (`.decoder` its `DecoderConfig`). A head may also have
-    `forward_many(head_forwards)`: the entries of many sequences' `HeadForward`s in one call."""
+    """The MTP head: `config` (`.decoder` its `DecoderConfig`). A head that is a
+    `steps.BatchedFace` runs the entries of many sequences' `HeadForward`s in one call."""
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None): ...
 
@@ -181,8 +87,8 @@ class MTPSteps(Protocol):
 
 
 class DrafterSteps(Protocol):
-    """A DFlash/DFlash2 drafter: `config` (its `DFlashConfig`). A drafter may also have
-    `forward_many(draft_forwards)`: the proposes of many sequences' `DraftForward`s in one call."""
+    """A DFlash/DFlash2 drafter: `config` (its `DFlashConfig`). A drafter that is a
+    `steps.BatchedFace` proposes the blocks of many sequences' `DraftForward`s in one call."""
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None): ...
 
@@ -273,9 +179,9 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
     if b is Backend.AOTI or (b is Backend.AUTO and dev.type != "cuda"):
         from metrale.runtime.backends import aoti
 
-        aoti.use_cpu_packages(engine, engine.manifest.components["target"], b.value)
-        if engine.backend == "aoti":
-            aoti.use_cpu_drafters(engine, b.value)
+        aoti.use_cpu_packages(engine, engine.manifest.components["target"], b is Backend.AOTI)
+        if engine.backend is BACKENDS["aoti"]:
+            aoti.use_cpu_drafters(engine, b is Backend.AOTI)
     elif b is Backend.AUTO:
         from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
 

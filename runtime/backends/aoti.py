@@ -40,9 +40,10 @@ from pathlib import Path
 
 import torch
 
+from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.artifact.entries import ComponentEntry, CpuPackage, CpuPackages
-from metrale.runtime.components import KINDS, resolve
+from metrale.runtime.components import KINDS
 from metrale.runtime.errors import EngineDirError
 from metrale.runtime.models.layers import pack_for_inference
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
@@ -350,16 +351,17 @@ def load_compiled(engine_dir: Path, name: str, info: ComponentEntry, model, dtyp
     if not cpu.packages:
         raise EngineDirError(f"{where}: its manifest entry lists no CPU packages; rebuild the "
                              "engine with metrale build --cpu-engines aoti")
-    face = resolve(KINDS[info.kind].aoti_face)
+    face = BACKENDS["aoti"].face(KINDS[info.kind].shape)
     return face.from_packages(model, _load_packages(engine_dir, cpu), cpu, where)
 
 
 # -- the swaps -------------------------------------------------------------------------------
 
 
-def use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
+def use_cpu_drafters(engine: LoadedEngine, required: bool) -> None:
     """Swap the MTP head and each one-rank drafter for its AOTInductor packages where the
-    engine directory has them (a tensor-parallel drafter keeps running eagerly)."""
+    engine directory has them (a tensor-parallel drafter keeps running eagerly); `required`
+    (`--backend aoti`): packages that do not load are an error, not a fallback."""
     for name, info in engine.manifest.components.items():
         if name == "target" or info.cpu is None:
             continue
@@ -374,7 +376,7 @@ def use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
         try:
             compiled = load_compiled(engine.path, name, info, pack_for_inference(model), engine.dtype)
         except (EngineDirError, RuntimeError, OSError) as exc:
-            if backend == "aoti":
+            if required:
                 raise EngineDirError(f"--backend aoti: engine directory {engine.path}: {name}: {exc}") from None
             engine.backend_note = f"{name} runs eagerly: its CPU packages do not load ({exc})"
             log.info("engine directory %s: %s", engine.path, engine.backend_note)
@@ -382,8 +384,9 @@ def use_cpu_drafters(engine: LoadedEngine, backend: str) -> None:
         engine.place(name, KINDS[info.kind].role, compiled)
 
 
-def use_cpu_packages(engine: LoadedEngine, info: ComponentEntry, backend: str) -> None:
-    """Swap the target's decode face for its AOTInductor packages (see this module)."""
+def use_cpu_packages(engine: LoadedEngine, info: ComponentEntry, required: bool) -> None:
+    """Swap the target's decode face for its AOTInductor packages (see this module); `required`
+    as `use_cpu_drafters`'."""
     where = f"engine directory {engine.path}"
     why = None
     if engine.device.type != "cpu":
@@ -394,15 +397,15 @@ def use_cpu_packages(engine: LoadedEngine, info: ComponentEntry, backend: str) -
         try:
             pack_for_inference(engine.target)
             engine.target = load_compiled(engine.path, "target", info, engine.target, engine.dtype)
-            engine.backend = "aoti"
+            engine.backend = BACKENDS["aoti"]
             return
         except EngineDirError as exc:
-            if backend == "aoti":
+            if required:
                 raise
             why = str(exc)
         except (RuntimeError, OSError) as exc:  # the package's code would not load here
             why = f"its CPU packages do not load in this process ({exc})"
-    if backend == "aoti":
+    if required:
         raise EngineDirError(f"--backend aoti: {where}: {why}")
     if info.cpu is not None and engine.device.type == "cpu":  # packages there, but not runnable here
         engine.backend_note = f"CPU packages not used, running eager torch: {why}"

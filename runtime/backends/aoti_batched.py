@@ -41,6 +41,7 @@ from metrale.runtime.backends.aoti_native import Lanes
 from metrale.runtime.backends.kv_pool import KVPool, PooledCache
 from metrale.runtime.backends.prefix_cache import PrefixCache
 from metrale.runtime.models.qwen3 import TargetOutput
+from metrale.runtime.steps import BatchedFace, DraftForward, Forward, HeadForward
 
 def _longs(values: list[int]) -> torch.Tensor:
     """Python ints as an int64 tensor, through numpy (for 32 values: 2 us, where torch.tensor of
@@ -79,7 +80,7 @@ def _parts(lanes: Lanes, groups: dict[int, list[int]], forwards) -> list[list[in
             for p in lanes.split(members, [forwards[i].rows for i in members])]
 
 
-class BatchedTarget(TargetFace):
+class BatchedTarget(TargetFace, BatchedFace):
     """The target's decode face over one batched package (see the module docstring)."""
 
     @classmethod
@@ -118,8 +119,6 @@ class BatchedTarget(TargetFace):
     def __call__(self, ids: torch.Tensor, cache: PooledCache, start: int | None = None,
                  taps: tuple[int, ...] = ()) -> TargetOutput:
         """ids [1, T] at positions start.. (default cache.length); cache.length becomes start+T."""
-        from metrale.runtime.backends import Forward
-
         if start is not None:
             cache.length = start
         return self.forward_many([Forward(ids, cache, tuple(taps))])[0]
@@ -128,8 +127,6 @@ class BatchedTarget(TargetFace):
         """The target outputs of each `backends.Forward` (rows ids [1, T] of a distinct cache at
         its length), in order; each cache's length grows by its T. With a `prefix_cache`, a
         prompt reuses the kept positions it starts with (`prefix_cache`: the same bits)."""
-        from metrale.runtime.backends import Forward
-
         # decode steps of one row each (and prompts the prefix cache holds whole, which run no
         # row): what a busy batch runs at almost every iteration, planned by _step_plans
         step = [f.rows == 1 and f.tokens is not None and not f.last_logits for f in forwards]
@@ -316,7 +313,7 @@ class _RowsOutput:
         return self._face.select_taps(self.rows("taps")[None], self._which) if self._which else None
 
 
-class BatchedMTP:
+class BatchedMTP(BatchedFace):
     """The MTP head's face over its batched package: `new_cache` and `__call__` as
     `aoti.CompiledMTP`'s, plus `forward_many`, the entries of many sequences' draft chains
     (`backends.HeadForward`) in one package call per pool. Caches are `PooledCache`s of the
@@ -348,8 +345,6 @@ class BatchedMTP:
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: PooledCache,
                  start: int | None = None):
         """Entries start.. of embeds/hidden [1, T, H] -> (logits [1, T, V], h [1, T, H])."""
-        from metrale.runtime.backends import HeadForward
-
         return self.forward_many([HeadForward(self, embeds, hidden, cache, start)])[0]
 
     def forward_many(self, forwards) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -377,7 +372,7 @@ class BatchedMTP:
         return results
 
 
-class BatchedDFlash(CompiledDFlash):
+class BatchedDFlash(CompiledDFlash, BatchedFace):
     """The DFlash/DFlash2 drafter's face over its batched package: `new_cache`, `add_context`
     and `propose` as `aoti.CompiledDFlash`'s, plus `forward_many`, the blocks of many
     sequences' `backends.DraftForward`s in one package call per pool. Context added with
@@ -408,8 +403,6 @@ class BatchedDFlash(CompiledDFlash):
 
     def propose(self, anchor: torch.Tensor, embed, cache: PooledCache, gamma: int):
         """anchor [1] -> a `dflash.Proposal` of γ−1 drafts (the pending context fed first)."""
-        from metrale.runtime.backends import DraftForward
-
         return self.forward_many([DraftForward(self, anchor, embed, cache, gamma)])[0]
 
     def _backlog(self, f) -> tuple[torch.Tensor, int]:

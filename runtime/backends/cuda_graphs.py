@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
 from metrale.runtime.artifact.engine import LoadedEngine
 
@@ -313,11 +314,11 @@ def use_cuda_graphs(engine: LoadedEngine, graphs=None) -> None:
     except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager target
         why = f"{type(exc).__name__}: {exc}"
     if why is not None:  # out of the handler: the traceback's frames (and their buffers) are gone
-        engine.target, engine.backend = model, "torch"
+        engine.target, engine.backend = model, BACKENDS["torch"]
         engine.backend_note = f"CUDA graphs failed, running eager torch: {why}"
         log.warning("engine directory %s: %s", engine.path, engine.backend_note)
         if engine.device.type == "cuda":
             torch.cuda.empty_cache()
         return
-    engine.target, engine.backend = target, target.runner.graphs.name
+    engine.target, engine.backend = target, BACKENDS[target.runner.graphs.name]
     engine.backend_note = ""

@@ -42,7 +42,8 @@ from torch import nn
 
 from metrale.runtime.artifact.engine_check import component_config
 from metrale.runtime.backends.graph_cache import CacheSizes, EngineCache, position_limit
-from metrale.runtime.components import KINDS, resolve
+from metrale.runtime.backend_registry import BackendEntry
+from metrale.runtime.components import KINDS, StepShape
 from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
 from metrale.runtime.models.dflash import CandidateSelector, Proposal, candidate_drafts
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -314,9 +315,9 @@ def _tensors(path: Path, names: tuple[str, ...], where: str) -> list[torch.Tenso
 
 
 def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], GraphRunner],
-                      device: torch.device, rank: int = 0) -> LoadedEngine:
-    """Every component's face over `runner(name)` (the component's graph: this `rank`'s for a
-    tensor-parallel drafter), with the target's embedding and DFlash2's codebooks read from the
+                      device: torch.device, backend: BackendEntry, rank: int = 0) -> LoadedEngine:
+    """Every component's face of `backend` over `runner(name)` (the component's graph: this
+    `rank`'s for a tensor-parallel drafter), with the target's embedding and DFlash2's codebooks read from the
     safetensors; the profiles and taps come from the manifest (`trt_build.write_engines`
     records them with each graph)."""
     comps = manifest.components
@@ -339,14 +340,14 @@ def load_graph_engine(path: Path, manifest, tokenizer, runner: Callable[[str], G
     engine_taps = tuple(comps["target"].taps or ())
     ctx = SimpleNamespace(path=path, where=where, engine_taps=engine_taps, embed=embed, limit=limit,
                           rank=rank)
-    target = resolve(KINDS["target"].graph_face).from_graph(tgt, "target", comps["target"], tcfg, ctx)
+    target = backend.face(StepShape.TARGET).from_graph(tgt, "target", comps["target"], tcfg, ctx)
     loaded = LoadedEngine(path, manifest, tokenizer, target, dtype=embed.weight.dtype,
-                          device=device, packed=True)  # the graphs hold their own weights
+                          device=device, packed=True, backend=backend)  # the graphs hold their own weights
     for name, info in comps.items():
         if name == "target":
             continue
         kind = KINDS[info.kind]
-        face = resolve(kind.graph_face).from_graph(runner(name), name, info, config(name, info), ctx)
+        face = backend.face(kind.shape).from_graph(runner(name), name, info, config(name, info), ctx)
         loaded.place(name, kind.role, face)
     return loaded
 

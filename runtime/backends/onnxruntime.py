@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
+from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.backends import resolve_backend
 from metrale.runtime.backends.graph_steps import load_graph_engine
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -123,7 +124,6 @@ def load_ort_engine(engine_dir: str | Path, *, threads: int | None = None) -> Lo
                          f"engine directory {path}: {comps[name].onnx}", threads)
 
     loaded = load_graph_engine(path, manifest, Tokenizer.from_dir(path / "tokenizer"), runner,
-                               torch.device("cpu"))
-    loaded.backend = "onnxruntime"
+                               torch.device("cpu"), BACKENDS["onnxruntime"])
     log.info("loaded %s into onnxruntime", path)
     return loaded

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.backends import resolve_backend
 from metrale.runtime.backends.graph_steps import load_graph_engine
 from metrale.runtime.backends.trt_runner import EngineRunner, gpu_sm, import_trt, pick_engine_sm
@@ -112,8 +113,7 @@ def load_trt_engine(engine_dir: str | Path, *, device: str | torch.device = "cud
             return EngineRunner(trt, flavor, (path / rel).read_bytes(), what, dev, stream, graphs)
 
         loaded = load_graph_engine(path, manifest, Tokenizer.from_dir(path / "tokenizer"), runner, dev,
-                                   rank=rank)
-        loaded.backend = "tensorrt"
+                                   BACKENDS["tensorrt"], rank=rank)
         target = loaded.target
     # the plugin creators must outlive every engine holding plugin layers
     target.keep_alive = (plugins, stream)

@@ -32,12 +32,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
-from metrale.runtime.backends import DraftForward, Forward, HeadForward
-from metrale.runtime.spec.decode import Batch, PlainRun
-from metrale.runtime.spec.iteration_loop import LaneStep
+from metrale.runtime.spec.decode import Batch
+from metrale.runtime.steps import Driver, ModelStep, StepKind
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +81,37 @@ class StopScanner:
         return text
 
 
+def _closing(tokens):
+    """A generator over `tokens` whose `close` closes them too where they can be closed (a
+    generator's cleanup: its metrics, a world's lockstep)."""
+    yield from tokens
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a generator offers its scheduler (`TextGenerator.capabilities`)."""
+
+    # its sequences' model steps can run together: each request's `steps(prompt_ids, params,
+    # batch)` coroutine (`steps` contract), their steps through its `run_forwards`
+    batched: bool = False
+    sequential: bool = False  # it decodes one request at a time (a tensor-parallel world)
+    max_running: int | None = None  # the most requests it runs at once (a graph target's lanes)
+    # what the scheduler's model thread runs in (entered once: the coroutines resume there)
+    thread_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+STREAM_ONLY = Capabilities()  # a generator that only streams each request on its own
+
+
 class Job:
     """One admitted request: emits ("text", str)*, then ("done", (finish_reason, n_tokens)) or
     ("error", exception); `cancel` set ends it at its next step (or before it starts).
 
-    With a generator that can be batched (`gen.batched`), the request runs as its decode loop's
-    coroutine (`gen.steps`): `advance` runs it up to the next target forward it needs and leaves
-    that in `need`; the scheduler runs every job's `need` in one forward and hands each its
-    output (`reply`); while a `PlainRun` runs (`run`), `advance` takes its step's token and
-    leaves its next step's row in `need`, the coroutine untouched. Otherwise (a tensor-parallel
-    world, a test's generator) `advance` takes the next token of `gen.stream`."""
+    On a batched scheduler (`coroutine`, set at `Scheduler.submit`) the request runs as its
+    decode loop's coroutine (`gen.steps`) through a `steps.Driver`: `advance` runs it up to the
+    next model step it needs and leaves that in `need`; the scheduler runs every job's `need`
+    together and hands each its output (`reply`). Otherwise (a tensor-parallel world, a
+    stream-only generator) `advance` takes the next token of `gen.stream`."""
 
     def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
                  batch: Batch | None = None):
@@ -102,10 +123,10 @@ class Job:
         self.eos, self.limit = gen.tokenizer.eos_token_ids, req.params.max_tokens
         self.n, self.tokens = 0, None
         self.batch = batch or Batch()
-        self.coroutine = bool(getattr(gen, "batched", False))
-        self.need: Forward | HeadForward | DraftForward | None = None
+        self.coroutine = False
+        self.need: ModelStep | None = None
         self.reply = None
-        self.run: PlainRun | None = None  # greedy plain steps run here, the loop not resumed
+        self.driver: Driver | None = None
 
     def advance(self) -> bool:
         """Run the request to its next forward (or its next token); False once it is over (its
@@ -116,7 +137,7 @@ class Job:
             if self.coroutine:
                 return self._advance_steps()
             if self.tokens is None:
-                self.tokens = self.gen.stream(self.req.prompt_ids, self.req.params)
+                self.tokens = _closing(self.gen.stream(self.req.prompt_ids, self.req.params))
             token = next(self.tokens, None)
             if token is None:
                 return self._finish(stopped=False)
@@ -125,31 +146,17 @@ class Job:
             return self.fail(e)
 
     def _advance_steps(self) -> bool:
-        if self.tokens is None:
+        driver = self.driver
+        if driver is None:
             self.tokens = self.gen.steps(self.req.prompt_ids, self.req.params, self.batch)
-        while True:
-            reply, self.reply = self.reply, None
-            run = self.run
-            if run is not None:  # a plain step of the run: its token out, the next step's row
-                if not self._take(run.take(reply)):
-                    return False
-                if run.forward is not None:
-                    self.need = run.forward
-                    return True
-                self.run, reply = None, run  # the run ended: the loop goes on from it
-            try:
-                item = self.tokens.send(reply)
-            except StopIteration:
-                return self._finish(stopped=False)
-            if isinstance(item, (Forward, HeadForward, DraftForward, LaneStep)):
-                self.need = item
-                return True
-            if type(item) is PlainRun:
-                self.run, self.need = item, item.forward
-                return True
-            for token in item:
-                if not self._take(token):
-                    return False
+            driver = self.driver = Driver(self.tokens, self._take)
+        reply, self.reply = self.reply, None
+        if driver.advance(reply):
+            self.need = driver.need
+            return True
+        if driver.finished:
+            return self._finish(stopped=False)
+        return False  # `_take` ended it
 
     def _take(self, token: int) -> bool:
         """One emitted token: its text (minus any stop string) out; False when the job ended."""
@@ -180,12 +187,14 @@ class Job:
         return False
 
     def _close(self) -> None:
-        if self.run is not None:  # its steps into the result that the loop's cleanup reads
-            self.run.close()
-        close = getattr(self.tokens, "close", None)
-        self.tokens, self.need, self.run = None, None, None
-        if close is not None:  # a generator: its cleanup (metrics, a world's lockstep) runs now
-            close()
+        """Its steps so far into the result the decode loop's cleanup reads, then that cleanup
+        (metrics, a world's lockstep) at once."""
+        driver, tokens = self.driver, self.tokens
+        self.tokens, self.need, self.driver = None, None, None
+        if driver is not None:
+            driver.close()
+        elif tokens is not None:
+            tokens.close()
 
 
 class Scheduler:
@@ -231,17 +240,14 @@ class Scheduler:
     def for_generator(cls, gen, max_num_seqs: int, disable_at: int | None,
                       flush: Callable[[], None] = lambda: None, yield_gil: bool = True,
                       inbox: Callable[[bool], bool] | None = None) -> "Scheduler":
-        """The scheduler of `gen`: batched where it can batch (`gen.batched`), one request at a
-        time where it decodes so (`gen.sequential`: a tensor-parallel world, whose ranks decode
-        in lockstep), and never more at once than it runs (`gen.max_running`: a graph target's
-        lanes). `yield_gil`: whether an event loop shares its interpreter (see `_iterate`);
-        `inbox`: see `run`."""
-        world = getattr(gen, "world", None)
-        sequential = getattr(gen, "sequential", getattr(world, "size", 1) > 1)
-        most = getattr(gen, "max_running", None)  # a graph target's lanes
-        return cls(1 if sequential else min(max_num_seqs, most or max_num_seqs),
-                   gen.run_forwards if getattr(gen, "batched", False) else None, disable_at,
-                   getattr(gen, "thread_mode", contextlib.nullcontext), flush, yield_gil, inbox)
+        """The scheduler of `gen`, as its `capabilities` allow: batched where it can batch, one
+        request at a time where it decodes so, and never more at once than it runs.
+        `yield_gil`: whether an event loop shares its interpreter (see `_iterate`); `inbox`:
+        see `run`."""
+        caps: Capabilities = gen.capabilities
+        most = 1 if caps.sequential else min(max_num_seqs, caps.max_running or max_num_seqs)
+        return cls(most, gen.run_forwards if caps.batched else None, disable_at, caps.thread_mode,
+                   flush, yield_gil, inbox)
 
     def run(self) -> None:
         """The loop on the caller's thread, for a scheduler given an `inbox`: a callable that
@@ -265,6 +271,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         job.batch = self.batch
+        job.coroutine = self.run_forwards is not None
         with self._cv:
             self.waiting.append(job)
             self._cv.notify()
@@ -313,28 +320,19 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 job.fail(e)
 
-    def _count(self, forwards: list) -> None:
-        """/metrics' counters of one batched forward's needs, in one pass over them."""
-        target = targets = head = heads = blocks = 0
+    def _count(self, forwards: list[ModelStep]) -> None:
+        """/metrics' counters of one batched call's model steps, in one pass over them."""
+        steps, rows = [0, 0, 0], [0, 0, 0]  # per `StepKind`
         for f in forwards:
-            kind = type(f)
-            if kind is Forward:
-                targets += 1
-                target += f.rows - f.served
-            elif kind is HeadForward:
-                heads += 1
-                head += f.rows
-            elif kind is DraftForward:
-                blocks += 1
-            elif kind is LaneStep:  # a whole iteration: its target rows
-                targets += 1
-                target += f.rows
-        self.forwards += targets > 0
-        self.batched_rows += target
-        self.head_forwards += heads > 0
-        self.head_rows += head
-        self.draft_forwards += blocks > 0
-        self.draft_blocks += blocks
+            kind = f.kind
+            steps[kind] += 1
+            rows[kind] += f.ran
+        self.forwards += steps[StepKind.TARGET] > 0
+        self.batched_rows += rows[StepKind.TARGET]
+        self.head_forwards += steps[StepKind.HEAD] > 0
+        self.head_rows += rows[StepKind.HEAD]
+        self.draft_forwards += steps[StepKind.DRAFT] > 0
+        self.draft_blocks += steps[StepKind.DRAFT]
 
     def _loop(self) -> None:
         with self.thread_mode():

@@ -28,22 +28,22 @@ from typing import Iterator
 
 import torch
 
-from metrale.runtime.models.configs import DFlashConfig
-from metrale.runtime.backends import run_forwards
-from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
-from metrale.runtime.backends.cuda_graphs import GraphTarget
-from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
-                                                 lanes_for, loop_for, request_budget)
-from metrale.runtime.backends import Backend, load_engine
-from metrale.runtime.components import KINDS, Role, names_with_role, resolve
 from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.artifact.engine_dir import load_manifest
+from metrale.runtime.backends import Backend, load_engine, run_forwards
+from metrale.runtime.components import KINDS, Role, names_with_role
 from metrale.runtime.errors import ConfigError, MetraleError
-from metrale.runtime.spec.metrics import SpecMetricsAggregate
-from metrale.runtime.spec.sampling import SamplingParams
-from metrale.runtime.spec.relay import LeaderDrafts, RelayedDrafts
-from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
+from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.tp import TensorParallel, World
+from metrale.runtime.serving.scheduler import Capabilities
+from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
+from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
+from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
+                                                 lanes_for, loop_for, request_budget)
+from metrale.runtime.spec.metrics import SpecMetricsAggregate
+from metrale.runtime.spec.relay import LeaderDrafts, RelayedDrafts
+from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.spec.shapes import SHAPES
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
         if spec.dflash_adaptive_k == AUTO:
             from metrale.runtime.spec import calibration
 
-            wanted = calibration.setting(name, engine.backend, str(engine.dtype).removeprefix("torch."),
+            wanted = calibration.setting(name, engine.backend.name, str(engine.dtype).removeprefix("torch."),
                                          torch.get_num_threads())
             calibrated = calibration.lookup(engine.path, wanted)
             of = f"{calibration.describe(wanted)} in engine directory {engine.path}"
@@ -78,7 +78,7 @@ class EngineGenerator:
 
     def __init__(self, engine: LoadedEngine, spec: SpeculativeConfig | None = None,
                  world: World | None = None, relay: bool = False):
-        self.engine = engine.pack() if hasattr(engine, "pack") else engine
+        self.engine = engine.pack()
         self.spec = spec or SpeculativeConfig()
         self.world = world or World()
         self.relay = relay and self.world.size > 1 and self.spec.mode is SpecMode.DFLASH
@@ -88,18 +88,19 @@ class EngineGenerator:
         self.model_id = engine.model_id
         self.max_context = engine.target.config.max_position_embeddings
         self.metrics = SpecMetricsAggregate()
-        # what each request's proposer is made from: the proposing component's kind's factory
+        # what each request's proposer is made from: the proposer of the proposing component's
+        # step shape
         self._proposing = None
         if self.spec.mode is not SpecMode.OFF and not follower_relay:
             comps = engine.manifest.components
-            role = Role.HEAD if self.spec.mode is SpecMode.MTP else Role.DRAFTER
-            name = self.spec.dflash_drafter if role is Role.DRAFTER else names_with_role(comps, role)[0]
-            self._proposing = (resolve(KINDS[comps[name].kind].proposer), name)
-        # a target that runs as graphs (one process holding the whole model): requests run whole
-        # iterations as graphs (`iteration_loop`), one at a time (`decoder`), or many in lanes
-        # (`steps`, a scheduler's); each kind captured at its first use
+            name = (self.spec.dflash_drafter if self.spec.mode is SpecMode.DFLASH
+                    else names_with_role(comps, Role.HEAD)[0])
+            self._proposing = (SHAPES[KINDS[comps[name].kind].shape].proposer, name)
+        # a backend whose whole iterations run as graphs (one process holding the whole model):
+        # requests run them one at a time (`decoder`), or many in lanes (`steps`, a
+        # scheduler's); each kind captured at its first use
         self._graphs = None
-        if isinstance(engine.target, GraphTarget) and self.world.size == 1:
+        if engine.backend.iteration_graphs and self.world.size == 1:
             self._graphs = engine.target.runner.graphs
         self._iterations: IterationLoop | bool | None = None  # False: its capture failed
         self._lanes: IterationLanes | bool | None = None
@@ -159,26 +160,18 @@ class EngineGenerator:
                 self.metrics.add(decoder.last_result.metrics)
 
     @property
-    def batched(self) -> bool:
-        """Whether a scheduler may gather this generator's sequences into one forward (`steps`,
-        `run_forwards`): in one process."""
-        return self.world.size == 1
-
-    @property
-    def sequential(self) -> bool:
-        """Whether it decodes one request at a time: a tensor-parallel world (its ranks decode
-        in lockstep)."""
-        return self.world.size > 1
-
-    @property
-    def max_running(self) -> int | None:
-        """The most requests it runs at once, or None: no limit of its own. On a graph target,
-        its lanes (captured on the first read, which a scheduler's construction makes), or 1
-        where they could not be: the decode loop then runs one request at a time on the
-        target's graphs."""
-        if self._graphs is None:
-            return None
-        return LANES if self._serving_lanes() else 1
+    def capabilities(self) -> Capabilities:
+        """What a scheduler may do with it. In one process its sequences' model steps run
+        together (`steps`, `run_forwards`); a tensor-parallel world decodes one request at a
+        time (its ranks decode in lockstep). On a graph backend it runs at most its lanes at
+        once (captured here, at the scheduler's construction), or 1 where they could not be:
+        the decode loop then runs one request at a time on the target's graphs."""
+        most = None
+        if self._graphs is not None:
+            most = LANES if self._serving_lanes() else 1
+        one = self.world.size == 1
+        return Capabilities(batched=one, sequential=not one, max_running=most,
+                            thread_mode=torch.inference_mode)
 
     def _serving_lanes(self) -> "IterationLanes | None":
         if self._lanes is None:
@@ -196,14 +189,9 @@ class EngineGenerator:
             self.engine.backend_note = "; ".join(n for n in (self.engine.backend_note, why) if n)
             return False
 
-    @staticmethod
-    def thread_mode():
-        """What a scheduler's model thread runs in: `steps` is resumed there, entered once."""
-        return torch.inference_mode()
-
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
-        resumed under `thread_mode`; on a graph target its iterations in a lane (`_lane_steps`)."""
+        resumed under its capabilities' `thread_mode`; on a graph target its iterations in a lane (`_lane_steps`)."""
         if self._graphs is not None and self._serving_lanes():
             yield from self._lane_steps(prompt_ids, params, batch)
             return
@@ -246,11 +234,8 @@ class EngineGenerator:
             self.metrics.add(result.metrics)
 
     def run_forwards(self, forwards: list) -> list:
-        """The outputs of many sequences' `Forward`s (target rows) and `HeadForward`s (MTP
-        chain entries), in one batched forward per model where the backend has one; on a graph
-        target, their `LaneStep`s in one replay."""
-        if self._lanes and forwards and type(forwards[0]) is LaneStep:
-            return self._lanes.run(forwards)
+        """The outputs of many sequences' model steps (`steps`), in one batched call per face
+        where the face has one (a graph target's `LaneStep`s: one replay of their lanes)."""
         with torch.inference_mode():
             return run_forwards(self.engine.target, forwards)
 
@@ -273,12 +258,12 @@ class EngineGenerator:
 
     def cache_prefixes(self, tokens: int):
         """Keep prompts' K/V and rows for reuse by the prompts that start the same way, up to
-        `tokens` positions (`backends.prefix_cache`) -> the cache, or None where the target
-        has none to offer (only the aoti backend's batched target does) or `tokens` is 0."""
+        `tokens` positions (`backends.prefix_cache`) -> the cache, or None where the backend
+        has none to offer (`BackendEntry.prefix_cache`) or `tokens` is 0."""
         from metrale.runtime.backends.prefix_cache import PrefixCache
 
         target = self.engine.target
-        if tokens <= 0 or not hasattr(target, "prefix_cache"):
+        if tokens <= 0 or not self.engine.backend.prefix_cache:
             return None
         target.prefix_cache = PrefixCache(tokens)
         return target.prefix_cache
@@ -286,11 +271,11 @@ class EngineGenerator:
     def leave_cores(self, cores: int) -> int | None:
         """Split the batched target's steps over `cores` fewer threads than torch's (at least
         one), leaving those cores to another process: `serve`'s HTTP process. -> the lanes,
-        or None where the target's steps are not split (`aoti_native.Lanes`)."""
+        or None where the backend does not split its steps (`BackendEntry.split_steps`)."""
         from metrale.runtime.backends.aoti_native import Lanes
 
         target = self.engine.target
-        if not isinstance(getattr(target, "lanes", None), Lanes):
+        if not self.engine.backend.split_steps:
             return None
         target.lanes = Lanes(max(1, torch.get_num_threads() - cores))
         return target.lanes.n
@@ -326,7 +311,7 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
 
     In a world, `--draft-tp-size` must be the same on every rank (checked with an all-gather)
     and resolve to 1 or the world size; above 1 every drafter is loaded as this rank's shard,
-    at 1 only the leader loads drafters and relays its drafts (`spec_relay`).
+    at 1 only the leader loads drafters and relays its drafts (`spec.relay`).
     """
     kind = Backend.parse(backend)
     if kind is Backend.ONNXRUNTIME:  # one process, one rank: the graphs are the one-rank build's
@@ -335,7 +320,7 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size > 1:
             raise ConfigError(f"--backend {kind.value} runs in one process, not {world_size} torchrun ranks")
-        tp_ranks = getattr(spec.draft_tp_size, "ranks", None)
+        tp_ranks = spec.draft_tp_size.ranks if spec.mode is SpecMode.DFLASH else None
         if tp_ranks is not None and tp_ranks > 1:
             raise ConfigError(f"--draft-tp-size {tp_ranks}: the {kind.value} backend runs one-rank "
                               "graphs; use --backend torch for tensor-parallel drafters")

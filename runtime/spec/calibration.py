@@ -43,9 +43,12 @@ def read_entries(engine_dir: Path) -> list[dict]:
 
 def setting(drafter: str, backend: str, dtype: str, threads: int) -> dict:
     """The keys an entry is looked up by, for this process."""
+    import torch
+
     from metrale.runtime.backends.aoti import build_fingerprint
 
-    fp = build_fingerprint(getattr(__import__("torch"), dtype), threads)
+    fp = build_fingerprint({"float32": torch.float32, "bfloat16": torch.bfloat16,
+                            "float16": torch.float16}[dtype], threads)
     return {"drafter": drafter, "backend": backend, "dtype": dtype, "threads": threads,
             "isa": fp["isa"], "machine": fp["machine"], "torch": fp["torch"]}
 

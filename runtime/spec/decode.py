@@ -9,16 +9,16 @@ Vocabulary (one per concept, shared with `metrics`):
   one row per forward, exactly as plain decoding does, so greedy output is byte-identical to
   plain decoding (a one-forward verify sums in another order and may flip a near-tie argmax).
 
-Drafters plug in through `Proposer` (see `spec_mtp`, `spec_dflash`): `prefill` sees the prompt's
-target outputs, `propose(pending, k_max)` returns drafts, `accept` sees the target outputs of
-the accepted rows so the drafter's own state follows the target's.
+Drafters plug in through `proposer.Proposer` (`mtp_proposer`, `dflash_proposer`): `prefill`
+sees the prompt's target outputs, `propose_steps(pending, k_max)` returns drafts, `accept` sees
+the target outputs of the accepted rows so the drafter's own state follows the target's.
 
-The loop itself is a coroutine (`Decoder.steps`) that yields the target rows it needs as a
-`Forward` (an MTP chain's head entries as a `HeadForward`, a DFlash block as a `DraftForward`)
-and is sent their outputs:
-`Decoder.stream` runs each at once for one sequence; the server's scheduler gathers one from
-every running sequence and runs them in one batched forward per model (`run_forwards`). A
-sequence's own arithmetic is the same either way.
+The loop itself is a coroutine (`Decoder.steps`) that yields the model steps it needs
+(`steps`: target rows as a `Forward`, an MTP chain's head entries as a `HeadForward`, a DFlash
+block as a `DraftForward`) and is sent their outputs: `Decoder.stream` drives it with each step
+run at once (`steps.drive`); the server's scheduler drives one per running sequence and runs
+their steps in one batched forward per model (`run_forwards`). A sequence's own arithmetic is
+the same either way.
 """
 
 from __future__ import annotations
@@ -26,18 +26,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from collections.abc import Generator, Iterator
-from typing import Protocol
 
 import torch
 
-from metrale.runtime.backends import DraftForward, Forward, HeadForward, argmax_rows, run_forwards
+from metrale.runtime.backends import TargetSteps, argmax_rows, run_forwards
+from metrale.runtime.models.qwen3 import TargetOutput
 from metrale.runtime.spec.metrics import SpecMetrics
-from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
+from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
 from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
-
-
-NO_DRAFTS = torch.empty(0, dtype=torch.long)  # a plain step's drafts (never written to)
+from metrale.runtime.steps import Forward, Run, Step, drive
 
 
 def greedy_ids(out: TargetOutput) -> list[int]:
@@ -55,37 +53,6 @@ class Batch:
 
 
 ALONE = Batch()
-
-
-class Proposer(Protocol):
-    taps: tuple[int, ...]  # target layer ids whose outputs the proposer needs
-
-    def prefill(self, prompt_ids: list[int], out: TargetOutput, pending: int) -> None: ...
-
-    def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
-        """-> (drafts [k] int64 to verify, drafts proposed by the drafter). `max_drafts` 0 is a
-        plain step: no drafts, and nothing of the drafter runs. The decode loop sets
-        `batch_size` (the sequences running) before each call."""
-
-    # A proposer that can `follow`, after a propose without drafts: how many of the steps after
-    # it it keeps plain too (adaptive k's suspension until its probe). The decode loop runs this
-    # step and those as one greedy `PlainRun` whose rows the proposer follows or, on a target
-    # whose rows do not depend on the forward's others, keeps nothing of (they run again
-    # before the next propose, `Decoder._catch_up`; the loop says so once, `rerun_rows`),
-    # then calls `skip(n)` with how many of the later ones ran.
-    plain_ahead: int
-
-    def skip(self, n: int) -> None: ...
-
-    def rerun_rows(self) -> None: ...
-
-    # Optional: `follow(out, emitted_ids)` — plain steps of a busy batch that the proposer took
-    # no part in (no propose, no accept): it only keeps their rows of `out` (one per token of
-    # `emitted_ids`, the token that followed each) for when drafting resumes.
-
-    def accept(self, out: TargetOutput, rows: int, emitted: torch.Tensor) -> None:
-        """The first `rows` rows of `out` (pending + accepted drafts) were kept; `emitted`
-        [rows] are the tokens that followed them (accepted drafts, then the new pending)."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +94,7 @@ class DecodeResult:
         return len(self.token_ids) / decode_s if decode_s > 0 else float("inf")
 
 
-class PlainRun:
+class PlainRun(Run):
     """Greedy plain steps of one sequence that a scheduler runs without resuming its decode loop
     at each (`Decoder.steps` with `runs`): the loop yields one `PlainRun`; the scheduler runs
     `forward` in its batched forward, hands the output to `take` (which gives the token, to
@@ -202,12 +169,12 @@ class PlainRun:
 class Decoder:
     """Decodes one sequence at a time with a target and an optional proposer."""
 
-    def __init__(self, target: Qwen3ForCausalLM, eos_ids: frozenset[int], proposer: Proposer | None = None,
+    def __init__(self, target: TargetSteps, eos_ids: frozenset[int], proposer: Proposer | None = None,
                  exact_verify: bool = False, max_context: int | None = None, rows_invariant: bool = False):
         self.target, self.eos_ids, self.proposer = target, eos_ids, proposer
         self.exact_verify = exact_verify
-        self._proposer_len = getattr(proposer, "max_len", 0)  # the most a drafter cache may hold
-        self._follows = hasattr(proposer, "follow")  # looked up once: steps are hot
+        self._proposer_len = proposer.max_len if proposer is not None else 0
+        self._follows = proposer is not None and proposer.follows  # looked up once: steps are hot
         # A target whose rows' bits do not depend on how many rows a forward runs
         # (`LoadedEngine.rows_invariant`) lets a busy batch's plain steps keep nothing: their
         # tokens are noted (`_missed`) and, when drafting resumes, one forward runs those rows
@@ -216,7 +183,6 @@ class Decoder:
         self._catches_up = self._follows and rows_invariant
         if self._catches_up:
             proposer.rerun_rows()
-        self._retires = hasattr(proposer, "off")  # once: a missing one raised at every step
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
         self._runs, self._started = False, 0.0  # a scheduler takes `PlainRun`s; the sequence's start
@@ -228,7 +194,7 @@ class Decoder:
     def _drafting(self) -> bool:
         """A proposer that has not retired (`off`: adaptive k settled on plain decoding for the
         rest of the stream, see `AdaptiveKController.settled`)."""
-        return self.proposer is not None and not (self._retires and self.proposer.off)
+        return self.proposer is not None and not self.proposer.off
 
     def _verify_rows(self, tokens: list[int], cache, greedy: bool, draft_ids: list[int]):
         """Target outputs for rows [pending, d_1..d_k] (`tokens`) and, when greedy, each row's
@@ -260,32 +226,11 @@ class Decoder:
         """Yield generated token ids; stops at EOS (yielded) or after params.max_tokens. Runs
         `steps` with each forward on the target at once (one sequence), its greedy plain steps
         as `PlainRun`s, as a scheduler runs them (the loop not resumed at each)."""
-        steps = self.steps(prompt_ids, params, runs=True)
-        reply = run = None
-        try:
-            while True:
-                try:
-                    need = steps.send(reply)
-                except StopIteration:
-                    return
-                if isinstance(need, (Forward, HeadForward, DraftForward)):  # each alone, at once
-                    reply = run_forwards(self.target, [need])[0]
-                elif type(need) is PlainRun:
-                    run = need
-                    while run.forward is not None:
-                        yield run.take(run_forwards(self.target, [run.forward])[0])
-                    reply, run = run, None
-                else:
-                    reply = None
-                    yield from need
-        finally:
-            if run is not None:  # the consumer stopped midway: its steps into the result
-                run.close()
-            steps.close()
+        target = self.target
+        yield from drive(self.steps(prompt_ids, params, runs=True), lambda need: run_forwards(target, need))
 
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch = ALONE,
-              runs: bool = False) -> Generator[Forward | HeadForward | DraftForward | PlainRun | list[int],
-                                               object, None]:
+              runs: bool = False) -> Generator[Step, object, None]:
         """The decode loop of one sequence as a coroutine, so a scheduler can run the target
         rows of many sequences in one forward: it yields a `Forward` whenever it needs target
         rows (send back their `TargetOutput`), a `HeadForward` for each link of an MTP draft
@@ -326,8 +271,7 @@ class Decoder:
         pending = greedy_ids(out)[-1] if params.greedy else int(sample(out.logits[0, -1], params, gen))
         if self.proposer is not None:
             # the drafter's caches hold this request's positions and a chain or block past them
-            if hasattr(self.proposer, "max_len"):
-                self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
+            self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
             self.proposer.prefill(prompt.tokens, out, pending)
             self._missed: list[int] = []  # this sequence's busy steps' tokens, not yet followed
         result.prefill_s = time.perf_counter() - t0
@@ -375,16 +319,14 @@ class Decoder:
             proposer = self.proposer
             proposer.batch_size = batch.size
             max_drafts = room - 1 if batch.speculate else 0
-            steps = getattr(proposer, "propose_steps", None)  # drafts a scheduler can batch
-            drafts, proposed = (yield from steps(pending, max_drafts)) if steps is not None else \
-                proposer.propose(pending, max_drafts)
+            drafts, proposed = yield from proposer.propose_steps(pending, max_drafts)
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]
             if not drafts.numel() and params.greedy and self._runs and self._follows:
                 # a suspended stream: this step and the plain ones after it as one run, each
                 # row followed (as a verify's kept row is) or noted for the catch-up, the next
                 # choice made after it
-                if self._retires and proposer.off:  # settled: plain for good, nothing kept
+                if proposer.off:  # settled: plain for good, nothing kept
                     run = PlainRun(pending, cache, room, self.eos_ids, result, None, None,
                                    self._started, self.device)
                     yield run

@@ -21,18 +21,15 @@ from types import SimpleNamespace
 
 import torch
 
-from metrale.runtime.backends import DraftForward, run_alone
-from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
-from metrale.runtime.spec.decode import NO_DRAFTS
 from metrale.runtime.models.dflash import DFlashDrafter
+from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash
+from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
+from metrale.runtime.steps import DraftForward
 
 
-class DFlashProposer:
-    batch_size = 1  # the sequences running with this one (set by the decode loop)
-    # after a propose without drafts: the steps after it that adaptive k keeps plain (its
-    # suspension until the next probe); the decode loop runs them without proposing
-    plain_ahead = 0
+class DFlashProposer(Proposer):
+    follows = True
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Embedding, settings: ResolvedDFlash,
                  max_len: int):
@@ -89,10 +86,6 @@ class DFlashProposer:
         if self.ladder is not None:
             return self.ladder.current
         return self.settings.max_drafts
-
-    def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
-        """`propose_steps` with the block proposed at once (one sequence)."""
-        return run_alone(self.propose_steps(pending, max_drafts))
 
     def propose_steps(self, pending: int, max_drafts: int):
         """The propose as a coroutine: it yields its `DraftForward` (send back the `Proposal`),

@@ -137,6 +137,7 @@ class _Verifying:
 
     k = 0
     exact = False
+    gamma = 0  # a drafter's block written past the verified rows (DFlash's)
 
     def __init__(self, model, taps: tuple[int, ...], slots: int, ring: int, linear: str, lanes: int):
         c = model.config
@@ -216,7 +217,7 @@ class _Verifying:
     def check_room(self, prompt_len: int, max_tokens: int) -> None:
         """A request fits the caches: its positions, two iterations' rows past its budget (the
         one discarded, see `IterationLoop`) and a drafter's block beyond them."""
-        need = prompt_len + max_tokens + 2 * (self.k + 1) + getattr(self, "gamma", 0)
+        need = prompt_len + max_tokens + 2 * (self.k + 1) + self.gamma
         if need > self.slots:
             raise ValueError(f"a prompt of {prompt_len} tokens and {max_tokens} more need {need} "
                              f"cache slots; the iteration's caches hold {self.slots}")

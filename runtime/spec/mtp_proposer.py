@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import torch
 
-from metrale.runtime.backends import HeadForward, run_alone
 from metrale.runtime.models.mtp import MTPHead
 from metrale.runtime.spec import decode
 from metrale.runtime.spec.config import DraftStop
+from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
+from metrale.runtime.steps import HeadForward
 
 
-class MTPProposer:
-    taps: tuple[int, ...] = ()
-    batch_size = 1  # set by the decode loop; a chain's length does not depend on it
-    plain_ahead = 0  # a chain's length is its own each step: no step is known plain in advance
+class MTPProposer(Proposer):
+    """A chain's length is its own each step: it does not depend on the batch, and no step is
+    known plain in advance."""
 
-    def rerun_rows(self) -> None:
-        """Nothing to weigh: a chain's length does not depend on what keeping rows costs."""
-
-    def skip(self, n: int) -> None:
-        raise AssertionError("an MTP proposer never keeps steps plain in advance (plain_ahead 0)")
+    follows = True
 
     def __init__(self, head: MTPHead, embed: torch.nn.Embedding, num_drafts: int,
                  stop: DraftStop | None, max_len: int):
@@ -78,17 +74,13 @@ class MTPProposer:
             return True
         return (running if self.stop.cumulative else prob) >= self.stop.tau
 
-    def propose(self, pending: int, max_drafts: int) -> tuple[torch.Tensor, int]:
-        """`propose_steps` with each head forward run at once (one sequence)."""
-        return run_alone(self.propose_steps(pending, max_drafts))
-
     def propose_steps(self, pending: int, max_drafts: int):
         """The draft chain as a coroutine: it yields each `HeadForward` it needs (send back its
         output), so a scheduler can run the chains of many sequences in one head forward per
         link; returns (drafts [k], k)."""
         k = min(self.num_drafts, max_drafts)
         if k == 0:  # a plain step: the kept rows wait in `unfed`
-            return torch.empty(0, dtype=torch.long), 0
+            return NO_DRAFTS, 0
         yield from self._feed()
         drafts: list[int] = []
         logits, h, running = self.next_logits, self.next_h, 1.0

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from metrale.runtime.spec.decode import NO_DRAFTS
 from metrale.runtime.models.tp import World
+from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 
 
-class LeaderDrafts:
-    """The leader's proposer, unchanged, plus the broadcasts the other ranks wait for."""
+class LeaderDrafts(Proposer):
+    """The leader's proposer, unchanged, plus the broadcasts the other ranks wait for. Neither
+    side `follows`: every rank must reach the same broadcasts, so each step proposes."""
 
-    def __init__(self, inner, world: World):
+    def __init__(self, inner: Proposer, world: World):
         self.inner, self.world = inner, world
         self.taps = inner.taps
 
@@ -34,13 +35,13 @@ class LeaderDrafts:
 
     @property
     def off(self) -> bool:
-        return bool(getattr(self.inner, "off", False))
+        return self.inner.off
 
     def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
         self.inner.prefill(prompt_ids, out, pending)
 
-    def propose(self, pending: int, max_drafts: int):
-        drafts, proposed = self.inner.propose(pending, max_drafts)
+    def propose_steps(self, pending: int, max_drafts: int):
+        drafts, proposed = yield from self.inner.propose_steps(pending, max_drafts)
         self.world.broadcast((drafts.tolist(), proposed))
         return drafts, proposed
 
@@ -49,22 +50,25 @@ class LeaderDrafts:
         self.world.broadcast(self.off)
 
 
-class RelayedDrafts:
+class RelayedDrafts(Proposer):
     """A non-leader rank's proposer: the leader's drafts, received; no drafter, no taps."""
-
-    taps: tuple[int, ...] = ()
 
     def __init__(self, world: World, device: torch.device | str = "cpu"):
         self.world, self.device = world, device
-        self.off = False
+        self._off = False
+
+    @property
+    def off(self) -> bool:
+        return self._off
 
     def prefill(self, prompt_ids: list[int], out, pending: int) -> None:
-        self.off = False
+        self._off = False
 
-    def propose(self, pending: int, max_drafts: int):
+    def propose_steps(self, pending: int, max_drafts: int):
         ids, proposed = self.world.broadcast()
         drafts = torch.tensor(ids, dtype=torch.long, device=self.device) if ids else NO_DRAFTS
         return drafts, proposed
+        yield  # a coroutine that needs no model step
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
-        self.off = bool(self.world.broadcast())
+        self._off = bool(self.world.broadcast())
