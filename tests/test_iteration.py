@@ -345,7 +345,8 @@ def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_
     engine = load_engine(tiny_engine_dir, backend="torch")
     use_cuda_graphs(engine, graphs=EagerGraphs())
     gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
-    assert gen.batched and not gen.sequential and gen.max_running == 32
+    caps = gen.capabilities
+    assert caps.batched and not caps.sequential and caps.max_running == 32
     texts = [engine.tokenizer.decode(p[:12]) for p in tiny_prompts]
     solo = []
     for text in texts:
@@ -399,7 +400,7 @@ def test_a_failed_capture_leaves_the_decode_loop(tiny_engine_dir, tiny_prompts, 
     assert isinstance(gen.decoder(), Decoder)
     assert gen.generate(tiny_prompts[1], greedy).token_ids == plain_tokens[1]
     assert "whole-iteration graphs failed, the decode loop runs: RuntimeError" in engine.backend_note
-    assert gen.max_running == 1  # the lanes too: one request at a time on the target's graphs
+    assert gen.capabilities.max_running == 1  # the lanes too: one request at a time on the target's graphs
 
     engine.target.runner.graphs = _Refusing(lambda fn: iteration(fn) and fn.args[-1])  # sampled ones
     gen = EngineGenerator(engine, spec)

@@ -116,7 +116,7 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
     take = PlainRun.take
     monkeypatch.setattr(PlainRun, "take", lambda self, out: taken.append(1) or take(self, out))
     gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
-    assert gen.batched
+    assert gen.capabilities.batched
     tok = aoti_engine.tokenizer
     texts = [tok.decode(p[:12]) for p in tiny_prompts]
     solo = dict(enumerate(solo_answers(gen, texts, 24)))

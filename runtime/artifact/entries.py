@@ -39,7 +39,7 @@ class _Entry(BaseModel):
 
 class QuantAlgo(_Entry):
     """`quantization.quantization`: the algorithm, the quantized and the excluded linears, and
-    the format's own keys (`plugins.formats.WeightFormat.section`, checked at load)."""
+    the format's own keys (`plugins.formats.Format.section`, checked at load)."""
 
     model_config = ConfigDict(extra="allow", frozen=True, strict=True)
     quant_algo: str | None

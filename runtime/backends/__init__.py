@@ -32,7 +32,7 @@ from metrale.runtime.steps import BatchedFace, run_each
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax of logits [N, V] (the first of equal maxima, as torch's), as ids. A
     float32 CPU tensor goes through numpy's vectorized argmax: torch's CPU argmax tracks an
-    index per element and took 135 µs for 40 rows of 2,048 where numpy takes 9 µs."""
+    index per element, many times slower over a batch's rows."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -3,8 +3,8 @@
 torch's package loader (`torch._inductor.aoti_load_package`) keeps the interpreter lock for the
 whole of a call: while the model thread computes a batched step, the server's event loop (HTTP
 parsing, tokenization, streaming) cannot run on another core, so under load the host's work and
-the model's are serialised (measured: a Python thread beside a looping 32-row target step got
-0.5% of its solo speed). A package is a zip holding one shared library of the model, its
+the model's are serialised (a Python thread beside a looping batched step barely runs). A
+package is a zip holding one shared library of the model, its
 weights inside (`freezing`); `NativeRunner` opens that library with `ctypes` (whose foreign
 calls release the lock) and drives AOTInductor's C interface: a model container of one model,
 `AOTInductorModelContainerRun` over the inputs' tensor handles. The outputs are the loader's,
@@ -121,8 +121,8 @@ def load_runner(path: str | Path, lanes: int = 1):
     return _LoaderRunner(path)
 
 
-MIN_LANE_ROWS = 4  # a call is split only where each lane gets at least this many rows (measured:
-# two 2-row halves on two threads took longer than one 4-row call, two 4-row halves 0.69x of 8)
+MIN_LANE_ROWS = 4  # a call is split only where each lane gets at least this many rows: a smaller
+# share saves less than the extra call costs (each call streams every weight)
 
 
 class Lanes:

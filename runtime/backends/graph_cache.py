@@ -25,8 +25,8 @@ import weakref
 import torch
 
 
-# Rows one speculative step may write past the decode budget: the decode loop's own cache has
-# this headroom (`decode.Decoder.stream`: prompt + budget + 1 + 16).
+# Rows one speculative step may write past the decode budget: every component's cache keeps this
+# headroom past the usable context (`position_limit`).
 STEP_HEADROOM = 17
 
 

@@ -45,9 +45,8 @@ log = logging.getLogger(__name__)
 # for this long. Clients in a closed loop leave the batch between their requests, so under
 # steady load the running set dips for moments; a sequence drafting in such a dip runs its chain
 # (a head forward per link) and its backlog of followed rows through the drafter, and its verify
-# rows, while the batch refills around it. Measured on the tiny default, 32 clients over HTTP,
-# MTP's aggregate against plain decoding's: a server that drafts only alone 0.94, one that never
-# drafts 1.04.
+# rows, while the batch refills around it: drafting in the dips costs the batch more than it
+# gains.
 SPECULATE_AFTER_S = 0.1
 
 
@@ -256,8 +255,7 @@ class Scheduler:
         nothing runs or waits (then it blocks for the next message). Returns once it says
         stop. The engine process reads its pipe so: a request arriving mid-generation is
         admitted at the next iteration, without waking a reader thread that then waits for a
-        core and for the interpreter lock the busy loop holds (measured behind a 1,000-token
-        stream, 2 cores: up to 3-6 ms)."""
+        core and for the interpreter lock the busy loop holds."""
         self._loop()
 
     def start(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str) -> None:
@@ -354,9 +352,8 @@ class Scheduler:
             # for the interpreter's switch interval (5 ms), which every hand-off of a request
             # arriving mid-generation (parse, admission, each delta) would wait for. In the
             # engine process no other thread needs it (this loop reads the pipe), and the sleep
-            # is a clock_nanosleep that Linux's timer slack (50 us by default) stretches to ~74 us
-            # a call: measured over HTTP, one request at a time went 1,717 -> 2,168 tok/s
-            # without it.
+            # is a clock_nanosleep that Linux's timer slack (50 us by default) stretches, a cost
+            # every iteration would pay: there it is skipped.
             if self.yield_gil:
                 time.sleep(0)
 

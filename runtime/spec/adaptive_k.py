@@ -153,7 +153,7 @@ class AdaptiveKController:
     the cost model says no k > 0 could beat a plain step even with every draft accepted
     ((k+1)/cost(k) <= 1/cost(0) for every allowed k), a probe could not change the decision
     and none is run: the stream decodes plainly throughout (`settled`: the decode loop then
-    retires the proposer, see `spec_dflash`). More generally a probe runs only
+    retires the proposer, see `dflash_proposer`). More generally a probe runs only
     while an optimistic acceptance — the pooled rate's upper confidence bound, `Z` standard
     errors above it — could make some count pay; a stream whose measured acceptance (or, before
     it has any, the calibrated acceptance the cost model carries) is far below what the table

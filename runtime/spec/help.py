@@ -1,7 +1,7 @@
 """The `--help` text of every speculative flag, shared by `generate`, `serve` and `bench`.
 
 The seeds' flag definitions are the authority: these texts are theirs, changed only where
-metrale's behaviour differs. `specconfig` parses and checks the flags these texts describe.
+metrale's behaviour differs. `spec.config` parses and checks the flags these texts describe.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ Modes:
   over by the next chain before any entry reads them), its entry at the last kept row seeding
   the next chain.
 
-`iteration_loop.IterationLoop` drives one lane over a request; `iteration_loop.Lanes` many
+`iteration_loop.IterationLoop` drives one lane over a request; `iteration_loop.IterationLanes` many
 requests' lanes at once (serving).
 """
 

@@ -34,6 +34,7 @@ from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeCon
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
 from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration
 from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.steps import BatchedFace, ModelStep
 
 log = logging.getLogger(__name__)
 
@@ -229,10 +230,10 @@ def lanes_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, gr
 
 
 @dataclass(frozen=True)
-class LaneStep:
-    """A request's next iteration in its lane of `IterationLanes`: what a scheduler gathers from
-    every running request and runs in one replay (`IterationLanes.run`); answered with the
-    tokens the iteration emitted for the lane."""
+class LaneStep(ModelStep):
+    """A request's next iteration in its lane of `IterationLanes` (its face): what a scheduler
+    gathers from every running request and runs in one replay (`IterationLanes.run`); answered
+    with the tokens the iteration emitted for the lane. The scheduler counts its target rows."""
 
     lanes: "IterationLanes"
     lane: int
@@ -242,8 +243,14 @@ class LaneStep:
     def rows(self) -> int:
         return self.lanes.iteration.k + 1
 
+    ran = rows
 
-class IterationLanes:
+    @property
+    def face(self) -> "IterationLanes":
+        return self.lanes
+
+
+class IterationLanes(BatchedFace):
     """Many requests at once through one iteration of `lanes` lanes (serving on a graph target):
     a request takes the lowest free lane (`acquire`), its prompt runs eagerly (`prefill`), and
     each `run` replays the graph of the smallest bucket (`BUCKETS`, then every lane) holding the
@@ -300,6 +307,9 @@ class IterationLanes:
             self._sampled.add(lane)
         self._read[lane] = 0
         return int(it.state.pending[lane])
+
+    def forward_many(self, steps: list[LaneStep]) -> list[list[int]]:
+        return self.run(steps)
 
     def run(self, steps: list[LaneStep]) -> list[list[int]]:
         """One iteration of the lanes of `steps` -> each one's emitted tokens."""
