@@ -103,10 +103,11 @@ def test_incremental_decoder_matches_full_decode_at_every_step(tok):
     assert held_back_steps > 0  # the text really exercised split characters
 
 
-def test_incremental_decoder_over_long_random_streams_decodes_once_an_id(tok):
-    """Streams longer than its window (random ids: split characters, specials, spaces): the
-    deltas are the full decode at every step that ends on a whole character, and each id costs
-    one decode (the window's restarts one more every `WINDOW` ids)."""
+def test_incremental_decoder_over_long_random_streams_decodes_nothing_itself(tok):
+    """Random ids (split characters, specials, spaces), streams of every length: the deltas
+    are the full decode at every step that ends on a whole character, a prefix of it at the
+    others, and the stream decodes through `decode_stream` alone (a whole `decode` only at a
+    flush that finds text held back)."""
     import random
 
     calls = [0]
@@ -116,9 +117,12 @@ def test_incremental_decoder_over_long_random_streams_decodes_once_an_id(tok):
             calls[0] += 1
             return tok.decode(ids, skip)
 
+        def decode_stream(self, skip):
+            return tok.decode_stream(skip)
+
     rng = random.Random(0)
     vocab = tok.vocab_size
-    for trial in range(20):
+    for trial in range(40):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
         dec, got, calls[0] = IncrementalDecoder(Counting()), "", 0
         for n, tid in enumerate(ids, start=1):
@@ -127,8 +131,15 @@ def test_incremental_decoder_over_long_random_streams_decodes_once_an_id(tok):
             assert full.startswith(got), (trial, n)
             if not full.endswith("\ufffd"):
                 assert got == full, (trial, n)
-        assert calls[0] <= len(ids) + len(ids) // IncrementalDecoder.WINDOW + 1
-        assert got + dec.flush() == tok.decode(ids)
+        assert calls[0] == 0
+        assert got + dec.flush() == tok.decode(ids) and calls[0] <= 1
+
+
+def test_incremental_decoder_deferred_decodes_once_at_the_end(tok):
+    ids = tok.encode("café 日本 🎉 friend")
+    dec = IncrementalDecoder(tok, deferred=True)
+    assert [dec.feed(t) for t in ids] == [""] * len(ids)
+    assert dec.flush() == tok.decode(ids) and dec.flush() == ""
 
 
 def test_incremental_decoder_flush_emits_incomplete_tail(tok):

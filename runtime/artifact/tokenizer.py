@@ -15,7 +15,7 @@ Invariants:
   so a chat turn ends generation whichever one the checkpoint names.
 - `IncrementalDecoder` emits, after each token, text whose concatenation is always a prefix of
   `decode(all ids so far)`, equal to it whenever that decode does not end in an incomplete UTF-8
-  character; `flush()` emits the rest.
+  character; `flush()` emits the rest. It streams with `tokenizers`' own `DecodeStream`.
 - Chat templates render in Jinja2's immutable sandbox: a template is data from a checkpoint and
   must not reach Python objects beyond the messages it is given.
 - Training is deterministic: the same texts and vocab size give byte-identical files.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +48,6 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-_REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode puts where a character is incomplete
-
 
 def _token_content(value: Any, field: str, source: Path) -> str | None:
     """A special-token entry of tokenizer_config.json: null, a string, or an AddedToken dict."""
@@ -144,6 +141,14 @@ class Tokenizer:
         """Text of `ids`; bytes that do not form complete UTF-8 characters become U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
+    def decode_stream(self, skip_special: bool = True) -> Callable[[int], str | None]:
+        """A fresh streaming decode (`tokenizers.decoders.DecodeStream`): called with each id in
+        turn, it returns the text that id completes, or None while a character is incomplete."""
+        from tokenizers.decoders import DecodeStream
+
+        stream, backend = DecodeStream(skip_special_tokens=skip_special), self._tok
+        return lambda token_id: stream.step(backend, token_id)
+
     def token_id(self, token: str) -> int:
         """Id of one vocabulary entry (e.g. "<|im_end|>"); ConfigError when it has none."""
         tid = self._tok.token_to_id(token)
@@ -198,51 +203,47 @@ class IncrementalDecoder:
     """Turns a stream of token ids into text deltas, holding back partial UTF-8 characters.
 
     Byte-level BPE splits one character (é, 日, an emoji) across tokens, so decoding one token
-    alone gives U+FFFD. Decoding a window `ids[prefix:]` against `ids[prefix:read]` and emitting
-    the difference only when it does not end in U+FFFD yields exactly the full decode. `read`
-    moves to the end at each emission, and the window's decode then is the emitted part's next
-    time (one decode per id); once the window holds more than `WINDOW` ids it restarts at the
-    emission before (kept as context: a decoder may treat a window's first token differently),
-    so each step costs O(WINDOW), not O(n). `deferred`: the text is wanted only at the end
+    alone gives U+FFFD. `tokenizers`' `DecodeStream` holds such ids until their character is
+    whole and then returns exactly the text the full decode adds, in amortized constant time an
+    id. `flush` emits what it still holds (an incomplete character as U+FFFD, as `decode` gives
+    it): the full decode past what was emitted. `deferred`: the text is wanted only at the end
     (a request neither streamed nor cut at stop strings): `feed` keeps the id, and `flush`
     decodes them all at once.
     """
-
-    WINDOW = 16
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, deferred: bool = False) -> None:
         self._tok = tokenizer
         self._skip = skip_special
         self._deferred = deferred
+        self._start()
+
+    def _start(self) -> None:
         self._ids: list[int] = []
-        self._prefix = 0  # window start: a character boundary already emitted
-        self._read = 0  # ids before this index have all been emitted as text
-        self._done = ""  # ids[prefix:read] decoded
+        self._emitted = 0  # characters of decode(ids) emitted
+        self._held = False  # the last ids' text is not out yet
+        self._step = None if self._deferred else self._tok.decode_stream(self._skip)
 
     def feed(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly "")."""
-        ids = self._ids
-        ids.append(token_id)
+        self._ids.append(token_id)
         if self._deferred:
             return ""
-        done = self._done
-        text = self._tok.decode(ids[self._prefix :], self._skip)
-        if len(text) <= len(done) or text.endswith(_REPLACEMENT):
+        text = self._step(token_id)
+        if text is None:
+            self._held = True
             return ""
-        if len(ids) - self._prefix > self.WINDOW:
-            self._prefix = self._read
-            self._done = self._tok.decode(ids[self._prefix :], self._skip)
-        else:
-            self._done = text
-        self._read = len(ids)
-        return text[len(done) :]
+        self._held = False
+        self._emitted += len(text)
+        return text
 
     def flush(self) -> str:
-        """Emit whatever is held back (an incomplete character decodes as U+FFFD)."""
-        text = self._tok.decode(self._ids[self._prefix :], self._skip)
-        done, self._done = self._done, ""
-        self._prefix = self._read = len(self._ids)
-        return text[len(done) :]
+        """Emit whatever is held back (an incomplete character decodes as U+FFFD); the next id
+        starts afresh."""
+        text = ""
+        if self._deferred or self._held:
+            text = self._tok.decode(self._ids, self._skip)[self._emitted:]
+        self._start()
+        return text
 
 
 def train_bpe_tokenizer(
