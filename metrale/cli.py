@@ -222,14 +222,14 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
 
 
 def sampling_params(temperature: float, top_p: float, seed: Optional[int], max_tokens: int):
-    """`SamplingParams` from the flags; its refusals reworded to name the flag."""
-    from metrale.runtime.spec.sampling import SamplingParams
+    """`SamplingParams` from the flags (their rules are the sampling fields' own); a refusal
+    names the flag, its value and what is allowed."""
+    from metrale.runtime.spec.sampling import SamplingError, SamplingParams
 
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
-    except MetraleError as exc:
-        field, _, rest = str(exc).partition(": ")
-        raise MetraleError(f"--{field.replace('_', '-')}: {rest}") from None
+    except SamplingError as exc:
+        raise MetraleError(f"--{exc.field.replace('_', '-')} {exc.value!r}: expected {exc.allowed}") from None
 
 
 def _load(engine_dir: Path, device: str, dtype: str, spec, backend: str = "auto"):
@@ -293,7 +293,6 @@ def generate(
     """Generate text for one prompt."""
     with user_errors():
         checks.text("--prompt", prompt)
-        checks.int_range("--max-tokens", max_tokens, 1)
         params = sampling_params(temperature, top_p, seed, max_tokens)
         context = checks.context_length(engine_dir)
         checks.max_tokens_fit(max_tokens, context)
@@ -432,6 +431,8 @@ def _serve_from_engine_process(engine_dir, device, dtype, spec, backend, host, p
     """`serve` with the models in the engine process (`serving.engine_process`)."""
     import functools
 
+    import msgspec
+
     from metrale.runtime.serving.engine_process import EngineProcess, EngineProxy
     from metrale.runtime.serving.server import serve as run_server
 
@@ -440,7 +441,7 @@ def _serve_from_engine_process(engine_dir, device, dtype, spec, backend, host, p
                            limits.max_num_seqs, limits.speculative_disable_by_batch_size,
                            prefix_cache_tokens)
     try:
-        _say_serving(engine_dir, spec, host, port, engine.info, prefix_cache_tokens)
+        _say_serving(engine_dir, spec, host, port, msgspec.structs.asdict(engine.info), prefix_cache_tokens)
         run_server(EngineProxy(engine), host=host, port=port, limits=limits, engine=engine)
     finally:
         engine.close()

@@ -21,10 +21,8 @@ latency (medians over the rounds) and lost requests (summed), and whether every 
 the same request's answer at the first level (C = 1 by default: the request alone); for each
 mode but plain, also its tokens/s over plain decoding's in each round and their median (the
 two measured minutes apart at most, where medians taken over separate rounds are not; two
-servers of the same code may still differ by several per cent from one start to the next:
-measured, three plain servers over 10 paired rounds at C = 32 gave 0.94 to 1.01 of one
-another). Last, per
-mode, the latency of a 4-token request sent just after another client's 1,000-token stream
+servers of the same code may still differ by several per cent from one start to the next, so a
+ratio a few per cent from 1 is noise). Last, per mode, the latency of a 4-token request sent just after another client's 1,000-token stream
 started (from its own process), the slowest of 5 such runs, against the same request alone (the
 median of two runs just before each of those: a machine's slow spell moves both).
 
@@ -40,8 +38,8 @@ Each mode's row then carries its tokens/s over its serial server's, round by rou
 
 `--client http` sends the same requests as plain HTTP/1.1 from each thread's own keep-alive
 connection (the standard library's `http.client`, JSON in and out), as vLLM's serving benchmark
-posts its requests itself rather than through the openai client: measured here, the openai
-client spends about 3 ms of CPU a request and this one about 0.6 ms, which on a machine whose
+posts its requests itself rather than through the openai client: the openai client spends
+several times this one's CPU a request, which on a machine whose
 clients share the server's cores is CPU the server does not get.
 
 With `--engine-only`, each level also runs plain decoding with no HTTP and no openai client: C
@@ -138,8 +136,8 @@ def run_load(base: str, prompts: list[str], concurrency: int, per_client: int, m
     openai_client = new_openai()
     model = openai_client.models.list().data[0].id
     mine = threading.local()  # each client thread its own client, as C separate users have
-    # (one client shared by 32 threads serializes them on its connection pool's lock: measured,
-    # 14% fewer tokens/s and 12% more client CPU per request at C = 32)
+    # (one client shared by many threads serializes them on its connection pool's lock: fewer
+    # tokens/s and more client CPU per request)
 
     def one(i: int):
         t0 = time.perf_counter()
@@ -222,13 +220,12 @@ def _cpu_seconds(server_pid: int) -> dict[str, float] | None:
 def _batch_counters(base: str) -> tuple[float, float]:
     """The server's scheduler counters (target rows run in batched forwards, those forwards)."""
     import requests
+    from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(base + "/metrics", timeout=30).text
-    values = dict(line.split() for line in text.splitlines()
-                  if line.startswith(("metrale_scheduler_batched_rows_total ",
-                                      "metrale_scheduler_batched_forwards_total ")))
-    return (float(values.get("metrale_scheduler_batched_rows_total", 0)),
-            float(values.get("metrale_scheduler_batched_forwards_total", 0)))
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return (values.get("metrale_scheduler_batched_rows_total", 0.0),
+            values.get("metrale_scheduler_batched_forwards_total", 0.0))
 
 
 def _where_time_went(before: tuple, after: tuple, requests: int, wall: float) -> dict:
@@ -249,27 +246,27 @@ def _where_time_went(before: tuple, after: tuple, requests: int, wall: float) ->
 
 
 _ENGINES: dict = {}
+SERVE_PREFIX_CACHE_TOKENS = 8192  # `metrale serve --prefix-cache-tokens`' default
 
 
 def run_engine_only(engine_dir: str, prompts: list[str], concurrency: int, per_client: int,
                     max_tokens: int, max_num_seqs: int):
-    """`run_load`'s figures for plain decoding without HTTP: the engine and scheduler as `serve`'s
-    engine process sets them up (its default prefix cache, no yield to an event loop, the heap
-    frozen; its steps on every thread, where serve leaves one to its HTTP process), loaded
-    once per engine directory, each client thread submitting its requests one after another."""
-    from metrale.runtime.serving.api_request import GenerationRequest
-    from metrale.runtime.serving.engine_process import freeze_heap
-    from metrale.runtime.serving.scheduler import Job, Scheduler
+    """`run_load`'s figures for plain decoding without HTTP: the engine and scheduler set up by
+    `serve`'s engine process's own `engine_setup` (its default prefix cache, no yield to an
+    event loop, the heap frozen; its steps on every thread, where serve leaves one to its HTTP
+    process), loaded once per engine directory, each client thread submitting its requests one
+    after another."""
+    from metrale.runtime.serving.api_models import GenerationRequest
+    from metrale.runtime.serving.engine_process import engine_setup
+    from metrale.runtime.serving.scheduler import Job
     from metrale.runtime.serving.service import load_generator
     from metrale.runtime.spec.config import SpeculativeConfig
     from metrale.runtime.spec.sampling import SamplingParams
 
     if (engine_dir, max_num_seqs) not in _ENGINES:
         gen = load_generator(engine_dir, SpeculativeConfig())
-        gen.cache_prefixes(8192)
-        _ENGINES[engine_dir, max_num_seqs] = gen, Scheduler.for_generator(gen, max_num_seqs, None,
-                                                                          yield_gil=False)
-        freeze_heap()  # as the engine process does once loaded (a collection skips the models)
+        scheduler, _ = engine_setup(gen, max_num_seqs, None, SERVE_PREFIX_CACHE_TOKENS, http_cores=0)
+        _ENGINES[engine_dir, max_num_seqs] = gen, scheduler
     gen, scheduler = _ENGINES[engine_dir, max_num_seqs]
     ids = [gen.tokenizer.encode(p) for p in prompts]
 

@@ -6,16 +6,20 @@ fails its requests instead of hanging them."""
 from __future__ import annotations
 
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import serve_in_thread, solo_answers
 from metrale.runtime.errors import MetraleError
 from metrale.runtime.serving.engine_process import EngineProcess, EngineProxy
 from metrale.runtime.serving.http_guard import ServerLimits
+from metrale.runtime.serving.messages import Cancel
+from metrale.runtime.serving.scheduler import SPECULATE_AFTER_S
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator, load_generator
 from metrale.runtime.spec.config import SpeculativeConfig
@@ -36,9 +40,9 @@ def engine(aoti_engine_dir):
 def test_answers_through_the_engine_process_equal_the_decode_loops(engine, aoti_engine_dir, tiny_prompts):
     from metrale.runtime.backends import load_engine
 
-    assert engine.info["backend"] == "aoti" and engine.info["prefix_cache"]
+    assert engine.info.backend == "aoti" and engine.info.prefix_cache
     # its batched steps leave a core to the HTTP process
-    assert engine.info["lanes"] == max(1, engine.info["threads"] - 1)
+    assert engine.info.lanes == max(1, engine.info.threads - 1)
     local = EngineGenerator(load_engine(aoti_engine_dir, backend="aoti"), SpeculativeConfig.from_flags(**MTP))
     tok = local.tokenizer
     texts = [tok.decode(p[:12]) for p in tiny_prompts]
@@ -55,10 +59,27 @@ def test_answers_through_the_engine_process_equal_the_decode_loops(engine, aoti_
 
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(ask, range(16))) + list(pool.map(lambda i: ask(i, True), range(8)))
+        time.sleep(2 * SPECULATE_AFTER_S)  # alone again: the next request drafts
+        answers.append(ask(0, stream=True))
         metrics = requests.get(base + "/metrics", timeout=10).text
     assert all(text == solo[i] for i, text in answers)
     assert "metrale_spec_decode" in metrics and "metrale_scheduler_peak_running" in metrics
     assert "metrale_prefix_cache_hits_total" in metrics and "metrale_scheduler_running 0" in metrics
+    # /metrics is Prometheus text its own parser reads, with the histograms, their counts
+    # plausible: every answer timed end to end, the 9 streamed ones to their first token and
+    # between their tokens, and the steps of the request that drafted alone
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+               if not s.labels or s.labels == {"le": "+Inf"}}
+    assert samples["metrale_server_e2e_request_latency_seconds_count"] == 25
+    assert samples["metrale_server_time_to_first_token_seconds_count"] == 9
+    assert 9 * 5 <= samples["metrale_server_inter_token_latency_seconds_count"] <= 9 * 19
+    steps = samples["metrale_spec_decode_steps_total"]
+    assert samples["metrale_spec_decode_drafts_per_step_count"] == steps > 0
+    verifies = samples["metrale_spec_decode_acceptance_length_count"]
+    assert 0 < verifies <= steps
+    # each verify step emits 1 to 4 tokens (3 drafts + 1)
+    assert verifies <= samples["metrale_spec_decode_acceptance_length_sum"] <= 4 * verifies
+    assert samples["metrale_spec_decode_drafts_per_step_sum"] == samples["metrale_spec_decode_draft_tokens_verified_total"]
 
 
 def test_a_cancelled_stream_frees_its_place_in_the_engine(engine):
@@ -93,7 +114,7 @@ def test_a_finished_request_sends_no_cancel_and_a_running_one_does(engine, monke
             r = client.completions.create(model=proxy.model_id, prompt="import os", max_tokens=4,
                                           temperature=0, stream=stream)
             list(r) if stream else r.choices[0].text
-        assert [m[0] for m in sent] == ["submit", "submit"]
+        assert [type(m).__name__ for m in sent] == ["Submit", "Submit"]
         cancel = engine.new_cancel("still-running")
         engine.channels["still-running"] = lambda kind, payload: None  # as `start` registers it
         try:
@@ -101,7 +122,7 @@ def test_a_finished_request_sends_no_cancel_and_a_running_one_does(engine, monke
             cancel.set()  # once
         finally:
             engine.channels.pop("still-running", None)
-    assert sent[2:] == [("cancel", "still-running")]
+    assert sent[2:] == [Cancel("still-running")]
 
 
 def test_a_load_that_fails_says_why(tmp_path):
@@ -180,7 +201,7 @@ def test_the_scheduler_yields_between_iterations_only_beside_an_event_loop(tiny_
     import time
 
     from metrale.runtime.serving import scheduler as sched
-    from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.serving.api_models import GenerationRequest
     from metrale.runtime.spec.sampling import SamplingParams
 
     class Counting:  # the module's `time`, with its sleeps counted
@@ -207,28 +228,53 @@ def test_the_scheduler_yields_between_iterations_only_beside_an_event_loop(tiny_
     assert (Counting.sleeps >= 5) if yield_gil else (Counting.sleeps == 0)
 
 
+def _pipes():
+    """Both ends of an engine pipe as blocking `Pipe`s: (the engine's, the server's)."""
+    import socket
+
+    from metrale.runtime.serving.messages import FromEngine, ToEngine
+    from metrale.runtime.serving.pipe import Pipe
+
+    a, b = socket.socketpair()
+    return Pipe(a, ToEngine), Pipe(b, FromEngine)
+
+
 def test_a_fast_streams_later_deltas_wait_for_the_flush_interval():
     """The engine's outbox sends a stream's first delta and every request's end at the flush
     that finds them; later deltas wait until `STREAM_FLUSH_S` passed since the last message, and
-    then go in one message, in order, with whatever else was held."""
-    import multiprocessing
+    then go in one message, in order, with whatever else was held. A message that ends a
+    request carries the engine's counters; the others do not (within `STATS_INTERVAL_S`)."""
     import threading
 
     from metrale.runtime.serving import engine_process as ep
+    from metrale.runtime.serving.messages import Done, Text
+    from metrale.runtime.serving.stats import EngineStats, Finished
 
     clock = [100.0]
-    here, there = multiprocessing.Pipe()
+    here, there = _pipes()
     cancels = {"a": threading.Event(), "b": threading.Event()}
-    box = ep._Outbox(here, cancels)
+    snapshots = [0]
+
+    def stats():
+        snapshots[0] += 1
+        return EngineStats()
+
+    box = ep._Outbox(here, cancels, stats)
     box.clock = lambda: clock[0]
     a, b = box.emitter("a", stream=True), box.emitter("b", stream=False)
+    got = []
 
     def sent():
-        return ep._recv(there)[1] if there.poll(0.2) else None
+        if not there.ready():
+            return None
+        msg = there.receive()[0]
+        got.append(msg)
+        return msg.events
 
     a("text", "x")
     box.flush()
-    assert sent() == [("a", "text", "x")]  # its first token waits for nothing
+    assert sent() == [Text("a", "x")]  # its first token waits for nothing
+    assert got[-1].stats is not None  # the first message: the counters' first ride
     for later in ("y", "z"):
         clock[0] += ep.STREAM_FLUSH_S / 4
         a("text", later)
@@ -240,19 +286,24 @@ def test_a_fast_streams_later_deltas_wait_for_the_flush_interval():
     assert sent() is None  # a non-streamed answer's text waits for its end anyway
     clock[0] += ep.STREAM_FLUSH_S
     box.flush()
-    assert sent() == [("a", "text", "y"), ("a", "text", "z")]
+    assert sent() == [Text("a", "y"), Text("a", "z")] and got[-1].stats is None
     a("text", "w")
     box.flush()
     assert sent() is None
     b("done", ("stop", 2))  # an end goes at once, and takes the held deltas with it
     box.flush()
-    assert sent() == [("a", "text", "w"), ("b", "text", "held whole"), ("b", "done", ("stop", 2))]
+    assert sent() == [Text("a", "w"), Text("b", "held whole"), Done("b", Finished("stop", 2, []))]
+    assert got[-1].stats is not None
     assert "b" not in cancels and "a" in cancels
     a("done", ("length", 4))
     box.flush()
-    assert sent() == [("a", "done", ("length", 4))]
+    (done,) = sent()
+    # a streamed request's end carries the gaps between its deltas: x, y, z, w made 3
+    assert done.rid == "a" and done.finished.tokens == 4 and len(done.finished.gaps) == 3
     box.flush()
     assert sent() is None  # nothing left
+    box.idle()
+    assert sent() is None  # the counters did not move since the last message carried them
 
 
 def test_a_scheduler_with_an_inbox_reads_it_between_iterations_on_the_callers_thread(tiny_engine):
@@ -262,7 +313,7 @@ def test_a_scheduler_with_an_inbox_reads_it_between_iterations_on_the_callers_th
     import threading
 
     from metrale.runtime.serving import scheduler as sched
-    from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.serving.api_models import GenerationRequest
     from metrale.runtime.spec.sampling import SamplingParams
 
     class Tokens:  # a generator of five tokens, one per iteration
@@ -294,100 +345,101 @@ def test_a_scheduler_with_an_inbox_reads_it_between_iterations_on_the_callers_th
 
 def test_the_engines_inbox_handles_what_waits_and_yields_its_core_when_nothing_does(tiny_engine,
                                                                                      monkeypatch):
-    import multiprocessing
+    import threading
 
     from metrale.runtime.serving import engine_process as ep
-    from metrale.runtime.serving.api_request import GenerationRequest
+    from metrale.runtime.serving.api_models import GenerationRequest
+    from metrale.runtime.serving.messages import Cancel, Stop, Submit
+    from metrale.runtime.serving.stats import GeneratorStats, SchedulerStats
     from metrale.runtime.spec.sampling import SamplingParams
 
     class Gen:
         tokenizer = tiny_engine.tokenizer
 
-        def metrics_text(self):
-            return "spec lines"
+        def stats(self):
+            return GeneratorStats()
 
     class Sched:
         jobs: list = []
+        iterations = 0
 
         def submit(self, job):
             self.jobs.append(job)
 
-        def metrics_lines(self):
-            return ["scheduler lines"]
+        def stats(self):
+            return SchedulerStats(iterations=self.iterations)
 
     yields = []
     monkeypatch.setattr(ep.os, "sched_yield", lambda: yields.append(1))
-    server, engine = multiprocessing.Pipe()
+    engine, server = _pipes()
     inbox = ep._Inbox(engine, Gen())
     inbox.scheduler = sched = Sched()
     assert inbox(False) and len(yields) == 1  # mid-generation, nothing waiting: the core yielded
     req = GenerationRequest([1, 2, 3], SamplingParams(temperature=0, max_tokens=5), (), False, False)
-    ep._send(server, ("submit", "a", req))
-    ep._send(server, ("metrics", 7))
+    server.send(Submit("a", req))
+    server.send(Submit("b", req))
     assert inbox(False) and len(yields) == 1  # both handled in one call
-    assert [j.rid for j in sched.jobs] == ["a"] and ep._recv(server) == ("metrics", 7, "spec lines",
-                                                                          ["scheduler lines"])
-    ep._send(server, ("cancel", "a"))
+    assert [j.rid for j in sched.jobs] == ["a", "b"] and sched.jobs[0].req == req
+    server.send(Cancel("a"))
     assert inbox(False) and sched.jobs[0].cancel.is_set() and "a" not in inbox.cancels
-    ep._send(server, ("stop",))
+    sched.iterations = 7  # the engine ran: idle a moment, it sends its counters once
+    stop = threading.Timer(5 * ep.IDLE_STATS_S, lambda: server.send(Stop()))
+    stop.start()
     assert inbox(True) is False
-    server.close()
+    stop.join()
+    (idle,) = server.receive()
+    assert idle.events == [] and idle.stats.scheduler.iterations == 7
+    server.sock.close()
     assert inbox(True) is False  # the server went away
 
 
 def test_the_pipes_frames_are_read_whole_however_they_arrive():
-    """The HTTP side parses the engine's bytes as `multiprocessing`'s `send_bytes` frames them,
-    whatever the split: a message cut anywhere waits for its rest, and messages that arrive
-    together are handled together."""
-    import multiprocessing
-    import os
-    import pickle
+    """The HTTP side reads the engine's frames (a 4-byte length, then MessagePack) whatever the
+    split: a message cut anywhere waits for its rest, and messages that arrive together are
+    handled together."""
     import random
 
-    from metrale.runtime.serving import engine_process as ep
+    from metrale.runtime.serving.messages import FromEngine, Outputs, Text
+    from metrale.runtime.serving.pipe import Encoder, Frames
+    from metrale.runtime.serving.stats import EngineStats
 
-    msgs = [("events", [("a", "text", "x" * n)]) for n in (0, 5, 20_000, 70_000)] + [("metrics", 3, "t", [])]
-    here, there = multiprocessing.Pipe()
-    for m in msgs:  # what the engine's side writes, framed by multiprocessing itself
-        there.send_bytes(pickle.dumps(m))
-    stream = b""
-    while here.poll(0.2):
-        stream += os.read(here.fileno(), 1 << 20)
-    assert stream.startswith(ep._frame(pickle.dumps(msgs[0])))  # the same framing
-
-    class Engine:
-        got: list[list] = []
-
-        def _handle(self, batch):
-            self.got.append(batch)
-
+    msgs = [Outputs([Text("a", "x" * n)]) for n in (0, 5, 20_000, 70_000)] + [Outputs([], EngineStats())]
+    encoder = Encoder()
+    stream = b"".join(encoder.encode(m) for m in msgs)
+    assert stream[:4] == len(encoder.encode(msgs[0])[4:]).to_bytes(4, "big")  # the documented header
     rng = random.Random(0)
     for _ in range(20):
-        engine, cut = Engine(), sorted(rng.sample(range(1, len(stream)), 6))
-        engine.got = []
-        proto = ep._FromEngine(engine)
-        for a, b in zip([0, *cut], [*cut, len(stream)]):
-            proto.data_received(stream[a:b])
-        assert [m for batch in engine.got for m in batch] == msgs and not proto.buf
+        frames, cut = Frames(FromEngine), sorted(rng.sample(range(1, len(stream)), 6))
+        got = [frames.feed(stream[a:b]) for a, b in zip([0, *cut], [*cut, len(stream)])]
+        assert [m for batch in got for m in batch] == msgs and frames.pending == 0
 
 
 def test_a_send_on_the_loop_never_waits_for_the_engine(engine):
     """A message far larger than the pipe holds, sent from the event loop, returns with the rest
     in the transport's buffer (the engine reads only between iterations); the engine then reads
-    it whole, and the pipe stays in step: a metrics request after it is answered."""
+    it whole, and the pipe stays in step: a request after it is answered."""
     import asyncio
+
+    from metrale.runtime.serving.api_models import GenerationRequest
+    from metrale.runtime.serving.messages import Cancel
+    from metrale.runtime.spec.sampling import SamplingParams
 
     async def main():
         await engine.attach()
-        engine.send(("cancel", "no-such-request-" + "x" * (8 << 20)))
+        engine.send(Cancel("no-such-request-" + "x" * (8 << 20)))
         assert engine.transport.get_write_buffer_size() > 0  # not written through: held
         for _ in range(600):
             if engine.transport.get_write_buffer_size() == 0:
                 break
             await asyncio.sleep(0.05)
-        return await asyncio.to_thread(engine.metrics_text)
+        done = asyncio.get_running_loop().create_future()
+        req = GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_tokens=3), (), False, False)
+        engine.start(req, lambda kind, payload: kind != "text" and done.set_result((kind, payload)),
+                     engine.new_cancel("after"), "after")
+        return await asyncio.wait_for(done, 60)
 
     try:
-        assert "metrale_" in asyncio.run(main())
+        kind, finished = asyncio.run(main())
+        assert kind == "done" and finished.tokens >= 1
     finally:
         engine.detach()

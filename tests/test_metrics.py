@@ -1,10 +1,10 @@
-"""Metrics: counters from hand-built steps, derived ratios, JSON and Prometheus text."""
+"""Metrics: counters from hand-built steps, derived ratios and histograms, JSON and Prometheus text."""
 
 import json
-import re
 import threading
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from metrale.runtime.spec.metrics import SpecMetrics, SpecMetricsAggregate
 
@@ -62,65 +62,77 @@ def test_to_dict_is_json_and_has_no_nan_before_any_step():
     assert d["drafts_accepted"] == 4 and d["draft_acceptance_rate"] == pytest.approx(4 / 7)
 
 
-# One sample line of the exposition format: name, optional {label="value",...}, a number.
-SAMPLE = re.compile(
-    r'(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
-    r'(?:\{(?P<labels>[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
-    r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)\})?'
-    r' (?P<value>[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|Inf|NaN))'
-)
+def exposition(families) -> str:
+    """The families as prometheus_client writes them for /metrics."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class Fixed:
+        def collect(self):
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Fixed())
+    return generate_latest(registry).decode()
 
 
-def parse_exposition(text: str) -> dict[str, tuple[str, list[tuple[str, str]]]]:
-    """name -> (type, [(labels, value)]), checking HELP/TYPE precede each family's samples."""
-    assert text.endswith("\n")
-    families: dict[str, tuple[str, list]] = {}
-    current = None
-    for line in text.rstrip("\n").split("\n"):
-        if line.startswith("# HELP "):
-            current = line.split(" ")[2]
-            assert current not in families, f"family {current} appears twice"
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert name == current and kind in ("counter", "gauge")
-            families[name] = (kind, [])
-        else:
-            match = SAMPLE.fullmatch(line)
-            assert match, f"not a sample line: {line!r}"
-            assert match["name"] == current, line
-            families[current][1].append((match["labels"] or "", match["value"]))
-    return families
+def parse_exposition(text: str) -> dict[str, tuple[str, list[tuple[dict, float]]]]:
+    """name -> (type, [(labels, value)]) as Prometheus' own parser reads the text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: (f.type, [(s.labels, s.value) for s in f.samples if not s.name.endswith("_created")])
+            for f in text_string_to_metric_families(text)}
 
 
-def test_prometheus_text_is_valid_exposition():
-    text = two_steps().prometheus_text(labels={"model": 'tiny "q"\\x'})
-    fams = parse_exposition(text)
-    assert all(name.startswith("metrale_") and name.endswith("_total") for name in fams)
-    assert all(kind == "counter" for kind, _ in fams.values())
-    label = 'model="tiny \\"q\\"\\\\x"'  # quote and backslash escaped
-    assert fams["metrale_spec_decode_steps_total"][1] == [(label, "2")]
-    assert fams["metrale_spec_decode_emitted_tokens_total"][1] == [(label, "6")]
-    assert fams["metrale_spec_decode_accepted_tokens_total"][1] == [(label, "4")]
-    assert fams["metrale_spec_decode_accepted_per_position_total"][1] == [
-        (f'{label},position="1"', "2"),
-        (f'{label},position="2"', "1"),
-        (f'{label},position="3"', "1"),
-    ]
-    tested = fams["metrale_spec_decode_tested_per_position_total"][1]
-    assert tested[1] == (f'{label},position="2"', "2")
-    assert float(fams["metrale_spec_decode_verify_seconds_total"][1][0][1]) == pytest.approx(0.05)
+def test_prometheus_families_are_valid_exposition():
+    label = 'tiny "q"\\x'
+    fams = parse_exposition(exposition(two_steps().families(labels={"model": label})))
+    counters = {n: v for n, v in fams.items() if v[0] == "counter"}
+    assert all(name.startswith("metrale_spec_decode_") for name in counters)
+    model = {"model": label}  # quote and backslash escaped in the text, whole again once parsed
+    assert fams["metrale_spec_decode_steps"][1] == [(model, 2.0)]
+    assert fams["metrale_spec_decode_emitted_tokens"][1] == [(model, 6.0)]
+    assert fams["metrale_spec_decode_accepted_tokens"][1] == [(model, 4.0)]
+    assert fams["metrale_spec_decode_accepted_per_position"][1] == [
+        ({**model, "position": "1"}, 2.0), ({**model, "position": "2"}, 1.0), ({**model, "position": "3"}, 1.0)]
+    tested = fams["metrale_spec_decode_tested_per_position"][1]
+    assert tested[1] == ({**model, "position": "2"}, 2.0)
+    assert fams["metrale_spec_decode_verify_seconds"][1][0][1] == pytest.approx(0.05)
 
 
-def test_prometheus_text_refuses_bad_names_and_handles_no_steps():
-    fams = parse_exposition(SpecMetrics().prometheus_text(prefix="x_"))
-    assert fams["x_spec_decode_steps_total"][1] == [("", "0")]
-    assert fams["x_spec_decode_accepted_per_position_total"][1] == []  # a family with no series
+def test_histograms_derived_from_the_counters_by_hand():
+    """two_steps: step 1 verified 4 drafts and accepted 1 (length 2), step 2 verified 3 and
+    accepted 3 (length 4); a plain step after them verifies none (and is no verify step)."""
+    m = two_steps()
+    m.record_plain_step(draft_s=0.0, verify_s=0.01)
+    fams = parse_exposition(exposition(m.families()))
+
+    def buckets(name):
+        kind, samples = fams[name]
+        assert kind == "histogram"
+        got = {s["le"]: v for s, v in samples if "le" in s}
+        rest = {tuple(s): v for s, v in samples if "le" not in s}
+        return got, rest
+
+    length, _ = buckets("metrale_spec_decode_acceptance_length")
+    assert (length["1.0"], length["2.0"], length["3.0"], length["4.0"], length["+Inf"]) == (0, 1, 1, 2, 2)
+    drafts, _ = buckets("metrale_spec_decode_drafts_per_step")
+    assert (drafts["0.0"], drafts["2.0"], drafts["3.0"], drafts["4.0"], drafts["+Inf"]) == (1, 1, 2, 3, 3)
+    sums = {s.name: s.value for f in text_string_to_metric_families(exposition(m.families()))
+            for s in f.samples if s.name.endswith("_sum")}
+    assert sums["metrale_spec_decode_acceptance_length_sum"] == 6  # 2 + 4
+    assert sums["metrale_spec_decode_drafts_per_step_sum"] == 7  # 4 + 3 + 0
+
+
+def test_prometheus_families_refuse_bad_names_and_handle_no_steps():
+    fams = parse_exposition(exposition(SpecMetrics().families(prefix="x_")))
+    assert fams["x_spec_decode_steps"][1] == [({}, 0.0)]
+    assert fams["x_spec_decode_accepted_per_position"][1] == []  # a family with no series
     with pytest.raises(ValueError):
-        SpecMetrics().prometheus_text(prefix="9bad")
+        SpecMetrics().families(prefix="9bad")
     with pytest.raises(ValueError):
-        SpecMetrics().prometheus_text(labels={"position": "1"})  # would collide
+        SpecMetrics().families(labels={"position": "1"})  # would collide
     with pytest.raises(ValueError):
-        SpecMetrics().prometheus_text(labels={"bad-name": "1"})
+        SpecMetrics().families(labels={"bad-name": "1"})
 
 
 def test_aggregate_merges_requests_from_many_threads():
@@ -141,8 +153,8 @@ def test_aggregate_merges_requests_from_many_threads():
     assert totals.steps == 400 and totals.tokens_emitted == 1200
     assert totals.accepted_at == [400, 200, 200] and totals.tested_at == [400, 400, 200]
     assert totals.tau == 3.0 and agg.to_dict()["requests"] == 200
-    fams = parse_exposition(agg.prometheus_text())
-    assert fams["metrale_spec_decode_requests_total"][1] == [("", "200")]
+    fams = parse_exposition(exposition(agg.families()))
+    assert fams["metrale_spec_decode_requests"][1] == [({}, 200.0)]
     # The snapshot is a copy: later requests do not change it.
     agg.add(two_steps())
     assert totals.steps == 400 and agg.snapshot()[1].steps == 402

@@ -17,7 +17,8 @@ from conftest import serve_in_thread
 from openai import OpenAI
 from pydoc_data.topics import topics
 
-from metrale.runtime.serving.scheduler import StopScanner
+from metrale.runtime.serving.scheduler import STREAM_ONLY, StopScanner
+from metrale.runtime.serving.stats import GeneratorStats
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.artifact.tokenizer import train_bpe_tokenizer
 
@@ -40,6 +41,7 @@ class TrigramGenerator:
 
     model_id = MODEL
     max_context = CONTEXT
+    capabilities = STREAM_ONLY
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -78,8 +80,8 @@ class TrigramGenerator:
         finally:
             self.closed.set()
 
-    def metrics_text(self):
-        return f"# TYPE tiny_calls_total counter\ntiny_calls_total {self.calls}\n"
+    def stats(self):
+        return GeneratorStats(requests=self.calls)
 
 
 def reference(gen, prompt_ids, max_tokens):
@@ -263,7 +265,7 @@ def error_of(resp, status):
         ("/v1/completions", {"prompt": "x", "max_tokens": CONTEXT}, 400, "prompt", "leaving 255"),
         ("/v1/completions", {"prompt": "x " * CONTEXT}, 400, "prompt", "leaving 0 for"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model", "'gpt-9' does not"),
-        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "a list of messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list of messages"),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages", "`role`"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty"),
     ],
@@ -283,9 +285,9 @@ def test_unknown_route_gets_error_shape(base):
     assert err["code"] == "not_found"
 
 
-def test_generation_paths_other_than_their_post_are_routed_as_before(base):
-    """A POST to a generation endpoint skips FastAPI's routing; anything else on those paths
-    still gets its answers: 405 for another method, OpenAI's error shape, the same id rule."""
+def test_generation_paths_answer_other_methods_with_405(base):
+    """Another method on a generation path: 405 in OpenAI's error shape, naming POST; the POST
+    answer's request id is its id."""
     for path in ("/v1/completions", "/v1/chat/completions"):
         resp = requests.get(base + path, timeout=5)
         err = error_of(resp, 405)
@@ -352,22 +354,48 @@ def test_client_disconnect_stops_generation(gen, base):
     assert r.json()["choices"][0]["text"] == ONCE_REPLY  # the lock was released
 
 
-def test_metrics(gen, base, client):
-    def scrape():
-        resp = requests.get(base + "/metrics", timeout=5)
-        assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
-        return dict(
-            line.rsplit(" ", 1) for line in resp.text.splitlines() if not line.startswith("#")
-        )
+def scrape(base) -> dict:
+    """/metrics as Prometheus' own parser reads it: sample name and labels -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    before = scrape()
+    resp = requests.get(base + "/metrics", timeout=5)
+    assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(resp.text) for s in f.samples}
+
+
+def test_metrics(gen, base, client):
+    before = scrape(base)
     client.completions.create(model=MODEL, prompt=ONCE, max_tokens=64)
     requests.post(base + "/v1/completions", json={"prompt": "x", "n": 3}, timeout=5)
-    after = scrape()
-    ok = 'metrale_server_requests_total{endpoint="completions",status="ok"}'
-    bad = 'metrale_server_requests_total{endpoint="completions",status="client_error"}'
-    assert int(after[ok]) == int(before.get(ok, 0)) + 1
-    assert int(after[bad]) == int(before.get(bad, 0)) + 1
-    key = "metrale_server_completion_tokens_total"
-    assert int(after[key]) == int(before[key]) + 32
-    assert int(after["tiny_calls_total"]) == int(before["tiny_calls_total"]) + 1
+    after = scrape(base)
+
+    def grew(name, labels=()):
+        return after[name, labels] - before.get((name, labels), 0)
+
+    assert grew("metrale_server_requests_total", (("endpoint", "completions"), ("status", "ok"))) == 1
+    assert grew("metrale_server_requests_total", (("endpoint", "completions"), ("status", "client_error"))) == 1
+    assert grew("metrale_server_completion_tokens_total") == 32
+    assert grew("metrale_spec_decode_requests_total") == 1  # the generator's own counters
+    assert grew("metrale_server_e2e_request_latency_seconds_count") == 1
+    assert after["metrale_scheduler_running", ()] == 0
+
+
+def test_metrics_histograms_time_streamed_requests(base, client):
+    before = scrape(base)
+    for _ in range(3):
+        list(client.completions.create(model=MODEL, prompt=ONCE, max_tokens=64, stream=True))
+    after = scrape(base)
+
+    def grew(name):
+        return after[name, ()] - before.get((name, ()), 0)
+
+    assert grew("metrale_server_time_to_first_token_seconds_count") == 3
+    assert grew("metrale_server_e2e_request_latency_seconds_count") == 3
+    # a delta a token but for those held back (split characters): fewer gaps than 3 x 31
+    assert 3 * 10 <= grew("metrale_server_inter_token_latency_seconds_count") <= 3 * 31
+    assert 0 < grew("metrale_server_inter_token_latency_seconds_sum") < grew(
+        "metrale_server_e2e_request_latency_seconds_sum")
+    le = ("le", "+Inf")
+    assert after["metrale_server_time_to_first_token_seconds_bucket", (le,)] == after[
+        "metrale_server_time_to_first_token_seconds_count", ()]

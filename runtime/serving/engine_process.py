@@ -3,28 +3,29 @@ and the models in another, as vLLM splits its API server from its engine core.
 
 In one process the event loop's Python (parsing, tokenizing, responses) and the scheduler's
 (the decode loops, between the package calls) take turns on one interpreter lock, and every
-hand-off waits for the other to let go of it: at C = 32 on two cores the server used 1.1 cores
-of its two. Split, each has its own.
+hand-off waits for the other to let go of it. Split, each has its own.
 
 The engine process (`engine_main`) loads the generator with the caller's `load` (a picklable
-callable: the CLI's loader), splits its batched steps over one thread fewer than torch's (at least
-one: `HTTP_CORES` stay with the HTTP process), and runs a `scheduler.Scheduler` over it on its one
-Python thread, which between iterations reads the pipe: ("submit", rid, request), ("cancel",
-rid), ("metrics", n), ("stop",). What the jobs emit is sent back once per scheduler phase, every
-request's events of the phase in one message (a fast stream's later deltas at most once per
-`STREAM_FLUSH_S`). The server's side (`EngineProcess`) is the `Scheduler` its app submits to,
-reading and writing the pipe on the app's event loop (`attach`: an asyncio transport, so a send
-never blocks the loop and the engine, which reads only between iterations, never waits on a
-server that is itself waiting to send): `start` sends a request and routes its events to the
-request's channel, `new_cancel` gives an event whose `set` cancels the
-request there too, `metrics_lines` and `metrics_text` ask the engine for its counters.
+callable: the CLI's loader), sets it up as `engine_setup` does (the prefix cache, its batched
+steps over one thread fewer than torch's: `HTTP_CORES` stay with the HTTP process, the scheduler)
+and runs the scheduler on its one Python thread, which between iterations reads the pipe
+(`messages.ToEngine`: `Submit`, `Cancel`, `Stop`). What the jobs emit goes back once per
+scheduler phase, every request's events of the phase in one `Outputs` (a fast stream's later
+deltas at most once per `STREAM_FLUSH_S`), with a snapshot of the engine's counters where they
+changed: whenever a request ended, at least every `STATS_INTERVAL_S` while messages flow, and
+once more when the engine has been idle for `IDLE_STATS_S`. `/metrics` reads the latest
+snapshot; it never asks.
 
-Neither side has a reader thread: a hand-off through one cost a wake-up of that thread, which
-then waited for a core and for the interpreter lock its process's busy thread held (traced on 2
-cores behind a 1,000-token stream: the engine's reader took a submitted request up to 3-6 ms
-after the pipe write, read between iterations up to 0.65 ms). Measured over HTTP on the tiny
-default, 40 interleaved runs each: a 4-token request behind a 1,000-token stream p90 8.59 ->
-6.93 ms, worst 11.87 -> 10.13 ms; tokens/s alone and at C = 32 within noise (1.01x, 1.02x).
+The server's side (`EngineProcess`) is the engine face its app submits to, reading and writing
+the pipe on the app's event loop (`attach`: an asyncio transport, so a send never blocks the loop
+and the engine, which reads only between iterations, never waits on a server that is itself
+waiting to send): `start` sends a request and routes its events to the request's channel,
+`new_cancel` gives an event whose `set` cancels the request there too, `stats` is the latest
+snapshot. The pipe is a socket pair framed by `pipe` (a 4-byte length, then MessagePack).
+
+Neither side has a reader thread: a hand-off through one costs a wake-up of that thread, which
+then waits for a core and for the interpreter lock its process's busy thread holds, where the
+engine reading between iterations takes a request at the next one.
 """
 
 from __future__ import annotations
@@ -34,23 +35,24 @@ import gc
 import logging
 import multiprocessing
 import os
-import pickle
 import socket
-import struct
 import threading
 import time
 from typing import Any, Callable
 
+from metrale.runtime.serving.api_models import GenerationRequest
+from metrale.runtime.serving.messages import (Cancel, Done, EngineInfo, Failure, FromEngine,
+                                              LoadFailed, Outputs, Ready, Stop, Submit, Text,
+                                              ToEngine)
+from metrale.runtime.serving.pipe import Encoder, Frames, Pipe
 from metrale.runtime.serving.scheduler import Job, Scheduler
+from metrale.runtime.serving.stats import EngineStats, GeneratorStats, timed
 
 log = logging.getLogger(__name__)
 
 # Cores the batched steps leave to the HTTP process (parsing, tokenizing, responses), as vLLM's CPU
-# backend reserves one for its API server. Measured on 2 cores, 32 clients over HTTP: the steps on
-# both (two half-batch calls, each streaming every weight) against one, plain decoding, 16
-# requests a client, median of 9 rounds 4,143 -> 5,296 tok/s; 8 requests a client, all modes up
-# together over 6 rounds, plain inside its noise and MTP and DFlash 4,335 -> 5,392 and
-# 4,389 -> 5,248.
+# backend reserves one for its API server: on a small machine the HTTP side is a large share of
+# each short request's work, and two half-batch calls each stream every weight.
 HTTP_CORES = 1
 # A stream's later text deltas leave the engine at most this often; its first delta, and every
 # request's end, leave at the end of the scheduler phase that made them. A phase (an iteration's
@@ -58,19 +60,42 @@ HTTP_CORES = 1
 # decodes one alone every ~0.25 ms, and each message costs the HTTP process and the client a
 # wake-up, an SSE event and a parse, on the cores the engine and every other request share.
 STREAM_FLUSH_S = 0.001
+# While requests run and none ends, the counters ride along at most this often; once the engine
+# has had nothing to do for IDLE_STATS_S, they go once more (the last iteration's included), where
+# sending them at once would cost the HTTP side a message while it answers the request that ended.
+STATS_INTERVAL_S = 0.25
+IDLE_STATS_S = 0.05
 READY_TIMEOUT_S = 600.0  # loading (and building nothing): the engine says ready or why not
-METRICS_TIMEOUT_S = 10.0
 
 
-def _send(conn, msg: tuple) -> None:
-    """One message over the pipe, pickled with the standard pickler: a Connection's own `send`
-    builds a ForkingPickler, copying its table of reducers, for every message (on the server's
-    side about a tenth of a short request's time)."""
-    conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+def freeze_heap() -> None:
+    """Everything alive once loading is done (imported modules, the models, the packages'
+    wrappers) out of the garbage collector's generations: a full collection otherwise walks
+    those millions of objects again each time serving's allocations trigger one."""
+    gc.collect()
+    gc.freeze()
 
 
-def _recv(conn) -> tuple:
-    return pickle.loads(conn.recv_bytes())
+def engine_setup(gen, max_num_seqs: int, disable_at: int | None, prefix_cache_tokens: int,
+                 flush: Callable[[], None] = lambda: None,
+                 inbox: Callable[[bool], bool] | None = None,
+                 http_cores: int = HTTP_CORES) -> tuple[Scheduler, EngineInfo]:
+    """A loaded generator made ready to serve as the engine process runs it: its prefix cache
+    (`prefix_cache_tokens` positions, 0: none), its batched steps on `http_cores` fewer threads
+    (0: all), a scheduler over it that yields to no event loop (`flush`, `inbox`: see
+    `Scheduler`), and the heap frozen. -> the scheduler and what was set up."""
+    import torch
+
+    cache = gen.cache_prefixes(prefix_cache_tokens) if prefix_cache_tokens else None
+    lanes = gen.leave_cores(http_cores) if http_cores else None
+    scheduler = Scheduler.for_generator(gen, max_num_seqs, disable_at, flush, yield_gil=False,
+                                        inbox=inbox)
+    engine = gen.engine
+    info = EngineInfo(gen.model_id, gen.max_context, str(engine.path), engine.backend.name,
+                      engine.backend_note, dict(engine.requantized), cache is not None, lanes,
+                      torch.get_num_threads())
+    freeze_heap()
+    return scheduler, info
 
 
 class _Outbox:
@@ -80,34 +105,41 @@ class _Outbox:
     request's first delta or its end sends at once. The scheduler's thread, the process's one,
     is the only caller."""
 
-    def __init__(self, conn, cancels: dict):
-        self.conn, self.cancels = conn, cancels
-        self.items: list[tuple[str, str, Any]] = []
+    def __init__(self, pipe: Pipe, cancels: dict, stats: Callable[[], EngineStats]):
+        self.pipe, self.cancels, self.stats = pipe, cancels, stats
+        self.items: list[Text | Done | Failure] = []
         self.urgent = False  # an item that does not wait: a first delta, an end
+        self.ended = False  # an item that ends a request: the counters go with it
         self.sent_at, self.clock = float("-inf"), time.monotonic
+        self.stats_at = float("-inf")
+        self.stats_sent: EngineStats | None = None
 
     def emitter(self, rid: str, stream: bool) -> Callable[[str, Any], None]:
-        """The events of request `rid`; a non-streamed one's text is held and sent joined with
-        its final event (the server wakes once per answer)."""
+        """The events of request `rid` (timed: `stats.timed`); a non-streamed one's text is held
+        and sent joined with its final event (the server wakes once per answer)."""
         held: list[str] = []
         first = True
 
         def emit(kind: str, payload: Any) -> None:
             nonlocal first
-            if kind == "text" and not stream:
-                held.append(payload)
+            if kind == "text":
+                if not stream:
+                    held.append(payload)
+                    return
+                if first:  # its time to first token waits for nothing
+                    self.urgent, first = True, False
+                self.items.append(Text(rid, payload))
                 return
-            if kind == "error":  # logged here with its traceback (`Job.fail`); its words travel
-                payload = f"{type(payload).__name__}: {payload}"
-            if kind != "text":
-                self.cancels.pop(rid, None)
-                if held:
-                    self.items.append((rid, "text", "".join(held)))
-                self.urgent = True
-            elif first:  # its time to first token waits for nothing
-                self.urgent, first = True, False
-            self.items.append((rid, kind, payload))
-        return emit
+            self.cancels.pop(rid, None)
+            if held:
+                self.items.append(Text(rid, "".join(held)))
+            self.urgent = self.ended = True
+            if kind == "done":
+                self.items.append(Done(rid, payload))
+            else:  # logged with its traceback by the job; its words travel
+                self.items.append(Failure(rid, f"{type(payload).__name__}: {payload}"))
+
+        return timed(emit, stream)
 
     def flush(self) -> None:
         if not self.items:
@@ -115,8 +147,22 @@ class _Outbox:
         now = self.clock()
         if not self.urgent and now - self.sent_at < STREAM_FLUSH_S:
             return  # later deltas of fast streams: the next phase's flush sends them
-        items, self.items, self.urgent, self.sent_at = self.items, [], False, now
-        _send(self.conn, ("events", items))
+        stats = None
+        if self.ended or now - self.stats_at >= STATS_INTERVAL_S:
+            stats = self._snapshot(now)
+        items, self.items, self.urgent, self.ended, self.sent_at = self.items, [], False, False, now
+        self.pipe.send(Outputs(items, stats))
+
+    def idle(self) -> None:
+        """The engine has nothing to run: its counters once more, if they moved since sent."""
+        stats = self.stats()
+        if stats != self.stats_sent:
+            self.stats_sent, self.stats_at = stats, self.clock()
+            self.pipe.send(Outputs([], stats))
+
+    def _snapshot(self, now: float) -> EngineStats:
+        self.stats_sent, self.stats_at = self.stats(), now
+        return self.stats_sent
 
 
 class _Inbox:
@@ -127,115 +173,75 @@ class _Inbox:
     With nothing waiting mid-generation it yields the core (`os.sched_yield`): on a machine
     with more runnable threads than cores (the HTTP process, its clients, a stream's reader)
     the kernel otherwise lets this busy thread run out its time slice, a few milliseconds,
-    before a thread woken on its core runs. Measured on 2 cores over HTTP, 40 interleaved runs
-    each: a 4-token request behind a 1,000-token stream p90 7.32 -> 5.14 ms, worst 11.73 ->
-    6.39 ms (alone: 4.1-4.2 ms); tokens/s alone 0.98x and at C = 32 1.01x, inside noise (8
-    rounds)."""
+    before a thread woken on its core runs."""
 
-    def __init__(self, conn, gen):
-        self.conn, self.gen = conn, gen
+    def __init__(self, pipe: Pipe, gen):
+        self.pipe, self.gen = pipe, gen
         self.cancels: dict[str, threading.Event] = {}  # of the requests running or waiting
-        self.outbox = _Outbox(conn, self.cancels)  # what the jobs emit goes back on the pipe
-        self.scheduler = None  # set once the scheduler reading it exists
+        self.outbox = _Outbox(pipe, self.cancels, self.stats)  # what the jobs emit goes back
+        self.scheduler: Scheduler | None = None  # set once the scheduler reading it exists
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.gen.stats(), self.scheduler.stats())
 
     def __call__(self, wait: bool) -> bool:
-        conn = self.conn
-        if not wait and not conn.poll():
+        pipe = self.pipe
+        if not wait and not pipe.ready():
             os.sched_yield()
             return True
+        if wait and not pipe.ready(IDLE_STATS_S):
+            self.outbox.idle()
         while True:
-            try:
-                msg = _recv(conn)
-            except (EOFError, OSError):
+            msgs = pipe.receive()
+            if msgs is None:
                 return False
-            if msg[0] == "submit":
-                _, rid, req = msg
-                self.cancels[rid] = cancel = threading.Event()
-                self.scheduler.submit(Job(self.gen, req, self.outbox.emitter(rid, req.stream), cancel, rid))
-            elif msg[0] == "cancel":
-                cancel = self.cancels.pop(msg[1], None)
-                if cancel is not None:
-                    cancel.set()
-            elif msg[0] == "metrics":
-                _send(conn, ("metrics", msg[1], self.gen.metrics_text(),
-                             self.scheduler.metrics_lines()))
-            elif msg[0] == "stop":
-                return False
-            if not conn.poll():
+            for msg in msgs:
+                if type(msg) is Submit:
+                    self.cancels[msg.rid] = cancel = threading.Event()
+                    emit = self.outbox.emitter(msg.rid, msg.request.stream)
+                    self.scheduler.submit(Job(self.gen, msg.request, emit, cancel, msg.rid))
+                elif type(msg) is Cancel:
+                    cancel = self.cancels.pop(msg.rid, None)
+                    if cancel is not None:
+                        cancel.set()
+                else:
+                    return False  # Stop
+            if not pipe.ready():
                 return True
 
 
-def freeze_heap() -> None:
-    """Everything alive once loading is done (imported modules, the models, the packages'
-    wrappers) out of the garbage collector's generations: a full collection otherwise walks
-    those millions of objects again each time serving's allocations trigger one (measured: 6%
-    of a batched step's time in `gc_collect_main`)."""
-    gc.collect()
-    gc.freeze()
-
-
-def engine_main(conn, load: Callable, max_num_seqs: int, disable_at: int | None,
+def engine_main(sock: socket.socket, load: Callable, max_num_seqs: int, disable_at: int | None,
                 prefix_cache_tokens: int) -> None:
     """The engine process: load, say ready (or why not), then serve the pipe until it closes."""
     import signal
 
-    import torch
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it stops the engine
 
+    pipe = Pipe(sock, ToEngine)
     try:
         gen = load()
-        cache = gen.cache_prefixes(prefix_cache_tokens) if prefix_cache_tokens else None
-        lanes = gen.leave_cores(HTTP_CORES)
+        inbox = _Inbox(pipe, gen)
+        inbox.scheduler, info = engine_setup(gen, max_num_seqs, disable_at, prefix_cache_tokens,
+                                             inbox.outbox.flush, inbox)
     except BaseException as e:  # noqa: BLE001 - the server reports it as the CLI would
         from metrale.runtime.errors import MetraleError
 
-        _send(conn, ("failed", isinstance(e, MetraleError), f"{type(e).__name__}: {e}", str(e)))
+        pipe.send(LoadFailed(isinstance(e, MetraleError), f"{type(e).__name__}: {e}", str(e)))
         return
-    engine = gen.engine
-    inbox = _Inbox(conn, gen)
-    inbox.scheduler = Scheduler.for_generator(gen, max_num_seqs, disable_at, inbox.outbox.flush,
-                                              yield_gil=False, inbox=inbox)  # no event loop here
-    freeze_heap()
-    _send(conn, ("ready", {"model_id": gen.model_id, "max_context": gen.max_context,
-                           "engine_dir": str(engine.path), "backend": getattr(engine, "backend", ""),
-                           "backend_note": getattr(engine, "backend_note", ""),
-                           "requantized": dict(getattr(engine, "requantized", {})),
-                           "prefix_cache": cache is not None, "lanes": lanes,
-                           "threads": torch.get_num_threads()}))
+    pipe.send(Ready(info, inbox.stats()))
     inbox.scheduler.run()
-
-
-def _frame(data: bytes) -> bytes:
-    """`data` framed as `multiprocessing.connection.Connection.send_bytes` frames it (a 4-byte
-    big-endian length, or -1 and an 8-byte length), so the engine's `recv_bytes` reads it."""
-    n = len(data)
-    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-    return head + data
 
 
 class _FromEngine(asyncio.Protocol):
     """The HTTP side's end of the pipe on the event loop: whole messages out of the bytes as
-    they arrive (framed as `_frame` frames them), handed to the `EngineProcess` together; the
-    engine's exit (end of file) fails what waits for it."""
+    they arrive, handed to the `EngineProcess` together; the engine's exit (end of file) fails
+    what waits for it."""
 
-    def __init__(self, engine: "EngineProcess"):
-        self.engine, self.buf = engine, bytearray()
+    def __init__(self, engine: EngineProcess):
+        self.engine = engine
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
-        msgs, at, buf = [], 0, self.buf
-        while len(buf) - at >= 4:
-            (n,), head = struct.unpack_from("!i", buf, at), 4
-            if n == -1:
-                if len(buf) - at < 12:
-                    break
-                (n,), head = struct.unpack_from("!Q", buf, at + 4), 12
-            if len(buf) - at < head + n:
-                break
-            msgs.append(pickle.loads(buf[at + head:at + head + n]))
-            at += head + n
-        del buf[:at]
+        msgs = self.engine.frames.feed(data)
         if msgs:
             self.engine._handle(msgs)
 
@@ -251,11 +257,11 @@ class _FromEngine(asyncio.Protocol):
 
 class _RemoteCancel(threading.Event):
     """A request's cancel event on the server's side: setting it cancels it in the engine, while
-    it runs there. The app sets it once every request is over (`server._events`); a request
+    it runs there. The app sets it once every request is over (`channels.events`); a request
     whose final event came back has nothing to cancel, and a message for it would cost a pipe
     write here and a read between the engine's iterations there."""
 
-    def __init__(self, engine: "EngineProcess", rid: str):
+    def __init__(self, engine: EngineProcess, rid: str):
         super().__init__()
         self.engine, self.rid = engine, rid
 
@@ -263,12 +269,12 @@ class _RemoteCancel(threading.Event):
         if not self.is_set():
             super().set()
             if self.rid in self.engine.channels:  # its final event has not come back
-                self.engine.send(("cancel", self.rid))
+                self.engine.send(Cancel(self.rid))
 
 
 class EngineProcess:
     """The server's side of the engine process (see the module docstring). `info`: what the
-    engine said once loaded (model id, context, engine directory, backend)."""
+    engine said once loaded (`messages.EngineInfo`)."""
 
     def __init__(self, load: Callable, max_num_seqs: int, disable_at: int | None,
                  prefix_cache_tokens: int):
@@ -276,53 +282,63 @@ class EngineProcess:
 
         self.dead: str | None = None
         self.closing = False
-        self.send_lock = threading.Lock()  # sends down the pipe itself (not attached)
+        self.send_lock = threading.Lock()  # sends down the socket itself (not attached)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transport: asyncio.Transport | None = None  # the pipe on `loop`, once attached
         self._attached: asyncio.Future | None = None
         self._loop_thread = 0
+        self.encoder, self.frames = Encoder(), Frames(FromEngine)
         ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
+        self.sock, child = socket.socketpair()
         self.proc = ctx.Process(target=engine_main, name="metrale-engine", daemon=True,
                                 args=(child, load, max_num_seqs, disable_at, prefix_cache_tokens))
         self.proc.start()
         child.close()
-        if not self.conn.poll(READY_TIMEOUT_S):
-            self.close()
-            raise MetraleError(f"the engine process did not load within {READY_TIMEOUT_S:.0f} s")
-        try:
-            msg = _recv(self.conn)
-        except EOFError:
-            self.proc.join(5)
-            raise MetraleError(f"the engine process exited while loading (exit code "
-                               f"{self.proc.exitcode})") from None
-        if msg[0] == "failed":
-            self.close()
-            _, user_error, described, words = msg  # a user's error is told as the CLI tells it
-            raise MetraleError(words) if user_error else RuntimeError(described)
-        self.info: dict = msg[1]
+        msg = self._first_message()
+        if type(msg) is LoadFailed:
+            self.close()  # a user's error is told as the CLI tells it
+            raise MetraleError(msg.words) if msg.user_error else RuntimeError(msg.described)
+        self.info: EngineInfo = msg.info
+        self._stats: EngineStats = msg.stats
         self.flush: Callable[[], None] = lambda: None  # the app's wake-ups, after each message
         self.channels: dict[str, Callable[[str, Any], None]] = {}
-        self._metrics: dict[int, tuple] = {}
-        self._metrics_ready = threading.Condition()
-        self._asked = 0
-        self._lines: list[str] = []
+
+    def _first_message(self) -> Ready | LoadFailed:
+        from metrale.runtime.errors import MetraleError
+
+        self.sock.settimeout(READY_TIMEOUT_S)
+        msgs: list = []
+        try:
+            while not msgs:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    self.proc.join(5)
+                    raise MetraleError(f"the engine process exited while loading (exit code "
+                                       f"{self.proc.exitcode})")
+                msgs = self.frames.feed(data)
+        except TimeoutError:
+            self.close()
+            raise MetraleError(f"the engine process did not load within {READY_TIMEOUT_S:.0f} s") from None
+        finally:
+            self.sock.settimeout(None)
+        return msgs[0]
 
     async def attach(self) -> None:
         """Read and write the engine's pipe on the running loop (the app's: it attaches at each
-        call, which costs nothing but on a loop's first): messages are handled as they arrive,
-        and sends never block the loop (the transport buffers what the pipe does not take, as
-        the engine reads only between iterations), so neither side can wait on the other."""
+        request, which costs nothing but on a loop's first): messages are handled as they
+        arrive, and sends never block the loop (the transport buffers what the socket does not
+        take, as the engine reads only between iterations), so neither side waits on the
+        other."""
         loop = asyncio.get_running_loop()
         if loop is self.loop:
             await self._attached
             return
-        if self.dead is not None or self.conn.closed:
+        if self.dead is not None or self.sock.fileno() < 0:
             return
         self.detach()
         self.loop, self._loop_thread, self._attached = loop, threading.get_ident(), loop.create_future()
         try:
-            sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            sock = socket.socket(fileno=os.dup(self.sock.fileno()))
             self.transport, _ = await loop.connect_accepted_socket(lambda: _FromEngine(self), sock)
         finally:
             self._attached.set_result(None)
@@ -332,15 +348,14 @@ class EngineProcess:
             self.transport.close()
         self.loop = self.transport = None
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: Submit | Cancel | Stop) -> None:
         """From the loop's thread: into the transport's buffer. From another thread: handed to
-        the loop. Before attaching or once its loop is closed: down the pipe itself."""
+        the loop. Before attaching or once its loop is closed: down the socket itself."""
         if self.dead is not None:
             return
-        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        frame = self.encoder.encode(msg)
         loop, transport = self.loop, self.transport
         if transport is not None and not loop.is_closed():
-            frame = _frame(data)
             if threading.get_ident() == self._loop_thread:
                 transport.write(frame)
             else:
@@ -348,73 +363,63 @@ class EngineProcess:
             return
         try:
             with self.send_lock:
-                os.set_blocking(self.conn.fileno(), True)  # (the transport made it non-blocking)
-                self.conn.send_bytes(data)
-        except (OSError, ValueError):  # the engine is gone
+                self.sock.setblocking(True)  # (the transport made the shared socket non-blocking)
+                self.sock.sendall(frame)
+        except OSError:  # the engine is gone
             pass
 
-    # the app's scheduler face
-    def start(self, gen, req, emit: Callable[[str, Any], None], cancel, rid: str) -> None:
+    # the app's engine face
+    def start(self, req: GenerationRequest, emit: Callable[[str, Any], None], cancel, rid: str) -> None:
         """(On the event loop, where the engine's messages are handled.)"""
         if self.dead is not None:
             emit("error", RuntimeError(self.dead))
             self.flush()
             return
         self.channels[rid] = emit
-        self.send(("submit", rid, req))
+        self.send(Submit(rid, req))
 
     def new_cancel(self, rid: str) -> threading.Event:
         return _RemoteCancel(self, rid)
 
-    def metrics_lines(self) -> list[str]:
-        return list(self._lines)
+    def stats(self) -> EngineStats:
+        """The engine's counters as its last message carried them."""
+        return self._stats
 
-    def metrics_text(self) -> str:
-        """The engine's spec-decode text (its scheduler's lines kept for `metrics_lines`)."""
-        with self._metrics_ready:
-            self._asked += 1
-            n = self._asked
-        self.send(("metrics", n))
-        with self._metrics_ready:
-            if not self._metrics_ready.wait_for(lambda: n in self._metrics or self.dead is not None,
-                                                METRICS_TIMEOUT_S):
-                raise RuntimeError("the engine process did not answer for its metrics")
-            if self.dead is not None and n not in self._metrics:
-                raise RuntimeError(self.dead)
-            text, self._lines = self._metrics.pop(n)
-        return text
-
-    def _handle(self, msgs: list[tuple]) -> None:
+    def _handle(self, msgs: list) -> None:
         """The engine's messages that arrived together (on the loop), then the app's wake-ups
         once."""
+        channels = self.channels
         for msg in msgs:
-            if msg[0] == "events":
-                for rid, kind, payload in msg[1]:
-                    emit = self.channels.get(rid) if kind == "text" else self.channels.pop(rid, None)
+            if type(msg) is not Outputs:
+                continue
+            for event in msg.events:
+                kind = type(event)
+                if kind is Text:
+                    emit = channels.get(event.rid)
                     if emit is not None:
-                        emit(kind, RuntimeError(payload) if kind == "error" else payload)
-            elif msg[0] == "metrics":
-                with self._metrics_ready:
-                    self._metrics[msg[1]] = (msg[2], msg[3])
-                    self._metrics_ready.notify_all()
+                        emit("text", event.text)
+                else:
+                    emit = channels.pop(event.rid, None)
+                    if emit is not None:
+                        emit(*(("done", event.finished) if kind is Done
+                               else ("error", RuntimeError(event.described))))
+            if msg.stats is not None:
+                self._stats = msg.stats
         self.flush()
 
     def _gone(self) -> None:
-        """The engine exited: every request still waiting for it fails, and so does a wait for
-        its metrics."""
+        """The engine exited: every request still waiting for it fails."""
         self.dead = "the engine process exited"  # (its exit code: `close` reaps it)
         orphans, self.channels = list(self.channels.values()), {}
         if not self.closing:
             log.error("%s", self.dead)
         for emit in orphans:
             emit("error", RuntimeError(self.dead))
-        with self._metrics_ready:
-            self._metrics_ready.notify_all()
         self.flush()
 
     def close(self) -> None:
         self.closing = True
-        self.send(("stop",))
+        self.send(Stop())
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -424,9 +429,7 @@ class EngineProcess:
 class EngineProxy:
     """What the server's app reads of its generator when the model runs in the engine process:
     the model id, context and tokenizer (loaded here from the engine directory) and the
-    engine's metrics."""
-
-    batched = False  # the app submits to the engine process, which batches
+    engine's counters as its last message carried them."""
 
     def __init__(self, engine: EngineProcess):
         from pathlib import Path
@@ -434,8 +437,8 @@ class EngineProxy:
         from metrale.runtime.artifact.tokenizer import Tokenizer
 
         self.engine = engine
-        self.model_id, self.max_context = engine.info["model_id"], engine.info["max_context"]
-        self.tokenizer = Tokenizer.from_dir(Path(engine.info["engine_dir"]) / "tokenizer")
+        self.model_id, self.max_context = engine.info.model_id, engine.info.max_context
+        self.tokenizer = Tokenizer.from_dir(Path(engine.info.engine_dir) / "tokenizer")
 
-    def metrics_text(self) -> str:
-        return self.engine.metrics_text()
+    def stats(self) -> GeneratorStats:
+        return self.engine.stats().generator

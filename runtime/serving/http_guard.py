@@ -8,12 +8,15 @@ Contract:
   the whole body before the app runs: a `Content-Length` over the limit is refused at once
   (413), a body that grows past it while streaming in is cut off (413), one that does not
   arrive within `body_timeout_s` gets 408. The app then sees the body replayed, and after it
-  the connection's own messages (so a disconnect still reaches the app).
+  the connection's own messages (so a disconnect still reaches the app). After a body of
+  `LARGE_REQUEST_BYTES` or more, freed heap goes back to the OS (`release_memory`, glibc's
+  `malloc_trim`) before the response starts, so the resident size falls back.
+- `Admission` is an ASGI middleware admitting at most `max_queue` generation requests at once
+  (`Admitted`), from their body's arrival to their response's last byte (a stream holds its
+  place until it ends); beyond it a request gets 503 with `Retry-After`.
 - `protocol_class(limits)` is uvicorn's httptools protocol with a header deadline: a connection that
   has not sent a complete request head `header_timeout_s` after it opened (or after its last
   response) is closed, however slowly it trickles bytes in.
-- `release_memory()` hands freed heap pages back to the OS (glibc `malloc_trim`), so the
-  resident size falls back after a large request.
 Every refusal is OpenAI's error object; none of them stops the server.
 """
 
@@ -24,12 +27,12 @@ import ctypes
 import ctypes.util
 import functools
 import hmac
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from metrale.runtime.errors import ConfigError
+from metrale.runtime.serving.api_models import ErrorBody, ErrorDetail
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 BASE_REQUEST_BYTES = 1 << 20  # JSON framing, chat messages, stop strings
 BYTES_PER_CONTEXT_TOKEN = 64  # generous: a token id list or escaped text of a full context
+LARGE_REQUEST_BYTES = 256 << 10  # after a body this large, freed heap goes back to the OS
+RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,8 @@ class ServerLimits:
     api_key: str | None = None
 
     def __post_init__(self) -> None:
-        for name, flag in (("max_queue", "--max-queue"), ("max_connections", "--max-connections"),
-                           ("max_num_seqs", "--max-num-seqs")):
-            v = getattr(self, name)
+        for v, flag in ((self.max_queue, "--max-queue"), (self.max_connections, "--max-connections"),
+                        (self.max_num_seqs, "--max-num-seqs")):
             if type(v) is not int or v < 1:
                 raise ConfigError(f"{flag} {v!r}: expected an integer of at least 1")
         d = self.speculative_disable_by_batch_size
@@ -71,8 +75,8 @@ class ServerLimits:
         m = self.max_request_bytes
         if m is not None and (type(m) is not int or m < 1024):
             raise ConfigError(f"--max-request-bytes {m!r}: expected an integer of at least 1024")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
-            v = getattr(self, name)
+        for v, name in ((self.header_timeout_s, "header_timeout_s"), (self.body_timeout_s, "body_timeout_s"),
+                        (self.keep_alive_s, "keep_alive_s")):
             if not isinstance(v, (int, float)) or not 0 < v < 3600:
                 raise ConfigError(f"{name} {v!r}: expected seconds in (0, 3600)")
         if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
@@ -87,13 +91,13 @@ class ServerLimits:
 
 
 def error_body(message: str, code: str, kind: str = "invalid_request_error") -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": code}}).encode()
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, code=code)).model_dump_json().encode()
 
 
 async def send_error(send: Send, status: int, message: str, code: str,
-                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = error_body(message, code)
+                     headers: tuple[tuple[bytes, bytes], ...] = (),
+                     kind: str = "invalid_request_error") -> None:
+    body = error_body(message, code, kind)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *headers]})
@@ -131,6 +135,8 @@ class Guard:
         except _Refused as e:
             return await send_error(send, e.status, e.message, e.code,
                                     ((b"connection", b"close"),))
+        if len(body) >= LARGE_REQUEST_BYTES:
+            send = _trimming(send)
         return await self.app(scope, _replay(body, receive), send)
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
@@ -161,6 +167,48 @@ class Guard:
                            f"{self.limits.body_timeout_s:g} s", "request_timeout") from None
 
 
+def _trimming(send: Send) -> Send:
+    """`send`, handing freed heap back to the OS before the response starts (off the loop)."""
+    async def send_trimmed(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            await asyncio.to_thread(release_memory)
+        await send(message)
+
+    return send_trimmed
+
+
+class Admitted:
+    """Generation requests admitted now (running or waiting for the model), at most `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.n = limit, 0
+
+
+class Admission:
+    """ASGI middleware: a POST to one of `paths` is admitted while `admitted` has room, and
+    holds its place until the app returns (its response's last byte sent); beyond the limit it
+    gets 503 with `Retry-After` and `on_refused(path)` is told."""
+
+    def __init__(self, app: Callable, admitted: Admitted, paths: frozenset[str],
+                 on_refused: Callable[[str], None] = lambda path: None) -> None:
+        self.app, self.admitted, self.paths, self.on_refused = app, admitted, paths, on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        admitted = self.admitted
+        if admitted.n >= admitted.limit:
+            self.on_refused(scope["path"])
+            return await send_error(send, 503, f"the server is busy ({admitted.limit} requests "
+                                    "running or queued); retry shortly", "server_busy",
+                                    ((b"retry-after", str(RETRY_AFTER_S).encode()),), "server_error")
+        admitted.n += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            admitted.n -= 1
+
+
 def _replay(body: bytes, receive: Receive) -> Receive:
     sent = False
 
@@ -175,8 +223,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def protocol_class(limits: ServerLimits) -> type:
-    """uvicorn's httptools protocol (its C parser: about a fifth of a short request's server
-    time less than h11's), closing connections that do not send a request head in time. A
+    """uvicorn's httptools protocol (its C parser costs a short request less of the server's
+    time than h11's), closing connections that do not send a request head in time. A
     connection is overdue when every request head it sent has had its response: none is
     outstanding, not even a pipelined one."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -220,8 +268,8 @@ def protocol_class(limits: ServerLimits) -> type:
 def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # no C library, or one without malloc_trim (not glibc)
         return None
 
 

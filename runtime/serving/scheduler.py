@@ -357,30 +357,10 @@ class Scheduler:
             if self.yield_gil:
                 time.sleep(0)
 
-    def metrics_lines(self) -> list[str]:
-        out = []
-        for name, kind, value, text in (
-                ("running", "gauge", len(self.running), "Requests in the running set (the batch)."),
-                ("waiting", "gauge", len(self.waiting), "Admitted requests waiting to run."),
-                ("peak_running", "gauge", self.peak_running, "Largest running set so far."),
-                ("iterations_total", "counter", self.steps, "Scheduler iterations."),
-                ("iteration_seconds_total", "counter", round(self.step_seconds, 6),
-                 "Time spent in iterations (each advances every running request)."),
-                ("forward_seconds_total", "counter", round(self.forward_seconds, 6),
-                 "Of that, time in the batched forwards (the models; the rest is the host's)."),
-                ("batched_forwards_total", "counter", self.forwards,
-                 "Target forwards run for the whole batch at once."),
-                ("batched_rows_total", "counter", self.batched_rows,
-                 "Target rows those forwards ran (rows / forwards: the mean batch in rows; a "
-                 "prompt's positions the prefix cache held are not run)."),
-                ("head_forwards_total", "counter", self.head_forwards,
-                 "MTP head forwards run for every drafting sequence's chain at once."),
-                ("head_rows_total", "counter", self.head_rows,
-                 "Head entries those forwards ran (rows / forwards: the mean batch in rows)."),
-                ("draft_forwards_total", "counter", self.draft_forwards,
-                 "Drafter calls proposing every drafting sequence's DFlash block at once."),
-                ("draft_blocks_total", "counter", self.draft_blocks,
-                 "Blocks those calls proposed (blocks / calls: the mean batch).")):
-            out += [f"# HELP metrale_scheduler_{name} {text}", f"# TYPE metrale_scheduler_{name} {kind}",
-                    f"metrale_scheduler_{name} {value}"]
-        return out
+    def stats(self):
+        """Its counters for /metrics (`serving.stats.SchedulerStats`), as they stand now."""
+        from metrale.runtime.serving.stats import SchedulerStats
+
+        return SchedulerStats(len(self.running), len(self.waiting), self.peak_running, self.steps,
+                              self.step_seconds, self.forward_seconds, self.forwards, self.batched_rows,
+                              self.head_forwards, self.head_rows, self.draft_forwards, self.draft_blocks)

@@ -280,19 +280,15 @@ class EngineGenerator:
         target.lanes = Lanes(max(1, torch.get_num_threads() - cores))
         return target.lanes.n
 
-    def metrics_text(self) -> str:
-        text = self.metrics.prometheus_text()
-        cache = getattr(self.engine.target, "prefix_cache", None)
-        if cache is None:
-            return text
-        lines = []
-        for name, kind, value, help_ in (
-                ("queries_total", "counter", cache.queried, "Prompt positions looked up in the prefix cache."),
-                ("hits_total", "counter", cache.reused, "Of those, positions reused (their rows not run)."),
-                ("tokens", "gauge", cache.tokens, "Prompt positions the prefix cache holds.")):
-            lines += [f"# HELP metrale_prefix_cache_{name} {help_}", f"# TYPE metrale_prefix_cache_{name} {kind}",
-                      f"metrale_prefix_cache_{name} {value}"]
-        return text.rstrip("\n") + ("\n" if text.strip() else "") + "\n".join(lines) + "\n"
+    def stats(self):
+        """Its counters for /metrics (`serving.stats.GeneratorStats`): speculative decoding's
+        over the finished requests, and the prefix cache's where it keeps one."""
+        from metrale.runtime.serving.stats import GeneratorStats, PrefixCacheStats
+
+        requests, spec = self.metrics.snapshot()
+        cache = self.engine.target.prefix_cache if self.engine.backend.prefix_cache else None
+        held = None if cache is None else PrefixCacheStats(cache.queried, cache.reused, cache.tokens)
+        return GeneratorStats(requests, spec, held)
 
 
 def drafter_kv_heads(engine_dir: Path, name: str) -> int | None:

@@ -8,7 +8,10 @@ per step = emitted / steps) and per-position acceptance accepted_at[j] / tested_
 position counts as tested only when the target actually judged it (positions after a step's
 first rejection are not), so the ratio is the conditional acceptance a_j of `adaptive_k`.
 
-Prometheus exports only the raw counters, so rates over any window are computed server side:
+Prometheus (`families`: prometheus_client's metric families) exports only the raw counters,
+so rates over any window are computed server side, and two histograms derived from them exactly:
+acceptance length per verify step (accepted drafts + 1, over the steps that verified drafts) and
+drafts verified per step (every step, plain ones at 0):
 
     tau (over 5 minutes):
         rate(metrale_spec_decode_emitted_tokens_total[5m])
@@ -19,6 +22,8 @@ Prometheus exports only the raw counters, so rates over any window are computed 
     draft acceptance rate:
         rate(metrale_spec_decode_accepted_tokens_total[5m])
           / rate(metrale_spec_decode_draft_tokens_verified_total[5m])
+    median acceptance length:
+        histogram_quantile(0.5, rate(metrale_spec_decode_acceptance_length_bucket[5m]))
 
 Invariants: every counter only grows; a step's numbers satisfy
 0 <= accepted <= verified <= proposed and 1 <= emitted <= accepted + 1 (fewer than accepted + 1
@@ -27,10 +32,13 @@ only when the request ends inside the step). A plain decode step is a step with 
 
 from __future__ import annotations
 
-import math
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 
 @dataclass
@@ -46,6 +54,8 @@ class SpecMetrics:
     verify_rows: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # [k-1]: steps that verified k drafts (plain steps: `steps` less their sum)
+    steps_with_drafts: list[int] = field(default_factory=list)
 
     def record_step(
         self,
@@ -68,6 +78,10 @@ class SpecMetrics:
                 f"negative verify_rows {verify_rows}, draft_s {draft_s} or verify_s {verify_s}"
             )
         tested = min(accepted + 1, verified)  # positions 1..accepted, plus the rejected one
+        if verified:
+            while len(self.steps_with_drafts) < verified:
+                self.steps_with_drafts.append(0)
+            self.steps_with_drafts[verified - 1] += 1
         self._grow(tested)
         for j in range(tested):
             self.tested_at[j] += 1
@@ -104,6 +118,10 @@ class SpecMetrics:
         for j, (a, t) in enumerate(zip(other.accepted_at, other.tested_at)):
             self.accepted_at[j] += a
             self.tested_at[j] += t
+        while len(self.steps_with_drafts) < len(other.steps_with_drafts):
+            self.steps_with_drafts.append(0)
+        for k, n in enumerate(other.steps_with_drafts):
+            self.steps_with_drafts[k] += n
         self.steps += other.steps
         self.tokens_emitted += other.tokens_emitted
         self.drafts_proposed += other.drafts_proposed
@@ -149,82 +167,83 @@ class SpecMetrics:
             "draft_acceptance_rate": self.accepted / verified if verified else None,
         }
 
-    def prometheus_text(
-        self, prefix: str = "metrale_", labels: dict[str, str] | None = None
-    ) -> str:
-        """Prometheus exposition text of the raw counters (see the module docstring)."""
-        return _exposition(self, prefix, labels or {}, requests=None)
+    def families(self, prefix: str = "metrale_", labels: dict[str, str] | None = None) -> list[Metric]:
+        """Prometheus metric families of the raw counters and the histograms derived from them
+        (see the module docstring)."""
+        return families(self, prefix, labels or {}, requests=None)
 
 
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _METRIC_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*|")
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
-
-
-def _number(v: float) -> str:
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    return repr(float(v)) if math.isfinite(v) else ("+Inf" if v > 0 else "-Inf")
-
-
-_COUNTERS = (
-    # (name without prefix and "_total", attribute, help)
-    ("spec_decode_steps", "steps", "Decode steps, plain and speculative."),
+_COUNTERS: tuple[tuple[str, Callable[[SpecMetrics], float], str], ...] = (
+    # (name without prefix and "_total", its value, help)
+    ("spec_decode_steps", lambda m: m.steps, "Decode steps, plain and speculative."),
     (
         "spec_decode_emitted_tokens",
-        "tokens_emitted",
+        lambda m: m.tokens_emitted,
         "Tokens emitted: accepted drafts plus one bonus or recovered token per step.",
     ),
-    ("spec_decode_draft_tokens_proposed", "drafts_proposed", "Draft tokens the drafter proposed."),
-    ("spec_decode_draft_tokens_verified", "drafts_verified", "Draft tokens the target verified."),
-    ("spec_decode_accepted_tokens", "accepted", "Draft tokens accepted."),
-    ("spec_decode_verify_rows", "verify_rows", "Rows the target model computed to verify drafts."),
-    ("spec_decode_draft_seconds", "draft_s", "Seconds spent in the drafter."),
-    ("spec_decode_verify_seconds", "verify_s", "Seconds spent verifying in the target model."),
+    ("spec_decode_draft_tokens_proposed", lambda m: m.drafts_proposed, "Draft tokens the drafter proposed."),
+    ("spec_decode_draft_tokens_verified", lambda m: m.drafts_verified, "Draft tokens the target verified."),
+    ("spec_decode_accepted_tokens", lambda m: m.accepted, "Draft tokens accepted."),
+    ("spec_decode_verify_rows", lambda m: m.verify_rows, "Rows the target model computed to verify drafts."),
+    ("spec_decode_draft_seconds", lambda m: m.draft_s, "Seconds spent in the drafter."),
+    ("spec_decode_verify_seconds", lambda m: m.verify_s, "Seconds spent verifying in the target model."),
 )
+# Bucket bounds: an acceptance length is 1 to drafts + 1, a step's drafts 0 to 32 (the most
+# `--num-drafts` allows).
+ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 33)
+DRAFT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 
 
-def _exposition(m: SpecMetrics, prefix: str, labels: dict[str, str], requests: int | None) -> str:
+def families(m: SpecMetrics, prefix: str, labels: dict[str, str], requests: int | None) -> list[Metric]:
+    """`m`'s metric families (with `requests`, also the count of requests merged into it)."""
     if not _METRIC_PREFIX.fullmatch(prefix):
         raise ValueError(f"metric prefix {prefix!r} is not a valid Prometheus name start")
     for name in labels:
-        if not _LABEL_NAME.fullmatch(name) or name.startswith("__") or name == "position":
+        if not _LABEL_NAME.fullmatch(name) or name.startswith("__") or name in ("position", "le"):
             raise ValueError(f"label name {name!r} is not allowed")
-    lines: list[str] = []
+    keys, values = list(labels), list(labels.values())
+    out: list[Metric] = []
 
-    def counter(name: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
-        full = f"{prefix}{name}_total"
-        lines.append(f"# HELP {full} {help_text}")
-        lines.append(f"# TYPE {full} counter")
-        for extra, value in samples:
-            lines.append(f"{full}{_labels({**labels, **extra})} {_number(value)}")
+    def counter(name: str, help_text: str, samples: list[tuple[tuple[str, ...], float]],
+                extra: tuple[str, ...] = ()) -> None:
+        family = CounterMetricFamily(f"{prefix}{name}", help_text, labels=keys + list(extra))
+        for more, value in samples:
+            family.add_metric(values + list(more), value)
+        out.append(family)
 
     if requests is not None:
-        counter("spec_decode_requests", "Requests whose metrics were merged.", [({}, requests)])
-    for name, attr, help_text in _COUNTERS:
-        counter(name, help_text, [({}, getattr(m, attr))])
-    counter(
-        "spec_decode_accepted_per_position",
-        "Drafts accepted at each draft position (1 = first draft).",
-        [({"position": str(j + 1)}, a) for j, a in enumerate(m.accepted_at)],
-    )
-    counter(
-        "spec_decode_tested_per_position",
-        "Drafts the target judged at each draft position (those after a rejection are not).",
-        [({"position": str(j + 1)}, t) for j, t in enumerate(m.tested_at)],
-    )
-    return "\n".join(lines) + "\n"
+        counter("spec_decode_requests", "Requests whose metrics were merged.", [((), requests)])
+    for name, value, help_text in _COUNTERS:
+        counter(name, help_text, [((), value(m))])
+    counter("spec_decode_accepted_per_position", "Drafts accepted at each draft position (1 = first draft).",
+            [((str(j + 1),), a) for j, a in enumerate(m.accepted_at)], ("position",))
+    counter("spec_decode_tested_per_position",
+            "Drafts the target judged at each draft position (those after a rejection are not).",
+            [((str(j + 1),), t) for j, t in enumerate(m.tested_at)], ("position",))
+    # accepted_at[j] counts the steps that accepted more than j drafts, all of them steps that
+    # verified some: so the verify steps of length (accepted + 1) <= b are those less it
+    verifies = sum(m.steps_with_drafts)
+    out.append(_histogram(
+        f"{prefix}spec_decode_acceptance_length",
+        "Acceptance length (accepted drafts + 1) of each step that verified drafts.", keys, values,
+        [(b, verifies - (m.accepted_at[b - 1] if b - 1 < len(m.accepted_at) else 0))
+         for b in ACCEPTANCE_BUCKETS], verifies, m.accepted + verifies))
+    plain = m.steps - verifies
+    out.append(_histogram(
+        f"{prefix}spec_decode_drafts_per_step", "Drafts each decode step verified (a plain step: 0).",
+        keys, values, [(b, plain + sum(m.steps_with_drafts[:b])) for b in DRAFT_BUCKETS],
+        m.steps, m.drafts_verified))
+    return out
+
+
+def _histogram(name: str, help_text: str, keys: list[str], values: list[str],
+               cumulative: list[tuple[int, int]], count: int, total: float) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, help_text, labels=keys)
+    family.add_metric(values, [(floatToGoString(b), n) for b, n in cumulative] + [("+Inf", count)], total)
+    return family
 
 
 class SpecMetricsAggregate:
@@ -249,8 +268,6 @@ class SpecMetricsAggregate:
         requests, totals = self.snapshot()
         return {"requests": requests, **totals.to_dict()}
 
-    def prometheus_text(
-        self, prefix: str = "metrale_", labels: dict[str, str] | None = None
-    ) -> str:
+    def families(self, prefix: str = "metrale_", labels: dict[str, str] | None = None) -> list[Metric]:
         requests, totals = self.snapshot()
-        return _exposition(totals, prefix, labels or {}, requests=requests)
+        return families(totals, prefix, labels or {}, requests=requests)

@@ -1,0 +1,402 @@
+"""The OpenAI API's objects as this server speaks them: pydantic models, the one definition of
+every request field's rule and of every answer's shape.
+
+Contract:
+- `CompletionRequest` and `ChatRequest` check a request body's fields (validated with the served
+  `TextGenerator` as context, which names the one model served); `to_generation(gen)` then
+  encodes the prompt and checks it against the context window, giving a `GenerationRequest`.
+  The sampling fields use the sampling parameters' own rules (`spec.sampling.Temperature`, ...),
+  so the API, `SamplingParams` and the CLI refuse exactly the same values.
+- A refusal is an `APIError`: OpenAI's error object (`ErrorBody`) with a 4xx status that names
+  the field (`param`), the value given and what is allowed. `api_error` words pydantic's errors
+  so; the checks pydantic's types cannot express raise an `APIError` themselves.
+- The answers (`Completion`, `ChatCompletion`, their stream chunks, `Usage`) are built by the
+  server and serialized with `model_dump_json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo,
+                      field_validator)
+from pydantic_core import PydanticCustomError
+
+from metrale.runtime.errors import MetraleError
+from metrale.runtime.spec.sampling import (ALLOWED, DEFAULT_MAX_TOKENS, MaxTokens, SamplingError,
+                                           SamplingParams, Seed, Temperature, TopP, shown)
+
+MAX_STOPS = 16
+# OpenAI fields this server does not implement: refused unless they hold their no-op value.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+    "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
+}
+
+
+# ---------------------------------------------------------------- errors
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail
+
+
+class APIError(Exception):
+    """A request the server refuses; becomes OpenAI's error object with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.kind, param=self.param,
+                                           code=self.code))
+
+
+def _path(loc: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc))
+
+
+def api_error(e: ValidationError, model: type[BaseModel]) -> APIError:
+    """The first of pydantic's errors as a 400 naming the field, the value and what is allowed
+    (the field's `description`; a list item's: its model's `ALLOWED`)."""
+    err = e.errors(include_url=False)[0]
+    loc, kind = tuple(err["loc"]), err["type"]
+    param = str(loc[0]) if loc else None
+    where = f"`{_path(loc)}`"
+    if kind == "missing":
+        message = (f"{where} is required" if len(loc) == 1
+                   else f"`{_path(loc[:-1])}` needs `{loc[-1]}`")
+        return APIError(400, message, param, "missing_required_parameter")
+    if kind in _CUSTOM:  # worded by the check that raised it
+        return APIError(400, f"{where} {err['msg']}", param, kind)
+    allowed = _allowed(model, loc)
+    code = "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
+    return APIError(400, f"{where} must be {allowed}, got {shown(err['input'])}", param, code)
+
+
+_CUSTOM = ("invalid_type", "invalid_value", "unsupported_parameter")
+
+
+def _allowed(model: type[BaseModel], loc: tuple) -> str:
+    """What the field at `loc` allows: its description, walking into lists of models."""
+    allowed, cls = "valid", model
+    for part in loc:
+        if cls is None:
+            break
+        if isinstance(part, int):
+            allowed, cls = cls.ALLOWED, cls
+            continue
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            break
+        allowed = field.description or allowed
+        cls = _ITEMS.get((cls, str(part)))
+    return allowed
+
+
+# ---------------------------------------------------------------- requests
+
+def _invalid(kind: str, message: str) -> PydanticCustomError:
+    """A refusal worded here (`api_error` puts the field's path in front of `message`)."""
+    return PydanticCustomError(kind, message)
+
+
+class Message(BaseModel):
+    """A chat message; other keys (`name`, ...) reach the chat template as they came."""
+
+    model_config = ConfigDict(extra="allow")
+    ALLOWED: ClassVar[str] = "an object with a string `role` and `content`"
+
+    role: str = Field(description="a string")
+    content: Any = Field(description="a string or a list of text parts")
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v: Any) -> str:
+        """OpenAI lets content be a list of parts; the text parts join into the template's string."""
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in v):
+            return "".join(p["text"] for p in v)
+        if isinstance(v, list):
+            raise _invalid("invalid_type", "holds a part that is not text; only text parts "
+                           '({"type": "text", "text": ...}) are supported')
+        raise _invalid("invalid_type", f"must be a string or a list of text parts, got {shown(v)}")
+
+
+class _GenerationBody(BaseModel):
+    """The fields both generation endpoints share. Unknown fields are ignored, as OpenAI's
+    clients send some this server has no use for (`user`, ...)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="a string")
+    n: Annotated[int, Strict()] | None = Field(None, description="1")
+    max_tokens: MaxTokens | None = Field(None, description=ALLOWED["max_tokens"])
+    temperature: Temperature | None = Field(None, description=ALLOWED["temperature"])
+    top_p: TopP | None = Field(None, description=ALLOWED["top_p"])
+    seed: Seed | None = Field(None, description=ALLOWED["seed"])
+    stop: Any = Field(None, validate_default=True,
+                      description=f"a string or a list of at most {MAX_STOPS} strings")
+    stream: bool | None = Field(None, strict=True, description="a boolean")
+    stream_options: dict | None = Field(None, description="an object")
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    PROMPT: ClassVar[str] = "prompt"  # the field whose tokens count against the context
+
+    @field_validator("model")
+    @classmethod
+    def _served(cls, v: str | None, info: ValidationInfo) -> str | None:
+        served = info.context.model_id if info.context is not None else v
+        if v is not None and v != served:
+            raise APIError(404, f"model {v!r} does not exist; this server serves {served!r}",
+                           "model", "model_not_found")
+        return v
+
+    @field_validator(*NEUTRAL)
+    @classmethod
+    def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and v not in NEUTRAL[info.field_name]:
+            raise _invalid("unsupported_parameter", f"is not supported by this server, got {shown(v)}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise _invalid("unsupported_parameter", f"must be 1 (one choice per request), got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: Any) -> tuple[str, ...]:
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            v = [v]
+        if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            raise _invalid("invalid_type", f"must be a string or a list of strings, got {shown(v)}")
+        stops = tuple(s for s in v if s)
+        if len(stops) > MAX_STOPS:
+            raise _invalid("invalid_value", f"holds {len(stops)} strings; at most {MAX_STOPS} are allowed")
+        return stops
+
+    def prompt_ids(self, gen) -> list[int]:
+        raise NotImplementedError
+
+    def completion_budget(self) -> int | None:
+        return self.max_tokens
+
+    def to_generation(self, gen) -> GenerationRequest:
+        """The request against the served model: its prompt encoded (no tokens: refused), its
+        completion budget checked against the context window (unset: the sampler's default, cut
+        to what fits), its sampling parameters."""
+        ids = self.prompt_ids(gen)
+        where = self.PROMPT
+        if not ids:
+            raise APIError(400, f"`{where}` encodes to no tokens", where, "invalid_value")
+        room = gen.max_context - len(ids)
+        max_tokens = self.completion_budget()
+        if max_tokens is None:
+            max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        if room < 1 or max_tokens > room:
+            raise APIError(400, f"the context holds {gen.max_context} tokens; the {where} takes "
+                           f"{len(ids)}, leaving {max(room, 0)} for completion, but max_tokens is "
+                           f"{max_tokens}", where, "context_length_exceeded")
+        sampling: dict[str, Any] = {"max_tokens": max_tokens, "seed": self.seed}
+        if self.temperature is not None:
+            sampling["temperature"] = self.temperature
+        if self.top_p is not None:
+            sampling["top_p"] = self.top_p
+        try:
+            params = SamplingParams(**sampling)
+        except SamplingError as e:  # the fields passed the same rules: only a bug gets here
+            raise APIError(400, str(e), e.field, "invalid_value") from e
+        include_usage = (self.stream_options or {}).get("include_usage") is True
+        return GenerationRequest(ids, params, self.stop, bool(self.stream), include_usage)
+
+
+class CompletionRequest(_GenerationBody):
+    """A `/v1/completions` body: `prompt` is a string, a list of one string, or token ids."""
+
+    prompt: Any = Field(description="a string, a list of one string, or a list of token ids")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and all(type(t) is int for t in v):
+            return v  # already token ids
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            if len(v) != 1:
+                raise _invalid("unsupported_parameter", f"must hold exactly one string (batches "
+                               f"are not supported), got {len(v)}")
+            return v[0]
+        if not isinstance(v, str):
+            raise _invalid("invalid_type", "must be a string, a list of one string, or a list of "
+                           f"token ids, got {shown(v)}")
+        return v
+
+    def prompt_ids(self, gen) -> list[int]:
+        tok = gen.tokenizer
+        if isinstance(self.prompt, str):
+            return tok.encode(self.prompt, add_special=True)
+        if not all(0 <= t < tok.vocab_size for t in self.prompt):
+            raise APIError(400, f"`prompt` token ids must lie in [0, {tok.vocab_size})", "prompt",
+                           "invalid_value")
+        return list(self.prompt)
+
+
+class ChatRequest(_GenerationBody):
+    """A `/v1/chat/completions` body: `messages` rendered by the tokenizer's chat template."""
+
+    messages: list[Message] = Field(description="a list of messages, non-empty")
+    max_completion_tokens: MaxTokens | None = Field(None, description=ALLOWED["max_tokens"])
+
+    PROMPT: ClassVar[str] = "messages"
+
+    @field_validator("messages")
+    @classmethod
+    def _some(cls, v: list[Message]) -> list[Message]:
+        if not v:
+            raise _invalid("invalid_value", "must be a non-empty list of messages, got []")
+        return v
+
+    def completion_budget(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    def prompt_ids(self, gen) -> list[int]:
+        tok = gen.tokenizer
+        try:
+            text = tok.apply_chat_template([m.model_dump() for m in self.messages])
+        except MetraleError as e:
+            raise APIError(400, str(e), "messages", "invalid_value") from e
+        return tok.encode(text)
+
+
+_ITEMS = {(ChatRequest, "messages"): Message}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One checked request: what the scheduler needs, nothing from the HTTP layer."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+# ---------------------------------------------------------------- answers
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+Finish = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Finish | None = None
+
+
+class Completion(BaseModel):
+    """A `/v1/completions` answer; streamed, each chunk is one of these (`usage` on the last
+    only, when asked for: `stream_options.include_usage`)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, exclude_if=lambda u: u is None)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: Finish
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """A chunk's new text: the first chunk says the role, the last carries nothing."""
+
+    role: Literal["assistant"] | None = Field(None, exclude_if=lambda v: v is None)
+    content: str | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Finish | None = None
+
+
+class ChatChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, exclude_if=lambda u: u is None)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "metrale"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
