@@ -317,8 +317,8 @@ def generate(
                 "finish_reason": result.finish_reason, "accepted_per_step": [s.accepted for s in result.steps],
                 "drafted_per_step": [s.drafted for s in result.steps], "steps": m.steps, "tau": m.tau,
                 "tokens_per_s": round(result.tokens_per_s, 2), "seconds": round(result.seconds, 4),
-                "mode": spec.mode.value, "backend": getattr(gen.engine, "backend", backend),
-                "backend_note": getattr(gen.engine, "backend_note", "")}) + "\n")
+                "mode": spec.mode.value, "backend": gen.engine.backend.name,
+                "backend_note": gen.engine.backend_note}) + "\n")
         else:
             sys.stdout.write(text + "\n")
 
@@ -403,8 +403,8 @@ def serve(
         engine = gen.engine
         cached = bool(prefix_cache_tokens) and gen.cache_prefixes(prefix_cache_tokens) is not None
         _say_serving(engine_dir, spec, host, port, {
-            "backend": getattr(engine, "backend", backend), "backend_note": getattr(engine, "backend_note", ""),
-            "requantized": getattr(engine, "requantized", {}), "prefix_cache": cached},
+            "backend": engine.backend.name, "backend_note": engine.backend_note,
+            "requantized": engine.requantized, "prefix_cache": cached},
             prefix_cache_tokens, gen.world.size)
         try:
             run_server(gen, host=host, port=port, limits=limits)

@@ -115,9 +115,10 @@ def test_a_run_its_request_drops_midway_records_the_steps_it_took(aoti_engine, t
                 time.sleep(pause)
                 cancel.set()
         _, before = gen.metrics.snapshot()
-        job = Job(gen, GenerationRequest(prompt, params, stop, cancel_after is not None, False), emit, cancel, "r")
+        job = Job(gen, GenerationRequest(prompt, params, stop, cancel_after is not None, False), emit, cancel, "r",
+                  coroutine=True)
         _drive(gen, job)
-        assert job.run is None and job.tokens is None  # dropped with the request
+        assert job.driver is None and job.tokens is None  # dropped with the request
         _, after = gen.metrics.snapshot()
         return events, after.tokens_emitted - before.tokens_emitted, after.steps - before.steps
 

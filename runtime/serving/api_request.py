@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from metrale.runtime.artifact.tokenizer import Tokenizer
 from metrale.runtime.serving.api_models import (APIError, ChatRequest, CompletionRequest,
                                                 GenerationRequest, api_error)
+from metrale.runtime.serving.scheduler import Capabilities
 from metrale.runtime.serving.stats import GeneratorStats
 from metrale.runtime.spec.sampling import SamplingParams
 
@@ -29,6 +30,8 @@ class TextGenerator(Protocol):
     model_id: str  # shown by /v1/models; requests naming another model get a 404
     tokenizer: Tokenizer
     max_context: int  # prompt + max_tokens must fit
+    # what its scheduler may do with it (`scheduler.STREAM_ONLY`: each request's `stream` alone)
+    capabilities: Capabilities
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
         """Yield generated token ids; stop at EOS or after params.max_tokens ids."""

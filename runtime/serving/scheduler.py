@@ -113,7 +113,7 @@ class Job:
     stream-only generator) `advance` takes the next token of `gen.stream`."""
 
     def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
-                 batch: Batch | None = None):
+                 batch: Batch | None = None, coroutine: bool = False):
         self.gen, self.req, self.emit, self.cancel, self.rid = gen, req, emit, cancel, rid
         # a request neither streamed nor cut at stop strings needs its text only once it ends:
         # its ids are decoded then, at once, not one decode per token in the busy loop
@@ -122,7 +122,7 @@ class Job:
         self.eos, self.limit = gen.tokenizer.eos_token_ids, req.params.max_tokens
         self.n, self.tokens = 0, None
         self.batch = batch or Batch()
-        self.coroutine = False
+        self.coroutine = coroutine
         self.need: ModelStep | None = None
         self.reply = None
         self.driver: Driver | None = None
