@@ -32,36 +32,36 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-# (name, kind, field of SchedulerStats, help)
+# (field of SchedulerStats, which names its metric; kind; help)
 _SCHEDULER = (
-    ("running", "gauge", "running", "Requests in the running set (the batch)."),
-    ("waiting", "gauge", "waiting", "Admitted requests waiting to run."),
-    ("peak_running", "gauge", "peak_running", "Largest running set so far."),
-    ("iterations", "counter", "iterations", "Scheduler iterations."),
-    ("iteration_seconds", "counter", "iteration_seconds",
+    ("running", "gauge", "Requests in the running set (the batch)."),
+    ("waiting", "gauge", "Admitted requests waiting to run."),
+    ("peak_running", "gauge", "Largest running set so far."),
+    ("iterations", "counter", "Scheduler iterations."),
+    ("iteration_seconds", "counter",
      "Time spent in iterations (each advances every running request)."),
-    ("forward_seconds", "counter", "forward_seconds",
+    ("forward_seconds", "counter",
      "Of that, time in the batched forwards (the models; the rest is the host's)."),
-    ("batched_forwards", "counter", "batched_forwards", "Target forwards run for the whole batch at once."),
-    ("batched_rows", "counter", "batched_rows",
+    ("batched_forwards", "counter", "Target forwards run for the whole batch at once."),
+    ("batched_rows", "counter",
      "Target rows those forwards ran (rows / forwards: the mean batch in rows; a prompt's "
      "positions the prefix cache held are not run)."),
-    ("head_forwards", "counter", "head_forwards",
+    ("head_forwards", "counter",
      "MTP head forwards run for every drafting sequence's chain at once."),
-    ("head_rows", "counter", "head_rows",
+    ("head_rows", "counter",
      "Head entries those forwards ran (rows / forwards: the mean batch in rows)."),
-    ("draft_forwards", "counter", "draft_forwards",
+    ("draft_forwards", "counter",
      "Drafter calls proposing every drafting sequence's DFlash block at once."),
-    ("draft_blocks", "counter", "draft_blocks",
+    ("draft_blocks", "counter",
      "Blocks those calls proposed (blocks / calls: the mean batch)."),
 )
 
 
 def _scheduler_families(s: SchedulerStats) -> Iterable[Metric]:
     values = msgspec.structs.asdict(s)
-    for name, kind, field, help_text in _SCHEDULER:
+    for name, kind, help_text in _SCHEDULER:
         family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-        yield family(f"metrale_scheduler_{name}", help_text, value=values[field])
+        yield family(f"metrale_scheduler_{name}", help_text, value=values[name])
 
 
 class _Engine:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
+from metrale.runtime.serving.stats import SchedulerStats
 from metrale.runtime.spec.decode import Batch
 from metrale.runtime.steps import Driver, ModelStep, StepKind
 
@@ -359,8 +360,6 @@ class Scheduler:
 
     def stats(self):
         """Its counters for /metrics (`serving.stats.SchedulerStats`), as they stand now."""
-        from metrale.runtime.serving.stats import SchedulerStats
-
         return SchedulerStats(len(self.running), len(self.waiting), self.peak_running, self.steps,
                               self.step_seconds, self.forward_seconds, self.forwards, self.batched_rows,
                               self.head_forwards, self.head_rows, self.draft_forwards, self.draft_blocks)

@@ -36,6 +36,7 @@ from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.tp import TensorParallel, World
 from metrale.runtime.serving.scheduler import Capabilities
+from metrale.runtime.serving.stats import GeneratorStats, PrefixCacheStats
 from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
 from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
@@ -283,8 +284,6 @@ class EngineGenerator:
     def stats(self):
         """Its counters for /metrics (`serving.stats.GeneratorStats`): speculative decoding's
         over the finished requests, and the prefix cache's where it keeps one."""
-        from metrale.runtime.serving.stats import GeneratorStats, PrefixCacheStats
-
         requests, spec = self.metrics.snapshot()
         cache = self.engine.target.prefix_cache if self.engine.backend.prefix_cache else None
         held = None if cache is None else PrefixCacheStats(cache.queried, cache.reused, cache.tokens)
