@@ -26,7 +26,8 @@ READ_BYTES = 1 << 16
 
 
 class Encoder:
-    """Messages to frames (one encoder a side: it keeps its buffer between calls)."""
+    """Messages to frames, each encoded once straight after its header (one msgpack encoder a
+    side, reused)."""
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()
