@@ -122,7 +122,7 @@ def test_a_request_neither_streamed_nor_stopped_is_decoded_once_at_its_end(tiny_
     class Gen:
         tokenizer = Counting()
 
-        def stream(self, prompt_ids, params):
+        def stream(self, prompt_ids, params, counted=None):
             yield from ids
 
     def run(stream: bool, stop: tuple[str, ...] = ()):
@@ -140,4 +140,4 @@ def test_a_request_neither_streamed_nor_stopped_is_decoded_once_at_its_end(tiny_
     assert held[0][1] == tok.decode(ids) == "".join(p for k, p in streamed if k == "text")
     assert "".join(p for k, p in stopped if k == "text") == held[0][1]
     assert streamed_calls == stopped_calls == 0  # decoded as they go, by the decode stream
-    assert held[-1] == streamed[-1] == stopped[-1] == ("done", ("length", len(ids)))
+    assert held[-1] == streamed[-1] == stopped[-1] == ("done", ("length", len(ids), None))

@@ -216,7 +216,7 @@ def test_the_scheduler_yields_between_iterations_only_beside_an_event_loop(tiny_
     class Tokens:  # a generator of five tokens, one per iteration
         tokenizer = tiny_engine.tokenizer
 
-        def stream(self, ids, params):
+        def stream(self, ids, params, counted=None):
             yield from [5, 6, 7, 8, 9]
 
     monkeypatch.setattr(sched, "time", Counting)
@@ -319,7 +319,7 @@ def test_a_scheduler_with_an_inbox_reads_it_between_iterations_on_the_callers_th
     class Tokens:  # a generator of five tokens, one per iteration
         tokenizer = tiny_engine.tokenizer
 
-        def stream(self, ids, params):
+        def stream(self, ids, params, counted=None):
             yield from [5, 6, 7, 8, 9]
 
     events, calls = [], []

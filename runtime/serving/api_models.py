@@ -24,7 +24,8 @@ from pydantic import (BaseModel, ConfigDict, Field, Strict, ValidationError, Val
 from pydantic_core import PydanticCustomError
 
 from metrale.runtime.errors import MetraleError
-from metrale.runtime.spec.sampling import (ALLOWED, DEFAULT_MAX_TOKENS, MaxTokens, SamplingError,
+from metrale.runtime.serving.stats import Drafts
+from metrale.runtime.spec.sampling import (ALLOWED, DEFAULT_MAX_TOKENS, MaxDrafts, MaxTokens, SamplingError,
                                            SamplingParams, Seed, Temperature, TopP, shown)
 
 MAX_STOPS = 16
@@ -81,6 +82,10 @@ def api_error(e: ValidationError, model: type[BaseModel]) -> APIError:
         message = (f"{where} is required" if len(loc) == 1
                    else f"`{_path(loc[:-1])}` needs `{loc[-1]}`")
         return APIError(400, message, param, "missing_required_parameter")
+    if kind == "extra_forbidden":  # a key an object of this API does not take
+        parent = _allowed(model, loc[:-1])
+        return APIError(400, f"{where} is not a field of `{_path(loc[:-1])}`, which must be {parent}",
+                        param, "invalid_value")
     if kind in _CUSTOM:  # worded by the check that raised it
         return APIError(400, f"{where} {err['msg']}", param, kind)
     allowed = _allowed(model, loc)
@@ -92,7 +97,8 @@ _CUSTOM = ("invalid_type", "invalid_value", "unsupported_parameter")
 
 
 def _allowed(model: type[BaseModel], loc: tuple) -> str:
-    """What the field at `loc` allows: its description, walking into lists of models."""
+    """What the field at `loc` allows: its description, walking into objects and lists of
+    models (`_ITEMS`)."""
     allowed, cls = "valid", model
     for part in loc:
         if cls is None:
@@ -139,6 +145,21 @@ class Message(BaseModel):
         raise _invalid("invalid_type", f"must be a string or a list of text parts, got {shown(v)}")
 
 
+class SpeculativeOptions(BaseModel):
+    """The request's control of speculative decoding (llama.cpp's server takes the same per
+    request): `enabled` false decodes it plain; `max_drafts` caps the drafts each step verifies
+    (`SamplingParams.speculate`, `max_drafts`). Other keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool | None = Field(None, strict=True, description=ALLOWED["speculate"])
+    max_drafts: MaxDrafts | None = Field(None, description=ALLOWED["max_drafts"])
+
+
+SPECULATIVE = ("an object with `enabled` (a boolean) and `max_drafts` (an integer of at least 0), "
+               "both optional")
+
+
 class _GenerationBody(BaseModel):
     """The fields both generation endpoints share. Unknown fields are ignored, as OpenAI's
     clients send some this server has no use for (`user`, ...)."""
@@ -166,6 +187,7 @@ class _GenerationBody(BaseModel):
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
+    speculative: SpeculativeOptions | None = Field(None, description=SPECULATIVE)
 
     PROMPT: ClassVar[str] = "prompt"  # the field whose tokens count against the context
 
@@ -229,6 +251,10 @@ class _GenerationBody(BaseModel):
                            f"{len(ids)}, leaving {max(room, 0)} for completion, but max_tokens is "
                            f"{max_tokens}", where, "context_length_exceeded")
         sampling: dict[str, Any] = {"max_tokens": max_tokens, "seed": self.seed}
+        if self.speculative is not None:
+            if self.speculative.enabled is not None:
+                sampling["speculate"] = self.speculative.enabled
+            sampling["max_drafts"] = self.speculative.max_drafts
         if self.temperature is not None:
             sampling["temperature"] = self.temperature
         if self.top_p is not None:
@@ -298,7 +324,8 @@ class ChatRequest(_GenerationBody):
         return tok.encode(text)
 
 
-_ITEMS = {(ChatRequest, "messages"): Message}
+_ITEMS = {(ChatRequest, "messages"): Message, (ChatRequest, "speculative"): SpeculativeOptions,
+          (CompletionRequest, "speculative"): SpeculativeOptions}
 
 
 @dataclass(frozen=True)
@@ -314,14 +341,41 @@ class GenerationRequest:
 
 # ---------------------------------------------------------------- answers
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's breakdown of the completion tokens; the prediction fields (its Predicted Outputs'
+    names) count the request's verified drafts: those the target accepted, and the rest."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+class SpeculativeUsage(BaseModel):
+    """The request's drafts (metrale's extension of `usage`): made by the drafter, verified by
+    the target, and accepted."""
+
+    drafts_proposed: int
+    drafts_verified: int
+    drafts_accepted: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=lambda d: d is None)
+    speculative: SpeculativeUsage | None = Field(None, exclude_if=lambda d: d is None)
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def of(cls, prompt: int, completion: int, drafts: Drafts | None = None) -> Usage:
+        """The usage of a request; its drafts where its server speculates."""
+        details = spec = None
+        if drafts is not None:
+            details = CompletionTokensDetails(accepted_prediction_tokens=drafts.accepted,
+                                              rejected_prediction_tokens=drafts.verified - drafts.accepted)
+            spec = SpeculativeUsage(drafts_proposed=drafts.proposed, drafts_verified=drafts.verified,
+                                    drafts_accepted=drafts.accepted)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   completion_tokens_details=details, speculative=spec)
 
 
 Finish = Literal["stop", "length"]

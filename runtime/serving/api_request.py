@@ -21,6 +21,7 @@ from metrale.runtime.serving.api_models import (APIError, ChatRequest, Completio
                                                 GenerationRequest, api_error)
 from metrale.runtime.serving.scheduler import Capabilities
 from metrale.runtime.serving.stats import GeneratorStats
+from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.spec.sampling import SamplingParams
 
 
@@ -33,8 +34,11 @@ class TextGenerator(Protocol):
     # what its scheduler may do with it (`scheduler.STREAM_ONLY`: each request's `stream` alone)
     capabilities: Capabilities
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        """Yield generated token ids; stop at EOS or after params.max_tokens ids."""
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
+               counted: SpecMetrics | None = None) -> Iterator[int]:
+        """Yield generated token ids; stop at EOS or after params.max_tokens ids. A generator
+        that speculates merges the request's counters into `counted` as it ends (its drafts
+        go into the answer's usage)."""
         ...
 
     def stats(self) -> GeneratorStats:

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from metrale.runtime.artifact.tokenizer import IncrementalDecoder
-from metrale.runtime.serving.stats import SchedulerStats
+from metrale.runtime.serving.stats import Drafts, SchedulerStats
 from metrale.runtime.spec.decode import Batch
+from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.steps import Driver, ModelStep, StepKind
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class Capabilities:
     """What a generator offers its scheduler (`TextGenerator.capabilities`)."""
 
     # its sequences' model steps can run together: each request's `steps(prompt_ids, params,
-    # batch)` coroutine (`steps` contract), their steps through its `run_forwards`
+    # batch, counted)` coroutine (`steps` contract), their steps through its `run_forwards`
     batched: bool = False
     sequential: bool = False  # it decodes one request at a time (a tensor-parallel world)
     max_running: int | None = None  # the most requests it runs at once (a graph target's lanes)
@@ -104,8 +105,10 @@ STREAM_ONLY = Capabilities()  # a generator that only streams each request on it
 
 
 class Job:
-    """One admitted request: emits ("text", str)*, then ("done", (finish_reason, n_tokens)) or
-    ("error", exception); `cancel` set ends it at its next step (or before it starts).
+    """One admitted request: emits ("text", str)*, then ("done", (finish_reason, n_tokens,
+    drafts)) or ("error", exception); `cancel` set ends it at its next step (or before it
+    starts). `drafts` (`stats.Drafts`) counts its drafts where its generator speculates (the
+    generator merges the request's counters into `counted` as it ends), else None.
 
     On a batched scheduler (`coroutine`, set at `Scheduler.submit`) the request runs as its
     decode loop's coroutine (`gen.steps`) through a `steps.Driver`: `advance` runs it up to the
@@ -122,6 +125,7 @@ class Job:
         self.scanner = StopScanner(req.stop)
         self.eos, self.limit = gen.tokenizer.eos_token_ids, req.params.max_tokens
         self.n, self.tokens = 0, None
+        self.counted = SpecMetrics()
         self.batch = batch or Batch()
         self.coroutine = coroutine
         self.need: ModelStep | None = None
@@ -137,7 +141,7 @@ class Job:
             if self.coroutine:
                 return self._advance_steps()
             if self.tokens is None:
-                self.tokens = _closing(self.gen.stream(self.req.prompt_ids, self.req.params))
+                self.tokens = _closing(self.gen.stream(self.req.prompt_ids, self.req.params, self.counted))
             token = next(self.tokens, None)
             if token is None:
                 return self._finish(stopped=False)
@@ -148,7 +152,7 @@ class Job:
     def _advance_steps(self) -> bool:
         driver = self.driver
         if driver is None:
-            self.tokens = self.gen.steps(self.req.prompt_ids, self.req.params, self.batch)
+            self.tokens = self.gen.steps(self.req.prompt_ids, self.req.params, self.batch, self.counted)
             driver = self.driver = Driver(self.tokens, self._take)
         reply, self.reply = self.reply, None
         if driver.advance(reply):
@@ -183,7 +187,9 @@ class Job:
             text += "" if stopped else self.scanner.flush()
             if text:
                 self.emit("text", text)
-        self.emit("done", ("stop" if stopped or eos or self.n < self.limit else "length", self.n))
+        counted = self.counted
+        drafts = Drafts.of(counted) if counted.steps else None
+        self.emit("done", ("stop" if stopped or eos or self.n < self.limit else "length", self.n, drafts))
         return False
 
     def _close(self) -> None:

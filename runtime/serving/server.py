@@ -165,7 +165,7 @@ class _Answer:
 
     def _finished(self, done: Finished) -> Usage:
         self.service.metrics.finished(done, time.perf_counter() - self.arrived)
-        return Usage.of(len(self.req.prompt_ids), done.tokens)
+        return Usage.of(len(self.req.prompt_ids), done.tokens, done.drafts)
 
     async def whole(self, stream: AsyncIterator[tuple[str, Any]], first: tuple[str, Any]) -> Response:
         """A non-streamed answer: every text event joined."""

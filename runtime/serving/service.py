@@ -41,7 +41,7 @@ from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resol
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
 from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
                                                  lanes_for, loop_for, request_budget)
-from metrale.runtime.spec.metrics import SpecMetricsAggregate
+from metrale.runtime.spec.metrics import SpecMetrics, SpecMetricsAggregate
 from metrale.runtime.spec.relay import LeaderDrafts, RelayedDrafts
 from metrale.runtime.spec.sampling import SamplingParams
 from metrale.runtime.spec.shapes import SHAPES
@@ -106,22 +106,26 @@ class EngineGenerator:
         self._iterations: IterationLoop | bool | None = None  # False: its capture failed
         self._lanes: IterationLanes | bool | None = None
 
-    def decoder(self) -> Decoder | IterationDecoder:
-        """A request's decoder: the iterations' (`IterationDecoder`) where they were captured,
-        else the decode loop."""
+    def decoder(self, params: SamplingParams | None = None) -> Decoder | IterationDecoder:
+        """A request's decoder: the iterations' (`IterationDecoder`) where they were captured
+        and the request leaves speculation as the server set it, else the decode loop."""
         if self._graphs is not None and self._iterations is None:
             self._iterations = self._captured(loop_for, "whole-iteration graphs")
-        if self._iterations:
+        if self._iterations and (params is None or (params.speculate and params.max_drafts is None)):
             return IterationDecoder(self._iterations, self.tokenizer.eos_token_ids, self.max_context,
                                     self._decode_loop)
-        return self._decode_loop()
+        return self._decode_loop(params)
 
-    def _decode_loop(self) -> Decoder:
+    def _decode_loop(self, params: SamplingParams | None = None) -> Decoder:
+        """The decode loop of a request: plain where the request turned speculation off
+        (`SamplingParams.drafts`), as on a server without speculative flags."""
         e, spec = self.engine, self.spec
         embed = e.target.model.embed_tokens
         max_len = self.max_context + 64
         proposer = None
-        if spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
+        if params is not None and not params.drafts:
+            pass  # (every rank of a world decides so: the leader announced the request)
+        elif spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
             proposer = RelayedDrafts(self.world, embed.weight.device)
         elif self._proposing is not None:
             factory, name = self._proposing
@@ -142,11 +146,13 @@ class EngineGenerator:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> DecodeResult:
         """One whole request (on every rank of a world: the leader announces it)."""
-        return self.decoder().generate(prompt_ids, self._announce(prompt_ids, params))
-
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
         params = self._announce(prompt_ids, params)
-        decoder = self.decoder()
+        return self.decoder(params).generate(prompt_ids, params)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
+               counted: SpecMetrics | None = None) -> Iterator[int]:
+        params = self._announce(prompt_ids, params)
+        decoder = self.decoder(params)
         tokens = decoder.stream(prompt_ids, params)
         try:
             for tok in tokens:  # not `yield from`: closing this generator must not close `tokens`
@@ -158,7 +164,14 @@ class EngineGenerator:
             else:  # left midway: the steps it yielded go into its result first
                 tokens.close()
             if decoder.last_result is not None:
-                self.metrics.add(decoder.last_result.metrics)
+                self._finished(decoder.last_result.metrics, counted)
+
+    def _finished(self, metrics: SpecMetrics, counted: SpecMetrics | None) -> None:
+        """A request's counters into the aggregate, and, where it speculates, into the
+        request's own (`counted`)."""
+        self.metrics.add(metrics)
+        if counted is not None and self.spec.mode is not SpecMode.OFF:
+            counted.merge(metrics)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -190,20 +203,22 @@ class EngineGenerator:
             self.engine.backend_note = "; ".join(n for n in (self.engine.backend_note, why) if n)
             return False
 
-    def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
+    def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch,
+              counted: SpecMetrics | None = None):
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
         resumed under its capabilities' `thread_mode`; on a graph target its iterations in a lane (`_lane_steps`)."""
         if self._graphs is not None and self._serving_lanes():
-            yield from self._lane_steps(prompt_ids, params, batch)
+            yield from self._lane_steps(prompt_ids, params, batch, counted)
             return
-        decoder = self._decode_loop() if self._graphs is not None else self.decoder()
+        decoder = self._decode_loop(params) if self._graphs is not None else self.decoder(params)
         try:
             yield from decoder.steps(prompt_ids, params, batch, runs=True)
         finally:
             if decoder.last_result is not None:
-                self.metrics.add(decoder.last_result.metrics)
+                self._finished(decoder.last_result.metrics, counted)
 
-    def _lane_steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch):
+    def _lane_steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch,
+                    counted: SpecMetrics | None):
         """A request in a lane of the iterations (`iteration_loop.IterationLanes`): its prompt
         at once, then a `LaneStep` per iteration (send back its tokens); each batch of tokens
         yielded as the decode loop yields a step's. It ends at its budget; the scheduler ends it
@@ -212,6 +227,9 @@ class EngineGenerator:
         lanes = self._serving_lanes()
         budget = request_budget(prompt_ids, params, lanes.iteration.vocab_size, self.max_context)
         proposed = lanes.iteration.proposed
+        # the lanes verify one count together: a request capped below it runs plain iterations
+        # (what it allows), and so, while it runs, do the others (as in a busy batch)
+        drafts = params.speculate and (params.max_drafts is None or params.max_drafts >= lanes.iteration.k)
         result = DecodeResult([], 0.0, 0.0, "length")
         lane = lanes.acquire()
         t0 = time.perf_counter()
@@ -225,14 +243,14 @@ class EngineGenerator:
                 if len(result.token_ids) >= budget:
                     return
                 t1 = time.perf_counter()
-                tokens = yield LaneStep(lanes, lane, batch.speculate)
+                tokens = yield LaneStep(lanes, lane, batch.speculate and drafts)
                 n, k = len(tokens), lanes.last_k
                 result.metrics.record_step(proposed=proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
                                            verify_rows=k + 1, draft_s=0.0, verify_s=time.perf_counter() - t1)
         finally:
             lanes.release(lane)
             result.seconds = time.perf_counter() - t0
-            self.metrics.add(result.metrics)
+            self._finished(result.metrics, counted)
 
     def run_forwards(self, forwards: list) -> list:
         """The outputs of many sequences' model steps (`steps`), in one batched call per face
@@ -248,7 +266,7 @@ class EngineGenerator:
                 return
             prompt_ids, params = request
             try:
-                self.decoder().generate(prompt_ids, params)
+                self.decoder(params).generate(prompt_ids, params)
             except (MetraleError, ValueError) as exc:  # the leader raises the same, to its caller
                 log.debug("rank %d: request refused: %s", self.world.rank, exc)
 

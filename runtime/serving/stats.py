@@ -56,21 +56,36 @@ class EngineStats(msgspec.Struct, frozen=True):
     scheduler: SchedulerStats = msgspec.field(default_factory=SchedulerStats)
 
 
+class Drafts(msgspec.Struct, frozen=True, array_like=True):
+    """One request's drafts: made by its drafter, verified by the target (a step may verify
+    fewer than its drafter made: DFlash's count, a confidence stop, the request's cap) and
+    accepted."""
+
+    proposed: int
+    verified: int
+    accepted: int
+
+    @classmethod
+    def of(cls, metrics: SpecMetrics) -> Drafts:
+        return cls(metrics.drafts_proposed, metrics.drafts_verified, sum(metrics.accepted_at))
+
+
 class Finished(msgspec.Struct, frozen=True, array_like=True):
-    """A request's end: why (`stop` or `length`), its completion tokens, and for a streamed
-    request the seconds between its successive text deltas as they were made (one a token,
-    but a token whose text is held back, a split character or a possible stop string, goes
-    out with the next): its inter-token latencies."""
+    """A request's end: why (`stop` or `length`), its completion tokens, for a streamed request
+    the seconds between its successive text deltas as they were made (one a token, but a token
+    whose text is held back, a split character or a possible stop string, goes out with the
+    next): its inter-token latencies, and its drafts where its generator speculates."""
 
     finish: str
     tokens: int
     gaps: list[float] = []
+    drafts: Drafts | None = None
 
 
 def timed(emit: Callable[[str, Any], None], stream: bool,
           clock: Callable[[], float] = time.perf_counter) -> Callable[[str, Any], None]:
     """`emit` of one request's events (`scheduler.Job`'s: ("text", str), ("done", (finish,
-    tokens)), ("error", exc)), with its end turned into a `Finished` that carries, for a
+    tokens[, drafts])), ("error", exc)), with its end turned into a `Finished` that carries, for a
     streamed request, the gaps between its texts."""
     gaps: list[float] = []
     last: float | None = None
@@ -84,7 +99,7 @@ def timed(emit: Callable[[str, Any], None], stream: bool,
                     gaps.append(now - last)
                 last = now
         elif kind == "done":
-            payload = Finished(payload[0], payload[1], gaps)
+            payload = Finished(payload[0], payload[1], gaps, *payload[2:])
         emit(kind, payload)
 
     return emit_timed

@@ -316,7 +316,7 @@ class Decoder:
         if drafting and room > 1:
             proposer = self.proposer
             proposer.batch_size = batch.size
-            max_drafts = room - 1 if batch.speculate else 0
+            max_drafts = params.draft_cap(room) if batch.speculate else 0
             drafts, proposed = yield from proposer.propose_steps(pending, max_drafts)
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]

@@ -42,14 +42,18 @@ Temperature = Annotated[float, Strict(), Field(allow_inf_nan=False), AfterValida
 TopP = Annotated[float, Strict(), Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Seed = Annotated[int, Strict()]
 MaxTokens = Annotated[int, Strict(), Field(ge=1)]
+MaxDrafts = Annotated[int, Strict(), Field(ge=0)]
 ALLOWED = {
     "temperature": f"0 (greedy) or a finite number of at least {MIN_TEMPERATURE} (and so >= 0)",
     "top_p": "a number in (0, 1]",
     "seed": "an integer or null",
     "max_tokens": "an integer of at least 1",
+    "speculate": "a boolean",
+    "max_drafts": "an integer of at least 0 (0: no drafts) or null (the server's count)",
 }
 _CHECKS = {name: TypeAdapter(t) for name, t in (
-    ("temperature", Temperature), ("top_p", TopP), ("seed", Seed | None), ("max_tokens", MaxTokens))}
+    ("temperature", Temperature), ("top_p", TopP), ("seed", Seed | None), ("max_tokens", MaxTokens),
+    ("speculate", Annotated[bool, Strict()]), ("max_drafts", MaxDrafts | None))}
 
 
 class SamplingError(ConfigError):
@@ -84,21 +88,40 @@ class SamplingParams:
     (each field's rule: `ALLOWED`).
 
     `seed`, when given, makes the request's sampled tokens reproducible (see `generator_for`).
+
+    The request's control of speculation (the API's `speculative` object): `speculate` False
+    decodes it plain, as a server without speculative flags does; `max_drafts` caps the drafts
+    each of its steps verifies (0: none), as the flags that cap them do (`--num-drafts` for MTP
+    chains; for DFlash the block is the server's γ and its first drafts are verified, as with a
+    one-rung `--dflash-draft-ladder`). Neither changes what greedy decoding emits, only its speed.
     """
 
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
     seed: int | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
+    speculate: bool = True
+    max_drafts: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p),
-                            ("seed", self.seed), ("max_tokens", self.max_tokens)):
+                            ("seed", self.seed), ("max_tokens", self.max_tokens),
+                            ("speculate", self.speculate), ("max_drafts", self.max_drafts)):
             object.__setattr__(self, name, check(name, value))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def drafts(self) -> bool:
+        """It lets its steps draft (speculation on, a cap above 0)."""
+        return self.speculate and self.max_drafts != 0
+
+    def draft_cap(self, room: int) -> int:
+        """The most drafts a step may verify with `room` tokens left in its budget."""
+        cap = room - 1
+        return cap if self.max_drafts is None else min(cap, self.max_drafts)
 
 
 def generator_for(
