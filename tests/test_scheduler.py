@@ -321,8 +321,8 @@ def test_plain_runs_decode_and_record_what_plain_steps_do(aoti_engine, tiny_prom
     if ending == "eos":  # a token each sequence emits midway ends it there, as EOS would
         eos, decoder = frozenset({want[0][7], want[1][5], want[2][9]}), EngineGenerator.decoder
 
-        def with_eos(self):
-            made = decoder(self)
+        def with_eos(self, params=None):
+            made = decoder(self, params)
             made.eos_ids = eos
             return made
         monkeypatch.setattr(EngineGenerator, "decoder", with_eos)

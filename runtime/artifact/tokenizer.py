@@ -132,6 +132,11 @@ class Tokenizer:
                 raise CheckpointError(f"{jinja_file}: cannot be read as text ({e})") from None
         return cls(backend, config, source=str(cfg_file))
 
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` itself (its vocabulary, for grammars)."""
+        return self._tok
+
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings in it always map to their single ids.
         `add_special` runs the tokenizer's post-processor (e.g. a BOS), if it has one."""

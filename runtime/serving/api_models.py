@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -23,8 +24,9 @@ from pydantic import (BaseModel, ConfigDict, Field, Strict, ValidationError, Val
                       field_validator)
 from pydantic_core import PydanticCustomError
 
-from metrale.runtime.errors import MetraleError
+from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.serving.stats import Drafts
+from metrale.runtime.spec.grammar import JSON_OBJECT, check_schema
 from metrale.runtime.spec.sampling import (ALLOWED, DEFAULT_MAX_TOKENS, MaxDrafts, MaxTokens, SamplingError,
                                            SamplingParams, Seed, Temperature, TopP, shown)
 
@@ -33,8 +35,10 @@ MAX_STOPS = 16
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
     "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
+    "tools": ([],), "tool_choice": ("none", "auto"),
 }
+RESPONSE_FORMAT = ('an object: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                   '"json_schema": {"name": ..., "schema": {...}}}')
 
 
 # ---------------------------------------------------------------- errors
@@ -186,7 +190,7 @@ class _GenerationBody(BaseModel):
     logit_bias: Any = None
     tools: Any = None
     tool_choice: Any = None
-    response_format: Any = None
+    response_format: Any = Field(None, description=RESPONSE_FORMAT)
     speculative: SpeculativeOptions | None = Field(None, description=SPECULATIVE)
 
     PROMPT: ClassVar[str] = "prompt"  # the field whose tokens count against the context
@@ -206,6 +210,30 @@ class _GenerationBody(BaseModel):
         if v is not None and v not in NEUTRAL[info.field_name]:
             raise _invalid("unsupported_parameter", f"is not supported by this server, got {shown(v)}")
         return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v: Any) -> str | None:
+        """-> the JSON schema its answer must satisfy, as text (None: free text)."""
+        if v is None:
+            return None
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return JSON_OBJECT
+        if kind != "json_schema":
+            raise _invalid("invalid_value", f"must be {RESPONSE_FORMAT}, got {shown(v)}")
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise _invalid("invalid_value", "must hold `json_schema.schema`, a JSON schema object, "
+                           f"got {shown(spec)}")
+        schema = json.dumps(spec["schema"])
+        try:
+            check_schema(schema)
+        except ConfigError as e:
+            raise _invalid("invalid_value", f"holds a schema that cannot be enforced: {e}") from None
+        return schema
 
     @field_validator("n")
     @classmethod
@@ -251,6 +279,8 @@ class _GenerationBody(BaseModel):
                            f"{len(ids)}, leaving {max(room, 0)} for completion, but max_tokens is "
                            f"{max_tokens}", where, "context_length_exceeded")
         sampling: dict[str, Any] = {"max_tokens": max_tokens, "seed": self.seed}
+        if self.response_format is not None:
+            sampling["json_schema"] = self.response_format
         if self.speculative is not None:
             if self.speculative.enabled is not None:
                 sampling["speculate"] = self.speculative.enabled

@@ -39,6 +39,7 @@ from metrale.runtime.serving.scheduler import Capabilities
 from metrale.runtime.serving.stats import GeneratorStats, PrefixCacheStats
 from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
+from metrale.runtime.spec.grammar import Grammars
 from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
                                                  lanes_for, loop_for, request_budget)
 from metrale.runtime.spec.metrics import SpecMetrics, SpecMetricsAggregate
@@ -105,13 +106,14 @@ class EngineGenerator:
             self._graphs = engine.target.runner.graphs
         self._iterations: IterationLoop | bool | None = None  # False: its capture failed
         self._lanes: IterationLanes | bool | None = None
+        self._grammars: Grammars | None = None  # made at the first request with a schema
 
     def decoder(self, params: SamplingParams | None = None) -> Decoder | IterationDecoder:
         """A request's decoder: the iterations' (`IterationDecoder`) where they were captured
         and the request leaves speculation as the server set it, else the decode loop."""
         if self._graphs is not None and self._iterations is None:
             self._iterations = self._captured(loop_for, "whole-iteration graphs")
-        if self._iterations and (params is None or (params.speculate and params.max_drafts is None)):
+        if self._iterations and (params is None or _as_served(params)):
             return IterationDecoder(self._iterations, self.tokenizer.eos_token_ids, self.max_context,
                                     self._decode_loop)
         return self._decode_loop(params)
@@ -122,7 +124,11 @@ class EngineGenerator:
         e, spec = self.engine, self.spec
         embed = e.target.model.embed_tokens
         max_len = self.max_context + 64
-        proposer = None
+        proposer, grammar = None, None
+        if params is not None and params.json_schema is not None:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, e.target.config.vocab_size)
+            grammar = self._grammars.state(params.json_schema)
         if params is not None and not params.drafts:
             pass  # (every rank of a world decides so: the leader announced the request)
         elif spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
@@ -133,7 +139,7 @@ class EngineGenerator:
             if self.relay:
                 proposer = LeaderDrafts(proposer, self.world)
         return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context,
-                       e.rows_invariant)
+                       e.rows_invariant, grammar)
 
     def _announce(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Leader: send the request to the other ranks (a sampled request gets a seed)."""
@@ -206,8 +212,10 @@ class EngineGenerator:
     def steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch,
               counted: SpecMetrics | None = None):
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
-        resumed under its capabilities' `thread_mode`; on a graph target its iterations in a lane (`_lane_steps`)."""
-        if self._graphs is not None and self._serving_lanes():
+        resumed under its capabilities' `thread_mode`; on a graph target its iterations in a lane
+        (`_lane_steps`), or, for a request with a grammar (which the graphs do not mask), the
+        decode loop on the target's graphs."""
+        if self._graphs is not None and params.json_schema is None and self._serving_lanes():
             yield from self._lane_steps(prompt_ids, params, batch, counted)
             return
         decoder = self._decode_loop(params) if self._graphs is not None else self.decoder(params)
@@ -306,6 +314,12 @@ class EngineGenerator:
         cache = self.engine.target.prefix_cache if self.engine.backend.prefix_cache else None
         held = None if cache is None else PrefixCacheStats(cache.queried, cache.reused, cache.tokens)
         return GeneratorStats(requests, spec, held)
+
+
+def _as_served(params: SamplingParams) -> bool:
+    """A request that leaves decoding as the server set it: speculation as the flags say, no
+    grammar (what whole-iteration graphs run)."""
+    return params.speculate and params.max_drafts is None and params.json_schema is None
 
 
 def drafter_kv_heads(engine_dir: Path, name: str) -> int | None:

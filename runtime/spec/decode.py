@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
 from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
 from metrale.runtime.steps import Forward, Run, Step, drive
+
+if TYPE_CHECKING:
+    from metrale.runtime.spec.grammar import GrammarState
 
 
 def greedy_ids(out: TargetOutput) -> list[int]:
@@ -168,8 +172,15 @@ class Decoder:
     """Decodes one sequence at a time with a target and an optional proposer."""
 
     def __init__(self, target: TargetSteps, eos_ids: frozenset[int], proposer: Proposer | None = None,
-                 exact_verify: bool = False, max_context: int | None = None, rows_invariant: bool = False):
+                 exact_verify: bool = False, max_context: int | None = None, rows_invariant: bool = False,
+                 grammar: "GrammarState | None" = None):
         self.target, self.eos_ids, self.proposer = target, eos_ids, proposer
+        # the request's structured output (`spec.grammar`): every row it emits from is masked
+        # at its grammar state, drafts the grammar refuses are dropped before the verify, and
+        # its steps are never plain runs (a run takes each row's unmasked argmax)
+        self.grammar = grammar
+        if proposer is not None:
+            proposer.grammar = grammar
         self.exact_verify = exact_verify
         self._proposer_len = proposer.max_len if proposer is not None else 0
         self._follows = proposer is not None and proposer.follows  # looked up once: steps are hot
@@ -266,14 +277,20 @@ class Decoder:
         # the prompt's ids as a list: a prompt the prefix cache holds whole never becomes a tensor
         prompt = Forward(list(prompt_ids), cache, self._taps(), last_logits=True, device=device)
         out = yield prompt
-        pending = greedy_ids(out)[-1] if params.greedy else int(sample(out.logits[0, -1], params, gen))
+        grammar = self.grammar
+        if grammar is not None:
+            row = grammar.masked_rows(out.logits[0, -1:], [])[0]
+            pending = int(row.argmax()) if params.greedy else int(sample(row, params, gen))
+            grammar.accept(pending)
+        else:
+            pending = greedy_ids(out)[-1] if params.greedy else int(sample(out.logits[0, -1], params, gen))
         if self.proposer is not None:
             # the drafter's caches hold this request's positions and a chain or block past them
             self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
             self.proposer.prefill(prompt.tokens, out, pending)
             self._missed: list[int] = []  # this sequence's busy steps' tokens, not yet followed
         result.prefill_s = time.perf_counter() - t0
-        self._runs, self._started = runs, t0
+        self._runs, self._started = runs and grammar is None, t0
         emitted_total = 0
         next_tokens = [pending]
         while True:
@@ -340,7 +357,7 @@ class Decoder:
                 if len(run.tokens) > 1:  # its first step was this one, counted by the propose
                     proposer.skip(len(run.tokens) - 1)
                 return run
-        elif params.greedy and not drafting:  # no drafts: the pending token's row, its argmax emitted
+        elif params.greedy and not drafting and self.grammar is None:  # the pending token's row, its argmax emitted
             if self._runs and not following:  # the scheduler runs these steps until drafting resumes
                 run = PlainRun(pending, cache, room, self.eos_ids, result,
                                self._missed if resumes else None, batch if resumes else None,
@@ -352,17 +369,28 @@ class Decoder:
         device = self.device
         k = drafts.numel()
         draft_ids = drafts.tolist() if k else []
+        grammar = self.grammar
+        if grammar is not None and k:  # drafts from the first one the grammar refuses: dropped
+            k = grammar.valid_drafts(draft_ids)
+            draft_ids, drafts = draft_ids[:k], drafts[:k]
         base = cache.length
-        out, target_ids = yield from self._verify_rows([pending, *draft_ids], cache, params.greedy, draft_ids)
+        out, target_ids = yield from self._verify_rows([pending, *draft_ids], cache,
+                                                       params.greedy and grammar is None, draft_ids)
         if params.greedy:  # the target's argmax per row; drafts kept while they match it
+            if grammar is not None:  # each row's argmax within its grammar state's tokens
+                target_ids = grammar.greedy(out.logits[0], draft_ids)
             accepted = accepted_prefix(draft_ids, target_ids)
             emitted_ids = target_ids[: accepted + 1]
             emitted = torch.tensor(emitted_ids, device=device) if drafting else None
             verify_rows = len(target_ids)  # k+1 (or fewer under exact greedy verify)
         else:
             rows = out.logits[0]  # [k+1, V]
+            if grammar is not None:
+                rows = grammar.masked_rows(rows, draft_ids)
             accepted, emitted = verify_sampling(drafts.to(device), probs_from_logits(rows, params), gen)
             emitted_ids = emitted.tolist()
+            if grammar is not None:
+                grammar.advance(emitted_ids)
             verify_rows = rows.shape[0]
         cache.length = base + accepted + 1  # pending + accepted drafts stay; the rest is stale
         t2 = time.perf_counter()

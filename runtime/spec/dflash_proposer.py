@@ -100,7 +100,12 @@ class DFlashProposer(Proposer):
         self._feed()  # the drafter's cache now ends at the anchor's position
         anchor = torch.tensor([pending], device=self.embed.weight.device)
         proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma)
-        return proposal.tokens[0, :k].cpu(), self.settings.max_drafts
+        drafts = proposal.tokens[0, :k]
+        logits = proposal.logits
+        if self.grammar is not None and logits is not None and proposal.vocab_start == 0 \
+                and logits.shape[-1] == self.embed.weight.shape[0]:  # the whole vocabulary's logits
+            return self.grammar.redraft(logits[0, :k], drafts.tolist()), self.settings.max_drafts
+        return drafts.cpu(), self.settings.max_drafts
 
     def rerun_rows(self) -> None:
         """The decode loop keeps the rows of plain steps by running them again when drafting

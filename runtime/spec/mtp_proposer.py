@@ -84,14 +84,23 @@ class MTPProposer(Proposer):
         yield from self._feed()
         drafts: list[int] = []
         logits, h, running = self.next_logits, self.next_h, 1.0
+        grammar = self.grammar  # each link drafts within the request's grammar, where it has one
         while len(drafts) < k:
+            if grammar is not None:
+                if grammar.done:
+                    break
+                logits = grammar.masked(logits)
             prob, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            if grammar is not None and not grammar.push(int(tok)):
+                break  # nothing the grammar allows (the document is complete)
             drafts.append(int(tok))
             running *= float(prob)
             if len(drafts) == k or not self._continues(float(prob), running):
                 break
             logits, h = yield HeadForward(self.head, self.embed(tok.view(1, 1)), h, self.cache)  # speculative entry
             logits = logits[0, -1]
+        if grammar is not None:
+            grammar.rollback(len(drafts))
         self.cache.length = self.base
         return torch.tensor(drafts, dtype=torch.long), len(drafts)
 

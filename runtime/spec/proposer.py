@@ -36,6 +36,10 @@ class Proposer(ABC):
     # after a propose without drafts: how many of the following steps it keeps plain too
     # (adaptive k's suspension until its probe), which the decode loop runs as one plain run
     plain_ahead: int = 0
+    # the request's grammar state (`spec.grammar.GrammarState`), set by the decode loop: a
+    # proposer that can draft within it does (the loop drops whatever drafts the grammar
+    # refuses in any case); it must leave the state as it found it
+    grammar = None
 
     @classmethod
     def for_spec(cls, face, embed, spec, settings, max_len: int) -> "Proposer":

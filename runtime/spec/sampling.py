@@ -50,10 +50,12 @@ ALLOWED = {
     "max_tokens": "an integer of at least 1",
     "speculate": "a boolean",
     "max_drafts": "an integer of at least 0 (0: no drafts) or null (the server's count)",
+    "json_schema": "a JSON schema as text, or null",
 }
 _CHECKS = {name: TypeAdapter(t) for name, t in (
     ("temperature", Temperature), ("top_p", TopP), ("seed", Seed | None), ("max_tokens", MaxTokens),
-    ("speculate", Annotated[bool, Strict()]), ("max_drafts", MaxDrafts | None))}
+    ("speculate", Annotated[bool, Strict()]), ("max_drafts", MaxDrafts | None),
+    ("json_schema", Annotated[str, Strict()] | None))}
 
 
 class SamplingError(ConfigError):
@@ -94,6 +96,9 @@ class SamplingParams:
     each of its steps verifies (0: none), as the flags that cap them do (`--num-drafts` for MTP
     chains; for DFlash the block is the server's γ and its first drafts are verified, as with a
     one-rung `--dflash-draft-ladder`). Neither changes what greedy decoding emits, only its speed.
+
+    `json_schema` (the API's `response_format`) constrains every emitted token to the schema's
+    documents (`spec.grammar`), with or without speculation.
     """
 
     temperature: float = DEFAULT_TEMPERATURE
@@ -102,11 +107,13 @@ class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
     speculate: bool = True
     max_drafts: int | None = None
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p),
                             ("seed", self.seed), ("max_tokens", self.max_tokens),
-                            ("speculate", self.speculate), ("max_drafts", self.max_drafts)):
+                            ("speculate", self.speculate), ("max_drafts", self.max_drafts),
+                            ("json_schema", self.json_schema)):
             object.__setattr__(self, name, check(name, value))
 
     @property

@@ -1,0 +1,173 @@
+"""Structured output: a request's JSON schema as a token mask on the rows speculation verifies.
+
+`Grammars` compiles schemas for one tokenizer with xgrammar (its compiler caches them), and
+`GrammarState` is one request's matcher: the tokens it has emitted so far decide which tokens may
+come next. Under speculation the target verifies rows [pending, d_1..d_k]; row i's mask is the
+state after the emitted tokens and d_1..d_i, so each row is masked as plain constrained decoding
+masks the row at that position, and greedy constrained speculation emits plain constrained
+decoding's tokens. Drafts are walked through the matcher before they are verified: the first
+draft the grammar refuses and every draft after it are dropped (a draft that breaks the grammar
+is never verified, let alone accepted), and the matcher is rolled back to the emitted tokens
+after every walk over drafts, so rejected drafts leave no trace in its state.
+
+Documents are written without free whitespace (xgrammar's `any_whitespace=False`: one space
+after `,` and `:`), so a model cannot run out its budget in blanks between tokens.
+
+Vocabulary: the tokenizer's byte-level BPE strings by id; its added tokens (chat markers, the
+drafters' mask token) are special, never text; its EOS ids are the tokens that end a complete
+document, the only ones allowed once the schema is satisfied. Ids past the tokenizer's
+vocabulary (a model's padded embedding rows) are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from metrale.runtime.errors import ConfigError
+
+# xgrammar is imported where a grammar is first made: its import loads its compiler's runtime,
+# and most processes never constrain a request
+
+# `response_format: {"type": "json_object"}`: any JSON object
+JSON_OBJECT = json.dumps({"type": "object"})
+
+
+def check_schema(schema: str) -> None:
+    """Refuse a JSON schema xgrammar cannot turn into a grammar (ConfigError, its words)."""
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_json_schema(schema)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ConfigError(str(e).split("\n")[-1].split("] ")[-1].strip() or str(e)) from None
+
+
+class Grammars:
+    """The compiler of one tokenizer's grammars, for a model whose logits have `vocab_size` ids."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import xgrammar
+
+        backend = tokenizer.backend
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        encoded = [""] * vocab_size  # an empty string: a special token, never text
+        for text, i in backend.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size and text not in added:
+                encoded[i] = text
+        info = xgrammar.TokenizerInfo(encoded, xgrammar.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
+                                      stop_token_ids=sorted(tokenizer.eos_token_ids))
+        self.compiler = xgrammar.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+
+    def state(self, schema: str) -> GrammarState:
+        """A fresh matcher for JSON schema `schema` (text)."""
+        return GrammarState(self.compiler.compile_json_schema(schema, any_whitespace=False), self.vocab_size)
+
+
+class GrammarState:
+    """One request's grammar matcher and its token mask (see the module docstring)."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar
+
+        self._apply = xgrammar.apply_token_bitmask_inplace
+        self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+        self.stop = min(self.matcher.stop_token_ids)
+
+    def _mask_row(self, row: torch.Tensor) -> torch.Tensor:
+        """`row` [V] (a copy, float32) with the tokens the current state refuses at -inf."""
+        row = row.detach().float().reshape(1, -1).clone()
+        if self.matcher.is_terminated():  # a row after the end (a draft's): the end again
+            out = row[0].fill_(float("-inf"))  # (the decode loop stops at the first end)
+            out[self.stop] = 0.0
+            return out
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        self._apply(row, self.bitmask.to(row.device), vocab_size=self.vocab_size)
+        return row[0]
+
+    def masked(self, row: torch.Tensor) -> torch.Tensor:
+        """`row` [V] (a copy, float32) with the tokens the current state refuses at -inf."""
+        return self._mask_row(row)
+
+    @property
+    def done(self) -> bool:
+        """The document is complete and its end token taken: no token may follow."""
+        return self.matcher.is_terminated()
+
+    def push(self, token: int) -> bool:
+        """A draft into the state (False: the grammar refuses it, and the state is unchanged);
+        undo the drafts pushed with `rollback`."""
+        return not self.matcher.is_terminated() and self.matcher.accept_token(int(token))
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
+    def redraft(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """A block's drafts under the grammar: at each position the drafter's own draft where
+        the grammar allows it, else the allowed token of highest drafter logit (`logits` [k,
+        V]); the block ends where no token is allowed. The state is left as it was."""
+        out: list[int] = []
+        for i, d in enumerate(drafts):
+            if not self.push(d):
+                row = self._mask_row(logits[i])
+                d = int(row.argmax())
+                if row[d] == float("-inf") or not self.push(d):
+                    break
+            out.append(d)
+        self.rollback(len(out))
+        return torch.tensor(out, dtype=torch.long)
+
+    def accept(self, token: int) -> None:
+        """An emitted token into the state (the decode loop masked the row it came from)."""
+        if not self.matcher.accept_token(int(token)):
+            raise AssertionError(f"token {token} was emitted from a row its grammar masked out")
+
+    def valid_drafts(self, drafts: list[int]) -> int:
+        """How many leading `drafts` the grammar allows after the emitted tokens; the state is
+        left as it was."""
+        n = 0
+        for d in drafts:
+            if self.done or not self.matcher.accept_token(d):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def masked_rows(self, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """rows [n, V] of a verify (row i after drafts d_1..d_i, n <= len(drafts) + 1, every
+        draft allowed: `valid_drafts`) -> each row masked at its state; the state is left as
+        it was."""
+        out = []
+        for i in range(rows.shape[0]):
+            out.append(self._mask_row(rows[i]))
+            if i < rows.shape[0] - 1:
+                self.matcher.accept_token(drafts[i])
+        if rows.shape[0] > 1:
+            self.matcher.rollback(rows.shape[0] - 1)
+        return torch.stack(out)
+
+    def greedy(self, rows: torch.Tensor, drafts: list[int]) -> list[int]:
+        """Greedy verify under the grammar: each row's argmax once masked at its state, up to
+        the first row whose token rejects the next draft (or the last row); the state then
+        holds the accepted drafts and that row's token, as the step emits them."""
+        ids: list[int] = []
+        for i in range(rows.shape[0]):
+            token = int(self._mask_row(rows[i]).argmax())
+            ids.append(token)
+            self.accept(token)
+            if i >= len(drafts) or token != drafts[i] or self.done:
+                break
+        return ids
+
+    def advance(self, tokens: list[int]) -> None:
+        """A step's emitted tokens into the state, up to the end (the decode loop stops there)."""
+        for t in tokens:
+            if self.done:
+                return
+            self.accept(t)

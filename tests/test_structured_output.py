@@ -1,0 +1,163 @@
+"""Structured output under speculation (`spec.grammar`, `response_format`): every answer parses
+and validates against its schema in every speculative mode, greedy constrained speculation
+(exact verify, and chunkwise on a row-invariant target) emits plain constrained decoding's
+tokens, drafts the grammar refuses are never verified, and the matcher's state after a step is
+the state of the tokens the step emitted (rejected drafts roll back)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+import requests
+import torch
+from openai import OpenAI
+
+from metrale.runtime.serving.http_guard import ServerLimits
+from metrale.runtime.serving.server import create_app
+from metrale.runtime.serving.service import EngineGenerator
+from metrale.runtime.spec.config import SpeculativeConfig
+from metrale.runtime.spec.grammar import JSON_OBJECT, Grammars
+from metrale.runtime.spec.sampling import SamplingParams
+
+from conftest import serve_in_thread
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    "kind": {"enum": ["a", "b"]}}, "required": ["name", "count", "tags", "kind"], "additionalProperties": False}
+MODES = {"plain": {}, "mtp": dict(speculative=True, num_drafts=3),
+         "mtp-cum": dict(speculative=True, num_drafts=3, draft_confidence_stop="cum:0.5"),
+         "dflash": dict(dflash=True), "dflash2": dict(dflash=True, dflash_drafter="dflash2"),
+         "dflash-exact": dict(dflash=True, exact_verify=True),
+         "dflash2-exact": dict(dflash=True, dflash_drafter="dflash2", exact_verify=True),
+         "mtp-exact": dict(speculative=True, num_drafts=3, exact_verify=True)}
+
+
+def _text(tok, ids: list[int]) -> str:
+    return tok.decode([i for i in ids if i not in tok.eos_token_ids])
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_engine):
+    return Grammars(tiny_engine.tokenizer, tiny_engine.target.config.vocab_size)
+
+
+def _allowed(state) -> torch.Tensor:
+    return state._mask_row(torch.zeros(state.vocab_size)) > float("-inf")
+
+
+def test_drafts_walk_the_grammar_and_roll_back(tiny_engine, grammars):
+    tok = tiny_engine.tokenizer
+    state = grammars.state(json.dumps(SCHEMA))
+    doc = tok.encode('{"name": "x", "count": 12, "tags": [], "kind": "a"}')
+    state.advance(doc[:3])
+    before = _allowed(state)
+    bad = min(tok.eos_token_ids)  # an end before the document is complete
+    assert state.valid_drafts(doc[3:8] + [bad] + doc[8:10]) == 5  # cut at the refused draft
+    assert torch.equal(_allowed(state), before)  # and the state is the emitted tokens' again
+    # each verify row is masked at the state after the drafts before it
+    rows = torch.randn(4, state.vocab_size)
+    masked = state.masked_rows(rows, doc[3:6])
+    assert torch.equal(_allowed(state), before)
+    for i in range(4):
+        step = grammars.state(json.dumps(SCHEMA))
+        step.advance(doc[:3 + i])
+        assert torch.equal(masked[i] > float("-inf"), _allowed(step))
+        assert torch.equal(masked[i][_allowed(step)], rows[i][_allowed(step)])
+    # greedy verify keeps drafts while each is its row's masked argmax, then the row's token
+    rows = torch.full((4, state.vocab_size), -5.0)
+    rows[0, doc[3]] = rows[1, doc[4]] = 9.0  # rows 0 and 1 take the drafts
+    rows[2, bad] = 9.0  # row 2 prefers a refused token: its masked argmax is another
+    ids = state.greedy(rows, doc[3:6])
+    assert ids[:2] == doc[3:5] and ids[2] != bad and len(ids) == 3
+    fresh = grammars.state(json.dumps(SCHEMA))
+    fresh.advance(doc[:3] + ids)
+    assert torch.equal(_allowed(state), _allowed(fresh))
+
+
+def test_json_object_admits_any_object_only(tiny_engine, grammars):
+    tok = tiny_engine.tokenizer
+    state = grammars.state(JSON_OBJECT)
+    assert state.valid_drafts(tok.encode('{"a": [1, {"b": null}]}')) == len(tok.encode('{"a": [1, {"b": null}]}'))
+    assert state.valid_drafts(tok.encode("[1]")) == 0
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "plain"])
+def test_greedy_constrained_speculation_emits_plain_constrained_decoding(tiny_engine, tiny_prompts, mode):
+    """Under exact verify always; chunkwise where the target's rows are plain decoding's (the
+    verify rows of eager float32 may flip a near-tie, as unconstrained chunkwise may)."""
+    schema = json.dumps(SCHEMA)
+    plain = EngineGenerator(tiny_engine, SpeculativeConfig())
+    spec = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    tok = tiny_engine.tokenizer
+    verified = 0
+    for p in tiny_prompts[:3]:
+        params = SamplingParams(temperature=0.0, max_tokens=96, json_schema=schema)
+        want = plain.generate(p[:10], params)
+        got = spec.generate(p[:10], params)
+        jsonschema.validate(json.loads(_text(tok, got.token_ids)), SCHEMA)
+        if "exact" in mode:
+            assert got.token_ids == want.token_ids, mode
+        verified += got.metrics.drafts_verified
+    assert verified > 0  # drafts were verified, not all refused
+
+
+def test_chunkwise_constrained_speculation_on_the_cpu_packages_emits_plain_decoding(aoti_engine, tiny_prompts):
+    schema = json.dumps(SCHEMA)
+    plain = EngineGenerator(aoti_engine, SpeculativeConfig())
+    for flags in (MODES["mtp"], MODES["dflash"], MODES["dflash2"]):
+        spec = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**flags))
+        for p in tiny_prompts[:2]:
+            params = SamplingParams(temperature=0.0, max_tokens=96, json_schema=schema)
+            assert spec.generate(p[:10], params).token_ids == plain.generate(p[:10], params).token_ids, flags
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_answer_validates_against_its_schema(tiny_engine, mode):
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}}
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(i: int):
+            sampled = dict(temperature=0.9, seed=i) if i % 2 else dict(temperature=0)
+            if i % 3 == 0:
+                r = client.chat.completions.create(
+                    model=gen.model_id, max_tokens=128, response_format=fmt if i % 4 else {"type": "json_object"},
+                    messages=[{"role": "user", "content": f"item {i}"}], **sampled)
+                return i % 4 != 0, r.choices[0].message.content, r.choices[0].finish_reason
+            r = client.completions.create(model=gen.model_id, prompt=f"def f{i}(", max_tokens=128,
+                                          extra_body={"response_format": fmt}, **sampled)
+            return True, r.choices[0].text, r.choices[0].finish_reason
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, range(12)))
+    for schema_given, text, finish in answers:
+        assert finish == "stop", text  # the document ended (EOS once complete), not the budget
+        doc = json.loads(text)
+        if schema_given:
+            jsonschema.validate(doc, SCHEMA)
+        else:
+            assert isinstance(doc, dict)
+
+
+def test_a_bad_response_format_is_refused(tiny_engine):
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True))
+    with serve_in_thread(create_app(gen, ServerLimits())) as base:
+        def refused(fmt) -> str:
+            r = requests.post(base + "/v1/completions", timeout=30,
+                              json={"prompt": "x", "max_tokens": 4, "response_format": fmt})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+            return r.json()["error"]["message"]
+
+        assert "`response_format` must be an object" in refused({"type": "yaml"})
+        assert "json_schema.schema" in refused({"type": "json_schema", "json_schema": {"name": "x"}})
+        assert "cannot be enforced" in refused({"type": "json_schema",
+                                                "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+        ok = requests.post(base + "/v1/completions", timeout=30, json={
+            "prompt": "x", "max_tokens": 4, "response_format": {"type": "text"}})
+        assert ok.status_code == 200
