@@ -53,6 +53,8 @@ AdaptiveK = Annotated[Optional[str], typer.Option(
     "--dflash-adaptive-k", metavar="drafts:ms,...", help=HELP["--dflash-adaptive-k"])]
 Reprobe = Annotated[Optional[int], typer.Option(
     "--dflash-reprobe-interval", metavar="N", help=HELP["--dflash-reprobe-interval"])]
+TreeBudget = Annotated[Optional[int], typer.Option(
+    "--dflash-tree-budget", metavar="N", help=HELP["--dflash-tree-budget"])]
 ExactVerify = Annotated[bool, typer.Option("--exact-verify", help=HELP["--exact-verify"])]
 DraftTp = Annotated[Optional[str], typer.Option("--draft-tp-size", metavar="N|auto", help=HELP["--draft-tp-size"])]
 DraftTier = Annotated[Optional[str], typer.Option(
@@ -85,6 +87,7 @@ SPEC_FLAGS = (
     ("draft_confidence_stop", ConfidenceStop, None), ("dflash", DFlash, False),
     ("dflash_gamma", Gamma, None), ("dflash_draft_ladder", Ladder, None),
     ("dflash_adaptive_k", AdaptiveK, None), ("dflash_reprobe_interval", Reprobe, None),
+    ("dflash_tree_budget", TreeBudget, None),
     ("exact_verify", ExactVerify, False), ("draft_tp_size", DraftTp, None),
     ("dflash_drafter", DFlashDrafter, None), ("draft_weight_quantization", DraftTier, None),
     ("mtp_experts_nvfp4", MtpNvfp4, None),

@@ -36,6 +36,8 @@ class BackendEntry:
     prefix_cache: bool = False
     split_steps: bool = False
     iteration_graphs: bool = False
+    # its target verifies a draft tree's rows in one forward (a tree attention mask)
+    tree_attention: bool = False
 
     def face(self, shape: StepShape):
         """The class that runs a component of `shape`, or None: its torch module does."""
@@ -52,7 +54,7 @@ _GRAPH_FACES = ((StepShape.TARGET, "metrale.runtime.backends.graph_steps:GraphTa
 _CAPTURED_TARGET = ((StepShape.TARGET, "metrale.runtime.backends.cuda_graphs:GraphTarget"),)
 
 BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
-    BackendEntry("torch", "the eager models, on a CPU or a GPU", eager=True),
+    BackendEntry("torch", "the eager models, on a CPU or a GPU", eager=True, tree_attention=True),
     BackendEntry("aoti", "the CPU packages (AOTInductor .pt2)",
                  ((StepShape.TARGET, "metrale.runtime.backends.aoti_batched:BatchedTarget"),
                   (StepShape.CHAIN, "metrale.runtime.backends.aoti_batched:BatchedMTP"),

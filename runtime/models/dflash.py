@@ -152,6 +152,7 @@ class Proposal:
     tokens: torch.Tensor  # [B, γ−1] drafts for positions anchor_pos+1 ..
     logits: torch.Tensor  # [B, γ−1, V_r] draft LM-head logits of those slots for token ids
     vocab_start: int = 0  # vocab_start.. : the whole vocab on one rank, the rank's slice under tp
+    hidden: torch.Tensor | None = None  # [B, γ−1, H] the slots' final hidden states (eager, one rank)
 
 
 class DFlashDrafter(nn.Module):
@@ -258,7 +259,7 @@ class DFlashDrafter(nn.Module):
             selector = self.candidate_selector if cfg.version == 2 else None
             tokens = candidate_drafts(selector, cfg.num_candidates, hidden, vals, ids, anchor)
             return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start)
-        return Proposal(tokens=self.drafts(hidden, logits, anchor), logits=logits)
+        return Proposal(tokens=self.drafts(hidden, logits, anchor), logits=logits, hidden=hidden)
 
     def drafts(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """The greedy drafts of the draft slots (hidden [B, n, H], logits [B, n, V], anchor [B]):

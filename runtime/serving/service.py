@@ -86,6 +86,15 @@ class EngineGenerator:
         self.relay = relay and self.world.size > 1 and self.spec.mode is SpecMode.DFLASH
         follower_relay = self.relay and not self.world.leader
         self.dflash = None if follower_relay else check_engine_supports(engine, self.spec)
+        tree = self.spec.dflash_tree_budget or 0
+        if tree and self.world.size > 1:
+            raise ConfigError(f"--dflash-tree-budget {tree}: draft trees run in one process, not "
+                              f"{self.world.size} ranks; leave it unset (the chain) or run one process")
+        if tree and not engine.backend.tree_attention:
+            raise ConfigError(f"--dflash-tree-budget {tree}: the {engine.backend.name} backend "
+                              "verifies no draft tree (its steps have no tree attention mask, and "
+                              "its drafter steps give the drafts, not the distributions a tree is "
+                              "built from); use --backend torch, or leave it unset (the chain)")
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
         self.max_context = engine.target.config.max_position_embeddings
@@ -102,7 +111,7 @@ class EngineGenerator:
         # requests run them one at a time (`decoder`), or many in lanes (`steps`, a
         # scheduler's); each kind captured at its first use
         self._graphs = None
-        if engine.backend.iteration_graphs and self.world.size == 1:
+        if engine.backend.iteration_graphs and self.world.size == 1 and not tree:  # (they run chains)
             self._graphs = engine.target.runner.graphs
         self._iterations: IterationLoop | bool | None = None  # False: its capture failed
         self._lanes: IterationLanes | bool | None = None

@@ -32,6 +32,7 @@ from metrale.runtime.spec.help import HELP  # noqa: F401  (the flags' --help tex
 
 DEFAULT_NUM_DRAFTS, MAX_NUM_DRAFTS = 3, 32  # a chain past 32 drafts is never all accepted
 DEFAULT_REPROBE_INTERVAL = 16
+MAX_TREE_BUDGET = 64  # nodes of a draft tree: the rows of its verify, besides the root's
 AUTO = "auto"  # `--dflash-adaptive-k auto`: the table `metrale calibrate` stored
 DEFAULT_DRAFT_TP_SIZE = 1
 DEFAULT_DFLASH_DRAFTER = "dflash"
@@ -258,6 +259,7 @@ class SpeculativeConfig:
     dflash_draft_ladder: tuple[int, ...] | None = None
     dflash_adaptive_k: CostModel | str | None = None  # "auto": the engine's calibration
     dflash_reprobe_interval: int | None = None
+    dflash_tree_budget: int | None = None  # None or 0: the chain
     exact_verify: bool = False
     draft_tp_size: DraftTpSize | None = None
     dflash_drafter: str | None = None
@@ -284,6 +286,7 @@ class SpeculativeConfig:
             "--dflash-draft-ladder": self.dflash_draft_ladder,
             "--dflash-adaptive-k": self.dflash_adaptive_k,
             "--dflash-reprobe-interval": self.dflash_reprobe_interval,
+            "--dflash-tree-budget": self.dflash_tree_budget,
             "--draft-tp-size": self.draft_tp_size,
             "--dflash-drafter": self.dflash_drafter,
             "--draft-weight-quantization": self.draft_weight_quantization,
@@ -313,6 +316,13 @@ class SpeculativeConfig:
             if self.dflash_reprobe_interval is None:
                 object.__setattr__(self, "dflash_reprobe_interval", DEFAULT_REPROBE_INTERVAL)
             _int_flag("--dflash-reprobe-interval", self.dflash_reprobe_interval, 1)
+        if self.dflash_tree_budget is not None:
+            _int_flag("--dflash-tree-budget", self.dflash_tree_budget, 0, MAX_TREE_BUDGET)
+            for flag, value in (("--dflash-draft-ladder", self.dflash_draft_ladder),
+                                ("--dflash-adaptive-k", self.dflash_adaptive_k)):
+                if self.dflash_tree_budget and value is not None:
+                    raise ConfigError(f"--dflash-tree-budget {self.dflash_tree_budget} and {flag} "
+                                      "exclude each other: a tree's budget is fixed; give one of them")
         if self.draft_tp_size is None:
             object.__setattr__(self, "draft_tp_size", DraftTpSize(DEFAULT_DRAFT_TP_SIZE))
         if self.dflash_drafter is None:
@@ -338,6 +348,7 @@ class SpeculativeConfig:
         dflash_draft_ladder: str | None = None,
         dflash_adaptive_k: str | None = None,
         dflash_reprobe_interval: int | None = None,
+        dflash_tree_budget: int | None = None,
         exact_verify: bool = False,
         draft_tp_size: str | int | None = None,
         dflash_drafter: str | None = None,
@@ -362,6 +373,7 @@ class SpeculativeConfig:
             dflash_draft_ladder=_maybe(parse_ladder, dflash_draft_ladder),
             dflash_adaptive_k=_maybe(_parse_adaptive_k, dflash_adaptive_k),
             dflash_reprobe_interval=dflash_reprobe_interval,
+            dflash_tree_budget=dflash_tree_budget,
             exact_verify=bool(exact_verify),
             draft_tp_size=_maybe(DraftTpSize.parse, draft_tp_size),
             dflash_drafter=dflash_drafter,
@@ -406,6 +418,7 @@ class ResolvedDFlash:
     adaptive_k: CostModel | None
     reprobe_interval: int | None
     drafter: str
+    tree_budget: int = 0  # nodes of each step's draft tree; 0: the chain
 
     @property
     def max_drafts(self) -> int:
@@ -453,6 +466,7 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
         adaptive_k=adaptive_k,
         reprobe_interval=cfg.dflash_reprobe_interval,
         drafter=cfg.dflash_drafter,
+        tree_budget=cfg.dflash_tree_budget or 0,
     )
 
 

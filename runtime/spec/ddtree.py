@@ -58,26 +58,65 @@ def chain(anchor: int, drafts: list[int]) -> Tree:
     return Tree((anchor, *drafts), (-1, *range(n)), tuple(range(n + 1)))
 
 
-def build_tree(anchor: int, log_probs: torch.Tensor, budget: int, path: tuple[int, ...] = ()) -> Tree:
-    """The `budget` nodes of highest path probability over the block's per-position
-    log-probabilities `log_probs` [D, V] (position d+1 of the block in row d), best first, after
-    the nodes of `path` (the block's chain, which a drafter may pick otherwise than by the
-    argmax: DFlash2's selector), which the tree always holds; ties go to the earlier candidate."""
-    depth_max = log_probs.shape[0]
-    k = min(budget, log_probs.shape[1])
-    top_vals, top_ids = log_probs.float().topk(k, dim=-1)  # per position, its k best tokens
-    vals, ids = top_vals.tolist(), top_ids.tolist()
+class MarginalChildren:
+    """A DFlash block's children: at depth d, position d's k most probable tokens, whatever the
+    parent (each position's distribution is given the anchor and the context only)."""
+
+    def __init__(self, log_probs: torch.Tensor, k: int):
+        vals, ids = log_probs.float().topk(min(k, log_probs.shape[-1]), dim=-1)
+        self.depth = log_probs.shape[0]
+        self._vals, self._ids = vals.tolist(), ids.tolist()
+
+    def __call__(self, depth: int, parent_token: int) -> tuple[list[float], list[int]]:
+        return self._vals[depth - 1], self._ids[depth - 1]
+
+
+class SelectorChildren:
+    """DFlash2's children: its candidate selector rescores position d's candidates given the
+    token before them (`dflash.CandidateSelector`: a first-order model over the block), so a
+    node's children are its position's candidates under the selector's distribution given the
+    node's own token; the selector's chain is the path that takes each node's best child."""
+
+    def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor):
+        self.selector, self.depth = selector, hidden.shape[0]
+        self._projected = selector.hidden_projection(hidden.float().to(selector.hidden_projection.weight.dtype))
+        self._cand_logits, self._cand_ids = logits.topk(selector.num_candidates, dim=-1)  # [D, K]
+        self._seen: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+
+    def __call__(self, depth: int, parent_token: int) -> tuple[list[float], list[int]]:
+        key = (depth, parent_token)
+        if key not in self._seen:
+            d = depth - 1
+            prev = torch.tensor(parent_token, device=self._cand_ids.device)
+            scores = self.selector._scores(self._projected[d], self._cand_ids[d], self._cand_logits[d], prev)
+            vals, order = torch.log_softmax(scores, -1).sort(descending=True)
+            self._seen[key] = (vals.tolist(), self._cand_ids[d][order].tolist())
+        return self._seen[key]
+
+
+def build_tree(anchor: int, children, budget: int, path: tuple[int, ...] = ()) -> Tree:
+    """The `budget` nodes of highest path probability, best first, after the nodes of `path`
+    (a chain the tree must hold), which the tree always holds; ties go to the earlier
+    candidate. `children(depth, parent_token)` -> (log-probabilities, tokens), best first: the
+    candidates for a node's children at `depth` (`MarginalChildren`, `SelectorChildren`); its
+    `depth` is the deepest a node may sit. A [D, V] tensor of per-position log-probabilities
+    stands for `MarginalChildren` of it."""
+    if isinstance(children, torch.Tensor):
+        children = MarginalChildren(children, budget)
+    depth_max = children.depth
     tokens, parents, depths, scores = [anchor], [-1], [0], [0.0]
-    children: list[dict[int, int]] = [{}]
+    kids: list[dict[int, int]] = [{}]
     # candidates: (-(path log-prob), order, parent node, depth of the child, rank of its token)
     heap: list[tuple[float, int, int, int, int]] = []
     order = 0
 
     def push(parent: int, depth: int, rank: int) -> None:
         nonlocal order
-        if depth <= depth_max and rank < k:
-            heapq.heappush(heap, (-(scores[parent] + vals[depth - 1][rank]), order, parent, depth, rank))
-            order += 1
+        if depth <= depth_max:
+            vals, _ = children(depth, tokens[parent])
+            if rank < len(vals):
+                heapq.heappush(heap, (-(scores[parent] + vals[rank]), order, parent, depth, rank))
+                order += 1
 
     def add(parent: int, depth: int, token: int, score: float) -> int:
         node = len(tokens)
@@ -85,22 +124,106 @@ def build_tree(anchor: int, log_probs: torch.Tensor, budget: int, path: tuple[in
         parents.append(parent)
         depths.append(depth)
         scores.append(score)
-        children.append({})
-        children[parent][token] = node
+        kids.append({})
+        kids[parent][token] = node
         push(node, depth + 1, 0)  # its best child
         return node
 
-    push(0, 1, 0)
     node = 0
     for depth, token in enumerate(path[:min(budget, depth_max)], 1):
-        node = add(node, depth, token, scores[node] + float(log_probs[depth - 1, token]))
+        vals, ids = children(depth, tokens[node])
+        logp = vals[ids.index(token)] if token in ids else min(vals)
+        node = add(node, depth, token, scores[node] + logp)
+    push(0, 1, 0)
     while heap and len(tokens) <= budget:
         neg, _, parent, depth, rank = heapq.heappop(heap)
         push(parent, depth, rank + 1)  # its next sibling
-        token = ids[depth - 1][rank]
-        if token not in children[parent]:  # not a node of `path` already
+        token = children(depth, tokens[parent])[1][rank]
+        if token not in kids[parent]:  # not a node of `path` already
             add(parent, depth, token, -neg)
     return Tree(tuple(tokens), tuple(parents), tuple(depths))
+
+
+def block_tree(drafter, anchor: int, proposal, budget: int) -> Tree:
+    """Drafter `drafter`'s block `proposal` (one sequence's) as a draft tree of `budget` nodes
+    rooted at `anchor`: DFlash2's children under its candidate selector given their parent's
+    token (where the proposal carries the slots' hidden states), DFlash's under each
+    position's own distribution."""
+    if drafter.config.version == 2 and proposal.hidden is not None:
+        children = SelectorChildren(drafter.candidate_selector, proposal.hidden[0], proposal.logits[0])
+    else:
+        children = MarginalChildren(torch.log_softmax(proposal.logits[0].float(), dim=-1), budget)
+    return build_tree(anchor, children, budget)
+
+
+class TreeKV:
+    """A draft tree's verify rows over a sequence's `KVCache`, for the eager target: node i is
+    written at slot base+i (base: the cache's length, the root's position), sits at position
+    base+depth_i, and attends to the context (slots < base) and to its own ancestors' slots
+    (`Tree.mask`). The target's modules run on it unchanged: it has `positions` (each row's
+    position), `write` and `mask` (`qwen3`, `layers.Attention`). After the verify the accepted
+    path's slots are moved into place (`compact`)."""
+
+    def __init__(self, cache, tree: Tree):
+        self.cache, self.base = cache, cache.length
+        device = cache.k.device
+        n = len(tree.tokens)
+        self.positions = self.base + torch.tensor(tree.depths, device=device)
+        self._mask = torch.cat([torch.ones(n, self.base, dtype=torch.bool), tree.mask()], dim=1).to(device)
+        self.length = self.base
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
+        return self.cache.write(layer, self.base, k, v)
+
+    def mask(self, t: int, start, device) -> torch.Tensor:
+        return self._mask
+
+
+def compact(cache, base: int, path: list[int]) -> None:
+    """After a tree verify over `cache` from slot `base`: the accepted path's nodes `path`
+    (their slots base+node) move to the slots of their positions (base+1..), so the cache
+    holds the root and the path as a chain verify would; its length becomes base+1+len(path)."""
+    if path and path != list(range(1, len(path) + 1)):
+        src = base + torch.tensor(path, device=cache.k.device)
+        for kv in (cache.k, cache.v):  # [L, B, nkv, S, hd]
+            kv[:, :, :, base + 1:base + 1 + len(path)] = kv.index_select(3, src)
+    cache.length = base + 1 + len(path)
+
+
+def choose_child(probs: torch.Tensor, children: list[int], generator=None) -> tuple[int, int]:
+    """Lossless multi-candidate verification at one node (`probs` [V], the target's
+    distribution there; `children`, its children's tokens, best first): each child in turn is
+    accepted with its probability under what is left of `probs` once the children before it
+    are taken out; if none is, the token is drawn from what is left. -> (index of the
+    accepted child or -1, the token). Each token is emitted with exactly its probability under
+    `probs` (SpecInfer's multi-step speculative sampling with one-hot drafts, drawn without
+    replacement); one uniform per child tried, then one for the draw."""
+    from metrale.runtime.spec.sampling import sample_from_probs
+
+    residual = probs.double().clone()
+    for i, c in enumerate(children):
+        total, mass = residual.sum(), residual[c]
+        u = torch.rand((), generator=generator, device=probs.device, dtype=torch.float64)
+        # a child holding all that is left is taken outright (rounding may leave its share a
+        # hair under 1, and nothing to draw from if it were refused)
+        if mass > 0 and (u * total < mass or total - mass <= 0):
+            return i, c
+        residual[c] = 0.0
+    return -1, int(sample_from_probs(residual, generator))
+
+
+def walk(tree: Tree, choose) -> tuple[list[int], int]:
+    """A verify's outcome over the tree's rows: from the root, `choose(node, children)` (its
+    children by token) -> (the child that continues the path, or None; the row's token).
+    -> (the accepted path's nodes, the token of the row that ended it: recovered or bonus)."""
+    kids = tree.children()
+    path, node = [], 0
+    while True:
+        child, token = choose(node, kids[node])
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child
 
 
 def accepted_path(tree: Tree, target_ids: list[int]) -> list[int]:
@@ -170,11 +293,8 @@ def block_acceptance(engine, drafter: str, prompts: list[list[int]], max_tokens:
                     proposal = face.propose(anchor, embed, cache, gamma)
                     if budget is None:
                         tree = chain(ys[i], proposal.tokens[0].tolist())
-                    else:
-                        # a chain picked otherwise than by the argmax (DFlash2's selector) is
-                        # kept whole in the tree
-                        path = tuple(proposal.tokens[0].tolist()) if face.config.version == 2 else ()
-                        tree = build_tree(ys[i], torch.log_softmax(proposal.logits[0].float(), -1), budget, path)
+                    else:  # the tree the decode loop verifies (`DFlashProposer`)
+                        tree = block_tree(face, ys[i], proposal, budget)
                     n = accepted_along(tree, ys[i + 1:])
                     steps[policy] += 1
                     emitted[policy] += min(n + 1, len(ys) - 1 - i)

@@ -32,6 +32,7 @@ import torch
 
 from metrale.runtime.backends import TargetSteps, argmax_rows, run_forwards
 from metrale.runtime.models.qwen3 import TargetOutput
+from metrale.runtime.spec.ddtree import Tree, TreeKV, choose_child, compact, walk
 from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
@@ -335,6 +336,8 @@ class Decoder:
             proposer.batch_size = batch.size
             max_drafts = params.draft_cap(room) if batch.speculate else 0
             drafts, proposed = yield from proposer.propose_steps(pending, max_drafts)
+            if type(drafts) is Tree:  # a draft tree (`--dflash-tree-budget`), of at most room − 1 nodes
+                return (yield from self._tree_step(pending, drafts, cache, params, gen, result, t0))
             if drafts.numel() > room - 1:
                 drafts = drafts[: room - 1]
             if not drafts.numel() and params.greedy and self._runs and self._follows:
@@ -403,6 +406,61 @@ class Decoder:
                                    emitted=accepted + 1, verify_rows=verify_rows,
                                    draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
         result.steps.append(StepTrace(drafted=k, accepted=accepted, emitted=accepted + 1))
+        return emitted_ids
+
+    def _tree_step(self, pending: int, tree: Tree, cache, params, gen, result: DecodeResult, t0: float):
+        """A step that verifies a draft tree (`spec.ddtree`; its root is `pending`): from the
+        root, each node's row decides which child, if any, continues the path (greedy: the
+        child whose token is the row's argmax; sampled: `ddtree.choose_child`, lossless), and
+        the first row that continues none gives the recovered or bonus token. Chunkwise verify
+        runs every node's row in one forward (`ddtree.TreeKV`) and moves the accepted path's
+        K/V into place (`ddtree.compact`); exact verify runs the path's rows one per forward,
+        as plain decoding does. The proposer keeps the root's and the path's rows."""
+        t1 = time.perf_counter()
+        taps, device = self._taps(), self.device
+        greedy = params.greedy
+
+        def choose(out, row: int, kids: dict[int, int]) -> tuple[int | None, int]:
+            """Row `row` of `out` at a node with children `kids` -> (the child that continues
+            the path or None, the row's token)."""
+            if greedy:
+                token = greedy_ids(out)[row]
+                return kids.get(token), token
+            j, token = choose_child(probs_from_logits(out.logits[0, row], params), list(kids), gen)
+            return (kids[token] if j >= 0 else None), token
+
+        path, node, base = [], 0, cache.length
+        if self.exact_verify:
+            outs, kids = [], tree.children()
+            while True:
+                out = yield Forward([tree.tokens[node]], cache, taps, device=device)
+                outs.append(out)
+                child, token = choose(out, 0, kids[node])
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+            cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=1)  # noqa: E731
+            kept = TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
+                                taps=cat([o.taps for o in outs]))
+            verify_rows = len(outs)
+        else:
+            out = yield Forward(list(tree.tokens), TreeKV(cache, tree), taps, device=device)
+            path, token = walk(tree, lambda node, kids: choose(out, node, kids))
+            compact(cache, base, path)
+            rows = torch.tensor([0, *path], device=device)
+            pick = lambda x: None if x is None else x.index_select(1, rows)  # noqa: E731
+            kept = TargetOutput(logits=pick(out.logits), last_hidden=pick(out.last_hidden), taps=pick(out.taps))
+            verify_rows = len(tree.tokens)
+        accepted = len(path)
+        emitted_ids = [tree.tokens[n] for n in path] + [token]
+        t2 = time.perf_counter()
+        self.proposer.accept(kept, accepted + 1, torch.tensor(emitted_ids, device=device))
+        t3 = time.perf_counter()
+        result.metrics.record_step(proposed=tree.size, verified=tree.size, accepted=accepted,
+                                   emitted=accepted + 1, verify_rows=verify_rows,
+                                   draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1)
+        result.steps.append(StepTrace(drafted=tree.size, accepted=accepted, emitted=accepted + 1))
         return emitted_ids
 
     def _catch_up(self, pending: int, cache):

@@ -24,6 +24,7 @@ import torch
 from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash
+from metrale.runtime.spec.ddtree import block_tree
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.steps import DraftForward
 
@@ -100,8 +101,11 @@ class DFlashProposer(Proposer):
         self._feed()  # the drafter's cache now ends at the anchor's position
         anchor = torch.tensor([pending], device=self.embed.weight.device)
         proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma)
-        drafts = proposal.tokens[0, :k]
         logits = proposal.logits
+        budget = min(self.settings.tree_budget, max_drafts)
+        if budget and self.grammar is None:  # (under a grammar: the chain, each draft within it)
+            return block_tree(self.drafter, pending, proposal, budget), self.settings.max_drafts
+        drafts = proposal.tokens[0, :k]
         if self.grammar is not None and logits is not None and proposal.vocab_start == 0 \
                 and logits.shape[-1] == self.embed.weight.shape[0]:  # the whole vocabulary's logits
             return self.grammar.redraft(logits[0, :k], drafts.tolist()), self.settings.max_drafts

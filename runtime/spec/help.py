@@ -117,6 +117,20 @@ HELP: dict[str, str] = {
         "more than it, the stream decodes plainly to its end. At least 1. Requires "
         "--dflash-adaptive-k."
     ),
+    "--dflash-tree-budget": (
+        "(metrale.) Verify each DFlash block as a draft tree of N nodes instead of its chain "
+        "(DDTree): the nodes of highest path probability under the block's per-position "
+        "distributions (DFlash2: its candidate selector's distribution given each node's "
+        "token), best first, all verified in one target forward with a tree attention mask; the "
+        "longest path the target accepts is kept and its K/V moved into place. Greedy verify "
+        "keeps the path of the target's argmax; sampling accepts each node's children in turn "
+        "with their probability under what is left of the target's distribution, so the "
+        "output is distributed exactly as plain sampling's. 0 or unset (the default): the "
+        "chain. At most 64; excludes --dflash-draft-ladder and --dflash-adaptive-k. Runs on "
+        "the eager models (--backend torch), in one process; with --exact-verify the accepted "
+        "path's rows run one per forward, so greedy output is plain decoding's. Requires "
+        "--dflash."
+    ),
     "--exact-verify": (
         "Compute the verification rows so that greedy output is byte-identical to plain "
         "decoding with speculation off (default: off). The default chunkwise verify scores all "
