@@ -5,11 +5,13 @@ measurement whose chain reproduces the decode loop's acceptance exactly."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 
-from metrale.runtime.spec.ddtree import Tree, accepted_along, accepted_path, build_tree, chain
+from metrale.runtime.spec.ddtree import (SelectorChildren, Tree, TreeKV, accepted_along, accepted_path,
+                                         build_tree, chain, choose_child, compact, walk)
 
 
 def _all_prefixes(log_probs: torch.Tensor, k: int) -> dict[tuple[int, ...], float]:
@@ -88,3 +90,146 @@ def test_the_chain_policy_measures_the_decode_loops_acceptance(tiny_engine, tiny
             emitted, steps = emitted + sum(t.emitted for t in r.steps), steps + len(r.steps)
         assert got["chain"] == round(emitted / steps, 3), name
         assert got["tree 16"] > got["chain"], name
+        # and the tree τ is the decode loop's own under --dflash-tree-budget 16 (exact verify)
+        gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
+            dflash=True, dflash_drafter=name, exact_verify=True, dflash_tree_budget=16))
+        emitted = steps = 0
+        for p in prompts:
+            decoder = gen._decode_loop()
+            decoder.eos_ids = frozenset()
+            r = decoder.generate(p, SamplingParams(temperature=0.0, max_tokens=48))
+            emitted, steps = emitted + sum(t.emitted for t in r.steps), steps + len(r.steps)
+        assert got["tree 16"] == round(emitted / steps, 3), name
+
+
+def _random_tree(seed: int, budget: int = 12) -> Tree:
+    g = torch.Generator().manual_seed(seed)
+    return build_tree(7, torch.log_softmax(torch.randn(5, 40, generator=g) * 3, -1), budget)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_tree_forward_gives_each_nodes_row_of_its_own_path(tiny_engine, tiny_prompts, seed):
+    """Each node's row in the tree forward (`TreeKV`) is the row the target computes for the
+    node's path run as a chain after the same context, and after `compact` the cache holds an
+    accepted path's K/V where a chain verify of that path would have written them."""
+    target = tiny_engine.target
+    context = tiny_prompts[0][:9]
+    tree = _random_tree(seed)
+    tree = Tree(tuple(t % target.config.vocab_size for t in tree.tokens), tree.parents, tree.depths)
+    with torch.inference_mode():
+        cache = target.new_cache(1, 64)
+        target(torch.tensor([context]), cache)
+        out = target(torch.tensor([list(tree.tokens)]), TreeKV(cache, tree))
+        deepest = max(range(len(tree.tokens)), key=lambda i: (tree.depths[i], -i))
+        path = []
+        node = deepest
+        while node > 0:
+            path.append(node)
+            node = tree.parents[node]
+        path.reverse()
+        for i in range(len(tree.tokens)):
+            chain_nodes, node = [], i
+            while node >= 0:
+                chain_nodes.append(node)
+                node = tree.parents[node]
+            chain_nodes.reverse()
+            ref_cache = target.new_cache(1, 64)
+            target(torch.tensor([context]), ref_cache)
+            ref = target(torch.tensor([[tree.tokens[n] for n in chain_nodes]]), ref_cache)
+            torch.testing.assert_close(out.logits[0, i], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
+            if i == deepest:
+                compact(cache, len(context), path)
+                assert cache.length == ref_cache.length == len(context) + 1 + len(path)
+                n = cache.length
+                torch.testing.assert_close(cache.k[:, :, :, :n], ref_cache.k[:, :, :, :n], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(cache.v[:, :, :, :n], ref_cache.v[:, :, :, :n], rtol=1e-4, atol=1e-4)
+
+
+# Tree sampling against plain sampling: a root with children tokens 2 and 0 (nodes 1, 2), node 1
+# with children 1 and 3 (nodes 3, 4); V = 5, each node's target row below.
+SAMPLED = Tree((9, 2, 0, 1, 3), (-1, 0, 0, 1, 1), (0, 1, 1, 2, 2))
+ROWS = torch.tensor([[0.1, 0.2, 0.3, 0.25, 0.15],   # root
+                     [0.05, 0.5, 0.1, 0.3, 0.05],   # after 2
+                     [0.3, 0.1, 0.2, 0.2, 0.2],     # after 0
+                     [0.2, 0.2, 0.2, 0.2, 0.2],
+                     [0.2, 0.2, 0.2, 0.2, 0.2]])
+CRITICAL_DF4_P001 = 18.467  # chi-square, 4 degrees of freedom, the 0.999 quantile
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _sampled_steps(choose, n: int = 6000):
+    """n tree verifies of `SAMPLED` (as the decode loop runs them: `walk` with `choose`) ->
+    the first emitted tokens' counts and, per first token that was a node, the second's."""
+    g = torch.Generator().manual_seed(2026)
+    first, second = [], {2: [], 0: []}
+    for _ in range(n):
+        path, token = walk(SAMPLED, lambda node, kids: _pick(choose, node, kids, g))
+        emitted = [SAMPLED.tokens[i] for i in path] + [token]
+        first.append(emitted[0])
+        if path:
+            second[emitted[0]].append(emitted[1])
+    count = lambda xs: torch.bincount(torch.tensor(xs), minlength=5).float()  # noqa: E731
+    return count(first), {t: count(xs) for t, xs in second.items()}
+
+
+def _pick(choose, node, kids, g):
+    j, token = choose(ROWS[node], list(kids), g)
+    return (kids[token] if j >= 0 else None), token
+
+
+def test_tree_sampling_emits_what_plain_sampling_would():
+    first, second = _sampled_steps(choose_child)
+    assert _chi_square(first, ROWS[0]) < CRITICAL_DF4_P001, first.tolist()
+    # after an accepted child, the next token follows that child's own row
+    assert second[2].sum() == first[2] and second[0].sum() == first[0]
+    assert _chi_square(second[2], ROWS[1]) < CRITICAL_DF4_P001, second[2].tolist()
+    assert _chi_square(second[0], ROWS[2]) < CRITICAL_DF4_P001, second[0].tolist()
+
+
+def test_the_chi_square_check_catches_tree_sampling_that_keeps_rejected_mass():
+    """Negative control: judging each child against the whole row (not what is left once the
+    children before it are out) over-weights the later children."""
+    def keeps_mass(probs, children, g):
+        for i, c in enumerate(children):
+            if float(torch.rand((), generator=g, dtype=torch.float64)) < float(probs[c]):
+                return i, c
+        return -1, int(torch.multinomial(probs, 1, generator=g))
+
+    first, _ = _sampled_steps(keeps_mass)
+    assert _chi_square(first, ROWS[0]) > 10 * CRITICAL_DF4_P001
+
+
+def test_a_child_holding_all_that_is_left_is_taken():
+    probs = torch.tensor([0.0, 0.6, 0.0, 0.4])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):  # once 1 is refused, 3 holds everything left
+        assert choose_child(probs, [1, 3], g)[1] in (1, 3)
+    assert choose_child(torch.tensor([0.0, 0.0, 1.0]), [1], g) == (-1, 2)
+
+
+def test_selector_children_follow_the_parent_token(tiny_engine, tiny_prompts):
+    """DFlash2's tree: a node's children are its position's candidates rescored given the
+    node's own token, so the path of best children is the selector's chain."""
+    face = tiny_engine.drafters["dflash2"]
+    target, embed = tiny_engine.target, tiny_engine.target.model.embed_tokens
+    taps = tuple(face.config.target_layer_ids)
+    with torch.inference_mode():
+        ids = torch.tensor([tiny_prompts[0][:16]])
+        feats = target(ids, target.new_cache(1, 32), taps=taps).taps
+        cache = face.new_cache(1, 64, embed.weight.dtype, "cpu")
+        face.add_context(feats[:, :15], cache)
+        proposal = face.propose(ids[0, 15:16], embed, cache, face.config.block_size)
+        children = SelectorChildren(face.candidate_selector, proposal.hidden[0], proposal.logits[0])
+        node_token, chain_tokens = int(ids[0, 15]), []
+        for depth in range(1, children.depth + 1):
+            vals, toks = children(depth, node_token)
+            assert vals == sorted(vals, reverse=True) and abs(sum(map(math.exp, vals)) - 1) < 1e-4
+            node_token = toks[0]
+            chain_tokens.append(node_token)
+        assert chain_tokens == proposal.tokens[0].tolist()
+        a, b = children(2, chain_tokens[0]), children(2, (chain_tokens[0] + 1) % 2048)
+        assert a != b  # the parent's token moves its children's scores

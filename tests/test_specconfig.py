@@ -25,6 +25,7 @@ FLAGS = [
     "--speculative", "--num-drafts", "--draft-confidence-stop", "--dflash", "--dflash-gamma",
     "--dflash-draft-ladder", "--dflash-adaptive-k", "--dflash-reprobe-interval", "--exact-verify",
     "--draft-tp-size", "--dflash-drafter", "--draft-weight-quantization", "--mtp-experts-nvfp4",
+    "--dflash-tree-budget",
 ]
 
 # Sentences of the seeds' flag definitions (their `///` text is the --help text), which the help
@@ -273,6 +274,13 @@ AK = dict(dflash=True, dflash_adaptive_k="0:1,1:2")
          r"--dflash-draft-ladder: rung 4 .*γ − 1 = 3 \(--dflash-gamma 4\)"),
         (dict(DFLASH, dflash_gamma=3, dflash_adaptive_k="0:1,1:2,2:3,3:4"),
          r"--dflash-adaptive-k: count 3 .*γ − 1 = 2"),
+        (dict(dflash_tree_budget=16), '--dflash-tree-budget "16" requires --dflash'),
+        (dict(DFLASH, dflash_tree_budget=-1), '--dflash-tree-budget: got "-1"; expected an integer of at least 0'),
+        (dict(DFLASH, dflash_tree_budget=65), '--dflash-tree-budget: got "65"; expected .* at most 64'),
+        (dict(DFLASH, dflash_tree_budget=8, dflash_draft_ladder="1,3"),
+         "--dflash-tree-budget 8 and --dflash-draft-ladder exclude each other"),
+        (dict(DFLASH, dflash_tree_budget=8, dflash_adaptive_k="0:1,1:2"),
+         "--dflash-tree-budget 8 and --dflash-adaptive-k exclude each other"),
     ],
 )
 def test_from_flags_refuses(flags, match):
@@ -330,3 +338,11 @@ def test_resolve_draft_tp_size():
     with pytest.raises(ConfigError, match="--draft-tp-size: got 4, but the drafter's 3 KV heads "
                                           "do not cover 4 ranks; expected 1 or at most 3 ranks"):
         resolve_draft_tp_size(cfg, world_size=4, num_kv_heads=3)
+
+
+def test_a_tree_budget_resolves_with_the_block():
+    cfg = SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16)
+    assert resolve_dflash(cfg, 8).tree_budget == 16
+    assert resolve_dflash(SpeculativeConfig.from_flags(dflash=True), 8).tree_budget == 0
+    assert resolve_dflash(SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=0,
+                                                       dflash_draft_ladder="1,3"), 8).tree_budget == 0

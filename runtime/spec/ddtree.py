@@ -293,8 +293,9 @@ def block_acceptance(engine, drafter: str, prompts: list[list[int]], max_tokens:
                     proposal = face.propose(anchor, embed, cache, gamma)
                     if budget is None:
                         tree = chain(ys[i], proposal.tokens[0].tolist())
-                    else:  # the tree the decode loop verifies (`DFlashProposer`)
-                        tree = block_tree(face, ys[i], proposal, budget)
+                    else:  # the tree the decode loop verifies (`DFlashProposer`), which
+                        # holds no more drafts than the tokens left after its root
+                        tree = block_tree(face, ys[i], proposal, min(budget, len(ys) - 2 - i))
                     n = accepted_along(tree, ys[i + 1:])
                     steps[policy] += 1
                     emitted[policy] += min(n + 1, len(ys) - 1 - i)

@@ -1,0 +1,91 @@
+"""Draft trees in the decode loop (`--dflash-tree-budget`, `Decoder._tree_step`): greedy tree
+verification emits plain decoding's tokens (exact verify: the path's rows are plain decoding's
+rows; chunkwise: one forward with tree attention over the cache, the path's K/V moved into
+place), sampled tree verification is reproducible per seed, trees run batched in the server,
+and backends without tree attention refuse the flag by name."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from openai import OpenAI
+
+from metrale.runtime.errors import ConfigError
+from metrale.runtime.serving.http_guard import ServerLimits
+from metrale.runtime.serving.server import create_app
+from metrale.runtime.serving.service import EngineGenerator
+from metrale.runtime.spec.config import SpeculativeConfig
+from metrale.runtime.spec.sampling import SamplingParams
+
+from conftest import serve_in_thread
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "chunkwise"])
+def test_greedy_trees_emit_plain_decoding(tiny_engine, tiny_prompts, drafter, exact):
+    plain = EngineGenerator(tiny_engine, SpeculativeConfig())
+    chain = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter,
+                                                                      exact_verify=exact))
+    tree = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
+        dflash=True, dflash_drafter=drafter, exact_verify=exact, dflash_tree_budget=16))
+    tree_tau = chain_tau = 0.0
+    for p in tiny_prompts:
+        want = plain.generate(p, GREEDY).token_ids
+        got = tree.generate(p, GREEDY)
+        assert got.token_ids == want
+        assert max(s.drafted for s in got.steps) == 16 and all(s.accepted <= s.drafted for s in got.steps)
+        tree_tau += got.metrics.tau or 0.0
+        chain_tau += chain.generate(p, GREEDY).metrics.tau or 0.0
+    assert tree_tau > chain_tau  # the tree accepts more per verify than the chain on these prompts
+
+
+def test_a_requests_draft_cap_caps_its_tree(tiny_engine, tiny_prompts):
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16))
+    r = gen.generate(tiny_prompts[0], SamplingParams(temperature=0.0, max_tokens=40, max_drafts=5))
+    assert max(s.drafted for s in r.steps) == 5
+    assert r.token_ids == EngineGenerator(tiny_engine, SpeculativeConfig()).generate(tiny_prompts[0], GREEDY).token_ids
+
+
+def test_sampled_trees_are_reproducible_per_seed(tiny_engine, tiny_prompts):
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2",
+                                                                    dflash_tree_budget=16))
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40)
+    a, b = gen.generate(tiny_prompts[1], params), gen.generate(tiny_prompts[1], params)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 40
+    assert any(s.accepted for s in a.steps)
+    other = gen.generate(tiny_prompts[1], SamplingParams(temperature=0.8, top_p=0.95, seed=12, max_tokens=40))
+    assert other.token_ids != a.token_ids
+
+
+def test_trees_serve_batched_with_their_solo_answers(tiny_engine, tiny_prompts):
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16))
+    tok = tiny_engine.tokenizer
+    texts = [tok.decode(p[:12]) for p in tiny_prompts]
+    solo = []
+    for text in texts:
+        ids = gen.generate(tok.encode(text), SamplingParams(temperature=0.0, max_tokens=24)).token_ids
+        solo.append(tok.decode([i for i in ids if i not in tok.eos_token_ids]))
+    limits = ServerLimits(max_num_seqs=8, speculative_disable_by_batch_size=None)
+    with serve_in_thread(create_app(gen, limits)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(i: int):
+            r = client.completions.create(model=gen.model_id, prompt=texts[i % len(texts)], max_tokens=24,
+                                          temperature=0)
+            return i % len(texts), r
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(16)))
+    for i, r in answers:
+        assert r.choices[0].text == solo[i]
+        spec = r.usage.model_extra["speculative"]
+        assert spec["drafts_verified"] >= 16 and spec["drafts_accepted"] > 0
+
+
+def test_backends_without_tree_attention_refuse_the_flag(aoti_engine):
+    with pytest.raises(ConfigError, match="--dflash-tree-budget 16: the aoti backend verifies no draft tree"):
+        EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16))
+    EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=0))  # the chain
