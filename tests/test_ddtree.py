@@ -74,7 +74,7 @@ def test_the_chain_policy_measures_the_decode_loops_acceptance(tiny_engine, tiny
     chain is the decode loop's own, step for step, for both drafters; trees accept more."""
     from metrale.runtime.serving.service import EngineGenerator
     from metrale.runtime.spec.config import SpeculativeConfig
-    from metrale.runtime.spec.ddtree import block_acceptance
+    from metrale.runtime.spec.tree_acceptance import block_acceptance
     from metrale.runtime.spec.sampling import SamplingParams
 
     prompts = tiny_prompts[:2]
