@@ -78,8 +78,8 @@ def _decode_all(gen, prompts, world) -> list | None:
     if not world.leader:  # record what this rank decoded while following
         seen, make = [], gen.decoder
 
-        def recording():
-            decoder = make()
+        def recording(params=None):
+            decoder = make(params)
             run = decoder.generate
             decoder.generate = lambda *a, **k: seen.append(run(*a, **k)) or seen[-1]
             return decoder
