@@ -148,3 +148,44 @@ def test_usage_counts_drafts_only_where_the_server_speculates(tiny_engine):
     assert Usage.model_validate(got).speculative is not None
     assert got["speculative"]["drafts_verified"] >= got["speculative"]["drafts_accepted"] >= 0
     assert got["completion_tokens_details"]["accepted_prediction_tokens"] == got["speculative"]["drafts_accepted"]
+
+
+def test_graph_lanes_serve_requests_that_control_speculation(tiny_engine_dir, tiny_engine, tiny_prompts):
+    """On a target whose iterations run as graphs in lanes (the capture stand-in), a request that
+    turns speculation off or caps it below the lanes' count runs plain iterations, batched with
+    the others: every greedy answer is plain decoding's. A schema, which the graphs cannot mask,
+    is refused by name."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))
+    assert gen.capabilities.max_running is not None and not gen.structured_output  # lanes
+    tok = tiny_engine.tokenizer
+    bodies = [{}, {"speculative": {"enabled": False}}, {"speculative": {"max_drafts": 2}}]
+    texts = [tok.decode(p[:12]) for p in tiny_prompts[:2]]
+    plain = EngineGenerator(tiny_engine, SpeculativeConfig())
+    want = {}
+    for t, text in enumerate(texts):
+        ids = plain.generate(tok.encode(text), SamplingParams(temperature=0.0, max_tokens=16)).token_ids
+        want[t] = tok.decode([i for i in ids if i not in tok.eos_token_ids])
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
+        client = _client(base)
+
+        def ask(job):
+            t, b = job
+            r = client.completions.create(model=gen.model_id, prompt=texts[t], max_tokens=16, temperature=0,
+                                          extra_body=bodies[b] or None)
+            return job, r
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, [(t, b) for t in range(len(texts)) for b in range(len(bodies))] * 2))
+        refused = requests.post(base + "/v1/completions", timeout=30, json={
+            "prompt": "x", "max_tokens": 4, "response_format": {"type": "json_object"}})
+    for (t, b), r in answers:
+        assert r.choices[0].text == want[t], (t, bodies[b])
+        if b:  # plain iterations: no draft verified
+            assert r.usage.model_extra["speculative"]["drafts_verified"] == 0
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+    assert "CUDA graphs" in refused.json()["error"]["message"]

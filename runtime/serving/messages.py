@@ -35,7 +35,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     """What the engine says once loaded: the model, its context and where it was loaded from,
     what runs it (and why, where auto chose otherwise), the weights requantized at load, whether
     prompts' prefixes are cached, the threads of its steps (`lanes`: those of its batched target,
-    None where they are not split) and torch's."""
+    None where they are not split) and torch's, and whether it takes requests with a schema."""
 
     model_id: str
     max_context: int
@@ -46,6 +46,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     prefix_cache: bool = False
     lanes: int | None = None
     threads: int = 1
+    structured_output: bool = True
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

@@ -202,6 +202,14 @@ class EngineGenerator:
         return Capabilities(batched=one, sequential=not one, max_running=most,
                             thread_mode=torch.inference_mode)
 
+    @property
+    def structured_output(self) -> bool:
+        """Whether it constrains requests' output to a schema: not where requests run in the
+        lanes of whole-iteration graphs, which emit their argmax unmasked (a request with a
+        grammar would need the decode loop, and a graph target runs that for one sequence at
+        a time)."""
+        return not (self._graphs is not None and self._serving_lanes())
+
     def _serving_lanes(self) -> "IterationLanes | None":
         if self._lanes is None:
             self._lanes = self._captured(lambda *a: lanes_for(*a, LANES), "iteration lanes")
