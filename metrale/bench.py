@@ -38,7 +38,7 @@ def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
 
     loaded = {n: (KINDS[i.kind], engine.component(n)) for n, i in engine.manifest.components.items()}
     return _modes({n: (k, m.config) for n, (k, m) in loaded.items() if m is not None}, gamma_costs,
-                  engine.backend.tree_attention)
+                  engine.backend.draft_trees)
 
 
 def _modes(components: dict, gamma_costs: dict | None, trees: bool) -> list[tuple[str, dict]]:

@@ -67,14 +67,20 @@ class Forward(ModelStep):
     `ids` may be given as a list of token ids (the decode loop's steps: a batched forward
     builds one tensor for all its rows); `ids` is then made, on `device`, when first read.
     `served`: of its rows, those a backend answered without running them (a prompt's positions
-    its prefix cache held), set by the backend."""
+    its prefix cache held), set by the backend.
 
-    __slots__ = ("_ids", "tokens", "cache", "taps", "last_logits", "device", "rows", "served")
+    `tree` (a `spec.ddtree.Tree` whose nodes the rows are, in order): the rows are a draft tree's,
+    node i at position cache.length + its depth, seeing the cache's positions before the root
+    and its own ancestors only; they are written at slots cache.length + i, and the cache's
+    length stays where it was until the decode loop keeps the accepted path (`keep_path`)."""
+
+    __slots__ = ("_ids", "tokens", "cache", "taps", "last_logits", "device", "rows", "served", "tree")
 
     def __init__(self, ids: torch.Tensor | list[int], cache, taps: tuple[int, ...] = (),
-                 last_logits: bool = False, device: torch.device | str = "cpu"):
+                 last_logits: bool = False, device: torch.device | str = "cpu", tree=None):
         self._ids, self.tokens = (None, list(ids)) if isinstance(ids, list) else (ids, None)
         self.cache, self.taps, self.last_logits, self.device = cache, taps, last_logits, device
+        self.tree = tree
         # read several times per forward by a batched step's planning: counted once
         self.rows = len(self.tokens) if self.tokens is not None else ids.shape[1]
         self.served = 0
@@ -139,6 +145,9 @@ class DraftForward(ModelStep):
     embed: object
     cache: object
     gamma: int
+    # the block's distributions are needed (a draft tree is built from them): the `Proposal`
+    # carries the slots' logits and hidden states, whatever the face
+    distributions: bool = False
     kind = StepKind.DRAFT
     rows = 1  # one block
 

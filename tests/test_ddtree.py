@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from metrale.runtime.spec.ddtree import (SelectorChildren, Tree, TreeKV, accepted_along, accepted_path,
-                                         build_tree, chain, choose_child, compact, walk)
+from metrale.runtime.models.step_caches import TreeKV
+from metrale.runtime.spec.ddtree import (SelectorChildren, Tree, accepted_along, accepted_path, build_tree,
+                                         chain, choose_child, walk)
 
 
 def _all_prefixes(log_probs: torch.Tensor, k: int) -> dict[tuple[int, ...], float]:
@@ -110,7 +111,7 @@ def _random_tree(seed: int, budget: int = 12) -> Tree:
 @pytest.mark.parametrize("seed", range(3))
 def test_one_tree_forward_gives_each_nodes_row_of_its_own_path(tiny_engine, tiny_prompts, seed):
     """Each node's row in the tree forward (`TreeKV`) is the row the target computes for the
-    node's path run as a chain after the same context, and after `compact` the cache holds an
+    node's path run as a chain after the same context, and after `keep_path` the cache holds an
     accepted path's K/V where a chain verify of that path would have written them."""
     target = tiny_engine.target
     context = tiny_prompts[0][:9]
@@ -138,7 +139,7 @@ def test_one_tree_forward_gives_each_nodes_row_of_its_own_path(tiny_engine, tiny
             ref = target(torch.tensor([[tree.tokens[n] for n in chain_nodes]]), ref_cache)
             torch.testing.assert_close(out.logits[0, i], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
             if i == deepest:
-                compact(cache, len(context), path)
+                cache.keep_path(len(context), path)
                 assert cache.length == ref_cache.length == len(context) + 1 + len(path)
                 n = cache.length
                 torch.testing.assert_close(cache.k[:, :, :, :n], ref_cache.k[:, :, :, :n], rtol=1e-4, atol=1e-4)

@@ -26,6 +26,8 @@ import torch
 
 from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.errors import ConfigError, FlagChoice
+from metrale.runtime.models.kv_cache import KVCache
+from metrale.runtime.models.step_caches import TreeKV
 from metrale.runtime.steps import BatchedFace, run_each
 
 
@@ -55,12 +57,22 @@ def run_forwards(target, needs: list) -> list:
         if isinstance(face, BatchedFace):
             results = face.forward_many(mine)
         elif face is target:
-            results = [target(f.ids, f.cache, taps=f.taps) for f in mine]
+            results = [target(f.ids, f.cache, taps=f.taps) if f.tree is None else tree_forward(target, f)
+                       for f in mine]
         else:
             results = run_each(mine)
         for i, r in zip(members, results):
             out[i] = r
     return out
+
+
+def tree_forward(target, f):
+    """A draft tree's rows (`Forward.tree`) on a target that runs one sequence per call: the
+    eager model over a `KVCache`, as `step_caches.TreeKV` places and masks them, or a compiled
+    face's own `tree_forward`."""
+    if isinstance(f.cache, KVCache):
+        return target(f.ids, TreeKV(f.cache, f.tree), taps=f.taps)
+    return target.tree_forward(f)
 
 
 class TargetSteps(Protocol):

@@ -41,6 +41,7 @@ from metrale.runtime.backends.aoti_native import Lanes
 from metrale.runtime.backends.kv_pool import KVPool, PooledCache
 from metrale.runtime.backends.prefix_cache import PrefixCache
 from metrale.runtime.models.qwen3 import TargetOutput
+from metrale.runtime.models.step_caches import PooledKV
 from metrale.runtime.steps import BatchedFace, DraftForward, Forward, HeadForward
 
 def _longs(values: list[int]) -> torch.Tensor:
@@ -60,6 +61,19 @@ def _places(forwards, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         pos.extend(range(start, start + f.rows))
         seq.extend([f.cache.index] * f.rows)
     return _longs(pos), _longs(seq)
+
+
+def _split(steps: list, apart, one, many) -> list:
+    """The outputs of `steps` in order: those `apart` picks each by `one`, the rest by `many`."""
+    out: list = [None] * len(steps)
+    rest = [i for i, s in enumerate(steps) if not apart(s)]
+    if rest:
+        for i, r in zip(rest, many([steps[i] for i in rest])):
+            out[i] = r
+    for i, s in enumerate(steps):
+        if apart(s):
+            out[i] = one(s)
+    return out
 
 
 def _by_pool(forwards, starts: list[int]) -> dict[int, list[int]]:
@@ -127,6 +141,8 @@ class BatchedTarget(TargetFace, BatchedFace):
         """The target outputs of each `backends.Forward` (rows ids [1, T] of a distinct cache at
         its length), in order; each cache's length grows by its T. With a `prefix_cache`, a
         prompt reuses the kept positions it starts with (`prefix_cache`: the same bits)."""
+        if any(f.tree is not None for f in forwards):  # draft trees: the eager model's (`tree_forward`)
+            return _split(forwards, lambda f: f.tree is not None, self.tree_forward, self.forward_many)
         # decode steps of one row each (and prompts the prefix cache holds whole, which run no
         # row): what a busy batch runs at almost every iteration, planned by _step_plans
         step = [f.rows == 1 and f.tokens is not None and not f.last_logits for f in forwards]
@@ -431,6 +447,8 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         enter it, its length moving past them, once every call succeeded."""
         from metrale.runtime.models.dflash import Proposal
 
+        if any(f.distributions for f in forwards):  # draft trees: the eager drafter's (`_block`)
+            return _split(forwards, lambda f: f.distributions, self._block, self.forward_many)
         for f in forwards:
             if not 1 < f.gamma <= self.block:
                 raise ValueError(f"γ = {f.gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")
@@ -464,3 +482,30 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
             f.cache.pending = []
             f.cache.length += older + rows.shape[0]
         return results
+
+    def _block(self, f):
+        """A `DraftForward` whose block's distributions are needed (a draft tree's): the
+        package gives drafts only, so the eager drafter feeds the pending context and runs the
+        block over the sequence's place in the pool, as the package would (`aoti_steps.
+        BatchedDFlashStep`) -> a `Proposal` with the slots' logits and hidden states."""
+        from metrale.runtime.models.dflash import Proposal
+
+        rows, older = self._backlog(f)
+        cache, d, n, g = f.cache, self.eager, rows.shape[0], f.gamma
+        start = cache.length + older
+        if start + n + self.block > cache.max_len:
+            raise ValueError(f"drafter context up to {start + n + self.block} exceeds the cache's "
+                             f"{cache.max_len} slots")
+        kv, index = cache.pool.kv, cache.index
+        if n:
+            d.add_context(rows[None], PooledKV(kv, torch.full((n,), index), torch.arange(start, start + n)))
+        anchor_pos = start + n
+        positions = anchor_pos + torch.arange(g)
+        block = torch.full((1, g), self.config.mask_token_id, dtype=torch.long)
+        block[0, 0] = int(f.anchor.reshape(-1)[0])
+        slots = PooledKV(kv, torch.full((g,), index), positions, torch.full((g,), anchor_pos + g - 1))
+        hidden = d._blocks(f.embed(block), positions, slots, None, g)[:, 1:]
+        logits = d.lm_head(hidden)
+        cache.pending = []
+        cache.length = anchor_pos
+        return Proposal(tokens=d.drafts(hidden, logits, block[:, 0]), logits=logits, hidden=hidden)

@@ -43,6 +43,16 @@ class KVCache:
         values.narrow(2, start, end - start).copy_(v)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
+    def keep_path(self, base: int, path: list[int]) -> None:
+        """After a draft tree's verify written from slot `base` (node i at slot base+i): the
+        accepted path's nodes `path` move to the slots of their positions, base+1.., as a
+        chain verify of the path would have written them; the length becomes base+1+len(path)."""
+        if path != list(range(1, len(path) + 1)):
+            src = base + torch.tensor(path, device=self.k.device)
+            for kv in (self.k, self.v):  # [L, B, nkv, S, hd]
+                kv[:, :, :, base + 1:base + 1 + len(path)] = kv.index_select(3, src)
+        self.length = base + 1 + len(path)
+
     def mask(self, t: int, start: int, device) -> torch.Tensor | None:
         """The attention mask of T new rows at positions start.. over `write`'s keys (None: one
         row sees every key)."""

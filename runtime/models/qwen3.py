@@ -80,7 +80,7 @@ class Qwen3ForCausalLM(nn.Module):
         if placed is not None:  # rows of a compiled step: each at its own position
             positions = placed
             c = self.config
-            cos, sin = rope_table(c.head_dim, c.rope_theta, x.dtype, x.device)
+            cos, sin = rope_table(c.head_dim, c.rope_theta, x.dtype, x.device, c.max_position_embeddings)
             rope = cos[positions], sin[positions]
         elif isinstance(start, torch.Tensor):  # a traced step (`StepKV`): the position is an input
             positions = start + torch.arange(t, device=ids.device)

@@ -90,11 +90,10 @@ class EngineGenerator:
         if tree and self.world.size > 1:
             raise ConfigError(f"--dflash-tree-budget {tree}: draft trees run in one process, not "
                               f"{self.world.size} ranks; leave it unset (the chain) or run one process")
-        if tree and not engine.backend.tree_attention:
+        if tree and not engine.backend.draft_trees:
             raise ConfigError(f"--dflash-tree-budget {tree}: the {engine.backend.name} backend "
-                              "verifies no draft tree (its steps have no tree attention mask, and "
-                              "its drafter steps give the drafts, not the distributions a tree is "
-                              "built from); use --backend torch, or leave it unset (the chain)")
+                              "verifies no draft tree (its graphs have no tree attention mask); use "
+                              "--backend torch or aoti, or leave it unset (the chain)")
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
         self.max_context = engine.target.config.max_position_embeddings

@@ -156,40 +156,6 @@ def block_tree(drafter, anchor: int, proposal, budget: int) -> Tree:
     return build_tree(anchor, children, budget)
 
 
-class TreeKV:
-    """A draft tree's verify rows over a sequence's `KVCache`, for the eager target: node i is
-    written at slot base+i (base: the cache's length, the root's position), sits at position
-    base+depth_i, and attends to the context (slots < base) and to its own ancestors' slots
-    (`Tree.mask`). The target's modules run on it unchanged: it has `positions` (each row's
-    position), `write` and `mask` (`qwen3`, `layers.Attention`). After the verify the accepted
-    path's slots are moved into place (`compact`)."""
-
-    def __init__(self, cache, tree: Tree):
-        self.cache, self.base = cache, cache.length
-        device = cache.k.device
-        n = len(tree.tokens)
-        self.positions = self.base + torch.tensor(tree.depths, device=device)
-        self._mask = torch.cat([torch.ones(n, self.base, dtype=torch.bool), tree.mask()], dim=1).to(device)
-        self.length = self.base
-
-    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
-        return self.cache.write(layer, self.base, k, v)
-
-    def mask(self, t: int, start, device) -> torch.Tensor:
-        return self._mask
-
-
-def compact(cache, base: int, path: list[int]) -> None:
-    """After a tree verify over `cache` from slot `base`: the accepted path's nodes `path`
-    (their slots base+node) move to the slots of their positions (base+1..), so the cache
-    holds the root and the path as a chain verify would; its length becomes base+1+len(path)."""
-    if path and path != list(range(1, len(path) + 1)):
-        src = base + torch.tensor(path, device=cache.k.device)
-        for kv in (cache.k, cache.v):  # [L, B, nkv, S, hd]
-            kv[:, :, :, base + 1:base + 1 + len(path)] = kv.index_select(3, src)
-    cache.length = base + 1 + len(path)
-
-
 def choose_child(probs: torch.Tensor, children: list[int], generator=None) -> tuple[int, int]:
     """Lossless multi-candidate verification at one node (`probs` [V], the target's
     distribution there; `children`, its children's tokens, best first): each child in turn is

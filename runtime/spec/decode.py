@@ -32,7 +32,7 @@ import torch
 
 from metrale.runtime.backends import TargetSteps, argmax_rows, run_forwards
 from metrale.runtime.models.qwen3 import TargetOutput
-from metrale.runtime.spec.ddtree import Tree, TreeKV, choose_child, compact, walk
+from metrale.runtime.spec.ddtree import Tree, choose_child, walk
 from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
@@ -413,9 +413,10 @@ class Decoder:
         root, each node's row decides which child, if any, continues the path (greedy: the
         child whose token is the row's argmax; sampled: `ddtree.choose_child`, lossless), and
         the first row that continues none gives the recovered or bonus token. Chunkwise verify
-        runs every node's row in one forward (`ddtree.TreeKV`) and moves the accepted path's
-        K/V into place (`ddtree.compact`); exact verify runs the path's rows one per forward,
-        as plain decoding does. The proposer keeps the root's and the path's rows."""
+        runs every node's row in one forward (a `Forward` with its `tree`) and moves the
+        accepted path's K/V into place (the cache's `keep_path`); exact verify runs the path's
+        rows one per forward, as plain decoding does. The proposer keeps the root's and the
+        path's rows."""
         t1 = time.perf_counter()
         taps, device = self._taps(), self.device
         greedy = params.greedy
@@ -445,9 +446,9 @@ class Decoder:
                                 taps=cat([o.taps for o in outs]))
             verify_rows = len(outs)
         else:
-            out = yield Forward(list(tree.tokens), TreeKV(cache, tree), taps, device=device)
+            out = yield Forward(list(tree.tokens), cache, taps, device=device, tree=tree)
             path, token = walk(tree, lambda node, kids: choose(out, node, kids))
-            compact(cache, base, path)
+            cache.keep_path(base, path)
             rows = torch.tensor([0, *path], device=device)
             pick = lambda x: None if x is None else x.index_select(1, rows)  # noqa: E731
             kept = TargetOutput(logits=pick(out.logits), last_hidden=pick(out.last_hidden), taps=pick(out.taps))

@@ -100,11 +100,13 @@ class DFlashProposer(Proposer):
             return NO_DRAFTS, 0
         self._feed()  # the drafter's cache now ends at the anchor's position
         anchor = torch.tensor([pending], device=self.embed.weight.device)
-        proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma)
-        logits = proposal.logits
         budget = min(self.settings.tree_budget, max_drafts)
-        if budget and self.grammar is None:  # (under a grammar: the chain, each draft within it)
+        tree = budget > 0 and self.grammar is None  # (under a grammar: the chain, each draft within it)
+        proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma,
+                                      distributions=tree)
+        if tree:
             return block_tree(self.drafter, pending, proposal, budget), self.settings.max_drafts
+        logits = proposal.logits
         drafts = proposal.tokens[0, :k]
         if self.grammar is not None and logits is not None and proposal.vocab_start == 0 \
                 and logits.shape[-1] == self.embed.weight.shape[0]:  # the whole vocabulary's logits
