@@ -126,10 +126,12 @@ HELP: dict[str, str] = {
         "keeps the path of the target's argmax; sampling accepts each node's children in turn "
         "with their probability under what is left of the target's distribution, so the "
         "output is distributed exactly as plain sampling's. 0 or unset (the default): the "
-        "chain. At most 64; excludes --dflash-draft-ladder and --dflash-adaptive-k. Runs on "
-        "the eager models (--backend torch), in one process; with --exact-verify the accepted "
-        "path's rows run one per forward, so greedy output is plain decoding's. Requires "
-        "--dflash."
+        "chain. At most 64; excludes --dflash-draft-ladder and --dflash-adaptive-k. Runs in "
+        "one process on the torch and aoti backends and on CUDA graphs (on the last two a "
+        "tree's rows and its block's distributions run the eager modules over the compiled "
+        "steps' caches); the onnxruntime and tensorrt backends refuse it. With --exact-verify "
+        "the accepted path's rows run one per forward, so greedy output is plain decoding's. "
+        "Requires --dflash."
     ),
     "--exact-verify": (
         "Compute the verification rows so that greedy output is byte-identical to plain "
