@@ -32,21 +32,19 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / 
 def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
     """(name, flags) for every mode the engine directory can run: plain, then each loaded
     component's modes as its step shape names them (`spec.shapes`), the measured cost models
-    `gamma_costs` (drafter name -> CostModel) adding adaptive k, and draft trees where the
-    backend verifies them."""
+    `gamma_costs` (drafter name -> CostModel) adding adaptive k."""
     from metrale.runtime.components import KINDS
 
     loaded = {n: (KINDS[i.kind], engine.component(n)) for n, i in engine.manifest.components.items()}
-    return _modes({n: (k, m.config) for n, (k, m) in loaded.items() if m is not None}, gamma_costs,
-                  engine.backend.draft_trees)
+    return _modes({n: (k, m.config) for n, (k, m) in loaded.items() if m is not None}, gamma_costs)
 
 
-def _modes(components: dict, gamma_costs: dict | None, trees: bool) -> list[tuple[str, dict]]:
+def _modes(components: dict, gamma_costs: dict | None) -> list[tuple[str, dict]]:
     from metrale.runtime.spec.shapes import bench_modes
 
     modes: list[tuple[str, dict]] = [("plain", {})]
     for name, (kind, cfg) in components.items():
-        modes += bench_modes(kind.shape, name, cfg, (gamma_costs or {}).get(name), trees)
+        modes += bench_modes(kind.shape, name, cfg, (gamma_costs or {}).get(name))
     return modes
 
 
@@ -165,7 +163,7 @@ def _mode_names(engine_dir: Path) -> list[str]:
             comps[n] = (kind, kind.parse(cfg, f"{n}/config.json", entry))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, MetraleError):
         return []
-    return [name for name, _ in _modes(comps, {n: "0:1" for n in comps}, trees=True)]
+    return [name for name, _ in _modes(comps, {n: "0:1" for n in comps})]
 
 
 def torch_threads() -> int:

@@ -33,18 +33,12 @@ def pooled_math(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq
     sequence seq[t], slot j visible iff j <= last_visible[t] -> [T, nh·hd] (head h reads KV head
     h // (nh / nkv)). Written as reductions over one row's data: a row's bits do not depend on
     the call's other rows."""
-    visible = torch.arange(k_pool.shape[3], device=q.device)[None, :] <= last_visible[:, None]  # [T, S]
-    return pooled_masked(q, k_pool, v_pool, seq, visible)
-
-
-def pooled_masked(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seq: torch.Tensor,
-                  visible: torch.Tensor) -> torch.Tensor:
-    """`pooled_math` with each row's visible slots given: `visible` [T, S] bool."""
     t, nh, hd = q.shape
     nkv, s = k_pool.shape[1], k_pool.shape[3]
     g = nh // nkv
     kt = k_pool[seq]  # [T, nkv, hd, S]
     scores = (q.reshape(t, nkv, g, hd, 1) * kt.view(t, nkv, 1, hd, s)).sum(3) * hd ** -0.5  # [T, nkv, g, S]
+    visible = torch.arange(s, device=q.device)[None, :] <= last_visible[:, None]  # [T, S]
     probs = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
     v = v_pool[seq]  # [T, S, nkv, hd]
     out = (probs.permute(0, 3, 1, 2).unsqueeze(-1) * v.view(t, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]

@@ -36,9 +36,9 @@ class BackendEntry:
     prefix_cache: bool = False
     split_steps: bool = False
     iteration_graphs: bool = False
-    # it verifies draft trees: its target runs a tree's rows in one forward (a tree attention
-    # mask; `Forward.tree`) and its drafter gives a block's distributions (`DraftForward.distributions`)
-    draft_trees: bool = False
+    # its target runs a draft tree's rows in one forward (a tree attention mask, `Forward.tree`);
+    # elsewhere a tree is verified along its paths, a chain forward each (`Decoder._tree_step`)
+    tree_attention: bool = False
 
     def face(self, shape: StepShape):
         """The class that runs a component of `shape`, or None: its torch module does."""
@@ -55,17 +55,17 @@ _GRAPH_FACES = ((StepShape.TARGET, "metrale.runtime.backends.graph_steps:GraphTa
 _CAPTURED_TARGET = ((StepShape.TARGET, "metrale.runtime.backends.cuda_graphs:GraphTarget"),)
 
 BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
-    BackendEntry("torch", "the eager models, on a CPU or a GPU", eager=True, draft_trees=True),
+    BackendEntry("torch", "the eager models, on a CPU or a GPU", eager=True, tree_attention=True),
     BackendEntry("aoti", "the CPU packages (AOTInductor .pt2)",
                  ((StepShape.TARGET, "metrale.runtime.backends.aoti_batched:BatchedTarget"),
                   (StepShape.CHAIN, "metrale.runtime.backends.aoti_batched:BatchedMTP"),
                   (StepShape.BLOCK, "metrale.runtime.backends.aoti_batched:BatchedDFlash")),
-                 row_invariant=True, prefix_cache=True, split_steps=True, draft_trees=True),
+                 row_invariant=True, prefix_cache=True, split_steps=True),
     BackendEntry("cuda-graphs", "the eager target's steps captured as CUDA graphs",
-                 _CAPTURED_TARGET, iteration_graphs=True, draft_trees=True),
+                 _CAPTURED_TARGET, iteration_graphs=True),
     # the capture stand-in on a machine without CUDA (`cuda_graphs.EagerGraphs`): what tests run
     BackendEntry("eager-graphs", "the eager target's steps through the capture stand-in",
-                 _CAPTURED_TARGET, iteration_graphs=True, draft_trees=True),
+                 _CAPTURED_TARGET, iteration_graphs=True),
     BackendEntry("onnxruntime", "the exported ONNX graphs, on a CPU", _GRAPH_FACES),
     BackendEntry("tensorrt", "the TensorRT plans, on a GPU", _GRAPH_FACES),
 )}

@@ -1,8 +1,8 @@
 """Draft trees in the decode loop (`--dflash-tree-budget`, `Decoder._tree_step`): greedy tree
 verification emits plain decoding's tokens (exact verify: the path's rows are plain decoding's
 rows; chunkwise: one forward with tree attention over the cache, the path's K/V moved into
-place), sampled tree verification is reproducible per seed, trees run batched in the server,
-and backends without tree attention refuse the flag by name."""
+place, or, on the compiled backends, the tree's paths as chains), sampled tree verification is
+reproducible per seed, and trees run batched in the server."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from metrale.runtime.errors import ConfigError
 from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
@@ -85,101 +84,73 @@ def test_trees_serve_batched_with_their_solo_answers(tiny_engine, tiny_prompts):
         assert spec["drafts_verified"] >= 16 and spec["drafts_accepted"] > 0
 
 
-def test_trees_on_the_cpu_packages_emit_plain_decoding(aoti_engine, tiny_prompts):
-    """On the aoti backend a tree's rows and its block's distributions come from the eager
-    modules over the packages' own caches (pooled): greedy trees under exact verify emit plain
-    decoding's tokens, and chunkwise ones too on these prompts; batched in the scheduler's
-    forwards beside other sequences' package rows."""
+def test_trees_on_the_cpu_packages_walk_paths_and_emit_plain_decoding(aoti_engine, tiny_engine, tiny_prompts,
+                                                                       monkeypatch):
+    """The CPU packages have no tree mask: a tree is verified along its paths, each a chain of
+    the packages' rows (bit-identical to one-row steps), so chunkwise greedy trees emit plain
+    decoding's tokens exactly; the block's distributions come from the eager drafter over the
+    package's pooled cache. Each step runs one chain from the root along the best children,
+    and one more each time the walk leaves it; the τ is the eager backend's one-forward tree's."""
+    from metrale.runtime.steps import Forward
+
     plain = EngineGenerator(aoti_engine, SpeculativeConfig())
+    chains: list[int] = []
+    orig = Forward.__init__
+
+    def counting(self, ids, cache, *a, **k):
+        orig(self, ids, cache, *a, **k)
+        assert self.tree is None  # never a tree's rows in one forward here
+        chains.append(self.rows)
+
     for drafter in ("dflash", "dflash2"):
-        for exact in (True, False):
-            gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
-                dflash=True, dflash_drafter=drafter, exact_verify=exact, dflash_tree_budget=16))
-            for p in tiny_prompts[:2]:
-                got = gen.generate(p, GREEDY)
-                assert got.token_ids == plain.generate(p, GREEDY).token_ids, (drafter, exact)
-                assert max(s.drafted for s in got.steps) == 16 and any(s.accepted for s in got.steps)
+        eager = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
+            dflash=True, dflash_drafter=drafter, exact_verify=True, dflash_tree_budget=16))
+        gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
+            dflash=True, dflash_drafter=drafter, dflash_tree_budget=16))
+        for p in tiny_prompts[:2]:
+            chains.clear()
+            monkeypatch.setattr(Forward, "__init__", counting)
+            got = gen.generate(p, GREEDY)
+            monkeypatch.undo()
+            assert got.token_ids == plain.generate(p, GREEDY).token_ids, drafter
+            steps = [s for s in got.steps if s.drafted]
+            assert max(s.drafted for s in steps) == 16 and any(s.accepted for s in steps)
+            # a step's chains: one, plus one per time its walk left the chain (at most its depth)
+            assert len(steps) <= len(chains) - 1 <= sum(s.accepted + 1 for s in steps)
+            assert all(n <= 8 for n in chains[1:])  # root and at most γ − 1 nodes: a chain's rows
+            assert [s.accepted for s in got.steps] == [s.accepted for s in eager.generate(p, GREEDY).steps]
 
 
-def test_backends_without_tree_attention_refuse_the_flag(tiny_engine_dir):
+def test_trees_on_the_onnx_graphs_emit_plain_decoding(engine_factory, tiny_prompts):
+    """The exported graphs verify a tree along its paths too, and their drafter graph gives the
+    block's logits (DFlash2: its selector query, scored with the codebooks)."""
     from metrale.runtime.backends import load_engine
 
-    onnx = load_engine(tiny_engine_dir, backend="torch")
-    onnx.backend = __import__("metrale.runtime.backend_registry", fromlist=["BACKENDS"]).BACKENDS["onnxruntime"]
-    with pytest.raises(ConfigError, match="--dflash-tree-budget 16: the onnxruntime backend verifies no draft tree"):
-        EngineGenerator(onnx, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16))
+    engine = load_engine(engine_factory(onnx=True), backend="onnxruntime")
+    plain = EngineGenerator(engine, SpeculativeConfig())
+    for drafter in ("dflash", "dflash2"):
+        gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter,
+                                                                   exact_verify=True, dflash_tree_budget=16))
+        got = gen.generate(tiny_prompts[0], GREEDY)
+        assert got.token_ids == plain.generate(tiny_prompts[0], GREEDY).token_ids, drafter
+        assert max(s.drafted for s in got.steps) == 16 and any(s.accepted for s in got.steps)
 
 
 def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tiny_prompts):
-    """On a target whose steps are CUDA graphs (the capture stand-in here) a tree's rows run
-    the eager model over the graphs' static caches (`step_caches.TreeSlotKV`); its chains and
-    plain steps replay the graphs."""
+    """On a target whose steps are CUDA graphs (the capture stand-in here) a tree is verified
+    along its paths, each chain replaying the graphs."""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
 
     engine = load_engine(tiny_engine_dir, backend="torch")
     use_cuda_graphs(engine, graphs=EagerGraphs())
-    assert engine.backend.draft_trees
+    assert not engine.backend.tree_attention  # its trees walk paths, each chain replaying the graphs
     plain = EngineGenerator(engine, SpeculativeConfig())
     for drafter in ("dflash", "dflash2"):
-        gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter,
-                                                                   exact_verify=True, dflash_tree_budget=16))
-        for p in tiny_prompts[:2]:
-            got = gen.generate(p, GREEDY)
-            assert got.token_ids == plain.generate(p, GREEDY).token_ids, drafter
-            assert max(s.drafted for s in got.steps) == 16
-
-
-@pytest.mark.parametrize("layout", ["slots", "pooled"])
-def test_tree_rows_over_the_compiled_caches_are_the_eager_caches_rows(tiny_engine, tiny_prompts, layout):
-    """`TreeSlotKV` (one sequence, slot-major) and `TreePooledKV` (a place in a pool) give a
-    tree's rows the values `TreeKV` gives them over the eager cache, and `keep_path` leaves
-    each cache holding the same K/V at the path's positions."""
-    import torch
-
-    from metrale.runtime.backends.aoti import StaticKVCache
-    from metrale.runtime.backends.kv_pool import KVPool, PooledCache
-    from metrale.runtime.models.step_caches import TreeKV, TreePooledKV, TreeSlotKV
-    from metrale.runtime.spec.ddtree import build_tree
-
-    target, c = tiny_engine.target, tiny_engine.target.config
-    context = tiny_prompts[1][:11]
-    g = torch.Generator().manual_seed(4)
-    tree = build_tree(3, torch.log_softmax(torch.randn(5, c.vocab_size, generator=g) * 3, -1), 12)
-    ids = torch.tensor([list(tree.tokens)])
-    with torch.inference_mode():
-        ref = target.new_cache(1, 64)
-        target(torch.tensor([context]), ref)
-        want = target(ids, TreeKV(ref, tree))
-        if layout == "slots":
-            cache = StaticKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, target.dtype)
-            for i in range(c.num_hidden_layers):  # the context's K/V, slot-major
-                cache.kv[2 * i].copy_(ref.k[i, 0].transpose(0, 1))
-                cache.kv[2 * i + 1].copy_(ref.v[i, 0].transpose(0, 1))
-            rows = TreeSlotKV(cache.kv, len(context), tree)
-        else:
-            pool = KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, target.dtype, "cpu")
-            PooledCache(pool)  # another sequence holds place 0
-            cache = PooledCache(pool)
-            for i in range(c.num_hidden_layers):  # the context's K/V, keys slot-minor
-                pool.keys[i, cache.index].copy_(ref.k[i, 0].transpose(1, 2))
-                pool.values[i, cache.index].copy_(ref.v[i, 0].transpose(0, 1))
-            rows = TreePooledKV(pool.kv, cache.index, len(context), tree)
-        cache.length = len(context)
-        got = target(ids, rows)
-        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
-        node, path = max(range(len(tree.tokens)), key=lambda i: (tree.depths[i], i)), []
-        while node > 0:  # the deepest node's path, root excluded (a path off the node order)
-            path.insert(0, node)
-            node = tree.parents[node]
-        ref.keep_path(len(context), path)
-        cache.keep_path(len(context), path)
-        n = ref.length
-        assert cache.length == n == len(context) + 1 + len(path)
-        for i in range(c.num_hidden_layers):
-            if layout == "slots":
-                k, v = cache.kv[2 * i][:n], cache.kv[2 * i + 1][:n]
-            else:
-                k, v = pool.keys[i, cache.index, :, :, :n].permute(2, 0, 1), pool.values[i, cache.index, :n]
-            torch.testing.assert_close(k, ref.k[i, 0, :, :n].transpose(0, 1), rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(v, ref.v[i, 0, :, :n].transpose(0, 1), rtol=1e-4, atol=1e-4)
+        for exact in (True, False):
+            gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter,
+                                                                       exact_verify=exact, dflash_tree_budget=16))
+            for p in tiny_prompts[:2]:
+                got = gen.generate(p, GREEDY)
+                assert got.token_ids == plain.generate(p, GREEDY).token_ids, (drafter, exact)
+                assert max(s.drafted for s in got.steps) == 16

@@ -67,12 +67,12 @@ def run_forwards(target, needs: list) -> list:
 
 
 def tree_forward(target, f):
-    """A draft tree's rows (`Forward.tree`) on a target that runs one sequence per call: the
-    eager model over a `KVCache`, as `step_caches.TreeKV` places and masks them, or a compiled
-    face's own `tree_forward`."""
-    if isinstance(f.cache, KVCache):
-        return target(f.ids, TreeKV(f.cache, f.tree), taps=f.taps)
-    return target.tree_forward(f)
+    """A draft tree's rows (`Forward.tree`) in one forward: the eager model over its `KVCache`,
+    as `step_caches.TreeKV` places and masks them (the backends with `tree_attention`)."""
+    if not isinstance(f.cache, KVCache):
+        raise TypeError(f"a draft tree's rows in one forward need the eager target's KVCache, not "
+                        f"{type(f.cache).__name__} (a backend without tree attention walks paths)")
+    return target(f.ids, TreeKV(f.cache, f.tree), taps=f.taps)
 
 
 class TargetSteps(Protocol):

@@ -46,9 +46,7 @@ from metrale.runtime.artifact.entries import ComponentEntry, CpuPackage, CpuPack
 from metrale.runtime.components import KINDS
 from metrale.runtime.errors import EngineDirError
 from metrale.runtime.models.layers import pack_for_inference
-from metrale.runtime.backends.kv_pool import PooledCache
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
-from metrale.runtime.models.step_caches import TreePooledKV, TreeSlotKV
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +81,6 @@ class StaticKVCache:
     @property
     def device(self) -> torch.device:
         return self.kv[0].device
-
-    def keep_path(self, base: int, path: list[int]) -> None:
-        """After a draft tree's verify written from slot `base` (node i at slot base+i): the
-        accepted path's nodes `path` move to the slots of their positions, base+1.., as a
-        chain verify of the path would have written them; the length becomes base+1+len(path)."""
-        if path != list(range(1, len(path) + 1)):
-            src = base + torch.tensor(path, device=self.device)
-            for t in self.kv:  # [S, nkv, hd]
-                t[base + 1:base + 1 + len(path)] = t.index_select(0, src)
-        self.length = base + 1 + len(path)
 
 
 @dataclass(frozen=True)
@@ -158,16 +146,6 @@ class TargetFace:
     @property
     def dtype(self) -> torch.dtype:
         return self.model_ref.dtype
-
-    def tree_forward(self, f):
-        """A draft tree's rows (`steps.Forward.tree`) over the sequence's cache: the packages
-        have no tree-masked step, so the eager model runs them over the cache's own storage
-        (`step_caches.TreeSlotKV`, `TreePooledKV`), writing their K/V where the packages read
-        them; the cache's length stays at the root's position."""
-        cache = f.cache
-        rows = (TreePooledKV(cache.pool.kv, cache.index, cache.length, f.tree) if isinstance(cache, PooledCache)
-                else TreeSlotKV(cache.kv, cache.length, f.tree))
-        return self.model_ref(f.ids, rows, taps=f.taps)
 
     def select_taps(self, every: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
         """The columns of layers `taps` from the packages' taps (in `self.taps`' order)."""

@@ -141,8 +141,6 @@ class BatchedTarget(TargetFace, BatchedFace):
         """The target outputs of each `backends.Forward` (rows ids [1, T] of a distinct cache at
         its length), in order; each cache's length grows by its T. With a `prefix_cache`, a
         prompt reuses the kept positions it starts with (`prefix_cache`: the same bits)."""
-        if any(f.tree is not None for f in forwards):  # draft trees: the eager model's (`tree_forward`)
-            return _split(forwards, lambda f: f.tree is not None, self.tree_forward, self.forward_many)
         # decode steps of one row each (and prompts the prefix cache holds whole, which run no
         # row): what a busy batch runs at almost every iteration, planned by _step_plans
         step = [f.rows == 1 and f.tokens is not None and not f.last_logits for f in forwards]

@@ -282,11 +282,18 @@ class GraphDrafter(_Component):
         if "top_ids" in out:  # a tensor-parallel rank: the global candidates, every rank's alike
             return Proposal(tokens=self._tp_drafts(out, anchor), logits=logits,
                             vocab_start=self.vocab_start)
+        query = out["selector_query"][:, 1:] if self.selector is not None else None
         if self.selector is not None:
-            tokens = self.selector.select(out["selector_query"][:, 1:], logits, anchor)
+            tokens = self.selector.select(query, logits, anchor)
         else:
             tokens = logits.argmax(-1)
-        return Proposal(tokens=tokens, logits=logits)
+        return Proposal(tokens=tokens, logits=logits, hidden=query)
+
+    @property
+    def candidate_selector(self):
+        """DFlash2's candidate selector over the graph's `selector_query` (a draft tree scores a
+        node's children with it, `spec.ddtree.SelectorChildren`)."""
+        return self.selector
 
     def _tp_drafts(self, out: dict, anchor: torch.Tensor) -> torch.Tensor:
         """The drafts of a rank graph's global top candidates (sorted by value: the first is

@@ -87,18 +87,6 @@ class PooledCache:
         mine_v.copy_(values[:, :n])
         self.length = n
 
-    def keep_path(self, base: int, path: list[int]) -> None:
-        """After a draft tree's verify written from slot `base` (node i at slot base+i): the
-        accepted path's nodes `path` move to the slots of their positions, base+1.., as a
-        chain verify of the path would have written them; the length becomes base+1+len(path)."""
-        if path != list(range(1, len(path) + 1)):
-            src = base + torch.tensor(path)
-            dst = slice(base + 1, base + 1 + len(path))
-            keys, values = self.pool.keys[:, self.index], self.pool.values[:, self.index]
-            keys[..., dst] = keys.index_select(3, src)  # [L, nkv, hd, S]
-            values[:, dst] = values.index_select(1, src)  # [L, S, nkv, hd]
-        self.length = base + 1 + len(path)
-
     @property
     def device(self) -> torch.device:
         return self.pool.kv[0].device

@@ -152,7 +152,10 @@ class Proposal:
     tokens: torch.Tensor  # [B, γ−1] drafts for positions anchor_pos+1 ..
     logits: torch.Tensor  # [B, γ−1, V_r] draft LM-head logits of those slots for token ids
     vocab_start: int = 0  # vocab_start.. : the whole vocab on one rank, the rank's slice under tp
-    hidden: torch.Tensor | None = None  # [B, γ−1, H] the slots' final hidden states (eager, one rank)
+    # [B, γ−1, ·] what the face's candidate selector scores the slots with: their final hidden
+    # states (the eager drafter's), or their projection (an exported graph's `selector_query`,
+    # its selector's projection the identity); None under tensor parallelism
+    hidden: torch.Tensor | None = None
 
 
 class DFlashDrafter(nn.Module):

@@ -30,23 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from metrale.plugins.cpu_attention import pooled_masked
 from metrale.plugins.cpu_attention import pooled_math as pooled_attention
 
 
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """q [T, nh, hd]; k/v [S, nkv, hd] of one sequence; slot j visible to the row at position p
     iff j <= p -> [T, nh·hd]."""
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
-    return slot_attention_masked(q, k, v, visible)
-
-
-def slot_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """`slot_attention` with each row's visible slots given: `visible` [T, S] bool."""
     t, nh, hd = q.shape
     s, nkv = k.shape[0], k.shape[1]
     qg = q.reshape(t, 1, nkv, nh // nkv, hd)
     scores = (qg * k.view(1, s, nkv, 1, hd)).sum(-1) * hd ** -0.5  # [T, S, nkv, g]
+    visible = torch.arange(s, device=q.device)[None, :] <= positions[:, None]
     probs = torch.softmax(scores.masked_fill(~visible[:, :, None, None], float("-inf")), dim=1)
     out = (probs.unsqueeze(-1) * v.view(1, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
     return out.reshape(t, nh * hd)
@@ -134,43 +128,6 @@ class TreeKV:
 
     def mask(self, t: int, start, device) -> torch.Tensor:
         return self._mask
-
-
-class TreeSlotKV(SlotKV):
-    """A draft tree's rows over one sequence's slot-major cache (`SlotKV`'s layout: the CPU
-    packages' and the CUDA-graph target's static caches), as `TreeKV` places and masks them."""
-
-    def __init__(self, kv, base: int, tree):
-        device = kv[0].device
-        super().__init__(kv, base + torch.tensor(tree.depths, device=device))
-        self.slots = base + torch.arange(len(tree.tokens), device=device)
-        self.visible = tree_visibility(tree.parents, base, kv[0].shape[0], device)
-
-    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv[2 * layer].index_copy_(0, self.slots, _rows(k))
-        self.kv[2 * layer + 1].index_copy_(0, self.slots, _rows(v))
-
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        return slot_attention_masked(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.visible)[None]
-
-
-class TreePooledKV(PooledKV):
-    """A draft tree's rows over one sequence's place `index` in a pool (`PooledKV`'s layout), as
-    `TreeKV` places and masks them."""
-
-    def __init__(self, kv, index: int, base: int, tree):
-        device = kv[0].device
-        n = len(tree.tokens)
-        super().__init__(kv, torch.full((n,), index, device=device), base + torch.tensor(tree.depths, device=device))
-        self.slots = base + torch.arange(n, device=device)
-        self.visible = tree_visibility(tree.parents, base, kv[0].shape[-1], device)
-
-    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv[2 * layer][self.seq, :, :, self.slots] = _rows(k)
-        self.kv[2 * layer + 1].index_put_((self.seq, self.slots), _rows(v))
-
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        return pooled_masked(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.seq, self.visible)[None]
 
 
 class StepKV:

@@ -90,10 +90,6 @@ class EngineGenerator:
         if tree and self.world.size > 1:
             raise ConfigError(f"--dflash-tree-budget {tree}: draft trees run in one process, not "
                               f"{self.world.size} ranks; leave it unset (the chain) or run one process")
-        if tree and not engine.backend.draft_trees:
-            raise ConfigError(f"--dflash-tree-budget {tree}: the {engine.backend.name} backend "
-                              "verifies no draft tree (its graphs have no tree attention mask); use "
-                              "--backend torch or aoti, or leave it unset (the chain)")
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
         self.max_context = engine.target.config.max_position_embeddings
@@ -147,7 +143,7 @@ class EngineGenerator:
             if self.relay:
                 proposer = LeaderDrafts(proposer, self.world)
         return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context,
-                       e.rows_invariant, grammar)
+                       e.rows_invariant, grammar, e.backend.tree_attention)
 
     def _announce(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Leader: send the request to the other ranks (a sampled request gets a seed)."""

@@ -79,7 +79,7 @@ class SelectorChildren:
 
     def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor):
         self.selector, self.depth = selector, hidden.shape[0]
-        self._projected = selector.hidden_projection(hidden.float().to(selector.hidden_projection.weight.dtype))
+        self._projected = selector.hidden_projection(hidden)  # (the identity on a graph's selector query)
         self._cand_logits, self._cand_ids = logits.topk(selector.num_candidates, dim=-1)  # [D, K]
         self._seen: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
 

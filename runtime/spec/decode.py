@@ -174,7 +174,7 @@ class Decoder:
 
     def __init__(self, target: TargetSteps, eos_ids: frozenset[int], proposer: Proposer | None = None,
                  exact_verify: bool = False, max_context: int | None = None, rows_invariant: bool = False,
-                 grammar: "GrammarState | None" = None):
+                 grammar: "GrammarState | None" = None, tree_attention: bool = True):
         self.target, self.eos_ids, self.proposer = target, eos_ids, proposer
         # the request's structured output (`spec.grammar`): every row it emits from is masked
         # at its grammar state, drafts the grammar refuses are dropped before the verify, and
@@ -182,6 +182,9 @@ class Decoder:
         self.grammar = grammar
         if proposer is not None:
             proposer.grammar = grammar
+        # the target runs a draft tree's rows in one forward (`BackendEntry.tree_attention`);
+        # without, a tree is verified along its paths (`_tree_step`)
+        self.tree_attention = tree_attention
         self.exact_verify = exact_verify
         self._proposer_len = proposer.max_len if proposer is not None else 0
         self._follows = proposer is not None and proposer.follows  # looked up once: steps are hot
@@ -414,9 +417,12 @@ class Decoder:
         child whose token is the row's argmax; sampled: `ddtree.choose_child`, lossless), and
         the first row that continues none gives the recovered or bonus token. Chunkwise verify
         runs every node's row in one forward (a `Forward` with its `tree`) and moves the
-        accepted path's K/V into place (the cache's `keep_path`); exact verify runs the path's
-        rows one per forward, as plain decoding does. The proposer keeps the root's and the
-        path's rows."""
+        accepted path's K/V into place (the cache's `keep_path`), or, on a target without tree
+        attention, runs one path of the tree as a chain: from the root along each node's best
+        child, and again, through the child the walk took, whenever the walk leaves the path
+        (the last chain's rows then hold the accepted path, its K/V in place). Exact verify
+        runs the path's rows one per forward, as plain decoding does. The proposer keeps the
+        root's and the path's rows."""
         t1 = time.perf_counter()
         taps, device = self._taps(), self.device
         greedy = params.greedy
@@ -445,6 +451,26 @@ class Decoder:
             kept = TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
                                 taps=cat([o.taps for o in outs]))
             verify_rows = len(outs)
+        elif not self.tree_attention:
+            kids = tree.children()
+            verify_rows, nodes = 0, []
+            while True:
+                if node not in nodes:  # the walk left the chain run last: the chain through `node`
+                    nodes = [0, *path]
+                    while kids[nodes[-1]]:
+                        nodes.append(next(iter(kids[nodes[-1]].values())))  # the best child
+                    cache.length = base
+                    out = yield Forward([tree.tokens[n] for n in nodes], cache, taps, device=device)
+                    verify_rows += len(nodes)
+                child, token = choose(out, len(path), kids[node])
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+            cache.length = base + 1 + len(path)
+            rows = torch.arange(len(path) + 1, device=device)
+            pick = lambda x: None if x is None else x.index_select(1, rows)  # noqa: E731
+            kept = TargetOutput(logits=pick(out.logits), last_hidden=pick(out.last_hidden), taps=pick(out.taps))
         else:
             out = yield Forward(list(tree.tokens), cache, taps, device=device, tree=tree)
             path, token = walk(tree, lambda node, kids: choose(out, node, kids))

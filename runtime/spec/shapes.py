@@ -15,7 +15,7 @@ from metrale.runtime.spec.mtp_proposer import MTPProposer
 from metrale.runtime.spec.proposer import Proposer
 
 
-def _chain_modes(name: str, cfg, cost, trees: bool) -> list[tuple[str, dict]]:
+def _chain_modes(name: str, cfg, cost) -> list[tuple[str, dict]]:
     base = {"speculative": True}
     modes = [(f"mtp k={k}", {**base, "num_drafts": k}) for k in (1, 2, 3)]
     modes.append(("mtp k=3 stop=0.6", {**base, "num_drafts": 3, "draft_confidence_stop": "0.6"}))
@@ -24,7 +24,7 @@ def _chain_modes(name: str, cfg, cost, trees: bool) -> list[tuple[str, dict]]:
     return modes
 
 
-def _block_modes(name: str, cfg: DFlashConfig, cost, trees: bool) -> list[tuple[str, dict]]:
+def _block_modes(name: str, cfg: DFlashConfig, cost) -> list[tuple[str, dict]]:
     base = {"dflash": True, "dflash_drafter": name}
     g = cfg.block_size
     rungs = ",".join(str(r) for r in (1, 3, 7) if r <= g - 1)
@@ -33,11 +33,10 @@ def _block_modes(name: str, cfg: DFlashConfig, cost, trees: bool) -> list[tuple[
              (f"{name} ladder {rungs}", {**base, "dflash_draft_ladder": rungs})]
     if cost is not None:  # its measured CostModel, with its acceptance
         modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": cost}))
-    if trees:  # draft trees, where the backend verifies them
-        for budget in TREE_BUDGETS:
-            modes.append((f"{name} tree {budget}", {**base, "dflash_tree_budget": budget}))
-        modes.append((f"{name} tree {TREE_BUDGETS[0]} exact",
-                      {**base, "dflash_tree_budget": TREE_BUDGETS[0], "exact_verify": True}))
+    for budget in TREE_BUDGETS:  # draft trees
+        modes.append((f"{name} tree {budget}", {**base, "dflash_tree_budget": budget}))
+    modes.append((f"{name} tree {TREE_BUDGETS[0]} exact",
+                  {**base, "dflash_tree_budget": TREE_BUDGETS[0], "exact_verify": True}))
     return modes
 
 
@@ -48,9 +47,8 @@ TREE_BUDGETS = (16, 32)  # the draft-tree budgets bench measures
 class ShapeSpec:
     mode: SpecMode  # the speculative mode that drafts with it
     proposer: type[Proposer]  # its `for_spec(face, embed, spec, settings, max_len)` makes one
-    # (component name, config, measured cost model or None, whether the backend verifies
-    # draft trees) -> its `metrale bench` modes
-    bench_modes: Callable[[str, Any, Any, bool], list[tuple[str, dict]]]
+    # (component name, config, measured cost model or None) -> its `metrale bench` modes
+    bench_modes: Callable[[str, Any, Any], list[tuple[str, dict]]]
 
 
 SHAPES: dict[StepShape, ShapeSpec] = {
@@ -59,7 +57,7 @@ SHAPES: dict[StepShape, ShapeSpec] = {
 }
 
 
-def bench_modes(shape: StepShape, name: str, cfg, cost, trees: bool = False) -> list[tuple[str, dict]]:
+def bench_modes(shape: StepShape, name: str, cfg, cost) -> list[tuple[str, dict]]:
     """The modes bench runs with a component of `shape` (none for the target)."""
     spec = SHAPES.get(shape)
-    return spec.bench_modes(name, cfg, cost, trees) if spec is not None else []
+    return spec.bench_modes(name, cfg, cost) if spec is not None else []
