@@ -162,7 +162,7 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     else:
         drafter = staged.drafters[job.name]
         cfg = drafter.config
-        step = BatchedDFlashStep(drafter, target.model.embed_tokens, job.rows, positions)
+        step = BatchedDFlashStep(drafter, target.model.embed_tokens, job.rows, positions, distributions=True)
         fed, blocks = 2 * job.rows, 3  # example sizes; both dynamic
         feats = torch.zeros(fed, cfg.num_context_features * cfg.target_hidden_size, dtype=dtype)
         per_block = torch.zeros(blocks, dtype=torch.long)
@@ -313,7 +313,8 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
     for name in kinds:
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel], "batched": True,
-                    **({"feed": j.rows, "block": staged_block(root, name)} if roles.get(name) is Role.DRAFTER
+                    **({"feed": j.rows, "block": staged_block(root, name), "distributions": True}
+                       if roles.get(name) is Role.DRAFTER
                        else {"rows": j.rows, "dynamic_rows": True})} for j in mine]
         out[name] = CpuPackages.model_validate(
             {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,

@@ -224,7 +224,8 @@ def test_selector_children_follow_the_parent_token(tiny_engine, tiny_prompts):
         cache = face.new_cache(1, 64, embed.weight.dtype, "cpu")
         face.add_context(feats[:, :15], cache)
         proposal = face.propose(ids[0, 15:16], embed, cache, face.config.block_size)
-        children = SelectorChildren(face.candidate_selector, proposal.hidden[0], proposal.logits[0])
+        children = SelectorChildren(face.candidate_selector, proposal.hidden[0], proposal.logits[0],
+                                    int(ids[0, 15]))
         node_token, chain_tokens = int(ids[0, 15]), []
         for depth in range(1, children.depth + 1):
             vals, toks = children(depth, node_token)

@@ -88,9 +88,10 @@ def test_trees_on_the_cpu_packages_walk_paths_and_emit_plain_decoding(aoti_engin
                                                                        monkeypatch):
     """The CPU packages have no tree mask: a tree is verified along its paths, each a chain of
     the packages' rows (bit-identical to one-row steps), so chunkwise greedy trees emit plain
-    decoding's tokens exactly; the block's distributions come from the eager drafter over the
-    package's pooled cache. Each step runs one chain from the root along the best children,
-    and one more each time the walk leaves it; the τ is the eager backend's one-forward tree's."""
+    decoding's tokens exactly; the block's distributions come from the drafter's package (or,
+    from a package built without them, the eager drafter over the package's pooled cache).
+    Each step runs one chain from the root along the best children, and one more each time
+    the walk leaves it; the τ is the eager backend's one-forward tree's."""
     from metrale.runtime.steps import Forward
 
     plain = EngineGenerator(aoti_engine, SpeculativeConfig())
@@ -102,16 +103,18 @@ def test_trees_on_the_cpu_packages_walk_paths_and_emit_plain_decoding(aoti_engin
         assert self.tree is None  # never a tree's rows in one forward here
         chains.append(self.rows)
 
-    for drafter in ("dflash", "dflash2"):
+    assert all(aoti_engine.drafters[n].distributions for n in ("dflash", "dflash2"))
+    for drafter, packaged in (("dflash", True), ("dflash2", True), ("dflash2", False)):
+        monkeypatch.setattr(aoti_engine.drafters[drafter], "distributions", packaged)
         eager = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
             dflash=True, dflash_drafter=drafter, exact_verify=True, dflash_tree_budget=16))
         gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
             dflash=True, dflash_drafter=drafter, dflash_tree_budget=16))
         for p in tiny_prompts[:2]:
             chains.clear()
-            monkeypatch.setattr(Forward, "__init__", counting)
-            got = gen.generate(p, GREEDY)
-            monkeypatch.undo()
+            with monkeypatch.context() as m:
+                m.setattr(Forward, "__init__", counting)
+                got = gen.generate(p, GREEDY)
             assert got.token_ids == plain.generate(p, GREEDY).token_ids, drafter
             steps = [s for s in got.steps if s.drafted]
             assert max(s.drafted for s in steps) == 16 and any(s.accepted for s in steps)

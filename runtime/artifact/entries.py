@@ -89,7 +89,8 @@ class Plan(_Entry):
 class CpuPackage(_Entry):
     """One AOTInductor package: a step over `rows` rows (the target and the MTP head; any row
     count where `dynamic_rows`; many sequences per call where `batched`), or a drafter's propose
-    over `feed` context rows and a `block` of drafts."""
+    over `feed` context rows and a `block` of drafts (with `distributions`, also each block's
+    logits and hidden states, which draft trees are built from)."""
 
     file: str
     compile_s: float
@@ -98,6 +99,7 @@ class CpuPackage(_Entry):
     batched: bool = False
     feed: int | None = None
     block: int | None = None
+    distributions: bool = False
 
 
 class CpuPackages(_Entry):

@@ -398,11 +398,14 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
     def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
         if not loaded[0][0].batched:  # an engine built before batching: one sequence per call
             return CompiledDFlash.from_packages(drafter, loaded, cpu, where)
-        return super().from_packages(drafter, loaded, cpu, where)  # its block and feed checked
+        face = super().from_packages(drafter, loaded, cpu, where)  # its block and feed checked
+        face.distributions = loaded[0][0].distributions
+        return face
 
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
         super().__init__(drafter, package, feed, max_slots)
         self.pools: dict[int, KVPool] = {}
+        self.distributions = False  # its package gives the blocks' logits and hidden states too
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
         if batch != 1:
@@ -445,7 +448,8 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         enter it, its length moving past them, once every call succeeded."""
         from metrale.runtime.models.dflash import Proposal
 
-        if any(f.distributions for f in forwards):  # draft trees: the eager drafter's (`_block`)
+        if not self.distributions and any(f.distributions for f in forwards):
+            # a package built without the blocks' distributions: the eager drafter's (`_block`)
             return _split(forwards, lambda f: f.distributions, self._block, self.forward_many)
         for f in forwards:
             if not 1 < f.gamma <= self.block:
@@ -470,22 +474,29 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
                 seq.append(forwards[members[0]].cache.index)
             block = torch.full((len(members), self.block), self.config.mask_token_id, dtype=torch.long)
             block[:, 0] = torch.cat([forwards[i].anchor.reshape(-1)[:1].cpu() for i in members])
-            drafts = self.package(torch.cat(feats), _longs(pos), _longs(seq), block,
-                                  _longs([forwards[i].cache.index for i in members]),
-                                  _longs(anchor_pos), _longs([forwards[i].gamma for i in members]),
-                                  *forwards[members[0]].cache.pool.kv)[0]
+            outs = self.package(torch.cat(feats), _longs(pos), _longs(seq), block,
+                                _longs([forwards[i].cache.index for i in members]),
+                                _longs(anchor_pos), _longs([forwards[i].gamma for i in members]),
+                                *forwards[members[0]].cache.pool.kv)
+            drafts = outs[0]
             for q, i in enumerate(members):
-                results[i] = Proposal(tokens=drafts[q, :forwards[i].gamma - 1][None], logits=None)
+                n = forwards[i].gamma - 1
+                if forwards[i].distributions:  # (the package gives them: `distributions`)
+                    results[i] = Proposal(tokens=drafts[q, :n][None], logits=outs[1][q:q + 1, :n],
+                                          hidden=outs[2][q:q + 1, :n])
+                else:
+                    results[i] = Proposal(tokens=drafts[q, :n][None], logits=None)
         for f, (rows, older) in zip(forwards, fed):
             f.cache.pending = []
             f.cache.length += older + rows.shape[0]
         return results
 
     def _block(self, f):
-        """A `DraftForward` whose block's distributions are needed (a draft tree's): the
-        package gives drafts only, so the eager drafter feeds the pending context and runs the
-        block over the sequence's place in the pool, as the package would (`aoti_steps.
-        BatchedDFlashStep`) -> a `Proposal` with the slots' logits and hidden states."""
+        """A `DraftForward` whose block's distributions are needed (a draft tree's) where the
+        package gives drafts only (built without `distributions`): the eager drafter feeds the
+        pending context and runs the block over the sequence's place in the pool, as the package
+        would (`aoti_steps.BatchedDFlashStep`) -> a `Proposal` with the slots' logits and hidden
+        states."""
         from metrale.runtime.models.dflash import Proposal
 
         rows, older = self._backlog(f)

@@ -131,13 +131,17 @@ class BatchedDFlashStep(nn.Module):
     (`_blocks`) then writes the block's K/V at the slots from its anchor on (masked for every
     later row of the sequence and overwritten by its next feed and block), each block row seeing
     its sequence's slots before the anchor and the block's first `gamma` slots; `drafts` picks
-    the tokens (DFlash2's convs run the dynamic conv op, which the build compiles as its math)."""
+    the tokens (DFlash2's convs run the dynamic conv op, which the build compiles as its math).
+    With `distributions` it also gives the draft slots' logits [Q, Γ−1, V] and final hidden
+    states [Q, Γ−1, H]: what a draft tree is built from (`spec.ddtree.block_tree`)."""
 
     attention_kernel = False  # as BatchedTargetStep's
 
-    def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int | None = None):
+    def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int | None = None,
+                 distributions: bool = False):
         super().__init__()
         self.drafter, self.embed, self.feed_rows = drafter, embed, feed_rows
+        self.distributions = distributions
         self.decoder = drafter.config.decoder
         _prepare(drafter, self.decoder, positions)
 
@@ -151,4 +155,6 @@ class BatchedDFlashStep(nn.Module):
                         kernel=self.attention_kernel)
         x = F.embedding(block.reshape(1, -1), self.embed.weight)  # [1, Q·Γ, H]
         hidden = d._blocks(x, positions, rows, None, g).view(q_n, g, -1)[:, 1:]  # the draft slots
-        return d.drafts(hidden, d.lm_head(hidden), block[:, 0])
+        logits = d.lm_head(hidden)
+        drafts = d.drafts(hidden, logits, block[:, 0])
+        return (drafts, logits, hidden) if self.distributions else drafts

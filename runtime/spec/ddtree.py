@@ -17,6 +17,7 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -75,18 +76,36 @@ class SelectorChildren:
     """DFlash2's children: its candidate selector rescores position d's candidates given the
     token before them (`dflash.CandidateSelector`: a first-order model over the block), so a
     node's children are its position's candidates under the selector's distribution given the
-    node's own token; the selector's chain is the path that takes each node's best child."""
+    node's own token; the selector's chain is the path that takes each node's best child. The
+    root's token is the anchor and every other node's a candidate of the position before its
+    own, so each position's distributions given each of those tokens are scored at once, one
+    table [parents, K] per position; a token off them (a forced path's) is scored on its own."""
 
-    def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor):
+    def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor, anchor: int):
         self.selector, self.depth = selector, hidden.shape[0]
         self._projected = selector.hidden_projection(hidden)  # (the identity on a graph's selector query)
         self._cand_logits, self._cand_ids = logits.topk(selector.num_candidates, dim=-1)  # [D, K]
+        k = self._cand_ids.shape[1]
+        parents = torch.cat([torch.full((1, k), anchor, dtype=torch.long, device=self._cand_ids.device),
+                             self._cand_ids[:-1]])  # [D, K]: each position's possible parent tokens
+        z = self._projected[:, None, :] + F.embedding(parents, selector.predecessor_codebook)  # [D, K, dim]
+        succ = F.embedding(self._cand_ids, selector.successor_codebook)  # [D, K, dim]
+        bonus = (succ[:, None, :, :] * z[:, :, None, :]).sum(-1)  # [D, K parents, K]
+        vals, order = torch.log_softmax(self._cand_logits[:, None, :].float() + bonus.float(), -1).sort(
+            dim=-1, descending=True)
+        self._vals = vals.tolist()
+        self._ids = torch.gather(self._cand_ids[:, None, :].expand_as(order), 2, order).tolist()
+        ids = parents.tolist()
+        self._rows = [{t: r for r, t in enumerate(ids[d])} for d in range(self.depth)]
         self._seen: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
 
     def __call__(self, depth: int, parent_token: int) -> tuple[list[float], list[int]]:
+        d = depth - 1
+        row = self._rows[d].get(parent_token)
+        if row is not None:
+            return self._vals[d][row], self._ids[d][row]
         key = (depth, parent_token)
         if key not in self._seen:
-            d = depth - 1
             prev = torch.tensor(parent_token, device=self._cand_ids.device)
             scores = self.selector._scores(self._projected[d], self._cand_ids[d], self._cand_logits[d], prev)
             vals, order = torch.log_softmax(scores, -1).sort(descending=True)
@@ -150,7 +169,7 @@ def block_tree(drafter, anchor: int, proposal, budget: int) -> Tree:
     token (where the proposal carries the slots' hidden states), DFlash's under each
     position's own distribution."""
     if drafter.config.version == 2 and proposal.hidden is not None:
-        children = SelectorChildren(drafter.candidate_selector, proposal.hidden[0], proposal.logits[0])
+        children = SelectorChildren(drafter.candidate_selector, proposal.hidden[0], proposal.logits[0], anchor)
     else:
         children = MarginalChildren(torch.log_softmax(proposal.logits[0].float(), dim=-1), budget)
     return build_tree(anchor, children, budget)
