@@ -127,11 +127,11 @@ HELP: dict[str, str] = {
         "with their probability under what is left of the target's distribution, so the "
         "output is distributed exactly as plain sampling's. 0 or unset (the default): the "
         "chain. At most 64; excludes --dflash-draft-ladder and --dflash-adaptive-k. Runs in "
-        "one process on the torch and aoti backends and on CUDA graphs (on the last two a "
-        "tree's rows and its block's distributions run the eager modules over the compiled "
-        "steps' caches); the onnxruntime and tensorrt backends refuse it. With --exact-verify "
-        "the accepted path's rows run one per forward, so greedy output is plain decoding's. "
-        "Requires --dflash."
+        "one process, on every backend: where the target's compiled steps have no tree mask "
+        "(aoti, CUDA graphs, onnxruntime, tensorrt) the tree is verified along its paths, one "
+        "chain forward from the root along each node's best child and one more through each "
+        "child the target takes off it. With --exact-verify the accepted path's rows run one "
+        "per forward, so greedy output is plain decoding's. Requires --dflash."
     ),
     "--exact-verify": (
         "Compute the verification rows so that greedy output is byte-identical to plain "
