@@ -48,6 +48,21 @@ def greedy_ids(out: TargetOutput) -> list[int]:
     return out.argmax if out.argmax is not None else argmax_rows(out.logits[0])
 
 
+def joined_outputs(outs: list) -> TargetOutput:
+    """The outputs of forwards run one after another, as one forward's (rows in order)."""
+    if len(outs) == 1:
+        return outs[0]
+    cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=1)  # noqa: E731
+    return TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
+                        taps=cat([o.taps for o in outs]))
+
+
+def output_rows(out, rows: torch.Tensor) -> TargetOutput:
+    """Rows `rows` [n] of a forward's output (a verify's kept rows)."""
+    pick = lambda x: None if x is None else x.index_select(1, rows)  # noqa: E731
+    return TargetOutput(logits=pick(out.logits), last_hidden=pick(out.last_hidden), taps=pick(out.taps))
+
+
 @dataclass
 class Batch:
     """What a scheduler tells each of its sequences before a step: how many run (`size`) and
@@ -227,12 +242,7 @@ class Decoder:
                 ids.append(greedy_ids(o)[-1])
                 if i < len(draft_ids) and ids[-1] != draft_ids[i]:
                     break
-        if len(outs) == 1:
-            return outs[0], (ids if greedy else None)
-        cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=1)  # noqa: E731
-        out = TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
-                           taps=cat([o.taps for o in outs]))
-        return out, (ids if greedy else None)
+        return joined_outputs(outs), (ids if greedy else None)
 
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
@@ -447,10 +457,7 @@ class Decoder:
                     break
                 path.append(child)
                 node = child
-            cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=1)  # noqa: E731
-            kept = TargetOutput(logits=cat([o.logits for o in outs]), last_hidden=cat([o.last_hidden for o in outs]),
-                                taps=cat([o.taps for o in outs]))
-            verify_rows = len(outs)
+            kept, verify_rows = joined_outputs(outs), len(outs)
         elif not self.tree_attention:
             kids = tree.children()
             verify_rows, nodes = 0, []
@@ -468,17 +475,12 @@ class Decoder:
                 path.append(child)
                 node = child
             cache.length = base + 1 + len(path)
-            rows = torch.arange(len(path) + 1, device=device)
-            pick = lambda x: None if x is None else x.index_select(1, rows)  # noqa: E731
-            kept = TargetOutput(logits=pick(out.logits), last_hidden=pick(out.last_hidden), taps=pick(out.taps))
+            kept = output_rows(out, torch.arange(len(path) + 1, device=device))
         else:
             out = yield Forward(list(tree.tokens), cache, taps, device=device, tree=tree)
             path, token = walk(tree, lambda node, kids: choose(out, node, kids))
             cache.keep_path(base, path)
-            rows = torch.tensor([0, *path], device=device)
-            pick = lambda x: None if x is None else x.index_select(1, rows)  # noqa: E731
-            kept = TargetOutput(logits=pick(out.logits), last_hidden=pick(out.last_hidden), taps=pick(out.taps))
-            verify_rows = len(tree.tokens)
+            kept, verify_rows = output_rows(out, torch.tensor([0, *path], device=device)), len(tree.tokens)
         accepted = len(path)
         emitted_ids = [tree.tokens[n] for n in path] + [token]
         t2 = time.perf_counter()
