@@ -304,3 +304,28 @@ def test_rows_run_again_before_a_probe_count_against_its_budget():
     loss = 1.5 - expected_tokens(acc, 1)
     assert kept.plain_ahead() + 1 == math.ceil(loss / 0.01 - 1e-9)
     assert rerun.plain_ahead() + 1 == math.ceil(loss / 0.008 - 1e-9)
+
+
+def test_the_tree_budget_chooser_takes_the_most_tokens_per_ms():
+    from metrale.runtime.spec.adaptive_k import TreeBudgetChooser
+    from metrale.runtime.spec.config import CostModel
+
+    probs = [0.9, 0.5, 0.4, 0.1, 0.05, 0.01]  # a best-first tree's path probabilities
+    flat = TreeBudgetChooser(CostModel.parse("0:1,1:1,2:1,3:1,4:1,5:1,6:1"), budget=6)
+    assert flat.ratio == 1.0 and flat.choose(probs) == 6  # free nodes: all of them
+    steep = TreeBudgetChooser(CostModel.parse("1:1,2:2,3:3,4:4,5:5,6:6"), budget=4)
+    assert steep.counts == [1, 2, 3, 4]
+    # (1 + Σ p) / cost: b=1 1.9, b=2 1.2, ...: one node
+    assert steep.choose(probs) == 1
+    mid = TreeBudgetChooser(CostModel.parse("1:1,2:1.2,3:1.4,4:3"), budget=4)
+    rates = [(1 + sum(probs[:b])) / c for b, c in zip((1, 2, 3, 4), (1, 1.2, 1.4, 3))]
+    assert mid.choose(probs) == 1 + rates.index(max(rates))
+    # the target accepts far less than the drafter's probabilities say: smaller trees pay
+    for _ in range(30):
+        mid.observe(probs[:3], 0)
+    assert mid.ratio < 0.2 and mid.choose(probs) == 1
+    for _ in range(60):  # and more: larger ones do again
+        mid.observe(probs[:3], 3)
+    assert mid.ratio > 1.5 and mid.choose(probs) == 3
+    with pytest.raises(ValueError, match="prices no tree"):
+        TreeBudgetChooser(CostModel.parse("0:1,1:2"), budget=0)

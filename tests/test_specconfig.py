@@ -279,8 +279,8 @@ AK = dict(dflash=True, dflash_adaptive_k="0:1,1:2")
         (dict(DFLASH, dflash_tree_budget=65), '--dflash-tree-budget: got "65"; expected .* at most 64'),
         (dict(DFLASH, dflash_tree_budget=8, dflash_draft_ladder="1,3"),
          "--dflash-tree-budget 8 and --dflash-draft-ladder exclude each other"),
-        (dict(DFLASH, dflash_tree_budget=8, dflash_adaptive_k="0:1,1:2"),
-         "--dflash-tree-budget 8 and --dflash-adaptive-k exclude each other"),
+        (dict(DFLASH, dflash_gamma=4, dflash_tree_budget=3, dflash_adaptive_k="1:1,2:2,3:3,4:4"),
+         "--dflash-adaptive-k: count 4 is a tree of more nodes than --dflash-tree-budget 3"),
     ],
 )
 def test_from_flags_refuses(flags, match):
@@ -338,6 +338,12 @@ def test_resolve_draft_tp_size():
     with pytest.raises(ConfigError, match="--draft-tp-size: got 4, but the drafter's 3 KV heads "
                                           "do not cover 4 ranks; expected 1 or at most 3 ranks"):
         resolve_draft_tp_size(cfg, world_size=4, num_kv_heads=3)
+
+
+def test_adaptive_k_prices_tree_budgets_up_to_the_trees():
+    table = ",".join(f"{k}:{k + 1}" for k in range(13))
+    cfg = SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16, dflash_adaptive_k=table)
+    assert resolve_dflash(cfg, 8).adaptive_k.max_count == 12  # past γ − 1 = 7: trees of 12 nodes
 
 
 def test_a_tree_budget_resolves_with_the_block():

@@ -160,3 +160,24 @@ def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tin
                 got = gen.generate(p, GREEDY)
                 assert got.token_ids == plain.generate(p, GREEDY).token_ids, (drafter, exact)
                 assert max(s.drafted for s in got.steps) == 16
+
+
+def test_adaptive_k_chooses_each_trees_budget_from_the_cost_table(aoti_engine, tiny_prompts):
+    """With `--dflash-adaptive-k`, a stream alone verifies the first b nodes of each block's
+    tree, b priced by the table: where nodes cost nothing the trees stay near their budget,
+    where each costs half a step they shrink to a node or two; either way greedy output is
+    plain decoding's."""
+    flat = ",".join(f"{k}:1" for k in range(17))
+    steep = ",".join(f"{k}:{1 + 0.5 * k}" for k in range(17))
+    plain = EngineGenerator(aoti_engine, SpeculativeConfig())
+    mean = {}
+    for name, table in (("flat", flat), ("steep", steep)):
+        gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16,
+                                                                        dflash_adaptive_k=table))
+        sizes = []
+        for p in tiny_prompts[:2]:
+            got = gen.generate(p, GREEDY)
+            assert got.token_ids == plain.generate(p, GREEDY).token_ids, name
+            sizes += [s.drafted for s in got.steps if s.drafted]
+        mean[name] = sum(sizes) / len(sizes)
+    assert mean["flat"] > 10 and mean["steep"] < 3, mean

@@ -140,6 +140,48 @@ class DraftLadder:
             self.index -= 1
 
 
+class TreeBudgetChooser:
+    """`--dflash-adaptive-k` with `--dflash-tree-budget N`: each step verifies the first b nodes
+    of its block's best-first tree, b the count of the cost model (1 <= b <= N) with the most
+    expected tokens per ms. A tree built best first holds, for every b, the tree of budget b
+    as its first b nodes, and its expected tokens are 1 + Σ P(node's path accepted) over them;
+    the drafter's path probabilities stand for those, scaled by how the target has accepted its
+    trees so far (`ratio`: accepted nodes over the path probability the verified trees summed,
+    counts decayed as `AcceptanceEstimator`'s, shrunk towards 1 by `strength` pseudo-trees). A
+    single-stream policy, as `AdaptiveKController`."""
+
+    def __init__(self, cost: CostModel, budget: int, decay: float = 0.9, strength: float = 2.0) -> None:
+        self.cost, self.decay, self.strength = cost, decay, strength
+        self.counts = [b for b in cost.counts if 1 <= b <= budget]
+        if not self.counts:
+            raise ValueError(f"the cost model {cost} prices no tree of 1..{budget} nodes")
+        self.accepted = 0.0  # accepted nodes of the verified trees (decayed)
+        self.predicted = 0.0  # the path probabilities they summed (decayed)
+
+    @property
+    def ratio(self) -> float:
+        return (self.accepted + self.strength) / (self.predicted + self.strength)
+
+    def choose(self, path_probs: Sequence[float]) -> int:
+        """The budget for a tree whose nodes (root excluded, best first) have these path
+        probabilities; ties go to the smaller budget."""
+        best, best_rate, total, r = self.counts[0], -1.0, 0.0, self.ratio
+        sums = [0.0]
+        for p in path_probs:
+            total += p
+            sums.append(total)
+        for b in self.counts:
+            rate = (1.0 + r * sums[min(b, len(sums) - 1)]) / self.cost.cost(b)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+    def observe(self, path_probs: Sequence[float], accepted: int) -> None:
+        """A verified tree (its nodes' path probabilities) and the nodes the target accepted."""
+        self.accepted = self.accepted * self.decay + accepted
+        self.predicted = self.predicted * self.decay + sum(path_probs)
+
+
 class AdaptiveKController:
     """`--dflash-adaptive-k` for one stream: each step verifies the k with most tokens per ms.
 

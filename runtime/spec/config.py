@@ -318,11 +318,9 @@ class SpeculativeConfig:
             _int_flag("--dflash-reprobe-interval", self.dflash_reprobe_interval, 1)
         if self.dflash_tree_budget is not None:
             _int_flag("--dflash-tree-budget", self.dflash_tree_budget, 0, MAX_TREE_BUDGET)
-            for flag, value in (("--dflash-draft-ladder", self.dflash_draft_ladder),
-                                ("--dflash-adaptive-k", self.dflash_adaptive_k)):
-                if self.dflash_tree_budget and value is not None:
-                    raise ConfigError(f"--dflash-tree-budget {self.dflash_tree_budget} and {flag} "
-                                      "exclude each other: a tree's budget is fixed; give one of them")
+            if self.dflash_tree_budget and self.dflash_draft_ladder is not None:
+                raise ConfigError(f"--dflash-tree-budget {self.dflash_tree_budget} and "
+                                  "--dflash-draft-ladder exclude each other: give one of them")
         if self.draft_tp_size is None:
             object.__setattr__(self, "draft_tp_size", DraftTpSize(DEFAULT_DRAFT_TP_SIZE))
         if self.dflash_drafter is None:
@@ -394,7 +392,15 @@ def _maybe(parse, value):
 
 
 def _check_counts_fit(cfg: SpeculativeConfig, max_drafts: int, bound: str) -> None:
-    """Refuse ladder rungs and adaptive-k counts above γ − 1 (`max_drafts`)."""
+    """Refuse ladder rungs and adaptive-k counts above γ − 1 (`max_drafts`); with draft trees,
+    adaptive-k counts (tree budgets) above the tree budget."""
+    if cfg.dflash_tree_budget:  # (no ladder: it excludes trees)
+        budget = cfg.dflash_tree_budget
+        if isinstance(cfg.dflash_adaptive_k, CostModel) and cfg.dflash_adaptive_k.max_count > budget:
+            raise ConfigError(
+                f"--dflash-adaptive-k: count {cfg.dflash_adaptive_k.max_count} is a tree of more "
+                f"nodes than --dflash-tree-budget {budget}; expected counts of at most {budget}")
+        return
     for rung in cfg.dflash_draft_ladder or ():
         if rung > max_drafts:
             raise ConfigError(

@@ -28,11 +28,19 @@ class Tree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     depths: tuple[int, ...]
+    # each node's path log-probability under the drafter's distributions (empty: not known)
+    log_probs: tuple[float, ...] = ()
 
     @property
     def size(self) -> int:
         """Nodes besides the root: the drafts it verifies."""
         return len(self.tokens) - 1
+
+    def first(self, n: int) -> Tree:
+        """Its first `n` nodes besides the root: a tree (a parent comes before its children),
+        and, for a tree built best first, the tree of budget `n` over the same block."""
+        m = min(n, self.size) + 1
+        return Tree(self.tokens[:m], self.parents[:m], self.depths[:m], self.log_probs[:m])
 
     def mask(self) -> torch.Tensor:
         """[N+1, N+1] bool: row i may attend to column j when j is i or one of its ancestors."""
@@ -160,7 +168,7 @@ def build_tree(anchor: int, children, budget: int, path: tuple[int, ...] = ()) -
         token = children(depth, tokens[parent])[1][rank]
         if token not in kids[parent]:  # not a node of `path` already
             add(parent, depth, token, -neg)
-    return Tree(tuple(tokens), tuple(parents), tuple(depths))
+    return Tree(tuple(tokens), tuple(parents), tuple(depths), tuple(scores))
 
 
 def block_tree(drafter, anchor: int, proposal, budget: int) -> Tree:

@@ -17,12 +17,13 @@ ladder's rung or γ−1, as the flag's help says, and the controller keeps learn
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
 
 from metrale.runtime.models.dflash import DFlashDrafter
-from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
+from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder, TreeBudgetChooser
 from metrale.runtime.spec.config import ResolvedDFlash
 from metrale.runtime.spec.ddtree import block_tree
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
@@ -38,11 +39,14 @@ class DFlashProposer(Proposer):
         self.taps = tuple(drafter.config.target_layer_ids)
         ladder = DraftLadder(settings.ladder) if settings.ladder else None
         self.ladder = ladder
-        self.controller = None
-        if settings.adaptive_k is not None:
+        self.controller = self.chooser = None
+        if settings.adaptive_k is not None and settings.tree_budget:  # the budget of each tree
+            self.chooser = TreeBudgetChooser(settings.adaptive_k, settings.tree_budget)
+        elif settings.adaptive_k is not None:
             self.controller = AdaptiveKController(settings.adaptive_k, settings.max_drafts,
                                                   settings.reprobe_interval or 16, ladder)
         self.last_k = 0
+        self._tree = None  # the tree the step verifies, while the chooser waits for its outcome
 
     @classmethod
     def for_spec(cls, drafter, embed, spec, settings: ResolvedDFlash, max_len: int) -> "DFlashProposer":
@@ -105,7 +109,11 @@ class DFlashProposer(Proposer):
         proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma,
                                       distributions=tree)
         if tree:
-            return block_tree(self.drafter, pending, proposal, budget), self.settings.max_drafts
+            drafts = block_tree(self.drafter, pending, proposal, budget)
+            if self.chooser is not None and self.batch_size == 1:  # adaptive k: a stream alone
+                drafts = drafts.first(self.chooser.choose([math.exp(p) for p in drafts.log_probs[1:]]))
+                self._tree = drafts
+            return drafts, self.settings.max_drafts
         logits = proposal.logits
         drafts = proposal.tokens[0, :k]
         if self.grammar is not None and logits is not None and proposal.vocab_start == 0 \
@@ -132,6 +140,9 @@ class DFlashProposer(Proposer):
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
         self.unfed.append((out.kept("taps"), rows))  # read when fed: a suspended step pays nothing
+        if self._tree is not None:  # the chosen tree's outcome
+            self.chooser.observe([math.exp(p) for p in self._tree.log_probs[1:]], rows - 1)
+            self._tree = None
         if self.controller is not None:
             self.controller.observe(self.last_k, rows - 1)
         elif self.ladder is not None:
