@@ -94,24 +94,10 @@ class SlotKV:
         return slot_attention(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.positions)[None]
 
 
-def tree_visibility(parents: tuple[int, ...], base: int, slots: int, device) -> torch.Tensor:
-    """[N, S] bool: a draft tree's node i (its nodes at slots base.., parents first, `parents`
-    per node, -1 for the root) sees the slots before `base` and its own ancestors' and its own."""
-    n = len(parents)
-    visible = torch.zeros(n, slots, dtype=torch.bool)
-    visible[:, :base] = True
-    for i in range(n):
-        j = i
-        while j >= 0:
-            visible[i, base + j] = True
-            j = parents[j]
-    return visible.to(device)
-
-
 class TreeKV:
     """A draft tree's verify rows over a `kv_cache.KVCache` (the eager target's): node i is
     written at slot base+i (base: the cache's length, the root's position), sits at position
-    base+depth_i and attends to the slots before the root and its ancestors' (`tree_visibility`).
+    base+depth_i and attends to the slots before the root and its ancestors' (`Tree.mask`).
     The modules run on it unchanged (`positions`, `write`, `mask`); the cache's length stays at
     base until the accepted path is kept (`KVCache.keep_path`)."""
 
@@ -119,8 +105,8 @@ class TreeKV:
         self.cache, self.base = cache, cache.length
         device = cache.k.device
         self.positions = self.base + torch.tensor(tree.depths, device=device)
-        n = len(tree.tokens)
-        self._mask = tree_visibility(tree.parents, self.base, self.base + n, device)
+        own = tree.mask().to(device)  # [N, N]: a node sees itself and its ancestors
+        self._mask = torch.cat([own.new_ones(own.shape[0], self.base), own], dim=1)
         self.length = self.base
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
