@@ -135,7 +135,7 @@ def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
     equal draft tokens) and against the same package run one sequence at a time
     (`batched_equal_alone`)."""
     from metrale.runtime.steps import DraftForward
-    from metrale.runtime.backends.aoti_batched import BatchedDFlash
+    from metrale.runtime.backends.aoti_dflash import BatchedDFlash
 
     drafter, target = staged.drafters[name], staged.target
     job = next(j for j in jobs if j.name == name)

@@ -59,7 +59,7 @@ BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("aoti", "the CPU packages (AOTInductor .pt2)",
                  ((StepShape.TARGET, "metrale.runtime.backends.aoti_batched:BatchedTarget"),
                   (StepShape.CHAIN, "metrale.runtime.backends.aoti_batched:BatchedMTP"),
-                  (StepShape.BLOCK, "metrale.runtime.backends.aoti_batched:BatchedDFlash")),
+                  (StepShape.BLOCK, "metrale.runtime.backends.aoti_dflash:BatchedDFlash")),
                  row_invariant=True, prefix_cache=True, split_steps=True),
     BackendEntry("cuda-graphs", "the eager target's steps captured as CUDA graphs",
                  _CAPTURED_TARGET, iteration_graphs=True),

@@ -69,7 +69,8 @@ def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir)
 def test_the_drafters_run_on_their_packages(aoti_engine, tiny_engine, tiny_prompts):
     """The aoti backend swaps the MTP head and both drafters for their packages; their drafts
     are the eager drafters' (same verify outcome, step for step, on greedy decoding)."""
-    from metrale.runtime.backends.aoti_batched import BatchedDFlash, BatchedMTP
+    from metrale.runtime.backends.aoti_batched import BatchedMTP
+    from metrale.runtime.backends.aoti_dflash import BatchedDFlash
     from metrale.runtime.spec.sampling import SamplingParams
     from metrale.runtime.serving.service import EngineGenerator
     from metrale.runtime.spec.config import SpeculativeConfig
@@ -220,7 +221,7 @@ def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, na
     sizes, backlogs longer than a package's feed, caches in two pools, γ 8 and 4) are the
     drafts each sequence gets alone, and the eager drafter's; a call that fails moves no cache."""
     from metrale.runtime.steps import DraftForward
-    from metrale.runtime.backends.aoti_batched import BatchedDFlash
+    from metrale.runtime.backends.aoti_dflash import BatchedDFlash
 
     drafter, eager = aoti_engine.drafters[name], tiny_engine.drafters[name]
     assert isinstance(drafter, BatchedDFlash)

@@ -1,6 +1,6 @@
 """The batched steps of the `aoti` backend: one package call over the rows of many sequences,
 each reading its own cache — the target's (`BatchedTarget`), the MTP head's draft chains
-(`BatchedMTP`) and DFlash/DFlash2 block proposes (`BatchedDFlash`).
+(`BatchedMTP`); DFlash/DFlash2 block proposes batch the same way (`aoti_dflash.BatchedDFlash`).
 
 Caches live in pools, one per slot count S (a request's S is its own length rounded up to 64
 slots, `aoti.slots_for`, so it depends on the request alone): per layer K [B, nkv, hd, S] and V
@@ -34,15 +34,13 @@ import numpy as np
 import torch
 
 from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
-from metrale.runtime.backends.aoti import (CompiledDFlash, CompiledMTP, CompiledTarget, Package, TargetFace,
-                                           _Rows, slots_for)
+from metrale.runtime.backends.aoti import CompiledMTP, CompiledTarget, Package, TargetFace, _Rows, slots_for
 from metrale.runtime.backends import argmax_rows
 from metrale.runtime.backends.aoti_native import Lanes
 from metrale.runtime.backends.kv_pool import KVPool, PooledCache
 from metrale.runtime.backends.prefix_cache import PrefixCache
 from metrale.runtime.models.qwen3 import TargetOutput
-from metrale.runtime.models.step_caches import PooledKV
-from metrale.runtime.steps import BatchedFace, DraftForward, Forward, HeadForward
+from metrale.runtime.steps import BatchedFace, Forward, HeadForward
 
 def _longs(values: list[int]) -> torch.Tensor:
     """Python ints as an int64 tensor, through numpy (quicker than torch.tensor of the list; a
@@ -61,19 +59,6 @@ def _places(forwards, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         pos.extend(range(start, start + f.rows))
         seq.extend([f.cache.index] * f.rows)
     return _longs(pos), _longs(seq)
-
-
-def _split(steps: list, apart, one, many) -> list:
-    """The outputs of `steps` in order: those `apart` picks each by `one`, the rest by `many`."""
-    out: list = [None] * len(steps)
-    rest = [i for i, s in enumerate(steps) if not apart(s)]
-    if rest:
-        for i, r in zip(rest, many([steps[i] for i in rest])):
-            out[i] = r
-    for i, s in enumerate(steps):
-        if apart(s):
-            out[i] = one(s)
-    return out
 
 
 def _by_pool(forwards, starts: list[int]) -> dict[int, list[int]]:
@@ -384,137 +369,3 @@ class BatchedMTP(BatchedFace):
         for f, start in zip(forwards, starts):
             f.cache.length = start + f.rows
         return results
-
-
-class BatchedDFlash(CompiledDFlash, BatchedFace):
-    """The DFlash/DFlash2 drafter's face over its batched package: `new_cache`, `add_context`
-    and `propose` as `aoti.CompiledDFlash`'s, plus `forward_many`, the blocks of many
-    sequences' `backends.DraftForward`s in one package call per pool. Context added with
-    `add_context` waits in the cache's `pending` rows and enters the cache with the next
-    propose, up to `feed` rows through the package; a longer backlog's older rows are fed first
-    by the eager drafter's context projection, as `CompiledDFlash` does."""
-
-    @classmethod
-    def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
-        if not loaded[0][0].batched:  # an engine built before batching: one sequence per call
-            return CompiledDFlash.from_packages(drafter, loaded, cpu, where)
-        face = super().from_packages(drafter, loaded, cpu, where)  # its block and feed checked
-        face.distributions = loaded[0][0].distributions
-        return face
-
-    def __init__(self, drafter, package: Package, feed: int, max_slots: int):
-        super().__init__(drafter, package, feed, max_slots)
-        self.pools: dict[int, KVPool] = {}
-        self.distributions = False  # its package gives the blocks' logits and hidden states too
-
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
-        if batch != 1:
-            raise ValueError("the aoti backend holds one sequence per cache")
-        slots = slots_for(max_len + self.block, self.max_slots, "dflash")  # a block past the context
-        pool = self.pools.get(slots)
-        if pool is None:
-            d = self.config.decoder
-            pool = self.pools[slots] = KVPool(d.num_hidden_layers, d.num_key_value_heads, d.head_dim,
-                                              slots, dtype, device)
-        return PooledCache(pool)
-
-    def propose(self, anchor: torch.Tensor, embed, cache: PooledCache, gamma: int):
-        """anchor [1] -> a `dflash.Proposal` of γ−1 drafts (the pending context fed first)."""
-        return self.forward_many([DraftForward(self, anchor, embed, cache, gamma)])[0]
-
-    def _backlog(self, f) -> tuple[torch.Tensor, int]:
-        """A forward's pending rows [1, n, ·] (none: [1, 0, ·]), the older ones past the last
-        `feed` written now by the eager projection (again, with the same values, on a retry)
-        -> (the rows the package feeds, how many were fed eagerly)."""
-        c = self.config
-        rows = f.cache.pending[0] if len(f.cache.pending) == 1 else (
-            torch.cat(f.cache.pending, dim=1) if f.cache.pending else
-            torch.zeros(1, 0, c.num_context_features * c.target_hidden_size, dtype=f.cache.pool.kv[0].dtype))
-        older = max(0, rows.shape[1] - self.feed)
-        if older:
-            start = f.cache.length
-            if start + rows.shape[1] + self.block > f.cache.max_len:
-                raise ValueError(f"drafter context up to {start + rows.shape[1] + self.block} exceeds "
-                                 f"the cache's {f.cache.max_len} slots")
-            positions = torch.arange(start, start + older)
-            kv = f.cache.kv
-            for i, (k, v) in enumerate(self.eager.context_kv(rows[:, :older], positions)):  # [1, nkv, n, hd]
-                kv[2 * i][:, :, start:start + older] = k[0].transpose(1, 2)  # keys slot-minor
-                kv[2 * i + 1][start:start + older] = v[0].transpose(0, 1)
-        return rows[0, older:], older
-
-    def forward_many(self, forwards) -> list:
-        """Each `DraftForward`'s `Proposal` (γ−1 drafts), in order; each cache's pending rows
-        enter it, its length moving past them, once every call succeeded."""
-        from metrale.runtime.models.dflash import Proposal
-
-        if not self.distributions and any(f.distributions for f in forwards):
-            # a package built without the blocks' distributions: the eager drafter's (`_block`)
-            return _split(forwards, lambda f: f.distributions, self._block, self.forward_many)
-        for f in forwards:
-            if not 1 < f.gamma <= self.block:
-                raise ValueError(f"γ = {f.gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")
-        fed = [self._backlog(f) for f in forwards]
-        results: list = [None] * len(forwards)
-        for members in _by_pool(forwards, [f.cache.length for f in forwards]).values():
-            feats, pos, seq, anchor_pos = [], [], [], []
-            for i in members:
-                f, (rows, older) = forwards[i], fed[i]
-                start = f.cache.length + older
-                if start + rows.shape[0] + self.block > f.cache.max_len:
-                    raise ValueError(f"drafter context up to {start + rows.shape[0] + self.block} "
-                                     f"exceeds the cache's {f.cache.max_len} slots")
-                feats.append(rows)
-                pos.extend(range(start, start + rows.shape[0]))
-                seq.extend([f.cache.index] * rows.shape[0])
-                anchor_pos.append(start + rows.shape[0])
-            if not pos:  # nothing to feed: one stand-in row at a slot the block overwrites
-                feats.append(fed[members[0]][0].new_zeros(1, fed[members[0]][0].shape[1]))
-                pos.append(anchor_pos[0])
-                seq.append(forwards[members[0]].cache.index)
-            block = torch.full((len(members), self.block), self.config.mask_token_id, dtype=torch.long)
-            block[:, 0] = torch.cat([forwards[i].anchor.reshape(-1)[:1].cpu() for i in members])
-            outs = self.package(torch.cat(feats), _longs(pos), _longs(seq), block,
-                                _longs([forwards[i].cache.index for i in members]),
-                                _longs(anchor_pos), _longs([forwards[i].gamma for i in members]),
-                                *forwards[members[0]].cache.pool.kv)
-            drafts = outs[0]
-            for q, i in enumerate(members):
-                n = forwards[i].gamma - 1
-                if forwards[i].distributions:  # (the package gives them: `distributions`)
-                    results[i] = Proposal(tokens=drafts[q, :n][None], logits=outs[1][q:q + 1, :n],
-                                          hidden=outs[2][q:q + 1, :n])
-                else:
-                    results[i] = Proposal(tokens=drafts[q, :n][None], logits=None)
-        for f, (rows, older) in zip(forwards, fed):
-            f.cache.pending = []
-            f.cache.length += older + rows.shape[0]
-        return results
-
-    def _block(self, f):
-        """A `DraftForward` whose block's distributions are needed (a draft tree's) where the
-        package gives drafts only (built without `distributions`): the eager drafter feeds the
-        pending context and runs the block over the sequence's place in the pool, as the package
-        would (`aoti_steps.BatchedDFlashStep`) -> a `Proposal` with the slots' logits and hidden
-        states."""
-        from metrale.runtime.models.dflash import Proposal
-
-        rows, older = self._backlog(f)
-        cache, d, n, g = f.cache, self.eager, rows.shape[0], f.gamma
-        start = cache.length + older
-        if start + n + self.block > cache.max_len:
-            raise ValueError(f"drafter context up to {start + n + self.block} exceeds the cache's "
-                             f"{cache.max_len} slots")
-        kv, index = cache.pool.kv, cache.index
-        if n:
-            d.add_context(rows[None], PooledKV(kv, torch.full((n,), index), torch.arange(start, start + n)))
-        anchor_pos = start + n
-        positions = anchor_pos + torch.arange(g)
-        block = torch.full((1, g), self.config.mask_token_id, dtype=torch.long)
-        block[0, 0] = int(f.anchor.reshape(-1)[0])
-        slots = PooledKV(kv, torch.full((g,), index), positions, torch.full((g,), anchor_pos + g - 1))
-        hidden = d._blocks(f.embed(block), positions, slots, None, g)[:, 1:]
-        logits = d.lm_head(hidden)
-        cache.pending = []
-        cache.length = anchor_pos
-        return Proposal(tokens=d.drafts(hidden, logits, block[:, 0]), logits=logits, hidden=hidden)
