@@ -46,7 +46,7 @@ class DFlashProposer(Proposer):
             self.controller = AdaptiveKController(settings.adaptive_k, settings.max_drafts,
                                                   settings.reprobe_interval or 16, ladder)
         self.last_k = 0
-        self._tree = None  # the tree the step verifies, while the chooser waits for its outcome
+        self._chosen = None  # the path probabilities of the tree the step verifies, for the chooser
 
     @classmethod
     def for_spec(cls, drafter, embed, spec, settings: ResolvedDFlash, max_len: int) -> "DFlashProposer":
@@ -111,8 +111,9 @@ class DFlashProposer(Proposer):
         if tree:
             drafts = block_tree(self.drafter, pending, proposal, budget)
             if self.chooser is not None and self.batch_size == 1:  # adaptive k: a stream alone
-                drafts = drafts.first(self.chooser.choose([math.exp(p) for p in drafts.log_probs[1:]]))
-                self._tree = drafts
+                probs = [math.exp(p) for p in drafts.log_probs[1:]]
+                b = self.chooser.choose(probs)
+                drafts, self._chosen = drafts.first(b), probs[:b]
             return drafts, self.settings.max_drafts
         logits = proposal.logits
         drafts = proposal.tokens[0, :k]
@@ -140,9 +141,9 @@ class DFlashProposer(Proposer):
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
         self.unfed.append((out.kept("taps"), rows))  # read when fed: a suspended step pays nothing
-        if self._tree is not None:  # the chosen tree's outcome
-            self.chooser.observe([math.exp(p) for p in self._tree.log_probs[1:]], rows - 1)
-            self._tree = None
+        if self._chosen is not None:  # the chosen tree's outcome
+            self.chooser.observe(self._chosen, rows - 1)
+            self._chosen = None
         if self.controller is not None:
             self.controller.observe(self.last_k, rows - 1)
         elif self.ladder is not None:
