@@ -1,7 +1,7 @@
 """CPU engines: the decode loop's steps compiled ahead of time into AOTInductor packages.
 
-Per component (see `backends.aoti_steps`): the target's batched step (`BatchedTargetStep`: 1 to
-`TARGET_ROWS` rows of any number of sequences, over cache pools), the MTP head's (`BatchedMTPStep`:
+Per component (see `backends.aoti_steps`): the target's batched step (`BatchedTreeTargetStep`: 1
+to `TARGET_ROWS` rows of any number of sequences, over cache pools, draft trees' rows among them), the MTP head's (`BatchedMTPStep`:
 1 to `MTP_ROWS` rows of any number of draft chains, likewise), and one feed-and-propose step per
 DFlash/DFlash2 drafter (`BatchedDFlashStep`: the blocks of up to `DRAFT_BLOCKS` sequences) (tensor-
 parallel drafters keep running eagerly): four packages for the tiny default. Each is built over
@@ -98,6 +98,11 @@ class Job:
     rel: str
     linear: str = "gemm"
 
+    @property
+    def tree_rows(self) -> bool:
+        """Its package takes each row's hidden drafts: the target's (`BatchedTreeTargetStep`)."""
+        return kind_named(self.kind).role is Role.TARGET
+
 
 def _sources_digest() -> str:
     import metrale.plugins.dynamic_conv as conv
@@ -128,7 +133,7 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     """The step module of `job` and example inputs with their dynamic shapes: every package is
     batched, over cache pools (per layer K [B, nkv, hd, S], V [B, S, nkv, hd]) whose sequence and
     slot counts are dynamic, as are its row (or block) counts."""
-    from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPStep, BatchedTargetStep
+    from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPStep, BatchedTreeTargetStep
 
     target = staged.target
     dtype = target.dtype
@@ -147,11 +152,11 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     role = kind_named(job.kind).role
     rows = torch.zeros(job.rows, dtype=torch.long)
     if role is Role.TARGET:
-        step = BatchedTargetStep(target, taps, job.linear, positions)
+        step = BatchedTreeTargetStep(target, taps, job.linear, positions)
         kv, kv_dyn = pools(target.config)
         M = torch.export.Dim("logit_rows", min=1, max=job.rows)
-        args = (rows, rows.clone(), rows.clone(), torch.arange(job.rows), *kv)
-        dyn = ({0: R}, {0: R}, {0: R}, {0: M}, kv_dyn)
+        args = (rows, rows.clone(), rows.clone(), torch.arange(job.rows), rows.clone(), *kv)
+        dyn = ({0: R}, {0: R}, {0: R}, {0: M}, {0: R}, kv_dyn)
     elif role is Role.HEAD:
         d = staged.mtp.config.decoder
         step = BatchedMTPStep(staged.mtp, positions)
@@ -315,7 +320,8 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
         entries = [{"file": j.rel, "compile_s": compiled[j.rel], "batched": True,
                     **({"feed": j.rows, "block": staged_block(root, name), "distributions": True}
                        if roles.get(name) is Role.DRAFTER
-                       else {"rows": j.rows, "dynamic_rows": True})} for j in mine]
+                       else {"rows": j.rows, "dynamic_rows": True, "tree_rows": j.tree_rows})}
+                   for j in mine]
         out[name] = CpuPackages.model_validate(
             {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,
              "check": check[name], **({"taps": list(taps), "build_s": round(time.time() - t0, 1)}

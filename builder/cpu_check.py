@@ -2,7 +2,9 @@
 
 On random prompts of the target's vocabulary, one cache size:
 - target: for every row count from 2 up, each row is bit-identical (logits, last hidden, taps)
-  to the one-row step at the same position (`rows_bit_identical`), and the
+  to the one-row step at the same position (`rows_bit_identical`); a draft tree's rows in one
+  call are bit-identical to a chain verify of each leaf's path, and the accepted path's K/V kept
+  in place give the next step the chain's bits (`tree_rows_bit_identical`); the
   logits are within `max_abs_diff_vs_eager` of the eager model's;
 - MTP head: its package's logits and outputs, for several sequences run together, against the
   eager head's for each sequence alone;
@@ -33,15 +35,60 @@ def _packages(root, jobs, name):
     return out
 
 
-def _check_batched(target, package, taps, slots, gen) -> bool:
+def _outputs(outs) -> dict[str, torch.Tensor]:
+    """The rows of target outputs, joined: logits, last hidden and taps [T, ·]."""
+    return {f: torch.cat([getattr(o, f)[0] for o in outs]) for f in ("logits", "last_hidden", "taps")
+            if getattr(outs[0], f) is not None}
+
+
+def _check_tree(face, gen) -> bool:
+    """A random draft tree of 24 drafts verified in one call after a prompt (beside another
+    sequence's prompt and a plain step) against a chain verify of each leaf's path after the same
+    prompt, row by row; then the deepest leaf's path kept (`keep_path`), the next step's rows
+    against the chain's next step."""
+    from metrale.runtime.spec.ddtree import Tree
+    from metrale.runtime.steps import Forward
+
+    vocab, taps = face.config.vocab_size, face.taps
+    parents, depths = [-1], [0]
+    for i in range(1, 25):
+        parents.append(int(torch.randint(0, i, (1,), generator=gen)))
+        depths.append(depths[parents[-1]] + 1)
+    tree = Tree(tuple(torch.randint(0, vocab, (25,), generator=gen).tolist()), tuple(parents), tuple(depths))
+    prompt, other = (torch.randint(0, vocab, (1, n), generator=gen) for n in (13, 6))
+    cache, beside = face.new_cache(1, 48), face.new_cache(1, 48)
+    face.forward_many([Forward(prompt, cache, taps), Forward(other, beside, taps)])
+    rows = _outputs(face.forward_many([Forward(list(tree.tokens), cache, taps, tree=tree),
+                                        Forward(other[0, :1].tolist(), beside, taps)])[:1])
+    same = True
+    leaves = [i for i in range(25) if i not in parents]
+    for leaf in leaves:
+        path = [leaf]
+        while path[-1] > 0:
+            path.append(parents[path[-1]])
+        path = path[::-1]
+        chain = face.new_cache(1, 48)
+        face(prompt, chain)
+        want = _outputs([face(torch.tensor([[tree.tokens[n] for n in path]]), chain, taps=taps)])
+        same = same and all(torch.equal(rows[f][path], want[f]) for f in want)
+        if leaf == max(leaves, key=lambda i: depths[i]):
+            cache.keep_path(13, path[1:])
+            nxt = torch.tensor([[tree.tokens[leaf]]])
+            same = same and cache.length == chain.length and all(
+                torch.equal(a, b) for a, b in zip(_outputs([face(nxt, cache, taps=taps)]).values(),
+                                                  _outputs([face(nxt, chain, taps=taps)]).values()))
+    return same
+
+
+def _check_batched(together, gen) -> bool:
     """Every row of calls over several sequences (a prefill, a verify, plain steps, each
     sequence's rows chunked differently) equals the same sequence's rows run alone, and each
     sequence's k-row step equals its k one-row steps."""
     from metrale.runtime.backends.aoti_batched import BatchedTarget
     from metrale.runtime.steps import Forward
 
+    target, taps = together.model_ref, together.taps
     ids = torch.randint(0, target.config.vocab_size, (5, 40), generator=gen)
-    together = BatchedTarget(target, package, taps, slots)
     lengths = (48, 48, 48, 48, 100)  # the last sequence's cache lies in another pool
     caches = [together.new_cache(1, n) for n in lengths]
     splits = [[11, 1, 3, 8, 1], [1] * 24, [7, 7, 7, 3], [24], [2, 9, 13]]
@@ -59,7 +106,7 @@ def _check_batched(target, package, taps, slots, gen) -> bool:
             got[b].append(out)
     same = True
     for b in range(len(ids)):
-        alone = BatchedTarget(target, package, taps, slots)
+        alone = BatchedTarget(target, together.package, taps, together.max_slots, hides=together.hides)
         cache = alone.new_cache(1, lengths[b])
         singles = [alone(ids[b:b + 1, i:i + 1], cache, taps=taps) for i in range(done[b])]
         for field in ("logits", "last_hidden", "taps"):
@@ -77,12 +124,16 @@ def _check_target(root, jobs, staged, taps, slots, gen) -> dict:
     if len(packages) == 1 and packages[0].batched:
         from metrale.runtime.backends.aoti_batched import BatchedTarget
 
-        same = _check_batched(target, packages[0], taps, slots, gen)
+        jobs_target = next(j for j in jobs if j.name == "target")
+        compiled = BatchedTarget(target, packages[0], taps, slots, hides=jobs_target.tree_rows)
+        same = _check_batched(compiled, gen)
         ids = torch.randint(0, target.config.vocab_size, (1, 19), generator=gen)
         eager = target(ids, target.new_cache(1, 48)).logits
-        compiled = BatchedTarget(target, packages[0], taps, slots)
         worst = (compiled(ids, compiled.new_cache(1, 48)).logits - eager).abs().max().item()
-        return {"rows_bit_identical": same, "max_abs_diff_vs_eager": worst}
+        out = {"rows_bit_identical": same, "max_abs_diff_vs_eager": worst}
+        if jobs_target.tree_rows:
+            out["tree_rows_bit_identical"] = _check_tree(compiled, gen)
+        return out
     whole = CompiledTarget(target, packages, taps, slots)
     one = CompiledTarget(target, [p for p in packages if p.rows == 1 or p.dynamic], taps, slots)
     ids = torch.randint(0, target.config.vocab_size, (1, 11 + whole.max_rows), generator=gen)

@@ -8,6 +8,13 @@
 // q [T, nh, hd], K pool [B, nkv, hd, S] (slot-minor: a vector of slots' scores is one FMA per
 // feature), V pool [B, S, nkv, hd], seq and last_visible [T] int64, all contiguous, float32.
 //
+// metrale::pooled_tree_attention is the same with hide [T] int64: bit d of hide[t] hides slot
+// last_visible[t] - 1 - d from row t (a draft tree's verify rows: a node sees the slots before
+// the tree's first draft, then its ancestors only). The row's visible slots are taken in slot
+// order as if they were its first slots: every reduction below runs over that order, so a tree
+// node's row has the bits of the same node's row in a chain verify of its path, whose ancestors
+// are the slots just before it.
+//
 // Only a row's L visible slots are read, where inductor's code for the masked math gathers and
 // multiplies all S slots of the sequence: the work is the sequence's length, not its pool's
 // slot count. Every score is one in-order chain of fused multiply-adds over the features; the
@@ -52,12 +59,12 @@ constexpr int ACC = 8;           // vector accumulators of the weighted values a
 // chains run at once: HB·NV of them)
 template <int HB, int NV>
 inline void weighted(const float* const* p, const float* V, int64_t vstride, int64_t L, const float* inv,
-                     float* const* out) {
+                     float* const* out, const int64_t* slot) {
   vec o[HB][NV];
   for (int h = 0; h < HB; ++h)
     for (int v = 0; v < NV; ++v) o[h][v] = simd::zero();
   for (int64_t j = 0; j < L; ++j) {
-    const float* vj = V + j * vstride;
+    const float* vj = V + (slot ? slot[j] : j) * vstride;  // slot: the j-th visible slot (tree rows)
     vec vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = simd::load(vj + W * v);
     for (int h = 0; h < HB; ++h) {
@@ -73,22 +80,22 @@ inline void weighted(const float* const* p, const float* V, int64_t vstride, int
 // vectors within the head's hd features; returns the features done
 template <int HB>
 inline int64_t weighted_at(int64_t c, const float* const* p, const float* V, int64_t vstride, int64_t hd,
-                           int64_t L, const float* inv, float* const* out) {
+                           int64_t L, const float* inv, float* const* out, const int64_t* slot) {
   float* o[HB];
   for (int h = 0; h < HB; ++h) o[h] = out[h] + c;
   const int64_t left = (hd - c) / W;
   int nv = 1;
   if (left >= ACC / HB) {
     nv = ACC / HB;
-    weighted<HB, ACC / HB>(p, V + c, vstride, L, inv, o);
+    weighted<HB, ACC / HB>(p, V + c, vstride, L, inv, o, slot);
   } else if (left >= 4) {
     nv = 4;
-    weighted<HB, 4>(p, V + c, vstride, L, inv, o);
+    weighted<HB, 4>(p, V + c, vstride, L, inv, o, slot);
   } else if (left >= 2) {
     nv = 2;
-    weighted<HB, 2>(p, V + c, vstride, L, inv, o);
+    weighted<HB, 2>(p, V + c, vstride, L, inv, o, slot);
   } else {
-    weighted<HB, 1>(p, V + c, vstride, L, inv, o);
+    weighted<HB, 1>(p, V + c, vstride, L, inv, o, slot);
   }
   return W * nv;
 }
@@ -123,11 +130,13 @@ inline void scores(const float* const* qh, const float* K, int64_t hd, int64_t S
     }
 }
 
-// HB query heads' probabilities over their L visible slots, unnormalised: the scores into
-// p[h][0..L), then e^(score - max); 1 / their sum into inv[h]
+// HB query heads' probabilities over their visible slots, unnormalised: the scores of slots
+// 0..L into p[h][0..L), then, with `slot` (the n visible slots of a tree row, in order), the
+// visible ones' moved to p[h][0..n) and their maximum taken again; then e^(score - max) of the
+// n; 1 / their sum into inv[h]
 template <int HB>
 void softmax_rows(const float* const* qh, const float* K /*[hd, S]*/, int64_t hd, int64_t S, int64_t L, float scale,
-                  float* const* p, float* inv) {
+                  float* const* p, float* inv, const int64_t* slot, int64_t n) {
   vec mx[HB];
   for (int h = 0; h < HB; ++h) mx[h] = simd::set1(-INFINITY);
   for (int64_t j0 = 0; j0 < L;) {  // up to GROUP blocks' scores at once, the blocks L needs
@@ -142,6 +151,14 @@ void softmax_rows(const float* const* qh, const float* K /*[hd, S]*/, int64_t hd
       scores<HB, 1>(qh, K, hd, S, j0, L, scale, p, mx);
     j0 += blocks * BLOCK;
   }
+  if (slot) {
+    for (int h = 0; h < HB; ++h) {
+      for (int64_t m = 0; m < n; ++m) p[h][m] = p[h][slot[m]];  // slot[m] >= m: in place
+      mx[h] = simd::set1(-INFINITY);
+      for (int64_t j0 = 0; j0 < n; j0 += W) mx[h] = simd::mask_max(mx[h], simd::tail(n - j0), simd::load(p[h] + j0));
+    }
+  }
+  L = n;
   for (int h = 0; h < HB; ++h) {
     const vec top = simd::set1(simd::reduce_max(mx[h]));
     vec sum[NB];
@@ -162,9 +179,9 @@ void softmax_rows(const float* const* qh, const float* K /*[hd, S]*/, int64_t hd
 }
 }  // namespace
 
-extern "C" void metrale_pooled_attention(const float* q, const float* k_pool, const float* v_pool,
-                                         const int64_t* seq, const int64_t* last_visible, float* out,
-                                         int64_t T, int64_t NH, int64_t NKV, int64_t HD, int64_t S) {
+extern "C" void metrale_pooled_tree_attention(const float* q, const float* k_pool, const float* v_pool,
+                                              const int64_t* seq, const int64_t* last_visible, const int64_t* hide,
+                                              float* out, int64_t T, int64_t NH, int64_t NKV, int64_t HD, int64_t S) {
   const int64_t G = NH / NKV;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
   const int64_t ps = S + GROUP * BLOCK;  // a head's scores, with room for a whole group of blocks
@@ -172,11 +189,24 @@ extern "C" void metrale_pooled_attention(const float* q, const float* k_pool, co
   buf.resize(2 * ps);
   float* const ph[2] = {buf.data(), buf.data() + ps};  // written by the scores and the softmax
   const float* const p[2] = {ph[0], ph[1]};           // read by the weighted values
+  thread_local std::vector<int64_t> slots;            // a tree row's visible slots, in order
   for (int64_t t = 0; t < T; ++t) {
     const int64_t b = seq[t], L = std::min<int64_t>(last_visible[t] + 1, S);
     if (L <= 0) {  // no visible slot (the masked math's row is undefined): zeros
       std::fill(out + t * NH * HD, out + (t + 1) * NH * HD, 0.0f);
       continue;
+    }
+    const uint64_t hidden = hide ? static_cast<uint64_t>(hide[t]) : 0;
+    const int64_t* slot = nullptr;
+    int64_t n = L;
+    if (hidden) {
+      slots.clear();
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t d = last_visible[t] - 1 - j;
+        if (d < 0 || d > 63 || !((hidden >> d) & 1)) slots.push_back(j);
+      }
+      slot = slots.data();
+      n = static_cast<int64_t>(slots.size());
     }
     for (int64_t kv = 0; kv < NKV; ++kv) {
       const float* K = k_pool + (b * NKV + kv) * HD * S;
@@ -191,14 +221,21 @@ extern "C" void metrale_pooled_attention(const float* q, const float* k_pool, co
           o[i] = out + (t * NH + h0 + i) * HD;
         }
         if (hb == 2)
-          softmax_rows<2>(qh, K, HD, S, L, scale, ph, inv);
+          softmax_rows<2>(qh, K, HD, S, L, scale, ph, inv, slot, n);
         else
-          softmax_rows<1>(qh, K, HD, S, L, scale, ph, inv);
+          softmax_rows<1>(qh, K, HD, S, L, scale, ph, inv, slot, n);
         for (int64_t c = 0; c < HD;)
-          c += hb == 2 ? weighted_at<2>(c, p, V, NKV * HD, HD, L, inv, o) : weighted_at<1>(c, p, V, NKV * HD, HD, L, inv, o);
+          c += hb == 2 ? weighted_at<2>(c, p, V, NKV * HD, HD, n, inv, o, slot)
+                       : weighted_at<1>(c, p, V, NKV * HD, HD, n, inv, o, slot);
       }
     }
   }
+}
+
+extern "C" void metrale_pooled_attention(const float* q, const float* k_pool, const float* v_pool,
+                                         const int64_t* seq, const int64_t* last_visible, float* out,
+                                         int64_t T, int64_t NH, int64_t NKV, int64_t HD, int64_t S) {
+  metrale_pooled_tree_attention(q, k_pool, v_pool, seq, last_visible, nullptr, out, T, NH, NKV, HD, S);
 }
 
 namespace {
@@ -219,31 +256,46 @@ bool contiguous(AtenTensorHandle t, int64_t dim, int32_t dtype, int64_t* sizes) 
 }
 }  // namespace
 
-// The C shim AOTInductor's wrapper calls for metrale::pooled_attention (its name is the op's,
-// prefixed as aten ops' shims are): checks the layout, allocates the output [T, nh·hd], runs the
-// kernel.
-extern "C" AOTITorchError aoti_torch_cpu_pooled_attention(AtenTensorHandle q, AtenTensorHandle k_pool,
-                                                          AtenTensorHandle v_pool, AtenTensorHandle seq,
-                                                          AtenTensorHandle last_visible, AtenTensorHandle* ret0) {
+// The C shims AOTInductor's wrapper calls for metrale::pooled_attention and
+// metrale::pooled_tree_attention (their names are the ops', prefixed as aten ops' shims are): check
+// the layout, allocate the output [T, nh·hd], run the kernel.
+namespace {
+AOTITorchError pooled_shim(AtenTensorHandle q, AtenTensorHandle k_pool, AtenTensorHandle v_pool, AtenTensorHandle seq,
+                           AtenTensorHandle last_visible, AtenTensorHandle hide, AtenTensorHandle* ret0) {
   const int32_t f32 = aoti_torch_dtype_float32(), i64 = aoti_torch_dtype_int64();
-  int64_t qs[3], ks[4], vs[4], ss[1], ls[1];
+  int64_t qs[3], ks[4], vs[4], ss[1], ls[1], hs[1] = {0};
   if (!contiguous(q, 3, f32, qs) || !contiguous(k_pool, 4, f32, ks) || !contiguous(v_pool, 4, f32, vs) ||
-      !contiguous(seq, 1, i64, ss) || !contiguous(last_visible, 1, i64, ls))
+      !contiguous(seq, 1, i64, ss) || !contiguous(last_visible, 1, i64, ls) || (hide && !contiguous(hide, 1, i64, hs)))
     return AOTI_TORCH_FAILURE;
   const int64_t T = qs[0], NH = qs[1], HD = qs[2], NKV = ks[1], S = ks[3];
   if (ks[2] != HD || vs[0] != ks[0] || vs[1] != S || vs[2] != NKV || vs[3] != HD || ss[0] != T || ls[0] != T ||
-      HD % 16 != 0 || HD > MAX_HD || NKV == 0 || NH % NKV != 0)
+      (hide && hs[0] != T) || HD % 16 != 0 || HD > MAX_HD || NKV == 0 || NH % NKV != 0)
     return AOTI_TORCH_FAILURE;
   const int64_t sizes[2] = {T, NH * HD}, strides[2] = {NH * HD, 1};
   if (aoti_torch_empty_strided(2, sizes, strides, f32, aoti_torch_device_type_cpu(), 0, ret0))
     return AOTI_TORCH_FAILURE;
-  void *pq, *pk, *pv, *ps, *pl, *po;
+  void *pq, *pk, *pv, *ps, *pl, *ph = nullptr, *po;
   if (aoti_torch_get_data_ptr(q, &pq) || aoti_torch_get_data_ptr(k_pool, &pk) || aoti_torch_get_data_ptr(v_pool, &pv) ||
       aoti_torch_get_data_ptr(seq, &ps) || aoti_torch_get_data_ptr(last_visible, &pl) ||
-      aoti_torch_get_data_ptr(*ret0, &po))
+      (hide && aoti_torch_get_data_ptr(hide, &ph)) || aoti_torch_get_data_ptr(*ret0, &po))
     return AOTI_TORCH_FAILURE;
-  metrale_pooled_attention(static_cast<const float*>(pq), static_cast<const float*>(pk), static_cast<const float*>(pv),
-                           static_cast<const int64_t*>(ps), static_cast<const int64_t*>(pl), static_cast<float*>(po),
-                           T, NH, NKV, HD, S);
+  metrale_pooled_tree_attention(static_cast<const float*>(pq), static_cast<const float*>(pk),
+                                static_cast<const float*>(pv), static_cast<const int64_t*>(ps),
+                                static_cast<const int64_t*>(pl), static_cast<const int64_t*>(ph),
+                                static_cast<float*>(po), T, NH, NKV, HD, S);
   return AOTI_TORCH_SUCCESS;
+}
+}  // namespace
+
+extern "C" AOTITorchError aoti_torch_cpu_pooled_attention(AtenTensorHandle q, AtenTensorHandle k_pool,
+                                                          AtenTensorHandle v_pool, AtenTensorHandle seq,
+                                                          AtenTensorHandle last_visible, AtenTensorHandle* ret0) {
+  return pooled_shim(q, k_pool, v_pool, seq, last_visible, nullptr, ret0);
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_pooled_tree_attention(AtenTensorHandle q, AtenTensorHandle k_pool,
+                                                               AtenTensorHandle v_pool, AtenTensorHandle seq,
+                                                               AtenTensorHandle last_visible, AtenTensorHandle hide,
+                                                               AtenTensorHandle* ret0) {
+  return pooled_shim(q, k_pool, v_pool, seq, last_visible, hide, ret0);
 }

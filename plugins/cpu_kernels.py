@@ -1,7 +1,7 @@
 """metrale's C++ kernels for the CPU packages, compiled into one static library that AOTInductor
 links into a package: `cpu_moe.cpp` (`metrale::routed_experts`), `cpu_linear.cpp`
-(`metrale::linear_rows`) and `cpu_attention.cpp` (`metrale::pooled_attention`), with the vector
-helpers they share (`cpu_simd.h`) and the register tiles of the first two (`cpu_tiles.h`, which
+(`metrale::linear_rows`) and `cpu_attention.cpp` (`metrale::pooled_attention` and
+`pooled_tree_attention`), with the vector helpers they share (`cpu_simd.h`) and the register tiles of the first two (`cpu_tiles.h`, which
 read weights held in panels: `cpu_panels`).
 
 `static_library()` compiles every source (each with its C shim, `aoti_torch_cpu_<op>`) into
@@ -117,5 +117,7 @@ def inductor_configs(cache: Path) -> dict:
         p for p in (str(folder), os.environ.get("LIBRARY_PATH", "")) if p)
     return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.metrale.routed_experts.default: [cpu_moe.SHIM],
                                                    torch.ops.metrale.linear_rows.default: [cpu_linear.SHIM],
-                                                   torch.ops.metrale.pooled_attention.default: [cpu_attention.SHIM]},
+                                                   torch.ops.metrale.pooled_attention.default: [cpu_attention.SHIM],
+                                                   torch.ops.metrale.pooled_tree_attention.default:
+                                                       [cpu_attention.TREE_SHIM]},
             "aot_inductor.custom_op_libs": [LIBRARY]}

@@ -30,6 +30,19 @@ def kernel(cpu_kernels_lib):
     return run
 
 
+@pytest.fixture(scope="module")
+def kernel_tree(cpu_kernels_lib):
+    lib = cpu_kernels_lib
+
+    def run(q, k_pool, v_pool, seq, last, hide):
+        t, nh, hd = q.shape
+        out = torch.full((t, nh * hd), float("nan"))
+        lib.metrale_pooled_tree_attention(*(P(x.data_ptr()) for x in (q, k_pool, v_pool, seq, last, hide, out)),
+                                          *(ctypes.c_int64(v) for v in (t, nh, k_pool.shape[1], hd, k_pool.shape[3])))
+        return out
+    return run
+
+
 def _pools(b, nkv, hd, s, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(b, nkv, hd, s, generator=g), torch.randn(b, s, nkv, hd, generator=g)
@@ -90,10 +103,52 @@ def test_the_tiny_engines_packages_call_the_kernel(aoti_engine_dir, component, f
     """Every attention layer of the built packages is the kernel's shim, none inductor's masked math."""
     with zipfile.ZipFile(aoti_engine_dir / component / "cpu" / file) as z:
         wrapper = next(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_pooled_attention(") - 1 == layers  # less its declaration
+    # the target's rows may be a draft tree's: its attention takes each row's hidden drafts
+    shim = "aoti_torch_cpu_pooled_tree_attention(" if component == "target" else "aoti_torch_cpu_pooled_attention("
+    assert wrapper.count(shim) - 1 == layers  # less its declaration
 
 
 def test_the_kernel_takes_heads_of_whole_vectors_only():
     assert cpu_attention.fits(32, 4, 2) and cpu_attention.fits(128, 32, 8)
     assert not cpu_attention.fits(40, 4, 2) and not cpu_attention.fits(32, 6, 4)
     assert not cpu_attention.fits(512, 4, 2)
+
+
+def _random_tree(n: int, seed: int):
+    from metrale.runtime.spec.ddtree import Tree
+
+    g = torch.Generator().manual_seed(seed)
+    parents, depths = [-1], [0]
+    for i in range(1, n + 1):
+        p = int(torch.randint(0, i, (1,), generator=g))
+        parents.append(p)
+        depths.append(depths[p] + 1)
+    return Tree(tuple(range(n + 1)), tuple(parents), tuple(depths))
+
+
+@pytest.mark.parametrize("nodes,base,seed", [(8, 5, 0), (16, 40, 1), (64, 70, 2), (30, 0, 3)])
+def test_a_tree_nodes_row_has_the_bits_of_its_paths_chain_row(kernel_tree, kernel, nodes, base, seed):
+    """A draft tree's rows (node i at slot base+i, hiding the drafts before it that are not its
+    ancestors) against a chain verify of each node's path (its ancestors at the slots just after
+    the root): the same bits, and the masked math's values."""
+    tree = _random_tree(nodes, seed)
+    s = 192
+    k_pool, v_pool = _pools(3, 2, 32, s, seed=seed)
+    q = torch.randn(nodes + 1, 4, 32, generator=torch.Generator().manual_seed(seed + 7))
+    seq = torch.full((nodes + 1,), 1)
+    last = torch.arange(base, base + nodes + 1)
+    hide = torch.tensor(tree.hidden_bits())
+    got = kernel_tree(q, k_pool, v_pool, seq, last, hide)
+    ref = cpu_attention.pooled_math(q.double(), k_pool.double(), v_pool.double(), seq, last, hide)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    for i in range(nodes + 1):
+        path = [i]
+        while path[-1] > 0:
+            path.append(tree.parents[path[-1]])
+        path = path[::-1]  # root .. i
+        assert len(path) - 1 == tree.depths[i] and int(hide[i]).bit_count() == i - tree.depths[i]
+        ck, cv = k_pool.clone(), v_pool.clone()  # the chain's layout: the path from the root's slot on
+        ck[1, :, :, base:base + len(path)] = k_pool[1, :, :, [base + n for n in path]]
+        cv[1, base:base + len(path)] = v_pool[1, [base + n for n in path]]
+        chain = kernel(q[i:i + 1].contiguous(), ck, cv, seq[:1].contiguous(), torch.tensor([base + tree.depths[i]]))
+        assert torch.equal(got[i], chain[0]), i

@@ -235,3 +235,43 @@ def test_selector_children_follow_the_parent_token(tiny_engine, tiny_prompts):
         assert chain_tokens == proposal.tokens[0].tolist()
         a, b = children(2, chain_tokens[0]), children(2, (chain_tokens[0] + 1) % 2048)
         assert a != b  # the parent's token moves its children's scores
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_nodes_hidden_bits_are_the_drafts_before_it_off_its_path(seed):
+    """Node i hides the drafts 1..i−1 that are not its ancestors (bit i−1−j for node j): the
+    complement of its mask's row among them, i − depth_i of them."""
+    g = torch.Generator().manual_seed(seed)
+    parents, depths = [-1], [0]
+    for i in range(1, 40):
+        parents.append(int(torch.randint(0, i, (1,), generator=g)))
+        depths.append(depths[parents[-1]] + 1)
+    tree = Tree(tuple(range(40)), tuple(parents), tuple(depths))
+    mask = tree.mask()
+    for i, bits in enumerate(tree.hidden_bits()):
+        hidden = {j for j in range(1, i) if (bits >> (i - 1 - j)) & 1}
+        assert hidden == {j for j in range(1, i) if not mask[i, j]}
+        assert len(hidden) == i - depths[i]
+
+
+def test_each_tree_is_verified_the_cheaper_way():
+    """One forward of every node's row, or the walk along the best chain and a chain more per
+    switch: by the cost table (priced past its last count at its row cost), with the walk's
+    switches measured on the stream's trees; without a table, one forward where rows run in
+    parallel only."""
+    from metrale.runtime.spec.config import CostModel
+    from metrale.runtime.spec.tree_verify import TreeVerifyChoice, best_chain, switches
+
+    # root 0; chain 0-1-3-5; 2 a second child of the root, 4 of node 1
+    tree = Tree((9, 1, 2, 3, 4, 5), (-1, 0, 0, 1, 1, 3), (0, 1, 1, 2, 2, 3))
+    assert best_chain(tree) == [0, 1, 3, 5]
+    assert switches(tree, [1, 3, 5]) == 0 and switches(tree, [1, 4]) == 1 and switches(tree, [2]) == 1
+    assert TreeVerifyChoice(None, rows_in_parallel=True).one_forward(tree)
+    assert not TreeVerifyChoice(None, rows_in_parallel=False).one_forward(tree)
+    flat = TreeVerifyChoice(CostModel.parse("0:1,1:1,2:1"), rows_in_parallel=False)
+    assert flat.one_forward(tree)  # 5 drafts cost what 3 do
+    rows = TreeVerifyChoice(CostModel.parse("0:1,1:1.5,2:2"), rows_in_parallel=True)
+    assert rows._price(5) == 3.5 and not rows.one_forward(tree)  # 3.5 ms against 2.5 for the chain
+    for _ in range(30):  # every path switches once: the walk runs two chains, 5 ms
+        rows.observe(tree, [1, 4])
+    assert rows.switches > 0.9 and rows.one_forward(tree)

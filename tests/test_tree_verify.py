@@ -9,6 +9,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from openai import OpenAI
 
 from metrale.runtime.serving.http_guard import ServerLimits
@@ -125,6 +126,64 @@ def test_trees_on_the_cpu_packages_walk_paths_and_emit_plain_decoding(aoti_engin
             assert len(steps) <= len(tree_chains) <= sum(s.accepted + 1 for s in steps)
             assert all(n <= 8 for n in tree_chains)
             assert [s.accepted for s in got.steps] == [s.accepted for s in eager.generate(p, GREEDY).steps]
+
+
+def test_trees_on_the_cpu_packages_run_in_one_forward_with_their_chains_bits(aoti_engine, tiny_engine, tiny_prompts,
+                                                                            monkeypatch):
+    """The target package takes each row's hidden drafts: a tree's rows run in one call, each
+    with the bits of its path's chain row (the build's check), so one forward per tree step
+    emits plain decoding's tokens and accepts what the eager one-forward tree accepts. Its
+    cost decides when it runs: always under a table where rows cost nothing, never on a CPU
+    without a table (the walk, above)."""
+    from metrale.runtime.spec.tree_verify import TreeVerifyChoice
+    from metrale.runtime.steps import Forward
+
+    assert aoti_engine.tree_attention and aoti_engine.manifest.components["target"].cpu.check[
+        "tree_rows_bit_identical"] is True
+    plain = EngineGenerator(aoti_engine, SpeculativeConfig())
+    trees: list[tuple[int, int]] = []
+    orig = Forward.__init__
+
+    def counting(self, ids, cache, *a, **k):
+        orig(self, ids, cache, *a, **k)
+        if self.tree is not None:
+            trees.append((self.rows, self.tree.size))
+
+    monkeypatch.setattr(Forward, "__init__", counting)
+    for drafter in ("dflash", "dflash2"):
+        eager = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
+            dflash=True, dflash_drafter=drafter, exact_verify=True, dflash_tree_budget=16))
+        forced = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
+            dflash=True, dflash_drafter=drafter, dflash_tree_budget=16))
+        free_rows = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
+            dflash=True, dflash_drafter=drafter, dflash_tree_budget=16,
+            dflash_adaptive_k=",".join(f"{k}:1" for k in range(17))))
+        for p in tiny_prompts[:2]:
+            want = plain.generate(p, GREEDY).token_ids
+            trees.clear()
+            with monkeypatch.context() as m:
+                m.setattr(TreeVerifyChoice, "one_forward", lambda self, tree: True)
+                got = forced.generate(p, GREEDY)
+            assert got.token_ids == want, drafter
+            steps = [s for s in got.steps if s.drafted]
+            assert [s.drafted for s in steps] == [n for _, n in trees]  # one forward a tree step
+            assert all(rows == n + 1 for rows, n in trees) and max(n for _, n in trees) == 16
+            assert [s.accepted for s in got.steps] == [s.accepted for s in eager.generate(p, GREEDY).steps]
+            trees.clear()
+            got = free_rows.generate(p, GREEDY)
+            assert got.token_ids == want, drafter
+            assert len(trees) == len([s for s in got.steps if s.drafted]) > 0
+
+
+def test_the_builds_tree_check_fails_on_rows_that_see_off_path_drafts(aoti_engine, monkeypatch):
+    """The build's check of tree rows (`cpu_check`) against a package whose rows hide nothing
+    (every draft before a node visible to it): not the chains' bits."""
+    from metrale.builder.cpu_check import _check_tree
+    from metrale.runtime.spec.ddtree import Tree
+
+    assert _check_tree(aoti_engine.target, torch.Generator().manual_seed(1))
+    monkeypatch.setattr(Tree, "hidden_bits", lambda self: [0] * len(self.tokens))
+    assert not _check_tree(aoti_engine.target, torch.Generator().manual_seed(1))
 
 
 def test_trees_on_the_onnx_graphs_emit_plain_decoding(engine_factory, tiny_prompts):

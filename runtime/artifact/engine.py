@@ -204,6 +204,13 @@ class LoadedEngine:
         return self.dtype == torch.bfloat16 and self.device.type == "cpu"
 
     @property
+    def tree_attention(self) -> bool:
+        """Does its target run a draft tree's rows in one forward (`Forward.tree`)? Its backend's
+        (`BackendEntry.tree_attention`), or its target face's: a CPU package built with tree rows
+        (`aoti_batched.BatchedTarget.tree_rows`). Elsewhere trees are verified along their paths."""
+        return self.backend.tree_attention or getattr(self.target, "tree_rows", False) is True
+
+    @property
     def rows_invariant(self) -> bool:
         """Does chunkwise verify emit plain greedy decoding's tokens (rows batch-invariant)?"""
         return self.backend.row_invariant or (self.backend.eager and self.eager_rows_invariant)

@@ -24,6 +24,14 @@ With more than one torch thread, a forward's sequences are split into parts of a
 rows that run at once, one package call per thread (`aoti_native.Lanes`: the calls release the
 GIL and each is single-threaded as compiled), which a row's bits do not depend on either.
 
+A draft tree's verify (`Forward.tree`) runs as the rows of one forward where the package takes
+each row's hidden drafts (`CpuPackage.tree_rows`, `aoti_steps.BatchedTreeTargetStep`): node i
+at its position, written at slot length + i, seeing the slots before the tree's first draft and
+its ancestors' only; the cache's length stays, and `PooledCache.keep_path` moves the accepted
+path into place. Its attention kernel gives each node's row the bits of the same row in a chain
+verify of the node's path (the build checks it: `tree_rows_bit_identical`), so a tree's accepted
+rows are plain decoding's.
+
 `__call__(ids, cache, start, taps)` is `forward_many` of one sequence: the decode face the
 decode loop and the proposers run on, as `aoti.CompiledTarget`'s.
 """
@@ -61,6 +69,19 @@ def _places(forwards, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return _longs(pos), _longs(seq)
 
 
+def _tree_places(forwards, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and hidden drafts (`spec.ddtree.Tree.hidden_bits`) of a part's rows, forwards
+    in order, where some are draft trees': node i of a tree sits at its cache's length plus its
+    depth; every other row hides nothing."""
+    pos, hide, n = pos.clone(), torch.zeros_like(pos), 0
+    for f in forwards:
+        if f.tree is not None:
+            pos[n:n + f.rows] = f.cache.length + _longs(list(f.tree.depths))
+            hide[n:n + f.rows] = _longs(f.tree.hidden_bits())
+        n += f.rows
+    return pos, hide
+
+
 def _by_pool(forwards, starts: list[int]) -> dict[int, list[int]]:
     """The forwards' indices grouped by their caches' pool, each checked to fit its cache."""
     groups: dict[int, list[int]] = {}
@@ -86,13 +107,20 @@ class BatchedTarget(TargetFace, BatchedFace):
     def from_packages(cls, model, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
         """The face of the target's `cpu` entry: this one for a batched package, else (an
         engine built before batching) `aoti.CompiledTarget`, one sequence per call."""
-        if not loaded[0][0].batched:
+        entry = loaded[0][0]
+        if not entry.batched:
             return CompiledTarget.from_packages(model, loaded, cpu, where)
-        return cls(model, loaded[0][1], tuple(cpu.taps), cpu.max_slots, Lanes(loaded[0][1].lanes))
+        return cls(model, loaded[0][1], tuple(cpu.taps), cpu.max_slots, Lanes(loaded[0][1].lanes),
+                   entry.tree_rows, entry.tree_rows and cpu.check.get("tree_rows_bit_identical") is True)
 
     def __init__(self, model, package: Package, taps: tuple[int, ...], max_slots: int,
-                 lanes: Lanes | None = None):
+                 lanes: Lanes | None = None, hides: bool = False, tree_rows: bool = False):
         super().__init__(model, taps, max_slots)
+        self.hides = hides  # the package takes each row's hidden drafts (`_tree_places`)
+        # a draft tree's rows run in one forward, each with its path's chain row's bits (the
+        # decode loop then verifies trees so: `LoadedEngine.tree_attention`)
+        self.tree_rows = tree_rows
+        self._no_hide = torch.zeros(package.rows, dtype=torch.long)
         self.lanes = lanes or Lanes(1)
         self.prefix_cache: PrefixCache | None = None  # set by `serve --prefix-cache-tokens`
         self.rows = _Rows([package], "target")
@@ -128,7 +156,7 @@ class BatchedTarget(TargetFace, BatchedFace):
         prompt reuses the kept positions it starts with (`prefix_cache`: the same bits)."""
         # decode steps of one row each (and prompts the prefix cache holds whole, which run no
         # row): what a busy batch runs at almost every iteration, planned by _step_plans
-        step = [f.rows == 1 and f.tokens is not None and not f.last_logits for f in forwards]
+        step = [f.rows == 1 and f.tokens is not None and not f.last_logits and f.tree is None for f in forwards]
         if not all(step):  # each fits its cache, checked before the prefix cache is asked
             groups = _by_pool(forwards, [f.cache.length for f in forwards])
         hits = self._lookups(forwards)
@@ -157,7 +185,8 @@ class BatchedTarget(TargetFace, BatchedFace):
         for i, hit in hits.items():
             results[i] = self._reused(hit, results[i], forwards[i])
         for f in forwards:
-            f.cache.length += f.rows
+            if f.tree is None:  # a tree's rows wait for `keep_path`
+                f.cache.length += f.rows
         return results
 
     def _step_plans(self, runs: dict) -> tuple[list[list[int]], list[list[tuple]]]:
@@ -238,20 +267,29 @@ class BatchedTarget(TargetFace, BatchedFace):
             want.extend([n + t - 1] if f.last_logits else range(n, n + t))
             n += t
         pos, seq = _places(forwards, [f.cache.length for f in forwards])
+        hide = None
+        if any(f.tree is not None for f in forwards):
+            if not self.hides:
+                raise ValueError("this engine's target package runs no draft tree in one forward "
+                                 "(built before tree rows): its trees are verified along their paths")
+            pos, hide = _tree_places(forwards, pos)
         if all(f.tokens is not None for f in forwards):  # the decode loop's steps: one tensor
             ids = _longs([t for f in forwards for t in f.tokens])
         else:
             ids = forwards[0].ids[0] if len(forwards) == 1 else torch.cat([f.ids[0] for f in forwards])
-        return self._calls(ids, pos, seq, want, forwards[0].cache.pool.kv)
+        return self._calls(ids, pos, seq, want, forwards[0].cache.pool.kv, hide)
 
-    def _calls(self, ids, pos, seq, want, kv) -> list[tuple]:
+    def _calls(self, ids, pos, seq, want, kv, hide: torch.Tensor | None = None) -> list[tuple]:
         """The package calls of one part's rows (inputs ids, pos, seq over its n rows, `want`
-        the rows whose logits are wanted) in chunks of at most `max_rows`."""
+        the rows whose logits are wanted, `hide` their hidden drafts where a tree is among them)
+        in chunks of at most `max_rows`."""
         calls, step, n = [], self.max_rows, len(ids)
         for c in range(0, n, step):
             mine = [w - c for w in want if c <= w < c + step]
-            calls.append((self.package, bool(mine), (ids[c:c + step], pos[c:c + step], seq[c:c + step],
-                                                     _longs(mine or [min(step, n - c) - 1]), *kv)))
+            inputs = [ids[c:c + step], pos[c:c + step], seq[c:c + step], _longs(mine or [min(step, n - c) - 1])]
+            if self.hides:
+                inputs.append(hide[c:c + step] if hide is not None else self._no_hide[:min(step, n - c)])
+            calls.append((self.package, bool(mine), (*inputs, *kv)))
         return calls
 
 

@@ -33,7 +33,8 @@ from torch import nn
 from metrale.runtime.models.layers import MLP, Attention, MoE, float_weight, rope_table
 from metrale.runtime.models.step_caches import LINEARS, PooledKV, SlotKV, linears
 
-__all__ = ["LINEARS", "TargetStep", "BatchedTargetStep", "BatchedMTPStep", "BatchedDFlashStep"]
+__all__ = ["LINEARS", "TargetStep", "BatchedTargetStep", "BatchedTreeTargetStep", "BatchedMTPStep",
+           "BatchedDFlashStep"]
 
 
 def _prepare(model: nn.Module, decoder, positions: int | None) -> None:
@@ -99,6 +100,20 @@ class BatchedTargetStep(TargetStep):
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, want: torch.Tensor,
                 *kv: torch.Tensor):
         return tuple(o[0] for o in self._run(ids[None], PooledKV(kv, seq, pos, kernel=self.attention_kernel), want))
+
+
+class BatchedTreeTargetStep(BatchedTargetStep):
+    """`BatchedTargetStep` whose inputs carry `hide` [N] int64 after `want`: row t hides the
+    slots its set bits name (bit d: slot s_t − 1 − d, `plugins.cpu_attention`), is written at slot
+    s_t = pos[t] + its hidden count and sees its sequence's slots up to s_t but those. A draft
+    tree's node i (`spec.ddtree.Tree.hidden_bits`) so sits at its position, base + its depth, in
+    slot base + i, and sees the slots before the root's first draft and its own ancestors; every
+    other row hides nothing and is `BatchedTargetStep`'s."""
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, want: torch.Tensor,
+                hide: torch.Tensor, *kv: torch.Tensor):
+        cache = PooledKV(kv, seq, pos, kernel=self.attention_kernel, hide=hide)
+        return tuple(o[0] for o in self._run(ids[None], cache, want))
 
 
 class BatchedMTPStep(nn.Module):

@@ -87,6 +87,19 @@ class PooledCache:
         mine_v.copy_(values[:, :n])
         self.length = n
 
+    def keep_path(self, base: int, path: list[int]) -> None:
+        """After a draft tree's verify written from slot `base` (node i at slot base+i): the
+        accepted path's nodes `path` move to the slots of their positions, base+1.., as a chain
+        verify of the path writes them (`kv_cache.KVCache.keep_path`); the length becomes
+        base+1+len(path)."""
+        n = len(path)
+        if path != list(range(1, n + 1)):
+            src = torch.tensor([base + j for j in path], device=self.device)
+            keys, values = self.pool.keys[:, self.index], self.pool.values[:, self.index]
+            keys[..., base + 1:base + 1 + n] = keys.index_select(3, src)  # [L, nkv, hd, S]
+            values[:, base + 1:base + 1 + n] = values.index_select(1, src)  # [L, S, nkv, hd]
+        self.length = base + 1 + n
+
     @property
     def device(self) -> torch.device:
         return self.pool.kv[0].device

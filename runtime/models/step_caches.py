@@ -8,7 +8,8 @@ steps run the very forwards the torch backend runs:
 - `PooledKV`: the rows of many sequences in one call, each over its own cache in a pool (per
   layer K [B, nkv, hd, S], slot-minor, so the scores of 16 slots are one vector FMA per feature;
   V [B, S, nkv, hd]); row t is sequence seq[t]'s entry at positions[t] and sees its slots up to
-  `last_visible[t]` (by default its own position);
+  `last_visible[t]` (by default its own position); a draft tree's rows (`hide`) are written at
+  slots past their positions and hide the drafts that are not their ancestors;
 - `SlotKV`: one sequence, per layer K and V [S, nkv, hd] (slot-major, so a prefix of a bigger
   buffer is a smaller cache).
 
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from metrale.plugins.cpu_attention import HIDE_BITS
 from metrale.plugins.cpu_attention import pooled_math as pooled_attention
 
 
@@ -58,23 +60,36 @@ class PooledKV:
     length = 0  # the modules' bookkeeping; every row carries its own position
 
     def __init__(self, kv, seq: torch.Tensor, positions: torch.Tensor, last_visible: torch.Tensor | None = None,
-                 kernel: bool = False):
+                 kernel: bool = False, hide: torch.Tensor | None = None):
         self.kv, self.seq, self.positions = kv, seq, positions
-        self.last_visible = positions if last_visible is None else last_visible
+        self.slots = positions  # where each row's K/V goes
+        if hide is not None:  # a tree's rows: written past their positions by the drafts they hide
+            self.slots = positions + hidden_count(hide)
+        self.last_visible = self.slots if last_visible is None else last_visible
+        self.hide = hide
         self.kernel = kernel  # attend through `metrale::pooled_attention` (a CPU package's kernel)
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [1, nkv, T, hd] -> each row's slot of its sequence's cache."""
-        self.kv[2 * layer][self.seq, :, :, self.positions] = _rows(k)  # keys slot-minor
-        self.kv[2 * layer + 1].index_put_((self.seq, self.positions), _rows(v))
+        self.kv[2 * layer][self.seq, :, :, self.slots] = _rows(k)  # keys slot-minor
+        self.kv[2 * layer + 1].index_put_((self.seq, self.slots), _rows(v))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [1, nh, T, hd] -> [1, T, nh·hd]."""
+        k, v = self.kv[2 * layer], self.kv[2 * layer + 1]
         if self.kernel:  # the same math, reading each row's visible slots only (`plugins.cpu_attention`)
-            return torch.ops.metrale.pooled_attention(_rows(q).contiguous(), self.kv[2 * layer],
-                                                      self.kv[2 * layer + 1], self.seq, self.last_visible)[None]
-        return pooled_attention(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.seq,
-                                self.last_visible)[None]
+            if self.hide is not None:
+                return torch.ops.metrale.pooled_tree_attention(_rows(q).contiguous(), k, v, self.seq,
+                                                               self.last_visible, self.hide)[None]
+            return torch.ops.metrale.pooled_attention(_rows(q).contiguous(), k, v, self.seq, self.last_visible)[None]
+        return pooled_attention(_rows(q), k, v, self.seq, self.last_visible, self.hide)[None]
+
+
+def hidden_count(hide: torch.Tensor) -> torch.Tensor:
+    """Each row's hidden drafts (the set bits of hide [T] int64): a tree node's slot less its
+    position."""
+    shifts = torch.arange(HIDE_BITS + 1, device=hide.device)
+    return (torch.bitwise_right_shift(hide[:, None], shifts) & 1).sum(1)
 
 
 class SlotKV:

@@ -143,7 +143,7 @@ class EngineGenerator:
             if self.relay:
                 proposer = LeaderDrafts(proposer, self.world)
         return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context,
-                       e.rows_invariant, grammar, e.backend.tree_attention)
+                       e.rows_invariant, grammar, e.tree_attention)
 
     def _announce(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Leader: send the request to the other ranks (a sampled request gets a seed)."""

@@ -53,6 +53,19 @@ class Tree:
                 j = self.parents[j]
         return mask
 
+    def hidden_bits(self) -> list[int]:
+        """Per node i, the drafts before it that are not its ancestors, as bits counted back from
+        it (bit i−1−j for node j): node i at slot base+i hides them from its row
+        (`plugins.cpu_attention`'s `hide`; their count is i − depth_i)."""
+        out = [0] * len(self.tokens)
+        for i in range(2, len(self.tokens)):
+            seen, j = 0, self.parents[i]
+            while j > 0:
+                seen |= 1 << (i - 1 - j)
+                j = self.parents[j]
+            out[i] = ((1 << (i - 1)) - 1) & ~seen
+        return out
+
     def children(self) -> list[dict[int, int]]:
         """Per node, its children by token."""
         out: list[dict[int, int]] = [{} for _ in self.tokens]

@@ -37,6 +37,7 @@ from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.spec.plain_run import PlainRun, greedy_ids
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
+from metrale.runtime.spec.tree_verify import TreeVerifyChoice
 from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
 from metrale.runtime.steps import Forward, Step, drive
 
@@ -121,8 +122,9 @@ class Decoder:
         self.grammar = grammar
         if proposer is not None:
             proposer.grammar = grammar
-        # the target runs a draft tree's rows in one forward (`BackendEntry.tree_attention`);
-        # without, a tree is verified along its paths (`_tree_step`)
+        # the target can run a draft tree's rows in one forward (`LoadedEngine.tree_attention`);
+        # each tree then goes so or along its paths, whichever costs less (`tree_verify`);
+        # without, along its paths (`_tree_step`)
         self.tree_attention = tree_attention
         self.exact_verify = exact_verify
         self._proposer_len = proposer.max_len if proposer is not None else 0
@@ -137,6 +139,9 @@ class Decoder:
             proposer.rerun_rows()
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
+        self._tree_verify = None
+        if tree_attention and proposer is not None:
+            self._tree_verify = TreeVerifyChoice(proposer.tree_cost, self.device.type == "cuda")
         self._runs, self._started = False, 0.0  # a scheduler takes `PlainRun`s; the sequence's start
         self.last_result: DecodeResult | None = None
 
@@ -382,7 +387,7 @@ class Decoder:
                 path.append(child)
                 node = child
             kept, verify_rows = joined_outputs(outs), len(outs)
-        elif not self.tree_attention:
+        elif self._tree_verify is None or not self._tree_verify.one_forward(tree):
             kids = tree.children()
             verify_rows, nodes = 0, []
             while True:
@@ -405,6 +410,8 @@ class Decoder:
             path, token = walk(tree, lambda node, kids: choose(out, node, kids))
             cache.keep_path(base, path)
             kept, verify_rows = output_rows(out, torch.tensor([0, *path], device=device)), len(tree.tokens)
+        if self._tree_verify is not None:
+            self._tree_verify.observe(tree, path)
         accepted = len(path)
         emitted_ids = [tree.tokens[n] for n in path] + [token]
         t2 = time.perf_counter()

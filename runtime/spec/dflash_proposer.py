@@ -45,6 +45,7 @@ class DFlashProposer(Proposer):
         elif settings.adaptive_k is not None:
             self.controller = AdaptiveKController(settings.adaptive_k, settings.max_drafts,
                                                   settings.reprobe_interval or 16, ladder)
+        self.tree_cost = settings.adaptive_k
         self.last_k = 0
         self._chosen = None  # the path probabilities of the tree the step verifies, for the chooser
 

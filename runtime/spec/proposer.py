@@ -40,6 +40,9 @@ class Proposer(ABC):
     # proposer that can draft within it does (the loop drops whatever drafts the grammar
     # refuses in any case); it must leave the state as it found it
     grammar = None
+    # ms per verify of k drafts (`config.CostModel`) where the proposer has a cost table: what
+    # prices a draft tree's verify in one forward against its path walk (`tree_verify`)
+    tree_cost = None
 
     @classmethod
     def for_spec(cls, face, embed, spec, settings, max_len: int) -> "Proposer":
