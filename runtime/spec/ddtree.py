@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -104,33 +105,44 @@ class SelectorChildren:
 
     def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor, anchor: int):
         self.selector, self.depth = selector, hidden.shape[0]
-        self._projected = selector.hidden_projection(hidden)  # (the identity on a graph's selector query)
-        self._cand_logits, self._cand_ids = logits.topk(selector.num_candidates, dim=-1)  # [D, K]
-        k = self._cand_ids.shape[1]
-        parents = torch.cat([torch.full((1, k), anchor, dtype=torch.long, device=self._cand_ids.device),
-                             self._cand_ids[:-1]])  # [D, K]: each position's possible parent tokens
-        z = self._projected[:, None, :] + F.embedding(parents, selector.predecessor_codebook)  # [D, K, dim]
-        succ = F.embedding(self._cand_ids, selector.successor_codebook)  # [D, K, dim]
-        bonus = (succ[:, None, :, :] * z[:, :, None, :]).sum(-1)  # [D, K parents, K]
-        vals, order = torch.log_softmax(self._cand_logits[:, None, :].float() + bonus.float(), -1).sort(
-            dim=-1, descending=True)
-        self._vals = vals.tolist()
-        self._ids = torch.gather(self._cand_ids[:, None, :].expand_as(order), 2, order).tolist()
-        ids = parents.tolist()
-        self._rows = [{t: r for r, t in enumerate(ids[d])} for d in range(self.depth)]
+        # the candidates and their codebook rows gathered where the model is, then a few small
+        # tables on the host in numpy, whose per-op cost is a fraction of torch's (a step's tree
+        # is built between the drafter's call and the verify's)
+        with torch.no_grad():
+            top_vals, top = logits.float().topk(selector.num_candidates, dim=-1)  # [D, K]
+            parents = torch.cat([torch.full_like(top[:1], anchor), top[:-1]])  # [D, K]
+            host = [t.float().cpu().numpy() for t in (selector.hidden_projection(hidden), top_vals,
+                                                      F.embedding(parents, selector.predecessor_codebook),
+                                                      F.embedding(top, selector.successor_codebook))]
+        projected, cand_logits, pred, succ = host  # [D, dim], [D, K], [D, K parents, dim], [D, K, dim]
+        cand_ids, parents = top.cpu().numpy(), parents.cpu().numpy()
+        z = projected[:, None, :] + pred  # [D, K parents, dim]
+        scores = cand_logits[:, None, :] + np.matmul(z, succ.transpose(0, 2, 1))  # [D, K parents, K]
+        scores = scores - scores.max(-1, keepdims=True)
+        log_probs = scores - np.log(np.exp(scores).sum(-1, keepdims=True))
+        order = np.argsort(-log_probs, axis=-1, kind="stable")
+        # each (position, parent) row as lists when a node first asks for it
+        self._vals = np.take_along_axis(log_probs, order, -1)
+        self._ids = np.take_along_axis(np.broadcast_to(cand_ids[:, None, :], order.shape), order, -1)
+        self._rows = [{t: r for r, t in enumerate(row)} for row in parents.tolist()]
+        self._projected, self._cand_ids, self._cand_logits = projected, cand_ids, cand_logits
         self._seen: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
 
     def __call__(self, depth: int, parent_token: int) -> tuple[list[float], list[int]]:
         d = depth - 1
+        key = (depth, parent_token)
+        if key in self._seen:
+            return self._seen[key]
         row = self._rows[d].get(parent_token)
         if row is not None:
-            return self._vals[d][row], self._ids[d][row]
-        key = (depth, parent_token)
-        if key not in self._seen:
-            prev = torch.tensor(parent_token, device=self._cand_ids.device)
-            scores = self.selector._scores(self._projected[d], self._cand_ids[d], self._cand_logits[d], prev)
-            vals, order = torch.log_softmax(scores, -1).sort(descending=True)
-            self._seen[key] = (vals.tolist(), self._cand_ids[d][order].tolist())
+            self._seen[key] = (self._vals[d, row].tolist(), self._ids[d, row].tolist())
+        else:
+            sel = self.selector
+            device = sel.predecessor_codebook.device
+            scores = sel._scores(*(torch.from_numpy(a).to(device) for a in (
+                self._projected[d], self._cand_ids[d], self._cand_logits[d])), torch.tensor(parent_token, device=device))
+            vals, order = torch.log_softmax(scores, -1).sort(descending=True, stable=True)
+            self._seen[key] = (vals.tolist(), self._cand_ids[d][order.cpu().numpy()].tolist())
         return self._seen[key]
 
 
