@@ -48,21 +48,26 @@ def _modes(components: dict, gamma_costs: dict | None) -> list[tuple[str, dict]]
     return modes
 
 
-def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: str, repeats: int):
+def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: str, repeats: int,
+                  tree_budget: int = 0):
     """The cost model `--dflash-adaptive-k` decides with, measured: for k = 0..γ−1 the step time
-    with a fixed draft count k (a one-rung ladder), the median over `repeats` runs of the mean
-    step time over `prompts`, the counts run as `run_modes` runs modes (interleaved per prompt);
-    and the drafter's per-position acceptance over those steps (`AcceptanceEstimator`'s pooled
-    rate). -> CostModel with `acceptance`."""
+    with a fixed draft count k (a one-rung ladder), and for k = γ..`tree_budget` that of a draft
+    tree of k nodes (`--dflash-tree-budget k`, verified as a serve without a table verifies it),
+    the median over `repeats` runs of the mean step time over `prompts`, the counts run as
+    `run_modes` runs modes (interleaved per prompt); and the drafter's per-position acceptance
+    over the chains' steps (`AcceptanceEstimator`'s pooled rate). -> CostModel with
+    `acceptance`."""
     from metrale.runtime.spec.adaptive_k import AcceptanceEstimator
     from metrale.runtime.spec.config import CostModel
 
     g = engine.drafters[drafter].config.block_size
     table = [(str(k), {} if k == 0 else {"dflash": True, "dflash_drafter": drafter,
                                          "dflash_draft_ladder": str(k)}) for k in range(g)]
+    table += [(str(k), {"dflash": True, "dflash_drafter": drafter, "dflash_tree_budget": k})
+              for k in range(g, tree_budget + 1)]
     runs = run_modes(engine, table, prompts, max_tokens, repeats)
     est = AcceptanceEstimator()
-    for name, _ in table:
+    for name, _ in table[:g]:  # a chain's drafts are positions; a tree's nodes are not
         for prompt_runs in runs[name]:
             for s in prompt_runs[0].steps:  # greedy: every repeat verifies the same drafts
                 est.update(s.drafted, s.accepted)

@@ -1,7 +1,9 @@
 """`metrale calibrate`: measure the step costs `--dflash-adaptive-k auto` decides with.
 
 For each drafter of the engine directory, the median ms of a greedy decode step that verifies
-exactly k drafts (k = 0..γ−1, k = 0 being a plain step), over held-out prompts and repeats, on
+exactly k drafts (k = 0..γ−1, k = 0 being a plain step; with `--tree-budget N`, also draft trees
+of k = γ..N nodes, which `--dflash-adaptive-k auto` then chooses among under
+`--dflash-tree-budget`), over held-out prompts and repeats, on
 the backend, dtype and thread count given (those of the serve that will use it), and the
 drafter's per-position acceptance over those steps. The table goes
 into the engine directory's `calibration.json` (see `runtime.spec.calibration`), checksummed in the
@@ -19,6 +21,7 @@ from typing import Annotated, Optional
 import typer
 
 from metrale import options as o
+from metrale.runtime.spec.config import MAX_TREE_BUDGET
 from metrale.console import app, out, user_errors
 
 
@@ -30,6 +33,9 @@ def calibrate(
     max_tokens: Annotated[int, typer.Option(min=2, help="Tokens generated per prompt.")] = 48,
     repeats: Annotated[int, typer.Option(min=1, help="Measurements per draft count; the median is stored.")] = 5,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads, as the serve will run.")] = 1,
+    tree_budget: Annotated[int, typer.Option("--tree-budget", help=(
+        "Also measure draft trees of γ..N nodes, for --dflash-adaptive-k auto with "
+        "--dflash-tree-budget up to N. 0: chains only."))] = 0,
     dtype: o.Dtype = "auto", backend: o.Backend = "auto",
 ):
     """Measure the cost of a decode step by draft count and store it for --dflash-adaptive-k auto."""
@@ -42,6 +48,9 @@ def calibrate(
         from metrale.runtime.artifact.engine_dir import add_files
         from metrale.runtime.errors import ConfigError
 
+        if not 0 <= tree_budget <= MAX_TREE_BUDGET:
+            raise ConfigError(f"--tree-budget: got {tree_budget}; expected 0 (chains only) to "
+                              f"{MAX_TREE_BUDGET} (the most nodes a draft tree holds)")
         kind, device = resolve_backend(backend, None, dtype)
         if kind.runs_graphs:
             raise ConfigError(f"--backend {kind.value}: calibrate measures the torch models' backends "
@@ -61,7 +70,7 @@ def calibrate(
         entries = []
         for name in sorted(engine.drafters):
             t0 = time.time()
-            table = measure_costs(engine, prompts, max_tokens, name, repeats)
+            table = measure_costs(engine, prompts, max_tokens, name, repeats, tree_budget)
             entries.append({**calibration.setting(name, engine.backend.name, dtype_name, threads),
                             "table": str(table), "acceptance": table.acceptance,
                             "repeats": repeats, "prompts": len(prompts),

@@ -64,3 +64,43 @@ def test_calibrate_writes_a_checksummed_table_that_auto_uses(tiny_engine_dir, tm
                             SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k="auto"))
     finally:
         torch.set_num_threads(1)
+
+
+def test_auto_with_trees_takes_the_tree_budgets_the_table_prices():
+    """A table measured with `--tree-budget` prices trees past γ − 1: auto with
+    `--dflash-tree-budget N` keeps its counts up to N; a chain serve keeps those up to γ − 1."""
+    table = CostModel.parse(",".join(f"{k}:{1 + 0.1 * k}" for k in range(17)))
+    trees = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k="auto", dflash_tree_budget=12)
+    assert resolve_dflash(trees, 8, table).adaptive_k.max_count == 12
+    chains = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k="auto")
+    assert resolve_dflash(chains, 8, table).adaptive_k.max_count == 7
+
+
+def test_calibrate_measures_trees_up_to_its_tree_budget(tiny_engine_dir, tmp_path):
+    """`metrale calibrate --tree-budget 10` stores counts 0..10 (8..10 draft trees of that many
+    nodes), and a serve with auto and `--dflash-tree-budget 10` chooses each tree's budget among
+    1..10 from it; a budget past the most a tree holds is refused, naming the flag."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    eng = tmp_path / "eng"
+    shutil.copytree(tiny_engine_dir, eng)
+    args = ["calibrate", "--engine-dir", str(eng), "--backend", "torch", "--num-prompts", "1",
+            "--max-tokens", "6", "--repeats", "1"]
+    bad = CliRunner().invoke(app, [*args, "--tree-budget", "65"])
+    assert bad.exit_code != 0 and "--tree-budget" in bad.output and "65" in bad.output
+    res = CliRunner().invoke(app, [*args, "--tree-budget", "10"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    entries = json.loads((eng / "calibration.json").read_text())["entries"]
+    table = CostModel.parse(next(e for e in entries if e["drafter"] == "dflash")["table"])
+    assert table.first == 0 and table.max_count == 10 and all(ms > 0 for ms in table.ms)
+    torch.set_num_threads(1)
+    gen = EngineGenerator(load_engine(eng, backend="torch"), SpeculativeConfig.from_flags(
+        dflash=True, dflash_adaptive_k="auto", dflash_tree_budget=10))
+    assert gen.dflash.adaptive_k.max_count == 10
+    proposer = gen.decoder().proposer
+    assert proposer.chooser.counts == list(range(1, 11))
+    assert proposer.tree_cost.max_count == 7  # the verify routes are priced by its chains
+    got = gen.generate(gen.tokenizer.encode("The cat"), SamplingParams(max_tokens=16, temperature=0.0))
+    assert all(s.drafted <= 10 for s in got.steps) and any(s.drafted for s in got.steps)

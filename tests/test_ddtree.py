@@ -256,9 +256,9 @@ def test_a_nodes_hidden_bits_are_the_drafts_before_it_off_its_path(seed):
 
 def test_each_tree_is_verified_the_cheaper_way():
     """One forward of every node's row, or the walk along the best chain and a chain more per
-    switch: by the cost table (priced past its last count at its row cost), with the walk's
-    switches measured on the stream's trees; without a table, one forward where rows run in
-    parallel only."""
+    switch: the forward's rows off the chain against the walk's extra chains, priced by the
+    cost table, the walk's switches measured on the stream's trees; without a table, one
+    forward where rows run in parallel only."""
     from metrale.runtime.spec.config import CostModel
     from metrale.runtime.spec.tree_verify import TreeVerifyChoice, best_chain, switches
 
@@ -269,9 +269,10 @@ def test_each_tree_is_verified_the_cheaper_way():
     assert TreeVerifyChoice(None, rows_in_parallel=True).one_forward(tree)
     assert not TreeVerifyChoice(None, rows_in_parallel=False).one_forward(tree)
     flat = TreeVerifyChoice(CostModel.parse("0:1,1:1,2:1"), rows_in_parallel=False)
-    assert flat.one_forward(tree)  # 5 drafts cost what 3 do
+    assert flat.one_forward(tree)  # rows cost nothing: 5 drafts cost what 3 do
     rows = TreeVerifyChoice(CostModel.parse("0:1,1:1.5,2:2"), rows_in_parallel=True)
-    assert rows._price(5) == 3.5 and not rows.one_forward(tree)  # 3.5 ms against 2.5 for the chain
-    for _ in range(30):  # every path switches once: the walk runs two chains, 5 ms
+    assert (rows.row_ms, rows.step_ms) == (0.5, 1.0) and not rows.one_forward(tree)  # 1 ms more, no switch
+    for _ in range(30):  # every path switches once: a chain more, 1 + 3 · 0.5 ms, against 1 ms
         rows.observe(tree, [1, 4])
     assert rows.switches > 0.9 and rows.one_forward(tree)
+    assert not TreeVerifyChoice(CostModel.parse("1:1.5,2:2"), rows_in_parallel=True).one_forward(tree)

@@ -9,7 +9,7 @@ entry per drafter and setting the costs were measured under::
                   "measured": "2026-12-01T..."}]}
 
 `table` is a `--dflash-adaptive-k` cost model: the median ms of a decode step verifying k drafts,
-k = 0..γ−1; `acceptance` the drafter's per-position acceptance over those steps, which starts
+k = 0..γ−1 (measured with `--tree-budget N`, then draft trees of k = γ..N nodes); `acceptance` the drafter's per-position acceptance over those steps, which starts
 each stream's estimate (see `adaptive_k.AdaptiveKController`). `--dflash-adaptive-k auto` uses the entry whose drafter, backend, dtype, threads and
 machine match the serving process; none matching is refused with a message naming what to run.
 """

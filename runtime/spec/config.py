@@ -435,7 +435,8 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
                    calibrated: CostModel | None = None, calibration_of: str = "") -> ResolvedDFlash:
     """γ = the drafter's block size unless `--dflash-gamma` lowers it; check counts against it.
     `--dflash-adaptive-k auto` takes `calibrated` (what `metrale calibrate` stored for this
-    drafter and backend, described by `calibration_of`), cut to the counts γ allows."""
+    drafter and backend, described by `calibration_of`), cut to the counts γ allows (with draft
+    trees, to the tree budget)."""
     if cfg.mode is not SpecMode.DFLASH:
         raise ConfigError(f"resolving DFlash settings needs --dflash; the mode is {cfg.mode.value}")
     if type(block_size) is not int or block_size < 2:
@@ -463,7 +464,10 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
                 f"--dflash-adaptive-k auto: there is no calibration for {calibration_of or 'this drafter'}; "
                 "run `metrale calibrate --engine-dir DIR` with the same backend, dtype and threads "
                 "first, or give the table as drafts:ms pairs")
-        adaptive_k = CostModel(first=calibrated.first, ms=calibrated.ms[: gamma - calibrated.first],
+        # counts γ allows, or with trees the tree budgets up to --dflash-tree-budget (a table
+        # measured with `metrale calibrate --tree-budget`)
+        most = cfg.dflash_tree_budget or gamma - 1
+        adaptive_k = CostModel(first=calibrated.first, ms=calibrated.ms[: most + 1 - calibrated.first],
                                acceptance=calibrated.acceptance)
     return ResolvedDFlash(
         block_size=block_size,

@@ -24,7 +24,7 @@ import torch
 
 from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder, TreeBudgetChooser
-from metrale.runtime.spec.config import ResolvedDFlash
+from metrale.runtime.spec.config import CostModel, ResolvedDFlash
 from metrale.runtime.spec.ddtree import block_tree
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.steps import DraftForward
@@ -45,7 +45,8 @@ class DFlashProposer(Proposer):
         elif settings.adaptive_k is not None:
             self.controller = AdaptiveKController(settings.adaptive_k, settings.max_drafts,
                                                   settings.reprobe_interval or 16, ladder)
-        self.tree_cost = settings.adaptive_k
+        cost = settings.adaptive_k  # its chain counts (up to γ − 1) price a tree's verify routes
+        self.tree_cost = cost if cost is None else CostModel(cost.first, cost.ms[:max(1, settings.gamma - cost.first)])
         self.last_k = 0
         self._chosen = None  # the path probabilities of the tree the step verifies, for the chooser
 

@@ -2,16 +2,17 @@
 mask) or along its paths (a chain forward from the root along the best children, and one more
 each time the target takes a child off the chain run last; `decode.Decoder._tree_step`).
 
-One forward runs every node's row; the walk runs the best chain's rows, again for every switch.
-Where a target's rows run in parallel (a GPU) the forward costs about one row, and it wins. On a
-CPU every row costs its share, so a 16-node tree's forward costs more than its 9-row chain plus
-the occasional switch. With a cost table (`--dflash-adaptive-k`'s, ms per verify of k drafts,
-priced past its last count at `CostModel.row_ms` a row), each step takes the cheaper of
-cost(tree nodes) and cost(chain nodes) · (1 + switches), switches being the decayed mean of what
-the walk would have run again on this stream's trees; without one, the forward where rows run
-in parallel and the walk elsewhere. Both give the same rows' bits where the target has tree
-rows (the forward's kernel reads a node's context and ancestors in its chain's order), so the
-choice moves time only.
+One forward runs every node's row; the walk runs the best chain's rows, and a chain forward more
+for every switch. Where a target's rows run in parallel (a GPU) the forward's extra rows cost
+next to nothing, and it wins. On a CPU every row costs its share, so a 16-node tree's forward
+costs more than its few-row best chain plus the occasional switch. With a cost table (ms of a
+step verifying k drafts in one chain, k up to γ − 1: `--dflash-adaptive-k`'s chain counts), the
+two differ by the forward's rows off the best chain, (nodes − chain) · `CostModel.row_ms`,
+against the walk's extra chains, switches · (a one-row step + chain · row_ms), switches being
+the decayed mean of what the walk would have run again on this stream's trees; each step takes
+the cheaper. Without a table: the forward where rows run in parallel, the walk elsewhere. On the
+CPU packages both give the same rows' bits (the forward's kernel reads a node's context and
+ancestors in its chain's order), so there the choice moves time only.
 """
 
 from __future__ import annotations
@@ -43,21 +44,21 @@ class TreeVerifyChoice:
     """One stream's choice of how each tree is verified (see the module docstring)."""
 
     def __init__(self, cost: CostModel | None, rows_in_parallel: bool, decay: float = 0.9):
-        self.cost, self.rows_in_parallel, self.decay = cost, rows_in_parallel, decay
+        self.rows_in_parallel, self.decay = rows_in_parallel, decay
         self.switches = 0.0  # the walk's extra chains per tree, decayed mean
-
-    def _price(self, drafts: int) -> float:
-        c = self.cost
-        if drafts <= c.max_count:
-            return c.cost(max(drafts, c.first))
-        return c.cost(c.max_count) + (drafts - c.max_count) * c.row_ms
+        self.row_ms = self.step_ms = 0.0
+        self.priced = cost is not None
+        if cost is not None:  # a row's cost, and a one-row step's (the table's first, less its rows)
+            self.row_ms = cost.row_ms
+            self.step_ms = max(0.0, cost.cost(cost.first) - cost.first * self.row_ms)
 
     def one_forward(self, tree: Tree) -> bool:
         """Whether `tree`'s rows run in one forward (else along its paths)."""
-        if self.cost is None:
+        if not self.priced:
             return self.rows_in_parallel
         chain = len(best_chain(tree)) - 1
-        return self._price(tree.size) <= self._price(chain) * (1.0 + self.switches)
+        extra_rows = (tree.size - chain) * self.row_ms
+        return extra_rows <= self.switches * (self.step_ms + chain * self.row_ms)
 
     def observe(self, tree: Tree, path: list[int]) -> None:
         """A verified tree's accepted path: what the walk would have run again."""
