@@ -223,20 +223,23 @@ def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tin
 
 def test_adaptive_k_chooses_each_trees_budget_from_the_cost_table(aoti_engine, tiny_prompts):
     """With `--dflash-adaptive-k`, a stream alone verifies the first b nodes of each block's
-    tree, b priced by the table: where nodes cost nothing the trees stay near their budget,
-    where each costs half a step they shrink to a node or two; either way greedy output is
-    plain decoding's."""
-    flat = ",".join(f"{k}:1" for k in range(17))
-    steep = ",".join(f"{k}:{1 + 0.5 * k}" for k in range(17))
+    tree, b priced by the table: where nodes cost nothing the trees stay near their budget;
+    where each costs half a step they shrink to a node or two, or the stream decodes plainly;
+    where no draft could pay (a step of k drafts costing 1 + 5k plain steps) it never drafts.
+    Either way greedy output is plain decoding's."""
+    tables = {"flat": ",".join(f"{k}:1" for k in range(17)),
+              "steep": ",".join(f"{k}:{1 + 0.5 * k}" for k in range(17)),
+              "never": ",".join(f"{k}:{1 + 5 * k}" for k in range(17))}
     plain = EngineGenerator(aoti_engine, SpeculativeConfig())
-    mean = {}
-    for name, table in (("flat", flat), ("steep", steep)):
+    sizes = {}
+    for name, table in tables.items():
         gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16,
                                                                         dflash_adaptive_k=table))
-        sizes = []
+        sizes[name] = []
         for p in tiny_prompts[:2]:
             got = gen.generate(p, GREEDY)
             assert got.token_ids == plain.generate(p, GREEDY).token_ids, name
-            sizes += [s.drafted for s in got.steps if s.drafted]
-        mean[name] = sum(sizes) / len(sizes)
-    assert mean["flat"] > 10 and mean["steep"] < 3, mean
+            sizes[name] += [s.drafted for s in got.steps if s.drafted]
+    assert sum(sizes["flat"]) / len(sizes["flat"]) > 10, sizes
+    assert not sizes["steep"] or sum(sizes["steep"]) / len(sizes["steep"]) < 3, sizes
+    assert sizes["never"] == [], sizes

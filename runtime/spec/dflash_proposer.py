@@ -40,13 +40,17 @@ class DFlashProposer(Proposer):
         ladder = DraftLadder(settings.ladder) if settings.ladder else None
         self.ladder = ladder
         self.controller = self.chooser = None
-        if settings.adaptive_k is not None and settings.tree_budget:  # the budget of each tree
-            self.chooser = TreeBudgetChooser(settings.adaptive_k, settings.tree_budget)
-        elif settings.adaptive_k is not None:
-            self.controller = AdaptiveKController(settings.adaptive_k, settings.max_drafts,
-                                                  settings.reprobe_interval or 16, ladder)
-        cost = settings.adaptive_k  # its chain counts (up to γ − 1) price a tree's verify routes
+        cost = settings.adaptive_k
+        # its chain counts (up to γ − 1): what a chain step costs, and a tree's verify routes
         self.tree_cost = cost if cost is None else CostModel(cost.first, cost.ms[:max(1, settings.gamma - cost.first)])
+        if cost is not None:
+            # with trees the controller decides whether a step drafts at all (plain steps, with
+            # its probes, where no count pays at the trees' measured acceptance), the chooser
+            # how many nodes a drafted tree verifies
+            self.controller = AdaptiveKController(self.tree_cost if settings.tree_budget else cost,
+                                                  settings.max_drafts, settings.reprobe_interval or 16, ladder)
+            if settings.tree_budget:
+                self.chooser = TreeBudgetChooser(cost, settings.tree_budget)
         self.last_k = 0
         self._chosen = None  # the path probabilities of the tree the step verifies, for the chooser
 
@@ -116,6 +120,7 @@ class DFlashProposer(Proposer):
                 probs = [math.exp(p) for p in drafts.log_probs[1:]]
                 b = self.chooser.choose(probs)
                 drafts, self._chosen = drafts.first(b), probs[:b]
+            self.last_k = max(drafts.depths)  # the positions its paths reach (what it may accept)
             return drafts, self.settings.max_drafts
         logits = proposal.logits
         drafts = proposal.tokens[0, :k]
