@@ -175,6 +175,11 @@ RUNS = {
     "auto-nvfp4": {"draft_tp_size": "auto", "draft_weight_quantization": "nvfp4"},
     "rank0": {"draft_tp_size": "1", "dflash_drafter": "dflash2"},
     "rank0-adaptive": {"draft_tp_size": "1", "dflash_adaptive_k": "0:1,1:40,2:41,3:42,4:43,5:44,6:45,7:46"},
+    # draft trees: every rank builds the tree from the candidates gathered over the ranks' vocab
+    # slices, or the leader's tree relayed
+    "auto-tree": {"draft_tp_size": "auto", "dflash_tree_budget": 16},
+    "auto-tree-dflash2": {"draft_tp_size": "auto", "dflash_drafter": "dflash2", "dflash_tree_budget": 16},
+    "rank0-tree": {"draft_tp_size": "1", "dflash_drafter": "dflash2", "dflash_tree_budget": 16},
 }
 
 
@@ -209,6 +214,10 @@ def test_a_two_rank_serve_decodes_as_one_rank(two_rank_serves, tiny_engine_dir, 
     for got, mine in zip(leader["decodes"], follower["decodes"], strict=True):  # in step
         assert mine.token_ids == got.token_ids, label
         assert [s.drafted for s in mine.steps] == [s.drafted for s in got.steps], label
+    if "tree" in label:  # the trees verified: the one rank's, node for node
+        assert max(s.drafted for d in leader["decodes"] for s in d.steps) == 16
+        for got, ref in zip(leader["decodes"], want):
+            assert [s.drafted for s in got.steps] == [s.drafted for s in ref.steps], label
     if label.startswith("auto"):  # the one-rank engine cut at load: every rank holds a shard
         assert not leader["relay"] and all(leader["tp"]) and all(follower["tp"])
     else:  # the drafter lives on rank 0 only; the other rank received its drafts

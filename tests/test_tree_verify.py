@@ -201,24 +201,88 @@ def test_trees_on_the_onnx_graphs_emit_plain_decoding(engine_factory, tiny_promp
         assert max(s.drafted for s in got.steps) == 16 and any(s.accepted for s in got.steps)
 
 
-def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tiny_prompts):
-    """On a target whose steps are CUDA graphs (the capture stand-in here) a tree is verified
-    along its paths, each chain replaying the graphs."""
+def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tiny_prompts, monkeypatch):
+    """On a target whose steps are CUDA graphs (the capture stand-in here) a tree is verified in
+    one forward, its rows replaying the same graphs with their hidden drafts (chunked by the
+    graphs' rows), or along its paths, each chain replaying the graphs; which one, its cost
+    decides (on a GPU without a table: the forward). Both emit plain decoding's tokens."""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
+    from metrale.runtime.spec.tree_verify import TreeVerifyChoice
+    from metrale.runtime.steps import Forward
 
     engine = load_engine(tiny_engine_dir, backend="torch")
     use_cuda_graphs(engine, graphs=EagerGraphs())
-    assert not engine.backend.tree_attention  # its trees walk paths, each chain replaying the graphs
+    assert engine.tree_attention and not engine.backend.tree_attention  # the face's, not the backend's
     plain = EngineGenerator(engine, SpeculativeConfig())
+    trees: list[int] = []
+    orig = Forward.__init__
+
+    def counting(self, ids, cache, *a, **k):
+        orig(self, ids, cache, *a, **k)
+        if self.tree is not None:
+            trees.append(self.rows)
+
+    monkeypatch.setattr(Forward, "__init__", counting)
     for drafter in ("dflash", "dflash2"):
         for exact in (True, False):
-            gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter,
-                                                                       exact_verify=exact, dflash_tree_budget=16))
-            for p in tiny_prompts[:2]:
-                got = gen.generate(p, GREEDY)
-                assert got.token_ids == plain.generate(p, GREEDY).token_ids, (drafter, exact)
-                assert max(s.drafted for s in got.steps) == 16
+            for route in ("paths", "forward"):
+                gen = EngineGenerator(engine, SpeculativeConfig.from_flags(
+                    dflash=True, dflash_drafter=drafter, exact_verify=exact, dflash_tree_budget=16))
+                for p in tiny_prompts[:2]:
+                    trees.clear()
+                    with monkeypatch.context() as m:
+                        m.setattr(TreeVerifyChoice, "one_forward", lambda self, tree: route == "forward")
+                        got = gen.generate(p, GREEDY)
+                    assert got.token_ids == plain.generate(p, GREEDY).token_ids, (drafter, exact, route)
+                    assert max(s.drafted for s in got.steps) == 16
+                    forwards = [s.drafted + 1 for s in got.steps if s.drafted] if route == "forward" and not exact else []
+                    assert trees == forwards, (drafter, exact, route)
+
+
+def test_a_graph_targets_tree_rows_are_the_eager_trees(tiny_engine_dir, tiny_prompts):
+    """The graph target's rows of a tree (17 rows: a 16-row graph and a 1-row one) against the
+    eager model's one tree forward over its cache (`TreeKV`), and the kept path's K/V: a chain
+    verify's."""
+    from metrale.runtime.backends import load_engine, run_forwards
+    from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
+    from metrale.runtime.spec.ddtree import Tree
+    from metrale.runtime.steps import Forward
+
+    eager = load_engine(tiny_engine_dir, backend="torch")
+    graphs = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(graphs, graphs=EagerGraphs())
+    g = torch.Generator().manual_seed(3)
+    parents, depths = [-1], [0]
+    for i in range(1, 17):
+        parents.append(int(torch.randint(0, i, (1,), generator=g)))
+        depths.append(depths[parents[-1]] + 1)
+    tree = Tree(tuple(torch.randint(0, 256, (17,), generator=g).tolist()), tuple(parents), tuple(depths))
+    prompt = torch.tensor([tiny_prompts[0]])
+    taps = (0, 1)
+    outs = []
+    for engine in (eager, graphs):
+        cache = engine.target.new_cache(1, 128)
+        engine.target(prompt, cache)
+        out = run_forwards(engine.target, [Forward(list(tree.tokens), cache, taps, tree=tree)])[0]
+        assert cache.length == prompt.shape[1]  # a tree's rows wait for keep_path
+        outs.append((out, cache))
+    (a, _), (b, cache) = outs
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b.taps, a.taps, rtol=1e-4, atol=1e-4)
+    leaf = max(range(17), key=lambda i: depths[i])
+    path = [leaf]
+    while parents[path[-1]] > 0:
+        path.append(parents[path[-1]])
+    path = path[::-1]
+    base = prompt.shape[1]
+    cache.keep_path(base, path)
+    chain = graphs.target.new_cache(1, 128)  # (retires `cache`: its K/V are read first)
+    kept = [t[:base + 1 + len(path)].clone() for t in cache.kv]
+    graphs.target(prompt, chain)
+    graphs.target(torch.tensor([[tree.tokens[0], *(tree.tokens[n] for n in path)]]), chain)
+    for k, c in zip(kept, chain.kv):
+        torch.testing.assert_close(k, c[:base + 1 + len(path)], rtol=1e-5, atol=1e-5)
 
 
 def test_adaptive_k_chooses_each_trees_budget_from_the_cost_table(aoti_engine, tiny_prompts):

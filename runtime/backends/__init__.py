@@ -66,9 +66,21 @@ def run_forwards(target, needs: list) -> list:
     return out
 
 
+class TreeRows:
+    """A compiled target face that runs a draft tree's rows in one forward itself
+    (`forward_tree(f)` of a `Forward` with its `tree`; `tree_rows`: whether it can)."""
+
+    tree_rows = False
+
+    def forward_tree(self, f):
+        raise NotImplementedError
+
+
 def tree_forward(target, f):
-    """A draft tree's rows (`Forward.tree`) in one forward: the eager model over its `KVCache`,
-    as `step_caches.TreeKV` places and masks them (the backends with `tree_attention`)."""
+    """A draft tree's rows (`Forward.tree`) in one forward: a `TreeRows` face's own, or the
+    eager model over its `KVCache`, as `step_caches.TreeKV` places and masks them."""
+    if isinstance(target, TreeRows) and target.tree_rows:
+        return target.forward_tree(f)
     if not isinstance(f.cache, KVCache):
         raise TypeError(f"a draft tree's rows in one forward need the eager target's KVCache, not "
                         f"{type(f.cache).__name__} (a backend without tree attention walks paths)")

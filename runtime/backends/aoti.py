@@ -82,6 +82,18 @@ class StaticKVCache:
     def device(self) -> torch.device:
         return self.kv[0].device
 
+    def keep_path(self, base: int, path: list[int]) -> None:
+        """After a draft tree's verify written from slot `base` (node i at slot base+i): the
+        accepted path's nodes `path` move to base+1.., as a chain verify of the path writes
+        them (`kv_cache.KVCache.keep_path`); the length becomes base+1+len(path)."""
+        n = len(path)
+        if path != list(range(1, n + 1)):
+            src = torch.tensor([base + j for j in path], device=self.device)
+            with torch.inference_mode():  # (a graph target's static buffers are inference tensors)
+                for t in self.kv:  # [S, nkv, hd]
+                    t[base + 1:base + 1 + n] = t.index_select(0, src)
+        self.length = base + 1 + n
+
 
 @dataclass(frozen=True)
 class Package:

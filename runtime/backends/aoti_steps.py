@@ -18,7 +18,8 @@ compiles "gemm" and falls back to "rowwise" when a multi-row package's rows diff
 steps. Drafter packages only move drafts, never emitted tokens: always GEMMs.
 
 Target (`TargetStep`, one sequence): `ids` [1, T] int64, `pos` [1] int64 (position of ids[0, 0]),
-then K and V [S, nkv, hd] of every layer -> logits [1, T, V], last_hidden [1, T, H] (pre final
+then K and V [S, nkv, hd] of every layer (and optionally `hide` [T]: a draft tree's rows, as
+`BatchedTreeTargetStep`'s) -> logits [1, T, V], last_hidden [1, T, H] (pre final
 norm), taps [1, T, n·H] (transformers' hidden_states[l+1] for each tap id l, as `qwen3` defines
 them). `BatchedTargetStep`, `BatchedMTPStep` and `BatchedDFlashStep` run the rows of many
 sequences, each over its own cache in a pool (see their docstrings).
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.runtime.models.layers import MLP, Attention, MoE, float_weight, rope_table
-from metrale.runtime.models.step_caches import LINEARS, PooledKV, SlotKV, linears
+from metrale.runtime.models.step_caches import LINEARS, PooledKV, SlotKV, hidden_count, linears
 
 __all__ = ["LINEARS", "TargetStep", "BatchedTargetStep", "BatchedTreeTargetStep", "BatchedMTPStep",
            "BatchedDFlashStep"]
@@ -76,9 +77,13 @@ class TargetStep(nn.Module):
         self.decoder = model.config  # its attention's sizes (what the build's kernels check)
         _prepare(model, model.config, positions)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, *kv: torch.Tensor):
-        positions = pos + torch.arange(ids.shape[1], device=ids.device)  # [T]
-        return self._run(ids, SlotKV(kv, positions))
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, *kv: torch.Tensor, hide: torch.Tensor | None = None):
+        slots = pos + torch.arange(ids.shape[1], device=ids.device)  # [T]
+        if hide is None:
+            return self._run(ids, SlotKV(kv, slots))
+        # a draft tree's rows (`BatchedTreeTargetStep`'s `hide`): each sits its hidden count
+        # before its slot
+        return self._run(ids, SlotKV(kv, slots - hidden_count(hide), slots, hide))
 
     def _run(self, ids, cache, logit_rows=None):
         with linears(self.linear):

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from metrale.runtime.backend_registry import BACKENDS
-from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
+from metrale.runtime.backends import TreeRows
+from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache, _pad_rows
+from metrale.runtime.models.qwen3 import TargetOutput
 from metrale.runtime.artifact.engine import LoadedEngine
 
 log = logging.getLogger(__name__)
@@ -173,6 +175,9 @@ class GraphRunner:
             self.views = {s: [t[:s] for t in self.kv] for s in self.slots}
             self.ids = {r: torch.zeros(1, r, dtype=torch.long, device=self.device) for r in self.rows}
             self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+            # each row's hidden drafts (`TargetStep`'s `hide`): zeros but for a draft tree's rows
+            self.hide = {r: torch.zeros(r, dtype=torch.long, device=self.device) for r in self.rows}
+        self._hid: set[int] = set()  # the row counts whose `hide` holds a tree's bits
         self.captured: dict[tuple[int, int], tuple[object, tuple[torch.Tensor, ...]]] = {}
         self.replays = 0
         self._current = None  # weakref to the cache handed out last
@@ -193,8 +198,8 @@ class GraphRunner:
         return self
 
     def _step_fn(self, rows: int, slots: int):
-        ids, pos, kv, step = self.ids[rows], self.pos, self.views[slots], self.step
-        return lambda: step(ids, pos, *kv)
+        ids, pos, kv, step, hide = self.ids[rows], self.pos, self.views[slots], self.step, self.hide[rows]
+        return lambda: step(ids, pos, *kv, hide=hide)
 
     def new_cache(self, slots: int) -> GraphKVCache:
         """The bucket's static views, zeroed, as a fresh cache; the previous cache is retired."""
@@ -211,13 +216,15 @@ class GraphRunner:
         return cache
 
     def package(self, rows: int, slots: int) -> "GraphPackage":
-        return GraphPackage(rows, slots, lambda *inputs: self.run(rows, slots, *inputs))
+        return GraphPackage(rows, slots, lambda *inputs, hide=None: self.run(rows, slots, *inputs, hide=hide))
 
     def packages(self) -> list["GraphPackage"]:
         return [self.package(r, s) for (r, s) in sorted(self.captured)]
 
     def run(self, rows: int, slots: int, ids: torch.Tensor, pos: torch.Tensor,
-            *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            *kv: torch.Tensor, hide: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """One replay: ids [1, rows] from slot pos on; `hide` [rows], a draft tree's rows'
+        hidden drafts (`TargetStep`)."""
         graph, outs = self.captured[(rows, slots)]
         mine = self.views[slots]
         if len(kv) != len(mine) or any(a is not b for a, b in zip(kv, mine)):
@@ -231,6 +238,12 @@ class GraphRunner:
         with torch.inference_mode():
             self.ids[rows].copy_(ids, non_blocking=True)
             self.pos.copy_(pos.reshape(1), non_blocking=True)
+            if hide is not None:
+                self.hide[rows].copy_(hide, non_blocking=True)
+                self._hid.add(rows)
+            elif rows in self._hid:  # a tree's bits left from its replay
+                self.hide[rows].zero_()
+                self._hid.discard(rows)
             self.graphs.replay(graph)
             self.replays += 1
             return tuple(o.clone() for o in outs)
@@ -248,14 +261,17 @@ class GraphPackage:
     slots: int
     fn: object
 
-    def __call__(self, *inputs: torch.Tensor):
-        return self.fn(*inputs)
+    def __call__(self, *inputs: torch.Tensor, hide: torch.Tensor | None = None):
+        return self.fn(*inputs, hide=hide)
 
 
-class GraphTarget(CompiledTarget):
+class GraphTarget(CompiledTarget, TreeRows):
     """`CompiledTarget` over a `GraphRunner`'s packages, its caches the runner's static views:
     a request's cache is the smallest slot bucket it fits, and each step replays the graph of
-    its rows over that bucket."""
+    its rows over that bucket. A draft tree's rows replay the same graphs with their hidden
+    drafts (`forward_tree`)."""
+
+    tree_rows = True
 
     def __init__(self, model, runner: GraphRunner, taps: tuple[int, ...]):
         packages = runner.packages()
@@ -266,6 +282,28 @@ class GraphTarget(CompiledTarget):
 
     def _package(self, rows: int, cache: StaticKVCache):
         return self.by_shape[(self.rows.pick(rows).rows, cache.max_len)]
+
+    def forward_tree(self, f) -> TargetOutput:
+        """A draft tree's rows (`Forward.tree`) in one forward, chunked by the graphs' rows as a
+        prompt is (a later chunk reads what an earlier wrote): node i at slot length + i, its
+        hidden drafts (`Tree.hidden_bits`) in the graphs' `hide`; the padding rows hide nothing
+        and are dropped. The cache's length stays, for `keep_path`."""
+        cache, tokens = f.cache, list(f.tree.tokens)
+        hide = torch.tensor(f.tree.hidden_bits(), device=cache.device)
+        ids = torch.tensor([tokens], device=cache.device)
+        base, t = cache.length, len(tokens)
+        outs = []
+        for c0 in range(0, t, self.max_rows):
+            n = min(self.max_rows, t - c0)
+            pkg = self._package(n, cache)
+            if base + c0 + pkg.rows > cache.max_len:
+                raise ValueError(f"positions up to {base + c0 + pkg.rows} exceed the cache's {cache.max_len} slots")
+            got = pkg(_pad_rows(ids[:, c0:c0 + n], pkg.rows), torch.tensor([base + c0]), *cache.kv,
+                      hide=_pad_rows(hide[None, c0:c0 + n], pkg.rows)[0])
+            outs.append([o[:, :n] for o in got])
+        cat = lambda i: outs[0][i] if len(outs) == 1 else torch.cat([o[i] for o in outs], dim=1)  # noqa: E731
+        return TargetOutput(logits=cat(0), last_hidden=cat(1),
+                            taps=self.select_taps(cat(2), f.taps) if f.taps else None)
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         if batch != 1:

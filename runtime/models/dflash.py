@@ -25,7 +25,7 @@ same tokens, equal to one rank's up to the all-reduce's summation order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -154,8 +154,11 @@ class Proposal:
     vocab_start: int = 0  # vocab_start.. : the whole vocab on one rank, the rank's slice under tp
     # [B, γ−1, ·] what the face's candidate selector scores the slots with: their final hidden
     # states (the eager drafter's), or their projection (an exported graph's `selector_query`,
-    # its selector's projection the identity); None under tensor parallelism
+    # its selector's projection the identity)
     hidden: torch.Tensor | None = None
+    # under tensor parallelism, for a draft tree (`tree_candidates`): every slot's global top
+    # candidates, (log-probabilities [B, γ−1, k], ids [B, γ−1, k]) best first
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DFlashDrafter(nn.Module):
@@ -261,8 +264,18 @@ class DFlashDrafter(nn.Module):
                                                torch.cat([anchor.float(), length]))  # [B, n, k]
             selector = self.candidate_selector if cfg.version == 2 else None
             tokens = candidate_drafts(selector, cfg.num_candidates, hidden, vals, ids, anchor)
-            return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start)
+            return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start, hidden=hidden)
         return Proposal(tokens=self.drafts(hidden, logits, anchor), logits=logits, hidden=hidden)
+
+    def tree_candidates(self, proposal: Proposal, anchor: torch.Tensor, k: int) -> Proposal:
+        """A proposal of this rank's vocabulary slice (tensor parallelism) as a draft tree of up
+        to `k` nodes reads it: every slot's global top candidates (at least k, and the selector's
+        K) with their log-probabilities under the whole vocabulary, the same on every rank (one
+        all-gather, `TensorParallel.top_candidates`)."""
+        vals, ids, lse = self.tp.top_candidates(
+            proposal.logits, self.vocab_start, max(k, TOP_CANDIDATES, self.config.num_candidates),
+            anchor.float(), normalizer=True)
+        return replace(proposal, top=(vals - lse[..., None], ids))
 
     def drafts(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """The greedy drafts of the draft slots (hidden [B, n, H], logits [B, n, V], anchor [B]):

@@ -31,18 +31,17 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from metrale.plugins.cpu_attention import HIDE_BITS
+from metrale.plugins.cpu_attention import HIDE_BITS, visible_slots
 from metrale.plugins.cpu_attention import pooled_math as pooled_attention
 
 
-def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """q [T, nh, hd]; k/v [S, nkv, hd] of one sequence; slot j visible to the row at position p
-    iff j <= p -> [T, nh·hd]."""
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [T, nh, hd]; k/v [S, nkv, hd] of one sequence; `visible` [T, S] bool (row t sees slot
+    j) -> [T, nh·hd]."""
     t, nh, hd = q.shape
     s, nkv = k.shape[0], k.shape[1]
     qg = q.reshape(t, 1, nkv, nh // nkv, hd)
     scores = (qg * k.view(1, s, nkv, 1, hd)).sum(-1) * hd ** -0.5  # [T, S, nkv, g]
-    visible = torch.arange(s, device=q.device)[None, :] <= positions[:, None]
     probs = torch.softmax(scores.masked_fill(~visible[:, :, None, None], float("-inf")), dim=1)
     out = (probs.unsqueeze(-1) * v.view(1, s, nkv, 1, hd)).sum(1)  # [T, nkv, g, hd]
     return out.reshape(t, nh * hd)
@@ -94,19 +93,24 @@ def hidden_count(hide: torch.Tensor) -> torch.Tensor:
 
 class SlotKV:
     """One sequence's rows at `positions` [T] over its cache, `kv` being per layer K then V
-    [S, nkv, hd]; see the module docstring."""
+    [S, nkv, hd]; see the module docstring. Row t is written at slot `slots[t]` (by default its
+    position) and sees the slots up to it but those `hide` names (a draft tree's rows, as
+    `PooledKV`'s); which slots each row sees is worked out once, for every layer."""
 
     length = 0
 
-    def __init__(self, kv, positions: torch.Tensor):
+    def __init__(self, kv, positions: torch.Tensor, slots: torch.Tensor | None = None,
+                 hide: torch.Tensor | None = None):
         self.kv, self.positions = kv, positions
+        self.slots = positions if slots is None else slots
+        self.visible = visible_slots(kv[0].shape[0], self.slots, hide)  # [T, S]
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv[2 * layer].index_copy_(0, self.positions, _rows(k))
-        self.kv[2 * layer + 1].index_copy_(0, self.positions, _rows(v))
+        self.kv[2 * layer].index_copy_(0, self.slots, _rows(k))
+        self.kv[2 * layer + 1].index_copy_(0, self.slots, _rows(v))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        return slot_attention(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.positions)[None]
+        return slot_attention(_rows(q), self.kv[2 * layer], self.kv[2 * layer + 1], self.visible)[None]
 
 
 class TreeKV:

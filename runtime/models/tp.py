@@ -209,25 +209,29 @@ class TensorParallel:
         self.stats.add("all_reduce", time.perf_counter() - t0)
         return x
 
-    def top_candidates(self, logits: torch.Tensor, vocab_start: int, k: int, check: torch.Tensor):
+    def top_candidates(self, logits: torch.Tensor, vocab_start: int, k: int, check: torch.Tensor,
+                       normalizer: bool = False):
         """logits [..., V_r] of this rank's vocab slice (global ids vocab_start..) -> the global
         top k, (values fp32 [..., k], ids int64 [..., k]) sorted by value, ties to the lower
-        rank, the same on every rank. `check` [c]: numbers every rank must hold (the anchors and
-        the cache length); one all-gather carries all of it."""
+        rank, the same on every rank; with `normalizer`, also the whole vocabulary's logsumexp
+        [...] (what turns the values into log-probabilities: a draft tree's). `check` [c]:
+        numbers every rank must hold (the anchors and the cache length); one all-gather carries
+        all of it."""
         kr = min(k, logits.shape[-1])
         vals, ids = logits.float().topk(kr, dim=-1)  # [..., kr]
         if kr < k:  # a vocab slice smaller than k: pad with candidates that never win
             pad = list(vals.shape[:-1]) + [k - kr]
             vals = torch.cat([vals, vals.new_full(pad, float("-inf"))], dim=-1)
             ids = torch.cat([ids, ids.new_zeros(pad)], dim=-1)
-        mine = torch.cat([vals.flatten(), (ids + vocab_start).float().flatten(),
-                          check.float().flatten()])  # float32 [2·numel + c]
+        lse = logits.float().logsumexp(-1).flatten() if normalizer else vals.new_zeros(0)  # [m]
+        mine = torch.cat([vals.flatten(), (ids + vocab_start).float().flatten(), lse,
+                          check.float().flatten()])  # float32 [2·numel + m + c]
         every = [torch.empty_like(mine) for _ in range(self.size)]
         t0 = time.perf_counter()
         dist.all_gather(every, mine)
         self.stats.add("all_gather", time.perf_counter() - t0)
-        n = vals.numel()
-        checks = [e[2 * n:] for e in every]
+        n, m = vals.numel(), lse.numel()
+        checks = [e[2 * n + m:] for e in every]
         if any(not torch.equal(c, checks[0]) for c in checks[1:]):
             raise MetraleError(
                 "drafter ranks diverged: anchors and cache length differ between ranks "
@@ -237,7 +241,11 @@ class TensorParallel:
         all_vals = torch.stack([e[:n].view(vals.shape) for e in every], dim=-2).reshape(shape)
         all_ids = torch.stack([e[n:2 * n].view(vals.shape) for e in every], dim=-2).reshape(shape)
         order = torch.sort(all_vals, dim=-1, descending=True, stable=True).indices[..., :k]
-        return all_vals.gather(-1, order), all_ids.gather(-1, order).long()
+        top = all_vals.gather(-1, order), all_ids.gather(-1, order).long()
+        if not normalizer:
+            return top
+        total = torch.stack([e[2 * n:2 * n + m] for e in every]).logsumexp(0).view(vals.shape[:-1])
+        return (*top, total)
 
 
 @dataclass(frozen=True)

@@ -87,9 +87,10 @@ class EngineGenerator:
         follower_relay = self.relay and not self.world.leader
         self.dflash = None if follower_relay else check_engine_supports(engine, self.spec)
         tree = self.spec.dflash_tree_budget or 0
-        if tree and self.world.size > 1:
-            raise ConfigError(f"--dflash-tree-budget {tree}: draft trees run in one process, not "
-                              f"{self.world.size} ranks; leave it unset (the chain) or run one process")
+        if tree and self.world.size > 1 and not self.relay and not engine.backend.eager:
+            raise ConfigError(f"--dflash-tree-budget {tree}: on {self.world.size} ranks draft trees "
+                              f"gather a sharded drafter's candidates on the torch backend only, not "
+                              f"{engine.backend}; run --backend torch, --draft-tp-size 1 or one process")
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
         self.max_context = engine.target.config.max_position_embeddings

@@ -83,10 +83,15 @@ def chain(anchor: int, drafts: list[int]) -> Tree:
 
 class MarginalChildren:
     """A DFlash block's children: at depth d, position d's k most probable tokens, whatever the
-    parent (each position's distribution is given the anchor and the context only)."""
+    parent (each position's distribution is given the anchor and the context only). `log_probs`
+    [D, V], or with `ids` each position's best candidates' already, [D, k'] with their ids (a
+    tensor-parallel drafter's gathered top candidates)."""
 
-    def __init__(self, log_probs: torch.Tensor, k: int):
-        vals, ids = log_probs.float().topk(min(k, log_probs.shape[-1]), dim=-1)
+    def __init__(self, log_probs: torch.Tensor, k: int, ids: torch.Tensor | None = None):
+        if ids is None:
+            vals, ids = log_probs.float().topk(min(k, log_probs.shape[-1]), dim=-1)
+        else:
+            vals, ids = log_probs[:, :k].float(), ids[:, :k]
         self.depth = log_probs.shape[0]
         self._vals, self._ids = vals.tolist(), ids.tolist()
 
@@ -101,15 +106,22 @@ class SelectorChildren:
     node's own token; the selector's chain is the path that takes each node's best child. The
     root's token is the anchor and every other node's a candidate of the position before its
     own, so each position's distributions given each of those tokens are scored at once, one
-    table [parents, K] per position; a token off them (a forced path's) is scored on its own."""
+    table [parents, K] per position; a token off them (a forced path's) is scored on its own.
+    `candidates` ([D, K] values, ids), when given, are each position's top K already (a
+    tensor-parallel drafter's, as log-probabilities: the selector's softmax over the K is the
+    same for logits or log-probabilities), and `logits` is not read."""
 
-    def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor, anchor: int):
+    def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor | None, anchor: int,
+                 candidates: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.selector, self.depth = selector, hidden.shape[0]
         # the candidates and their codebook rows gathered where the model is, then a few small
         # tables on the host in numpy, whose per-op cost is a fraction of torch's (a step's tree
         # is built between the drafter's call and the verify's)
         with torch.no_grad():
-            top_vals, top = logits.float().topk(selector.num_candidates, dim=-1)  # [D, K]
+            if candidates is None:
+                top_vals, top = logits.float().topk(selector.num_candidates, dim=-1)  # [D, K]
+            else:
+                top_vals, top = candidates[0].float(), candidates[1]
             parents = torch.cat([torch.full_like(top[:1], anchor), top[:-1]])  # [D, K]
             host = [t.float().cpu().numpy() for t in (selector.hidden_projection(hidden), top_vals,
                                                       F.embedding(parents, selector.predecessor_codebook),
@@ -201,7 +213,15 @@ def block_tree(drafter, anchor: int, proposal, budget: int) -> Tree:
     rooted at `anchor`: DFlash2's children under its candidate selector given their parent's
     token (where the proposal carries the slots' hidden states), DFlash's under each
     position's own distribution."""
-    if drafter.config.version == 2 and proposal.hidden is not None:
+    if proposal.top is not None:  # a tensor-parallel drafter's gathered top candidates
+        log_probs, ids = proposal.top[0][0], proposal.top[1][0]
+        if drafter.config.version == 2:
+            k = drafter.candidate_selector.num_candidates
+            children = SelectorChildren(drafter.candidate_selector, proposal.hidden[0], None, anchor,
+                                        (log_probs[:, :k], ids[:, :k]))
+        else:
+            children = MarginalChildren(log_probs, budget, ids)
+    elif drafter.config.version == 2 and proposal.hidden is not None:
         children = SelectorChildren(drafter.candidate_selector, proposal.hidden[0], proposal.logits[0], anchor)
     else:
         children = MarginalChildren(torch.log_softmax(proposal.logits[0].float(), dim=-1), budget)

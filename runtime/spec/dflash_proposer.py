@@ -115,6 +115,11 @@ class DFlashProposer(Proposer):
         proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma,
                                       distributions=tree)
         if tree:
+            if proposal.vocab_start or proposal.logits.shape[-1] != self.embed.weight.shape[0]:
+                # a tensor-parallel drafter's vocabulary slice: its global candidates, gathered
+                # (the eager drafter's: the serve refuses trees over other sharded faces)
+                assert isinstance(self.drafter, DFlashDrafter), type(self.drafter).__name__
+                proposal = self.drafter.tree_candidates(proposal, anchor, budget)
             drafts = block_tree(self.drafter, pending, proposal, budget)
             if self.chooser is not None and self.batch_size == 1:  # adaptive k: a stream alone
                 probs = [math.exp(p) for p in drafts.log_probs[1:]]

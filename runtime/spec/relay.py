@@ -4,7 +4,8 @@ Every rank of a world runs the same decode loop over its replicated target, so e
 step's drafts; with `--draft-tp-size 1` only the leader holds the drafter ("1 runs the whole
 drafter on rank 0"). `LeaderDrafts` wraps the leader's proposer and broadcasts what it proposes;
 `RelayedDrafts` is the other ranks' proposer, which receives it. Per step they exchange, in the
-same order on every rank: the drafts (when the step proposes) and, after the step's `accept`,
+same order on every rank: the drafts (when the step proposes: a chain's tokens, or a draft
+tree's tokens, parents and depths) and, after the step's `accept`,
 whether the drafter has retired (`off`: adaptive k settled on plain decoding), so every rank
 takes the same branch of the next step.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from metrale.runtime.models.tp import World
+from metrale.runtime.spec.ddtree import Tree
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 
 
@@ -42,7 +44,10 @@ class LeaderDrafts(Proposer):
 
     def propose_steps(self, pending: int, max_drafts: int):
         drafts, proposed = yield from self.inner.propose_steps(pending, max_drafts)
-        self.world.broadcast((drafts.tolist(), proposed))
+        if type(drafts) is Tree:
+            self.world.broadcast(((drafts.tokens, drafts.parents, drafts.depths), proposed))
+        else:
+            self.world.broadcast((drafts.tolist(), proposed))
         return drafts, proposed
 
     def accept(self, out, rows: int, emitted: torch.Tensor) -> None:
@@ -66,6 +71,8 @@ class RelayedDrafts(Proposer):
 
     def propose_steps(self, pending: int, max_drafts: int):
         ids, proposed = self.world.broadcast()
+        if type(ids) is tuple:  # a draft tree (the decode loop verifies it as the leader's)
+            return Tree(*ids), proposed
         drafts = torch.tensor(ids, dtype=torch.long, device=self.device) if ids else NO_DRAFTS
         return drafts, proposed
         yield  # a coroutine that needs no model step
