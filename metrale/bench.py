@@ -168,7 +168,11 @@ def _mode_names(engine_dir: Path) -> list[str]:
             comps[n] = (kind, kind.parse(cfg, f"{n}/config.json", entry))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, MetraleError):
         return []
-    return [name for name, _ in _modes(comps, {n: "0:1" for n in comps})]
+    from metrale.runtime.spec.config import CostModel
+    from metrale.runtime.spec.shapes import TREE_BUDGETS
+
+    priced = CostModel(first=0, ms=(1.0,) * (TREE_BUDGETS[0] + 1))  # a stand-in: the names only
+    return [name for name, _ in _modes(comps, {n: priced for n in comps})]
 
 
 def torch_threads() -> int:
@@ -250,7 +254,9 @@ def bench(
                                   f"{max_tokens} it must take 1 to {context - max_tokens} (the "
                                   f"context holds {context})")
         t0 = time.time()
-        costs = {name: measure_costs(engine, prompts[:2], max_tokens, name, repeats)
+        from metrale.runtime.spec.shapes import TREE_BUDGETS
+
+        costs = {name: measure_costs(engine, prompts[:2], max_tokens, name, repeats, TREE_BUDGETS[0])
                  for name in sorted(engine.drafters)} or None
         wanted = [w.strip() for w in modes.split(",")] if modes else None
         rows, plain_tokens, plain_tps = [], None, None

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from metrale.runtime.components import StepShape
 from metrale.runtime.models.configs import DFlashConfig
-from metrale.runtime.spec.config import SpecMode
+from metrale.runtime.spec.config import CostModel, SpecMode
 from metrale.runtime.spec.dflash_proposer import DFlashProposer
 from metrale.runtime.spec.mtp_proposer import MTPProposer
 from metrale.runtime.spec.proposer import Proposer
@@ -31,10 +31,15 @@ def _block_modes(name: str, cfg: DFlashConfig, cost) -> list[tuple[str, dict]]:
     modes = [(f"{name} γ={g}", base), (f"{name} γ={g} exact", {**base, "exact_verify": True}),
              (f"{name} γ=4", {**base, "dflash_gamma": 4}),
              (f"{name} ladder {rungs}", {**base, "dflash_draft_ladder": rungs})]
-    if cost is not None:  # its measured CostModel, with its acceptance
-        modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": cost}))
+    if cost is not None:  # its measured CostModel, with its acceptance (chains: its counts up to γ − 1)
+        chain = CostModel(cost.first, cost.ms[:g - cost.first], cost.acceptance)
+        modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": chain}))
     for budget in TREE_BUDGETS:  # draft trees
         modes.append((f"{name} tree {budget}", {**base, "dflash_tree_budget": budget}))
+    if cost is not None and cost.max_count >= TREE_BUDGETS[0]:  # each tree's budget chosen
+        trees = CostModel(cost.first, cost.ms[:TREE_BUDGETS[0] + 1 - cost.first], cost.acceptance)
+        modes.append((f"{name} tree {TREE_BUDGETS[0]} adaptive-k",
+                      {**base, "dflash_tree_budget": TREE_BUDGETS[0], "dflash_adaptive_k": trees}))
     modes.append((f"{name} tree {TREE_BUDGETS[0]} exact",
                   {**base, "dflash_tree_budget": TREE_BUDGETS[0], "exact_verify": True}))
     return modes
