@@ -58,7 +58,7 @@ def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: st
     over the chains' steps (`AcceptanceEstimator`'s pooled rate). -> CostModel with
     `acceptance`."""
     from metrale.runtime.spec.adaptive_k import AcceptanceEstimator
-    from metrale.runtime.spec.config import CostModel
+    from metrale.runtime.spec.cost_model import CostModel
 
     g = engine.drafters[drafter].config.block_size
     table = [(str(k), {} if k == 0 else {"dflash": True, "dflash_drafter": drafter,
@@ -168,7 +168,7 @@ def _mode_names(engine_dir: Path) -> list[str]:
             comps[n] = (kind, kind.parse(cfg, f"{n}/config.json", entry))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, MetraleError):
         return []
-    from metrale.runtime.spec.config import CostModel
+    from metrale.runtime.spec.cost_model import CostModel
     from metrale.runtime.spec.shapes import TREE_BUDGETS
 
     priced = CostModel(first=0, ms=(1.0,) * (TREE_BUDGETS[0] + 1))  # a stand-in: the names only

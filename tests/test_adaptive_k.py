@@ -14,7 +14,7 @@ from metrale.runtime.spec.adaptive_k import (
     choose_k,
     expected_tokens,
 )
-from metrale.runtime.spec.config import CostModel
+from metrale.runtime.spec.cost_model import CostModel
 
 SEED_COST = CostModel.parse("0:32,1:44,2:50,3:56")
 
@@ -308,7 +308,7 @@ def test_rows_run_again_before_a_probe_count_against_its_budget():
 
 def test_the_tree_budget_chooser_takes_the_most_tokens_per_ms():
     from metrale.runtime.spec.adaptive_k import TreeBudgetChooser
-    from metrale.runtime.spec.config import CostModel
+    from metrale.runtime.spec.cost_model import CostModel
 
     probs = [0.9, 0.5, 0.4, 0.1, 0.05, 0.01]  # a best-first tree's path probabilities
     flat = TreeBudgetChooser(CostModel.parse("0:1,1:1,2:1,3:1,4:1,5:1,6:1"), budget=6)

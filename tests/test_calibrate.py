@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from metrale.cli import app
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.spec.config import AUTO, CostModel, SpeculativeConfig, resolve_dflash
+from metrale.runtime.spec.config import AUTO, SpeculativeConfig, resolve_dflash
+from metrale.runtime.spec.cost_model import CostModel
 
 
 def test_auto_parses_and_resolves_only_with_a_table():

@@ -259,7 +259,7 @@ def test_each_tree_is_verified_the_cheaper_way():
     switch: the forward's rows off the chain against the walk's extra chains, priced by the
     cost table, the walk's switches measured on the stream's trees; without a table, one
     forward where rows run in parallel only."""
-    from metrale.runtime.spec.config import CostModel
+    from metrale.runtime.spec.cost_model import CostModel
     from metrale.runtime.spec.tree_verify import TreeVerifyChoice, best_chain, switches
 
     # root 0; chain 0-1-3-5; 2 a second child of the root, 4 of node 1

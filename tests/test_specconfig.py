@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from metrale.runtime.errors import ConfigError
 from metrale.runtime.spec.config import (
     HELP,
-    CostModel,
     DraftStop,
     DraftTpSize,
     SpecMode,
@@ -20,6 +19,7 @@ from metrale.runtime.spec.config import (
     resolve_dflash,
     resolve_draft_tp_size,
 )
+from metrale.runtime.spec.cost_model import CostModel
 
 FLAGS = [
     "--speculative", "--num-drafts", "--draft-confidence-stop", "--dflash", "--dflash-gamma",

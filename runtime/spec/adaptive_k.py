@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from metrale.runtime.spec.config import CostModel
+from metrale.runtime.spec.cost_model import CostModel
 
 
 def expected_tokens(acc: Sequence[float], k: int) -> float:

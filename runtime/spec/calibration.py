@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from metrale.runtime.errors import EngineDirError
-from metrale.runtime.spec.config import CostModel
+from metrale.runtime.spec.cost_model import CostModel
 
 FILE = "calibration.json"
 MATCH = ("drafter", "backend", "dtype", "threads", "isa", "machine", "torch")

@@ -21,13 +21,13 @@ other modes instead of being silently ignored.
 from __future__ import annotations
 
 import enum
-import json
-import math
 import re
 from dataclasses import dataclass
 
 from metrale.plugins.formats import DRAFT_TIERS
 from metrale.runtime.errors import ConfigError
+from metrale.runtime.spec.cost_model import DECIMAL, UINT, CostModel
+from metrale.runtime.spec.cost_model import quoted as _q
 from metrale.runtime.spec.help import HELP  # noqa: F401  (the flags' --help texts)
 
 DEFAULT_NUM_DRAFTS, MAX_NUM_DRAFTS = 3, 32  # a chain past 32 drafts is never all accepted
@@ -38,17 +38,9 @@ DEFAULT_DRAFT_TP_SIZE = 1
 DEFAULT_DFLASH_DRAFTER = "dflash"
 
 # A plain decimal number; float() alone would also take "nan", "inf", "1_0" and padding.
-_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-_UINT = re.compile(r"\d+")
 _DRAFTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
-_COST_ALLOWED = "expected drafts:ms pairs over consecutive counts from 0 or 1, e.g. 0:32,1:44,2:50"
 _LADDER_ALLOWED = "expected strictly ascending draft counts of at least 1, e.g. 1,3,7"
 _TP_ALLOWED = "--draft-tp-size: expected `auto` or a rank count of at least 1, got"
-
-
-def _q(value: object) -> str:
-    """A value quoted for a message the way the seeds print it: `"0"`."""
-    return json.dumps(value if isinstance(value, str) else str(value))
 
 
 class SpecMode(enum.Enum):
@@ -75,7 +67,7 @@ class DraftStop:
     @classmethod
     def parse(cls, s: str) -> DraftStop:
         body, cumulative = (s[4:], True) if s.startswith("cum:") else (s, False)
-        if not _DECIMAL.fullmatch(body):
+        if not DECIMAL.fullmatch(body):
             raise ConfigError(
                 f"--draft-confidence-stop: got {_q(s)}; expected TAU or cum:TAU, a number with "
                 "0 < TAU < 1 (e.g. 0.6 or cum:0.3)"
@@ -86,103 +78,11 @@ class DraftStop:
         return f"cum:{self.tau!r}" if self.cumulative else repr(self.tau)
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """`--dflash-adaptive-k`: measured ms per decode step, for consecutive draft counts.
-
-    `ms[i]` is the cost of a step verifying `first + i` drafts; `first` is 0 (the model knows
-    the plain decode step, so it may suspend speculation) or 1. `acceptance`: the drafter's
-    per-position acceptance measured with the table (`metrale calibrate`, `bench`), the
-    controller's prior for a new stream; None for a table given on the command line.
-    """
-
-    first: int
-    ms: tuple[float, ...]
-    acceptance: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.first not in (0, 1):
-            raise ConfigError(
-                f"--dflash-adaptive-k: counts start at {self.first}; expected them to start "
-                "at 0 or 1"
-            )
-        if self.max_count < 1:
-            raise ConfigError(
-                f"--dflash-adaptive-k: got {_q(str(self))}; expected at least one draft count "
-                "of 1 or more"
-            )
-        for count, ms in self.pairs():
-            if not (math.isfinite(ms) and ms > 0.0):
-                raise ConfigError(
-                    f"--dflash-adaptive-k: count {count} costs {_q(ms)} ms; expected a finite "
-                    "number of ms above 0"
-                )
-
-    @property
-    def counts(self) -> range:
-        return range(self.first, self.first + len(self.ms))
-
-    @property
-    def max_count(self) -> int:
-        return self.first + len(self.ms) - 1
-
-    def cost(self, count: int) -> float:
-        if count not in self.counts:
-            raise KeyError(count)
-        return self.ms[count - self.first]
-
-    @property
-    def row_ms(self) -> float:
-        """What one more target row costs, ms: the mean step from 1 draft to the most (each
-        draft is one more verify row), or, in a table of counts 0 and 1 only, the whole step
-        from 0 to 1 (the propose included: an upper bound); never below 0."""
-        lo = 1 if self.max_count >= 2 else self.first
-        if self.max_count == lo:
-            return 0.0
-        return max(0.0, (self.cost(self.max_count) - self.cost(lo)) / (self.max_count - lo))
-
-    def pairs(self) -> list[tuple[int, float]]:
-        return list(zip(self.counts, self.ms))
-
-    @classmethod
-    def parse(cls, s: str) -> CostModel:
-        allowed = _COST_ALLOWED
-        counts: list[int] = []
-        costs: list[float] = []
-        for item in s.split(","):
-            count, sep, ms = item.strip().partition(":")
-            count, ms = count.strip(), ms.strip()
-            if not (sep and _UINT.fullmatch(count) and _DECIMAL.fullmatch(ms)):
-                raise ConfigError(
-                    f"--dflash-adaptive-k: malformed pair {_q(item)} in {_q(s)}; {allowed}"
-                )
-            n = int(count)
-            if n in counts:
-                raise ConfigError(
-                    f"--dflash-adaptive-k: count {n} appears twice in {_q(s)}; {allowed}"
-                )
-            if counts and n != counts[-1] + 1:
-                raise ConfigError(
-                    f"--dflash-adaptive-k: count {n} follows {counts[-1]} in {_q(s)}; counts must "
-                    f"be consecutive; {allowed}"
-                )
-            counts.append(n)
-            costs.append(float(ms))
-        if counts[0] not in (0, 1):
-            raise ConfigError(
-                f"--dflash-adaptive-k: counts in {_q(s)} start at {counts[0]}; {allowed}"
-            )
-        return cls(first=counts[0], ms=tuple(costs))
-
-    def __str__(self) -> str:
-        return ",".join(f"{c}:{ms!r}" for c, ms in self.pairs())
-
-
 def parse_ladder(s: str) -> tuple[int, ...]:
     """`--dflash-draft-ladder`: strictly ascending draft counts, each at least 1."""
     allowed = _LADDER_ALLOWED
     items = [t.strip() for t in s.split(",")]
-    if not all(_UINT.fullmatch(t) for t in items):
+    if not all(UINT.fullmatch(t) for t in items):
         raise ConfigError(f"--dflash-draft-ladder: got {_q(s)}; {allowed}")
     return _check_ladder(tuple(int(t) for t in items))
 
@@ -218,7 +118,7 @@ class DraftTpSize:
             return cls(None)
         if type(s) is int:
             return cls(s)
-        if isinstance(s, str) and _UINT.fullmatch(s):
+        if isinstance(s, str) and UINT.fullmatch(s):
             return cls(int(s))
         raise ConfigError(f"{_TP_ALLOWED} {_q(s)}")
 

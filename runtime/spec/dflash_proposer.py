@@ -24,7 +24,8 @@ import torch
 
 from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder, TreeBudgetChooser
-from metrale.runtime.spec.config import CostModel, ResolvedDFlash
+from metrale.runtime.spec.config import ResolvedDFlash
+from metrale.runtime.spec.cost_model import CostModel
 from metrale.runtime.spec.ddtree import block_tree
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.steps import DraftForward

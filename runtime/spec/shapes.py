@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from metrale.runtime.components import StepShape
 from metrale.runtime.models.configs import DFlashConfig
-from metrale.runtime.spec.config import CostModel, SpecMode
+from metrale.runtime.spec.config import SpecMode
+from metrale.runtime.spec.cost_model import CostModel
 from metrale.runtime.spec.dflash_proposer import DFlashProposer
 from metrale.runtime.spec.mtp_proposer import MTPProposer
 from metrale.runtime.spec.proposer import Proposer

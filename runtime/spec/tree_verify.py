@@ -17,7 +17,7 @@ ancestors in its chain's order), so there the choice moves time only.
 
 from __future__ import annotations
 
-from metrale.runtime.spec.config import CostModel
+from metrale.runtime.spec.cost_model import CostModel
 from metrale.runtime.spec.ddtree import Tree
 
 
