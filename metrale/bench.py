@@ -36,7 +36,9 @@ def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
     from metrale.runtime.components import KINDS
 
     loaded = {n: (KINDS[i.kind], engine.component(n)) for n, i in engine.manifest.components.items()}
-    return _modes({n: (k, m.config) for n, (k, m) in loaded.items() if m is not None}, gamma_costs)
+    modes = _modes({n: (k, m.config) for n, (k, m) in loaded.items() if m is not None}, gamma_costs)
+    # a tree's rows in one forward where the target has a tree mask only
+    return [(n, f) for n, f in modes if engine.tree_attention or f.get("dflash_tree_verify") != "forward"]
 
 
 def _modes(components: dict, gamma_costs: dict | None) -> list[tuple[str, dict]]:

@@ -55,6 +55,8 @@ Reprobe = Annotated[Optional[int], typer.Option(
     "--dflash-reprobe-interval", metavar="N", help=HELP["--dflash-reprobe-interval"])]
 TreeBudget = Annotated[Optional[int], typer.Option(
     "--dflash-tree-budget", metavar="N", help=HELP["--dflash-tree-budget"])]
+TreeVerify = Annotated[Optional[str], typer.Option(
+    "--dflash-tree-verify", metavar="auto|forward|paths", help=HELP["--dflash-tree-verify"])]
 ExactVerify = Annotated[bool, typer.Option("--exact-verify", help=HELP["--exact-verify"])]
 DraftTp = Annotated[Optional[str], typer.Option("--draft-tp-size", metavar="N|auto", help=HELP["--draft-tp-size"])]
 DraftTier = Annotated[Optional[str], typer.Option(
@@ -87,7 +89,7 @@ SPEC_FLAGS = (
     ("draft_confidence_stop", ConfidenceStop, None), ("dflash", DFlash, False),
     ("dflash_gamma", Gamma, None), ("dflash_draft_ladder", Ladder, None),
     ("dflash_adaptive_k", AdaptiveK, None), ("dflash_reprobe_interval", Reprobe, None),
-    ("dflash_tree_budget", TreeBudget, None),
+    ("dflash_tree_budget", TreeBudget, None), ("dflash_tree_verify", TreeVerify, None),
     ("exact_verify", ExactVerify, False), ("draft_tp_size", DraftTp, None),
     ("dflash_drafter", DFlashDrafter, None), ("draft_weight_quantization", DraftTier, None),
     ("mtp_experts_nvfp4", MtpNvfp4, None),

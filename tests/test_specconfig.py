@@ -25,7 +25,7 @@ FLAGS = [
     "--speculative", "--num-drafts", "--draft-confidence-stop", "--dflash", "--dflash-gamma",
     "--dflash-draft-ladder", "--dflash-adaptive-k", "--dflash-reprobe-interval", "--exact-verify",
     "--draft-tp-size", "--dflash-drafter", "--draft-weight-quantization", "--mtp-experts-nvfp4",
-    "--dflash-tree-budget",
+    "--dflash-tree-budget", "--dflash-tree-verify",
 ]
 
 # Sentences of the seeds' flag definitions (their `///` text is the --help text), which the help
@@ -277,6 +277,10 @@ AK = dict(dflash=True, dflash_adaptive_k="0:1,1:2")
         (dict(dflash_tree_budget=16), '--dflash-tree-budget "16" requires --dflash'),
         (dict(DFLASH, dflash_tree_budget=-1), '--dflash-tree-budget: got "-1"; expected an integer of at least 0'),
         (dict(DFLASH, dflash_tree_budget=65), '--dflash-tree-budget: got "65"; expected .* at most 64'),
+        (dict(dflash_tree_verify="paths"), '--dflash-tree-verify "paths" requires --dflash'),
+        (dict(DFLASH, dflash_tree_verify="paths"), '--dflash-tree-verify "paths" requires --dflash-tree-budget'),
+        (dict(DFLASH, dflash_tree_budget=8, dflash_tree_verify="tree"),
+         '--dflash-tree-verify: got "tree"; expected one of auto, forward, paths'),
         (dict(DFLASH, dflash_tree_budget=8, dflash_draft_ladder="1,3"),
          "--dflash-tree-budget 8 and --dflash-draft-ladder exclude each other"),
         (dict(DFLASH, dflash_gamma=4, dflash_tree_budget=3, dflash_adaptive_k="1:1,2:2,3:3,4:4"),

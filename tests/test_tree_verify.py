@@ -12,6 +12,7 @@ import pytest
 import torch
 from openai import OpenAI
 
+from metrale.runtime.errors import ConfigError
 from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
@@ -132,10 +133,9 @@ def test_trees_on_the_cpu_packages_run_in_one_forward_with_their_chains_bits(aot
                                                                             monkeypatch):
     """The target package takes each row's hidden drafts: a tree's rows run in one call, each
     with the bits of its path's chain row (the build's check), so one forward per tree step
-    emits plain decoding's tokens and accepts what the eager one-forward tree accepts. Its
-    cost decides when it runs: always under a table where rows cost nothing, never on a CPU
-    without a table (the walk, above)."""
-    from metrale.runtime.spec.tree_verify import TreeVerifyChoice
+    emits plain decoding's tokens and accepts what the eager one-forward tree accepts. It runs
+    with `--dflash-tree-verify forward`, or by its cost under auto: always under a table where
+    rows cost nothing, never on a CPU without a table (the walk, above)."""
     from metrale.runtime.steps import Forward
 
     assert aoti_engine.tree_attention and aoti_engine.manifest.components["target"].cpu.check[
@@ -154,16 +154,14 @@ def test_trees_on_the_cpu_packages_run_in_one_forward_with_their_chains_bits(aot
         eager = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
             dflash=True, dflash_drafter=drafter, exact_verify=True, dflash_tree_budget=16))
         forced = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
-            dflash=True, dflash_drafter=drafter, dflash_tree_budget=16))
+            dflash=True, dflash_drafter=drafter, dflash_tree_budget=16, dflash_tree_verify="forward"))
         free_rows = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
             dflash=True, dflash_drafter=drafter, dflash_tree_budget=16,
             dflash_adaptive_k=",".join(f"{k}:1" for k in range(17))))
         for p in tiny_prompts[:2]:
             want = plain.generate(p, GREEDY).token_ids
             trees.clear()
-            with monkeypatch.context() as m:
-                m.setattr(TreeVerifyChoice, "one_forward", lambda self, tree: True)
-                got = forced.generate(p, GREEDY)
+            got = forced.generate(p, GREEDY)
             assert got.token_ids == want, drafter
             steps = [s for s in got.steps if s.drafted]
             assert [s.drafted for s in steps] == [n for _, n in trees]  # one forward a tree step
@@ -192,6 +190,9 @@ def test_trees_on_the_onnx_graphs_emit_plain_decoding(engine_factory, tiny_promp
     from metrale.runtime.backends import load_engine
 
     engine = load_engine(engine_factory(onnx=True), backend="onnxruntime")
+    with pytest.raises(ConfigError, match="--dflash-tree-verify forward: the onnxruntime target runs no draft tree"):
+        EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16,
+                                                             dflash_tree_verify="forward"))
     plain = EngineGenerator(engine, SpeculativeConfig())
     for drafter in ("dflash", "dflash2"):
         gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter,
@@ -204,11 +205,11 @@ def test_trees_on_the_onnx_graphs_emit_plain_decoding(engine_factory, tiny_promp
 def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tiny_prompts, monkeypatch):
     """On a target whose steps are CUDA graphs (the capture stand-in here) a tree is verified in
     one forward, its rows replaying the same graphs with their hidden drafts (chunked by the
-    graphs' rows), or along its paths, each chain replaying the graphs; which one, its cost
-    decides (on a GPU without a table: the forward). Both emit plain decoding's tokens."""
+    graphs' rows), or along its paths, each chain replaying the graphs (`--dflash-tree-verify`;
+    under auto its cost decides, on a GPU without a table the forward). Both emit plain
+    decoding's tokens."""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
-    from metrale.runtime.spec.tree_verify import TreeVerifyChoice
     from metrale.runtime.steps import Forward
 
     engine = load_engine(tiny_engine_dir, backend="torch")
@@ -228,12 +229,11 @@ def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tin
         for exact in (True, False):
             for route in ("paths", "forward"):
                 gen = EngineGenerator(engine, SpeculativeConfig.from_flags(
-                    dflash=True, dflash_drafter=drafter, exact_verify=exact, dflash_tree_budget=16))
+                    dflash=True, dflash_drafter=drafter, exact_verify=exact, dflash_tree_budget=16,
+                    dflash_tree_verify=route))
                 for p in tiny_prompts[:2]:
                     trees.clear()
-                    with monkeypatch.context() as m:
-                        m.setattr(TreeVerifyChoice, "one_forward", lambda self, tree: route == "forward")
-                        got = gen.generate(p, GREEDY)
+                    got = gen.generate(p, GREEDY)
                     assert got.token_ids == plain.generate(p, GREEDY).token_ids, (drafter, exact, route)
                     assert max(s.drafted for s in got.steps) == 16
                     forwards = [s.drafted + 1 for s in got.steps if s.drafted] if route == "forward" and not exact else []

@@ -87,6 +87,9 @@ class EngineGenerator:
         follower_relay = self.relay and not self.world.leader
         self.dflash = None if follower_relay else check_engine_supports(engine, self.spec)
         tree = self.spec.dflash_tree_budget or 0
+        if self.spec.dflash_tree_verify == "forward" and not engine.tree_attention:
+            raise ConfigError(f"--dflash-tree-verify forward: the {engine.backend} target runs no draft "
+                              "tree's rows in one forward (no tree attention mask); use auto or paths")
         if tree and self.world.size > 1 and not self.relay and not engine.backend.eager:
             raise ConfigError(f"--dflash-tree-budget {tree}: on {self.world.size} ranks draft trees "
                               f"gather a sharded drafter's candidates on the torch backend only, not "
@@ -137,7 +140,7 @@ class EngineGenerator:
         if params is not None and not params.drafts:
             pass  # (every rank of a world decides so: the leader announced the request)
         elif spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
-            proposer = RelayedDrafts(self.world, embed.weight.device)
+            proposer = RelayedDrafts(self.world, embed.weight.device, spec.dflash_tree_verify or "auto")
         elif self._proposing is not None:
             factory, name = self._proposing
             proposer = factory.for_spec(e.component(name), embed, spec, self.dflash, max_len)

@@ -33,6 +33,7 @@ from metrale.runtime.spec.help import HELP  # noqa: F401  (the flags' --help tex
 DEFAULT_NUM_DRAFTS, MAX_NUM_DRAFTS = 3, 32  # a chain past 32 drafts is never all accepted
 DEFAULT_REPROBE_INTERVAL = 16
 MAX_TREE_BUDGET = 64  # nodes of a draft tree: the rows of its verify, besides the root's
+TREE_VERIFY = ("auto", "forward", "paths")  # `--dflash-tree-verify`
 AUTO = "auto"  # `--dflash-adaptive-k auto`: the table `metrale calibrate` stored
 DEFAULT_DRAFT_TP_SIZE = 1
 DEFAULT_DFLASH_DRAFTER = "dflash"
@@ -160,6 +161,7 @@ class SpeculativeConfig:
     dflash_adaptive_k: CostModel | str | None = None  # "auto": the engine's calibration
     dflash_reprobe_interval: int | None = None
     dflash_tree_budget: int | None = None  # None or 0: the chain
+    dflash_tree_verify: str | None = None  # None: auto
     exact_verify: bool = False
     draft_tp_size: DraftTpSize | None = None
     dflash_drafter: str | None = None
@@ -187,6 +189,7 @@ class SpeculativeConfig:
             "--dflash-adaptive-k": self.dflash_adaptive_k,
             "--dflash-reprobe-interval": self.dflash_reprobe_interval,
             "--dflash-tree-budget": self.dflash_tree_budget,
+            "--dflash-tree-verify": self.dflash_tree_verify,
             "--draft-tp-size": self.draft_tp_size,
             "--dflash-drafter": self.dflash_drafter,
             "--draft-weight-quantization": self.draft_weight_quantization,
@@ -221,6 +224,13 @@ class SpeculativeConfig:
             if self.dflash_tree_budget and self.dflash_draft_ladder is not None:
                 raise ConfigError(f"--dflash-tree-budget {self.dflash_tree_budget} and "
                                   "--dflash-draft-ladder exclude each other: give one of them")
+        if self.dflash_tree_verify is not None:
+            if self.dflash_tree_verify not in TREE_VERIFY:
+                raise ConfigError(f"--dflash-tree-verify: got {_q(self.dflash_tree_verify)}; expected "
+                                  f"one of {', '.join(TREE_VERIFY)}")
+            if not self.dflash_tree_budget:
+                raise ConfigError(f"--dflash-tree-verify {_q(self.dflash_tree_verify)} requires "
+                                  "--dflash-tree-budget")
         if self.draft_tp_size is None:
             object.__setattr__(self, "draft_tp_size", DraftTpSize(DEFAULT_DRAFT_TP_SIZE))
         if self.dflash_drafter is None:
@@ -247,6 +257,7 @@ class SpeculativeConfig:
         dflash_adaptive_k: str | None = None,
         dflash_reprobe_interval: int | None = None,
         dflash_tree_budget: int | None = None,
+        dflash_tree_verify: str | None = None,
         exact_verify: bool = False,
         draft_tp_size: str | int | None = None,
         dflash_drafter: str | None = None,
@@ -272,6 +283,7 @@ class SpeculativeConfig:
             dflash_adaptive_k=_maybe(_parse_adaptive_k, dflash_adaptive_k),
             dflash_reprobe_interval=dflash_reprobe_interval,
             dflash_tree_budget=dflash_tree_budget,
+            dflash_tree_verify=dflash_tree_verify,
             exact_verify=bool(exact_verify),
             draft_tp_size=_maybe(DraftTpSize.parse, draft_tp_size),
             dflash_drafter=dflash_drafter,
@@ -325,6 +337,7 @@ class ResolvedDFlash:
     reprobe_interval: int | None
     drafter: str
     tree_budget: int = 0  # nodes of each step's draft tree; 0: the chain
+    tree_verify: str = "auto"  # how each tree is verified (`tree_verify.TreeVerifyChoice`)
 
     @property
     def max_drafts(self) -> int:
@@ -377,6 +390,7 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
         reprobe_interval=cfg.dflash_reprobe_interval,
         drafter=cfg.dflash_drafter,
         tree_budget=cfg.dflash_tree_budget or 0,
+        tree_verify=cfg.dflash_tree_verify or "auto",
     )
 
 

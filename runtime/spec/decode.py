@@ -141,7 +141,8 @@ class Decoder:
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
         self._tree_verify = None
         if tree_attention and proposer is not None:
-            self._tree_verify = TreeVerifyChoice(proposer.tree_cost, self.device.type == "cuda")
+            self._tree_verify = TreeVerifyChoice(proposer.tree_cost, self.device.type == "cuda",
+                                                 proposer.tree_verify)
         self._runs, self._started = False, 0.0  # a scheduler takes `PlainRun`s; the sequence's start
         self.last_result: DecodeResult | None = None
 

@@ -44,6 +44,7 @@ class DFlashProposer(Proposer):
         cost = settings.adaptive_k
         # its chain counts (up to γ − 1): what a chain step costs, and a tree's verify routes
         self.tree_cost = cost if cost is None else CostModel(cost.first, cost.ms[:max(1, settings.gamma - cost.first)])
+        self.tree_verify = settings.tree_verify
         if cost is not None:
             # with trees the controller decides whether a step drafts at all (plain steps, with
             # its probes, where no count pays at the trees' measured acceptance), the chooser

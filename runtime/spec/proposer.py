@@ -40,9 +40,11 @@ class Proposer(ABC):
     # proposer that can draft within it does (the loop drops whatever drafts the grammar
     # refuses in any case); it must leave the state as it found it
     grammar = None
-    # ms per verify of k drafts (`config.CostModel`) where the proposer has a cost table: what
-    # prices a draft tree's verify in one forward against its path walk (`tree_verify`)
+    # ms per verify of k drafts (`cost_model.CostModel`) where the proposer has a cost table:
+    # what prices a draft tree's verify in one forward against its path walk, and how its trees
+    # are verified (`--dflash-tree-verify`; `tree_verify.TreeVerifyChoice`)
     tree_cost = None
+    tree_verify = "auto"
 
     @classmethod
     def for_spec(cls, face, embed, spec, settings, max_len: int) -> "Proposer":

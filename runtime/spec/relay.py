@@ -26,6 +26,8 @@ class LeaderDrafts(Proposer):
     def __init__(self, inner: Proposer, world: World):
         self.inner, self.world = inner, world
         self.taps = inner.taps
+        # every rank verifies a tree the same way: by the flag, never by a table one rank holds
+        self.tree_verify = inner.tree_verify
 
     @property
     def max_len(self) -> int:
@@ -58,8 +60,9 @@ class LeaderDrafts(Proposer):
 class RelayedDrafts(Proposer):
     """A non-leader rank's proposer: the leader's drafts, received; no drafter, no taps."""
 
-    def __init__(self, world: World, device: torch.device | str = "cpu"):
+    def __init__(self, world: World, device: torch.device | str = "cpu", tree_verify: str = "auto"):
         self.world, self.device = world, device
+        self.tree_verify = tree_verify  # the leader's (`LeaderDrafts`)
         self._off = False
 
     @property

@@ -37,6 +37,9 @@ def _block_modes(name: str, cfg: DFlashConfig, cost) -> list[tuple[str, dict]]:
         modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": chain}))
     for budget in TREE_BUDGETS:  # draft trees
         modes.append((f"{name} tree {budget}", {**base, "dflash_tree_budget": budget}))
+    # (bench drops it where the target has no tree mask)
+    modes.append((f"{name} tree {TREE_BUDGETS[0]} forward",
+                  {**base, "dflash_tree_budget": TREE_BUDGETS[0], "dflash_tree_verify": "forward"}))
     if cost is not None and cost.max_count >= TREE_BUDGETS[0]:  # each tree's budget chosen
         trees = CostModel(cost.first, cost.ms[:TREE_BUDGETS[0] + 1 - cost.first], cost.acceptance)
         modes.append((f"{name} tree {TREE_BUDGETS[0]} adaptive-k",

@@ -10,8 +10,9 @@ step verifying k drafts in one chain, k up to γ − 1: `--dflash-adaptive-k`'s 
 two differ by the forward's rows off the best chain, (nodes − chain) · `CostModel.row_ms`,
 against the walk's extra chains, switches · (a one-row step + chain · row_ms), switches being
 the decayed mean of what the walk would have run again on this stream's trees; each step takes
-the cheaper. Without a table: the forward where rows run in parallel, the walk elsewhere. On the
-CPU packages both give the same rows' bits (the forward's kernel reads a node's context and
+the cheaper. Without a table: the forward where rows run in parallel, the walk elsewhere.
+`--dflash-tree-verify forward` or `paths` fixes the route instead. On the CPU packages both give
+the same rows' bits (the forward's kernel reads a node's context and
 ancestors in its chain's order), so there the choice moves time only.
 """
 
@@ -43,8 +44,9 @@ def switches(tree: Tree, path: list[int]) -> int:
 class TreeVerifyChoice:
     """One stream's choice of how each tree is verified (see the module docstring)."""
 
-    def __init__(self, cost: CostModel | None, rows_in_parallel: bool, decay: float = 0.9):
+    def __init__(self, cost: CostModel | None, rows_in_parallel: bool, mode: str = "auto", decay: float = 0.9):
         self.rows_in_parallel, self.decay = rows_in_parallel, decay
+        self.mode = mode  # `--dflash-tree-verify`: auto, or forward / paths always
         self.switches = 0.0  # the walk's extra chains per tree, decayed mean
         self.row_ms = self.step_ms = 0.0
         self.priced = cost is not None
@@ -54,6 +56,8 @@ class TreeVerifyChoice:
 
     def one_forward(self, tree: Tree) -> bool:
         """Whether `tree`'s rows run in one forward (else along its paths)."""
+        if self.mode != "auto":
+            return self.mode == "forward"
         if not self.priced:
             return self.rows_in_parallel
         chain = len(best_chain(tree)) - 1
