@@ -258,9 +258,12 @@ def bench(
         t0 = time.time()
         from metrale.runtime.spec.shapes import TREE_BUDGETS
 
-        costs = {name: measure_costs(engine, prompts[:2], max_tokens, name, repeats, TREE_BUDGETS[0])
-                 for name in sorted(engine.drafters)} or None
         wanted = [w.strip() for w in modes.split(",")] if modes else None
+        # tree budgets are priced only for a mode that chooses them
+        trees = TREE_BUDGETS[0] if not wanted or any(
+            w in n for w in wanted for n in names if "tree" in n and "adaptive" in n) else 0
+        costs = {name: measure_costs(engine, prompts[:2], max_tokens, name, repeats, trees)
+                 for name in sorted(engine.drafters)} or None
         rows, plain_tokens, plain_tps = [], None, None
         table = [(name, flags) for name, flags in mode_table(engine, costs)
                  if not wanted or name == "plain" or any(w in name for w in wanted)]

@@ -64,6 +64,12 @@ def calibrate(
         engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype, device), device=device, backend=kind.value)
         if not engine.drafters:
             raise ConfigError(f"engine directory {engine_dir} has no DFlash drafter to calibrate")
+        for name, d in sorted(engine.drafters.items()):
+            g = d.config.block_size
+            if 0 < tree_budget < g:
+                raise ConfigError(f"--tree-budget {tree_budget}: drafter {name!r} prices chains of up to "
+                                  f"γ − 1 = {g - 1} drafts already; trees are measured from γ = {g} nodes "
+                                  f"on: expected 0 or at least {g}")
         prompts = [engine.tokenizer.encode(t) for t in texts]
         dtype_name = str(engine.dtype).removeprefix("torch.")
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")

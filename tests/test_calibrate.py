@@ -67,20 +67,26 @@ def test_calibrate_writes_a_checksummed_table_that_auto_uses(tiny_engine_dir, tm
         torch.set_num_threads(1)
 
 
-def test_auto_with_trees_takes_the_tree_budgets_the_table_prices():
+def test_auto_with_trees_takes_the_tree_budgets_the_table_prices(caplog):
     """A table measured with `--tree-budget` prices trees past γ − 1: auto with
-    `--dflash-tree-budget N` keeps its counts up to N; a chain serve keeps those up to γ − 1."""
+    `--dflash-tree-budget N` keeps its counts up to N; a chain serve keeps those up to γ − 1. A
+    table of chains only caps the trees at γ − 1 nodes, and says so."""
     table = CostModel.parse(",".join(f"{k}:{1 + 0.1 * k}" for k in range(17)))
     trees = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k="auto", dflash_tree_budget=12)
     assert resolve_dflash(trees, 8, table).adaptive_k.max_count == 12
     chains = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k="auto")
     assert resolve_dflash(chains, 8, table).adaptive_k.max_count == 7
+    assert not caplog.records
+    chain_table = CostModel.parse(",".join(f"{k}:{1 + 0.1 * k}" for k in range(8)))
+    assert resolve_dflash(trees, 8, chain_table).adaptive_k.max_count == 7
+    assert "calibrate --tree-budget 12" in caplog.text and "up to 7 nodes" in caplog.text
 
 
 def test_calibrate_measures_trees_up_to_its_tree_budget(tiny_engine_dir, tmp_path):
     """`metrale calibrate --tree-budget 10` stores counts 0..10 (8..10 draft trees of that many
     nodes), and a serve with auto and `--dflash-tree-budget 10` chooses each tree's budget among
-    1..10 from it; a budget past the most a tree holds is refused, naming the flag."""
+    1..10 from it; a budget past the most a tree holds, or below γ (no tree to measure), is
+    refused, naming the flag."""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.serving.service import EngineGenerator
     from metrale.runtime.spec.sampling import SamplingParams
@@ -91,6 +97,8 @@ def test_calibrate_measures_trees_up_to_its_tree_budget(tiny_engine_dir, tmp_pat
             "--max-tokens", "6", "--repeats", "1"]
     bad = CliRunner().invoke(app, [*args, "--tree-budget", "65"])
     assert bad.exit_code != 0 and "--tree-budget" in bad.output and "65" in bad.output
+    short = CliRunner().invoke(app, [*args, "--tree-budget", "3"])  # below γ: no tree to measure
+    assert short.exit_code != 0 and "--tree-budget 3" in short.output and "at least 8" in short.output
     res = CliRunner().invoke(app, [*args, "--tree-budget", "10"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     entries = json.loads((eng / "calibration.json").read_text())["entries"]

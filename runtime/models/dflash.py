@@ -270,8 +270,8 @@ class DFlashDrafter(nn.Module):
     def tree_candidates(self, proposal: Proposal, anchor: torch.Tensor, k: int) -> Proposal:
         """A proposal of this rank's vocabulary slice (tensor parallelism) as a draft tree of up
         to `k` nodes reads it: every slot's global top candidates (at least k, and the selector's
-        K) with their log-probabilities under the whole vocabulary, the same on every rank (one
-        all-gather, `TensorParallel.top_candidates`)."""
+        K) with their log-probabilities under the whole vocabulary, the same on every rank (an
+        all-gather besides the propose's, `TensorParallel.top_candidates`)."""
         vals, ids, lse = self.tp.top_candidates(
             proposal.logits, self.vocab_start, max(k, TOP_CANDIDATES, self.config.num_candidates),
             anchor.float(), normalizer=True)

@@ -21,6 +21,7 @@ other modes instead of being silently ignored.
 from __future__ import annotations
 
 import enum
+import logging
 import re
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from metrale.runtime.errors import ConfigError
 from metrale.runtime.spec.cost_model import DECIMAL, UINT, CostModel
 from metrale.runtime.spec.cost_model import quoted as _q
 from metrale.runtime.spec.help import HELP  # noqa: F401  (the flags' --help texts)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_NUM_DRAFTS, MAX_NUM_DRAFTS = 3, 32  # a chain past 32 drafts is never all accepted
 DEFAULT_REPROBE_INTERVAL = 16
@@ -382,6 +385,10 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
         most = cfg.dflash_tree_budget or gamma - 1
         adaptive_k = CostModel(first=calibrated.first, ms=calibrated.ms[: most + 1 - calibrated.first],
                                acceptance=calibrated.acceptance)
+        if adaptive_k.max_count < most:  # trees past the table: it cannot price them
+            log.warning("--dflash-tree-budget %d with --dflash-adaptive-k auto: the calibration prices "
+                        "trees of up to %d nodes, so no tree verifies more; run `metrale calibrate "
+                        "--tree-budget %d` to price them", most, adaptive_k.max_count, most)
     return ResolvedDFlash(
         block_size=block_size,
         gamma=gamma,

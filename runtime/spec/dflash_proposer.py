@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
+from metrale.runtime.errors import ConfigError
 from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder, TreeBudgetChooser
 from metrale.runtime.spec.config import ResolvedDFlash
@@ -43,7 +44,8 @@ class DFlashProposer(Proposer):
         self.controller = self.chooser = None
         cost = settings.adaptive_k
         # its chain counts (up to γ − 1): what a chain step costs, and a tree's verify routes
-        self.tree_cost = cost if cost is None else CostModel(cost.first, cost.ms[:max(1, settings.gamma - cost.first)])
+        self.tree_cost = cost if cost is None else CostModel(
+            cost.first, cost.ms[:max(1, settings.gamma - cost.first)], cost.acceptance)
         self.tree_verify = settings.tree_verify
         if cost is not None:
             # with trees the controller decides whether a step drafts at all (plain steps, with
@@ -120,7 +122,10 @@ class DFlashProposer(Proposer):
             if proposal.vocab_start or proposal.logits.shape[-1] != self.embed.weight.shape[0]:
                 # a tensor-parallel drafter's vocabulary slice: its global candidates, gathered
                 # (the eager drafter's: the serve refuses trees over other sharded faces)
-                assert isinstance(self.drafter, DFlashDrafter), type(self.drafter).__name__
+                if not isinstance(self.drafter, DFlashDrafter):
+                    raise ConfigError(f"--dflash-tree-budget {budget}: a draft tree over a sharded "
+                                      f"{type(self.drafter).__name__} needs the torch backend's "
+                                      "drafter; run --backend torch or --draft-tp-size 1")
                 proposal = self.drafter.tree_candidates(proposal, anchor, budget)
             drafts = block_tree(self.drafter, pending, proposal, budget)
             if self.chooser is not None and self.batch_size == 1:  # adaptive k: a stream alone
