@@ -139,8 +139,8 @@ class Decoder:
             proposer.rerun_rows()
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
-        self._tree_verify = None
-        if tree_attention and proposer is not None:
+        self._tree_verify = None  # (an exact verify runs a tree's path row by row: no route to choose)
+        if tree_attention and proposer is not None and not exact_verify:
             self._tree_verify = TreeVerifyChoice(proposer.tree_cost, self.device.type == "cuda",
                                                  proposer.tree_verify)
         self._runs, self._started = False, 0.0  # a scheduler takes `PlainRun`s; the sequence's start
