@@ -47,7 +47,7 @@ def grammars(tiny_engine):
 
 
 def _allowed(state) -> torch.Tensor:
-    return state._mask_row(torch.zeros(state.vocab_size)) > float("-inf")
+    return state.masked(torch.zeros(state.vocab_size)) > float("-inf")
 
 
 def test_drafts_walk_the_grammar_and_roll_back(tiny_engine, grammars):

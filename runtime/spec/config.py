@@ -383,8 +383,7 @@ def resolve_dflash(cfg: SpeculativeConfig, block_size: int,
         # counts γ allows, or with trees the tree budgets up to --dflash-tree-budget (a table
         # measured with `metrale calibrate --tree-budget`)
         most = cfg.dflash_tree_budget or gamma - 1
-        adaptive_k = CostModel(first=calibrated.first, ms=calibrated.ms[: most + 1 - calibrated.first],
-                               acceptance=calibrated.acceptance)
+        adaptive_k = calibrated.up_to(most)
         if adaptive_k.max_count < most:  # trees past the table: it cannot price them
             log.warning("--dflash-tree-budget %d with --dflash-adaptive-k auto: the calibration prices "
                         "trees of up to %d nodes, so no tree verifies more; run `metrale calibrate "

@@ -66,6 +66,10 @@ class CostModel:
             raise KeyError(count)
         return self.ms[count - self.first]
 
+    def up_to(self, count: int) -> CostModel:
+        """The same table (and acceptance) over its counts up to `count` (its first at least)."""
+        return CostModel(self.first, self.ms[:max(1, count + 1 - self.first)], self.acceptance)
+
     @property
     def row_ms(self) -> float:
         """What one more target row costs, ms: the mean step from 1 draft to the most (each

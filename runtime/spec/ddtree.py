@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from metrale.runtime.spec.sampling import sample_from_probs
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -236,8 +238,6 @@ def choose_child(probs: torch.Tensor, children: list[int], generator=None) -> tu
     accepted child or -1, the token). Each token is emitted with exactly its probability under
     `probs` (SpecInfer's multi-step speculative sampling with one-hot drafts, drawn without
     replacement); one uniform per child tried, then one for the draw."""
-    from metrale.runtime.spec.sampling import sample_from_probs
-
     residual = probs.double().clone()
     for i, c in enumerate(children):
         total, mass = residual.sum(), residual[c]
@@ -250,11 +250,12 @@ def choose_child(probs: torch.Tensor, children: list[int], generator=None) -> tu
     return -1, int(sample_from_probs(residual, generator))
 
 
-def walk(tree: Tree, choose) -> tuple[list[int], int]:
+def walk(tree: Tree, choose, kids: list[dict[int, int]] | None = None) -> tuple[list[int], int]:
     """A verify's outcome over the tree's rows: from the root, `choose(node, children)` (its
     children by token) -> (the child that continues the path, or None; the row's token).
-    -> (the accepted path's nodes, the token of the row that ended it: recovered or bonus)."""
-    kids = tree.children()
+    -> (the accepted path's nodes, the token of the row that ended it: recovered or bonus).
+    `kids`: the tree's `children()`, where the caller has them."""
+    kids = tree.children() if kids is None else kids
     path, node = [], 0
     while True:
         child, token = choose(node, kids[node])

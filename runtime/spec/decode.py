@@ -37,7 +37,7 @@ from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.spec.plain_run import PlainRun, greedy_ids
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
-from metrale.runtime.spec.tree_verify import TreeVerifyChoice
+from metrale.runtime.spec.tree_verify import TreeVerifyChoice, best_chain
 from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
 from metrale.runtime.steps import Forward, Step, drive
 
@@ -122,10 +122,6 @@ class Decoder:
         self.grammar = grammar
         if proposer is not None:
             proposer.grammar = grammar
-        # the target can run a draft tree's rows in one forward (`LoadedEngine.tree_attention`);
-        # each tree then goes so or along its paths, whichever costs less (`tree_verify`);
-        # without, along its paths (`_tree_step`)
-        self.tree_attention = tree_attention
         self.exact_verify = exact_verify
         self._proposer_len = proposer.max_len if proposer is not None else 0
         self._follows = proposer is not None and proposer.follows  # looked up once: steps are hot
@@ -139,7 +135,10 @@ class Decoder:
             proposer.rerun_rows()
         self.max_context = max_context or target.config.max_position_embeddings
         self.device = target.model.embed_tokens.weight.device  # looked up once: steps are hot
-        self._tree_verify = None  # (an exact verify runs a tree's path row by row: no route to choose)
+        # where the target can run a draft tree's rows in one forward (`LoadedEngine.tree_attention`)
+        # each tree goes so or along its paths (`tree_verify`); elsewhere along its paths (an exact
+        # verify runs a tree's path row by row: no route to choose)
+        self._tree_verify = None
         if tree_attention and proposer is not None and not exact_verify:
             self._tree_verify = TreeVerifyChoice(proposer.tree_cost, self.device.type == "cuda",
                                                  proposer.tree_verify)
@@ -366,19 +365,24 @@ class Decoder:
         t1 = time.perf_counter()
         taps, device = self._taps(), self.device
         greedy = params.greedy
+        kids = tree.children()
+        argmax = (None, [])  # the last forward's output and its rows' argmax, taken once for all
 
-        def choose(out, row: int, kids: dict[int, int]) -> tuple[int | None, int]:
-            """Row `row` of `out` at a node with children `kids` -> (the child that continues
-            the path or None, the row's token)."""
+        def choose(out, row: int, children: dict[int, int]) -> tuple[int | None, int]:
+            """Row `row` of `out` at a node with `children` (by token) -> (the child that
+            continues the path or None, the row's token)."""
+            nonlocal argmax
             if greedy:
-                token = greedy_ids(out)[row]
-                return kids.get(token), token
-            j, token = choose_child(probs_from_logits(out.logits[0, row], params), list(kids), gen)
-            return (kids[token] if j >= 0 else None), token
+                if argmax[0] is not out:
+                    argmax = (out, greedy_ids(out))
+                token = argmax[1][row]
+                return children.get(token), token
+            j, token = choose_child(probs_from_logits(out.logits[0, row], params), list(children), gen)
+            return (children[token] if j >= 0 else None), token
 
         path, node, base = [], 0, cache.length
         if self.exact_verify:
-            outs, kids = [], tree.children()
+            outs = []
             while True:
                 out = yield Forward([tree.tokens[node]], cache, taps, device=device)
                 outs.append(out)
@@ -388,14 +392,11 @@ class Decoder:
                 path.append(child)
                 node = child
             kept, verify_rows = joined_outputs(outs), len(outs)
-        elif self._tree_verify is None or not self._tree_verify.one_forward(tree):
-            kids = tree.children()
+        elif self._tree_verify is None or not self._tree_verify.one_forward(tree, kids):
             verify_rows, nodes = 0, []
             while True:
                 if node not in nodes:  # the walk left the chain run last: the chain through `node`
-                    nodes = [0, *path]
-                    while kids[nodes[-1]]:
-                        nodes.append(next(iter(kids[nodes[-1]].values())))  # the best child
+                    nodes = best_chain(tree, kids, (0, *path))
                     cache.length = base
                     out = yield Forward([tree.tokens[n] for n in nodes], cache, taps, device=device)
                     verify_rows += len(nodes)
@@ -405,14 +406,14 @@ class Decoder:
                 path.append(child)
                 node = child
             cache.length = base + 1 + len(path)
-            kept = output_rows(out, torch.arange(len(path) + 1, device=device))
+            kept = out  # (its first rows are the root's and the path's)
         else:
             out = yield Forward(list(tree.tokens), cache, taps, device=device, tree=tree)
-            path, token = walk(tree, lambda node, kids: choose(out, node, kids))
+            path, token = walk(tree, lambda node, children: choose(out, node, children), kids)
             cache.keep_path(base, path)
             kept, verify_rows = output_rows(out, torch.tensor([0, *path], device=device)), len(tree.tokens)
         if self._tree_verify is not None:
-            self._tree_verify.observe(tree, path)
+            self._tree_verify.observe(tree, path, kids)
         accepted = len(path)
         emitted_ids = [tree.tokens[n] for n in path] + [token]
         t2 = time.perf_counter()

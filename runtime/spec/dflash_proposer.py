@@ -26,7 +26,6 @@ from metrale.runtime.errors import ConfigError
 from metrale.runtime.models.dflash import DFlashDrafter
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder, TreeBudgetChooser
 from metrale.runtime.spec.config import ResolvedDFlash
-from metrale.runtime.spec.cost_model import CostModel
 from metrale.runtime.spec.ddtree import block_tree
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.steps import DraftForward
@@ -44,15 +43,14 @@ class DFlashProposer(Proposer):
         self.controller = self.chooser = None
         cost = settings.adaptive_k
         # its chain counts (up to γ − 1): what a chain step costs, and a tree's verify routes
-        self.tree_cost = cost if cost is None else CostModel(
-            cost.first, cost.ms[:max(1, settings.gamma - cost.first)], cost.acceptance)
+        self.tree_cost = cost if cost is None else cost.up_to(settings.max_drafts)
         self.tree_verify = settings.tree_verify
         if cost is not None:
             # with trees the controller decides whether a step drafts at all (plain steps, with
             # its probes, where no count pays at the trees' measured acceptance), the chooser
             # how many nodes a drafted tree verifies
-            self.controller = AdaptiveKController(self.tree_cost if settings.tree_budget else cost,
-                                                  settings.max_drafts, settings.reprobe_interval or 16, ladder)
+            self.controller = AdaptiveKController(self.tree_cost, settings.max_drafts,
+                                                  settings.reprobe_interval or 16, ladder)
             if settings.tree_budget:
                 self.chooser = TreeBudgetChooser(cost, settings.tree_budget)
         self.last_k = 0

@@ -78,7 +78,7 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.stop = min(self.matcher.stop_token_ids)
 
-    def _mask_row(self, row: torch.Tensor) -> torch.Tensor:
+    def masked(self, row: torch.Tensor) -> torch.Tensor:
         """`row` [V] (a copy, float32) with the tokens the current state refuses at -inf."""
         row = row.detach().float().reshape(1, -1).clone()
         if self.matcher.is_terminated():  # a row after the end (a draft's): the end again
@@ -88,10 +88,6 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(self.bitmask)
         self._apply(row, self.bitmask.to(row.device), vocab_size=self.vocab_size)
         return row[0]
-
-    def masked(self, row: torch.Tensor) -> torch.Tensor:
-        """`row` [V] (a copy, float32) with the tokens the current state refuses at -inf."""
-        return self._mask_row(row)
 
     @property
     def done(self) -> bool:
@@ -114,7 +110,7 @@ class GrammarState:
         out: list[int] = []
         for i, d in enumerate(drafts):
             if not self.push(d):
-                row = self._mask_row(logits[i])
+                row = self.masked(logits[i])
                 d = int(row.argmax())
                 if row[d] == float("-inf") or not self.push(d):
                     break
@@ -132,11 +128,10 @@ class GrammarState:
         left as it was."""
         n = 0
         for d in drafts:
-            if self.done or not self.matcher.accept_token(d):
+            if not self.push(d):
                 break
             n += 1
-        if n:
-            self.matcher.rollback(n)
+        self.rollback(n)
         return n
 
     def masked_rows(self, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
@@ -145,11 +140,10 @@ class GrammarState:
         it was."""
         out = []
         for i in range(rows.shape[0]):
-            out.append(self._mask_row(rows[i]))
+            out.append(self.masked(rows[i]))
             if i < rows.shape[0] - 1:
-                self.matcher.accept_token(drafts[i])
-        if rows.shape[0] > 1:
-            self.matcher.rollback(rows.shape[0] - 1)
+                self.push(drafts[i])
+        self.rollback(rows.shape[0] - 1)
         return torch.stack(out)
 
     def greedy(self, rows: torch.Tensor, drafts: list[int]) -> list[int]:
@@ -158,7 +152,7 @@ class GrammarState:
         holds the accepted drafts and that row's token, as the step emits them."""
         ids: list[int] = []
         for i in range(rows.shape[0]):
-            token = int(self._mask_row(rows[i]).argmax())
+            token = int(self.masked(rows[i]).argmax())
             ids.append(token)
             self.accept(token)
             if i >= len(drafts) or token != drafts[i] or self.done:

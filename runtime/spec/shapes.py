@@ -10,7 +10,6 @@ from typing import Any, Callable
 from metrale.runtime.components import StepShape
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.spec.config import SpecMode
-from metrale.runtime.spec.cost_model import CostModel
 from metrale.runtime.spec.dflash_proposer import DFlashProposer
 from metrale.runtime.spec.mtp_proposer import MTPProposer
 from metrale.runtime.spec.proposer import Proposer
@@ -33,17 +32,15 @@ def _block_modes(name: str, cfg: DFlashConfig, cost) -> list[tuple[str, dict]]:
              (f"{name} γ=4", {**base, "dflash_gamma": 4}),
              (f"{name} ladder {rungs}", {**base, "dflash_draft_ladder": rungs})]
     if cost is not None:  # its measured CostModel, with its acceptance (chains: its counts up to γ − 1)
-        chain = CostModel(cost.first, cost.ms[:g - cost.first], cost.acceptance)
-        modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": chain}))
+        modes.append((f"{name} adaptive-k", {**base, "dflash_adaptive_k": cost.up_to(g - 1)}))
     for budget in TREE_BUDGETS:  # draft trees
         modes.append((f"{name} tree {budget}", {**base, "dflash_tree_budget": budget}))
     # (bench drops it where the target has no tree mask)
     modes.append((f"{name} tree {TREE_BUDGETS[0]} forward",
                   {**base, "dflash_tree_budget": TREE_BUDGETS[0], "dflash_tree_verify": "forward"}))
     if cost is not None and cost.max_count >= TREE_BUDGETS[0]:  # each tree's budget chosen
-        trees = CostModel(cost.first, cost.ms[:TREE_BUDGETS[0] + 1 - cost.first], cost.acceptance)
-        modes.append((f"{name} tree {TREE_BUDGETS[0]} adaptive-k",
-                      {**base, "dflash_tree_budget": TREE_BUDGETS[0], "dflash_adaptive_k": trees}))
+        modes.append((f"{name} tree {TREE_BUDGETS[0]} adaptive-k", {**base, "dflash_tree_budget": TREE_BUDGETS[0],
+                                                                     "dflash_adaptive_k": cost.up_to(TREE_BUDGETS[0])}))
     modes.append((f"{name} tree {TREE_BUDGETS[0]} exact",
                   {**base, "dflash_tree_budget": TREE_BUDGETS[0], "exact_verify": True}))
     return modes

@@ -22,23 +22,22 @@ from metrale.runtime.spec.cost_model import CostModel
 from metrale.runtime.spec.ddtree import Tree
 
 
-def best_chain(tree: Tree) -> list[int]:
-    """The nodes from the root along each node's best child (the first taken): the walk's first
-    chain."""
-    kids = tree.children()
-    nodes = [0]
+def best_chain(tree: Tree, kids: list[dict[int, int]] | None = None, start: tuple[int, ...] = (0,)) -> list[int]:
+    """The nodes `start` (the root, or a path from it) then along each node's best child (its
+    first, in the order the tree took them): the walk's chain through `start`. `kids`: the
+    tree's `children()`, where the caller has them."""
+    kids = tree.children() if kids is None else kids
+    nodes = list(start)
     while kids[nodes[-1]]:
         nodes.append(next(iter(kids[nodes[-1]].values())))
     return nodes
 
 
-def switches(tree: Tree, path: list[int]) -> int:
+def switches(tree: Tree, path: list[int], kids: list[dict[int, int]] | None = None) -> int:
     """Chains the walk runs after its first for an accepted `path` (nodes past the root): one for
     each node of it that is not its parent's best child."""
-    best: dict[int, int] = {}
-    for i in range(1, len(tree.tokens)):
-        best.setdefault(tree.parents[i], i)
-    return sum(1 for n in path if best[tree.parents[n]] != n)
+    kids = tree.children() if kids is None else kids
+    return sum(1 for n in path if next(iter(kids[tree.parents[n]].values())) != n)
 
 
 class TreeVerifyChoice:
@@ -54,16 +53,22 @@ class TreeVerifyChoice:
             self.row_ms = cost.row_ms
             self.step_ms = max(0.0, cost.cost(cost.first) - cost.first * self.row_ms)
 
-    def one_forward(self, tree: Tree) -> bool:
+    @property
+    def measures(self) -> bool:
+        """Whether the walk's switches decide anything (auto, under a cost table)."""
+        return self.mode == "auto" and self.priced
+
+    def one_forward(self, tree: Tree, kids: list[dict[int, int]] | None = None) -> bool:
         """Whether `tree`'s rows run in one forward (else along its paths)."""
         if self.mode != "auto":
             return self.mode == "forward"
         if not self.priced:
             return self.rows_in_parallel
-        chain = len(best_chain(tree)) - 1
+        chain = len(best_chain(tree, kids)) - 1
         extra_rows = (tree.size - chain) * self.row_ms
         return extra_rows <= self.switches * (self.step_ms + chain * self.row_ms)
 
-    def observe(self, tree: Tree, path: list[int]) -> None:
+    def observe(self, tree: Tree, path: list[int], kids: list[dict[int, int]] | None = None) -> None:
         """A verified tree's accepted path: what the walk would have run again."""
-        self.switches = self.decay * self.switches + (1.0 - self.decay) * switches(tree, path)
+        if self.measures:
+            self.switches = self.decay * self.switches + (1.0 - self.decay) * switches(tree, path, kids)
