@@ -98,11 +98,6 @@ class Job:
     rel: str
     linear: str = "gemm"
 
-    @property
-    def tree_rows(self) -> bool:
-        """Its package takes each row's hidden drafts: the target's (`BatchedTreeTargetStep`)."""
-        return kind_named(self.kind).role is Role.TARGET
-
 
 def _sources_digest() -> str:
     import metrale.plugins.dynamic_conv as conv
@@ -320,7 +315,7 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
         entries = [{"file": j.rel, "compile_s": compiled[j.rel], "batched": True,
                     **({"feed": j.rows, "block": staged_block(root, name), "distributions": True}
                        if roles.get(name) is Role.DRAFTER
-                       else {"rows": j.rows, "dynamic_rows": True, "tree_rows": j.tree_rows})}
+                       else {"rows": j.rows, "dynamic_rows": True, "tree_rows": name == "target"})}
                    for j in mine]
         out[name] = CpuPackages.model_validate(
             {"packages": entries, **fingerprint, "max_slots": slots, "linear": mine[0].linear,

@@ -44,6 +44,7 @@ from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.artifact.entries import ComponentEntry, CpuPackage, CpuPackages
 from metrale.runtime.components import KINDS
+from metrale.runtime.models.kv_cache import move_path
 from metrale.runtime.errors import EngineDirError
 from metrale.runtime.models.layers import pack_for_inference
 from metrale.runtime.models.qwen3 import Qwen3ForCausalLM, TargetOutput
@@ -86,13 +87,9 @@ class StaticKVCache:
         """After a draft tree's verify written from slot `base` (node i at slot base+i): the
         accepted path's nodes `path` move to base+1.., as a chain verify of the path writes
         them (`kv_cache.KVCache.keep_path`); the length becomes base+1+len(path)."""
-        n = len(path)
-        if path != list(range(1, n + 1)):
-            src = torch.tensor([base + j for j in path], device=self.device)
-            with torch.inference_mode():  # (a graph target's static buffers are inference tensors)
-                for t in self.kv:  # [S, nkv, hd]
-                    t[base + 1:base + 1 + n] = t.index_select(0, src)
-        self.length = base + 1 + n
+        with torch.inference_mode():  # (a graph target's static buffers are inference tensors)
+            move_path([(t, 0) for t in self.kv], base, path)  # [S, nkv, hd]
+        self.length = base + 1 + len(path)
 
 
 @dataclass(frozen=True)
@@ -198,6 +195,16 @@ class CompiledTarget(TargetFace):
                  taps: tuple[int, ...] = ()) -> TargetOutput:
         """ids [1, T] at positions start.. (default cache.length); cache.length becomes start+T."""
         start = cache.length if start is None else start
+        out = self._chunks(ids, cache, start, taps)
+        cache.length = start + ids.shape[1]
+        return out
+
+    def _chunks(self, ids: torch.Tensor, cache: StaticKVCache, start: int, taps: tuple[int, ...],
+                hide: torch.Tensor | None = None) -> TargetOutput:
+        """ids [1, T] from slot `start` on, in package calls of at most `max_rows` rows (a later
+        chunk reads what an earlier wrote), the padding rows dropped; `hide` [T]: a draft tree's
+        rows' hidden drafts (`TargetStep`), passed to packages that take them (the padding rows
+        hide nothing)."""
         t = ids.shape[1]
         logits, hidden, tapped = [], [], []
         for c0 in range(0, t, self.max_rows):
@@ -208,14 +215,14 @@ class CompiledTarget(TargetFace):
             if start + c0 + width > cache.max_len:
                 raise ValueError(f"positions up to {start + c0 + width} exceed the cache's "
                                  f"{cache.max_len} slots")
-            outs = pkg(_pad_rows(chunk, width), torch.tensor([start + c0]), *cache.kv)
+            extra = {} if hide is None else {"hide": _pad_rows(hide[None, c0:c0 + n], width)[0]}
+            outs = pkg(_pad_rows(chunk, width), torch.tensor([start + c0]), *cache.kv, **extra)
             if n < width:  # padding rows: not the caller's
                 outs = [o[:, :n] for o in outs]
             logits.append(outs[0])
             hidden.append(outs[1])
             if self.taps:
                 tapped.append(outs[2])
-        cache.length = start + t
         cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # noqa: E731
         tap = self.select_taps(cat(tapped), taps) if taps else None
         return TargetOutput(logits=cat(logits), last_hidden=cat(hidden), taps=tap)

@@ -42,7 +42,7 @@ import torch
 
 from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.backends import TreeRows
-from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache, _pad_rows
+from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
 from metrale.runtime.models.qwen3 import TargetOutput
 from metrale.runtime.artifact.engine import LoadedEngine
 
@@ -177,7 +177,6 @@ class GraphRunner:
             self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
             # each row's hidden drafts (`TargetStep`'s `hide`): zeros but for a draft tree's rows
             self.hide = {r: torch.zeros(r, dtype=torch.long, device=self.device) for r in self.rows}
-        self._hid: set[int] = set()  # the row counts whose `hide` holds a tree's bits
         self.captured: dict[tuple[int, int], tuple[object, tuple[torch.Tensor, ...]]] = {}
         self.replays = 0
         self._current = None  # weakref to the cache handed out last
@@ -240,11 +239,9 @@ class GraphRunner:
             self.pos.copy_(pos.reshape(1), non_blocking=True)
             if hide is not None:
                 self.hide[rows].copy_(hide, non_blocking=True)
-                self._hid.add(rows)
-            elif rows in self._hid:  # a tree's bits left from its replay
-                self.hide[rows].zero_()
-                self._hid.discard(rows)
             self.graphs.replay(graph)
+            if hide is not None:  # the next replay's rows hide nothing unless told
+                self.hide[rows].zero_()
             self.replays += 1
             return tuple(o.clone() for o in outs)
 
@@ -288,22 +285,9 @@ class GraphTarget(CompiledTarget, TreeRows):
         prompt is (a later chunk reads what an earlier wrote): node i at slot length + i, its
         hidden drafts (`Tree.hidden_bits`) in the graphs' `hide`; the padding rows hide nothing
         and are dropped. The cache's length stays, for `keep_path`."""
-        cache, tokens = f.cache, list(f.tree.tokens)
-        hide = torch.tensor(f.tree.hidden_bits(), device=cache.device)
-        ids = torch.tensor([tokens], device=cache.device)
-        base, t = cache.length, len(tokens)
-        outs = []
-        for c0 in range(0, t, self.max_rows):
-            n = min(self.max_rows, t - c0)
-            pkg = self._package(n, cache)
-            if base + c0 + pkg.rows > cache.max_len:
-                raise ValueError(f"positions up to {base + c0 + pkg.rows} exceed the cache's {cache.max_len} slots")
-            got = pkg(_pad_rows(ids[:, c0:c0 + n], pkg.rows), torch.tensor([base + c0]), *cache.kv,
-                      hide=_pad_rows(hide[None, c0:c0 + n], pkg.rows)[0])
-            outs.append([o[:, :n] for o in got])
-        cat = lambda i: outs[0][i] if len(outs) == 1 else torch.cat([o[i] for o in outs], dim=1)  # noqa: E731
-        return TargetOutput(logits=cat(0), last_hidden=cat(1),
-                            taps=self.select_taps(cat(2), f.taps) if f.taps else None)
+        device = f.cache.device
+        return self._chunks(torch.tensor([list(f.tree.tokens)], device=device), f.cache, f.cache.length,
+                            f.taps, torch.tensor(f.tree.hidden_bits(), device=device))
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         if batch != 1:

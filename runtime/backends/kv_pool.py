@@ -12,6 +12,8 @@ import weakref
 
 import torch
 
+from metrale.runtime.models.kv_cache import move_path
+
 FIRST_CAPACITY = 4  # sequences a pool holds before it first grows (it doubles when full)
 
 
@@ -92,13 +94,9 @@ class PooledCache:
         accepted path's nodes `path` move to the slots of their positions, base+1.., as a chain
         verify of the path writes them (`kv_cache.KVCache.keep_path`); the length becomes
         base+1+len(path)."""
-        n = len(path)
-        if path != list(range(1, n + 1)):
-            src = torch.tensor([base + j for j in path], device=self.device)
-            keys, values = self.pool.keys[:, self.index], self.pool.values[:, self.index]
-            keys[..., base + 1:base + 1 + n] = keys.index_select(3, src)  # [L, nkv, hd, S]
-            values[:, base + 1:base + 1 + n] = values.index_select(1, src)  # [L, S, nkv, hd]
-        self.length = base + 1 + n
+        i = self.index  # keys [L, nkv, hd, S], values [L, S, nkv, hd]
+        move_path([(self.pool.keys[:, i], 3), (self.pool.values[:, i], 1)], base, path)
+        self.length = base + 1 + len(path)
 
     @property
     def device(self) -> torch.device:

@@ -15,6 +15,18 @@ def causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:
     return cols <= rows
 
 
+def move_path(tensors: list[tuple[torch.Tensor, int]], base: int, path: list[int]) -> None:
+    """A cache's `keep_path` over its tensors (each with its slot dimension): the slots of a
+    draft tree's accepted nodes, base + path[i], copied to base + 1 + i (nothing moves where the
+    path is the tree's first nodes)."""
+    n = len(path)
+    if path == list(range(1, n + 1)):
+        return
+    for t, dim in tensors:
+        src = torch.tensor([base + j for j in path], device=t.device)
+        t.narrow(dim, base + 1, n).copy_(t.index_select(dim, src))
+
+
 class KVCache:
     """Preallocated keys/values for a stack of attention layers, one sequence length for the batch.
 
@@ -47,10 +59,7 @@ class KVCache:
         """After a draft tree's verify written from slot `base` (node i at slot base+i): the
         accepted path's nodes `path` move to the slots of their positions, base+1.., as a
         chain verify of the path would have written them; the length becomes base+1+len(path)."""
-        if path != list(range(1, len(path) + 1)):
-            src = base + torch.tensor(path, device=self.k.device)
-            for kv in (self.k, self.v):  # [L, B, nkv, S, hd]
-                kv[:, :, :, base + 1:base + 1 + len(path)] = kv.index_select(3, src)
+        move_path([(self.k, 3), (self.v, 3)], base, path)  # [L, B, nkv, S, hd]
         self.length = base + 1 + len(path)
 
     def mask(self, t: int, start: int, device) -> torch.Tensor | None:
