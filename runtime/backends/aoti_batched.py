@@ -120,7 +120,8 @@ class BatchedTarget(TargetFace, BatchedFace):
         # a draft tree's rows run in one forward, each with its path's chain row's bits (the
         # decode loop then verifies trees so: `LoadedEngine.tree_attention`)
         self.tree_rows = tree_rows
-        self._no_hide = torch.zeros(package.rows, dtype=torch.long)
+        # each call's `hide` where no row is a tree's, by row count: made once, not per call
+        self._no_hide = [torch.zeros(n, dtype=torch.long) for n in range(package.rows + 1)]
         self.lanes = lanes or Lanes(1)
         self.prefix_cache: PrefixCache | None = None  # set by `serve --prefix-cache-tokens`
         self.rows = _Rows([package], "target")
@@ -288,7 +289,7 @@ class BatchedTarget(TargetFace, BatchedFace):
             mine = [w - c for w in want if c <= w < c + step]
             inputs = [ids[c:c + step], pos[c:c + step], seq[c:c + step], _longs(mine or [min(step, n - c) - 1])]
             if self.hides:
-                inputs.append(hide[c:c + step] if hide is not None else self._no_hide[:min(step, n - c)])
+                inputs.append(hide[c:c + step] if hide is not None else self._no_hide[min(step, n - c)])
             calls.append((self.package, bool(mine), (*inputs, *kv)))
         return calls
 
