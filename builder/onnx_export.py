@@ -7,8 +7,9 @@ K/V returned instead of written back), the drafter's `context_kv` and `_blocks` 
 graph inputs to those calls and their results to graph outputs, so the graph has dynamic sequence
 and past lengths and no second implementation of a forward. Graph I/O (all float tensors in the model's dtype, ids/positions int64):
 
-- target step: `input_ids` [1, T], `past_key`/`past_value` [L, 1, nkv, P, hd], `position` [1]
-  -> `logits` [1, T, V], `new_key`/`new_value` [L, 1, nkv, T, hd], `taps` [1, T, n·H] (the
+- target step: `input_ids` [1, T], `past_key`/`past_value` [L, 1, nkv, P, hd], `position` [1],
+  `tree_mask` [T, T] bool (new row i sees new row j: the causal mask for a chain, a draft tree's
+  ancestors for its rows, each then at `position` + its depth) -> `logits` [1, T, V], `new_key`/`new_value` [L, 1, nkv, T, hd], `taps` [1, T, n·H] (the
   hidden states of the tapped layer ids as transformers numbers them — the last layer's after the
   final norm — concatenated in order; only with taps),
   `last_hidden` [1, T, H].
@@ -219,10 +220,10 @@ class TargetStep(nn.Module):
         cfg = model.config
         kv = _kv_shape(cfg.num_hidden_layers, cfg, past)
         ids = torch.randint(0, cfg.vocab_size, (1, t), generator=gen)
-        return ids, rand(*kv), rand(*kv), pos
+        return ids, rand(*kv), rand(*kv), pos, torch.ones(t, t, dtype=torch.bool).tril()
 
-    def forward(self, input_ids, past_key, past_value, position):
-        cache = StepKV(past_key, past_value, position)
+    def forward(self, input_ids, past_key, past_value, position, tree_mask):
+        cache = StepKV(past_key, past_value, position, tree_mask)
         out = self.model(input_ids, cache, start=position, taps=self.taps)
         outs = [out.logits, *cache.new_kv()]
         if self.taps:

@@ -113,11 +113,13 @@ _KV = {3: "past"}
 
 def _target_io(cfg, taps: tuple[int, ...]) -> GraphIO:
     outs = ("logits", "new_key", "new_value") + (("taps",) if taps else ()) + ("last_hidden",)
-    dyn = {"input_ids": {1: "tokens"}, "past_key": _KV, "past_value": _KV, "logits": {1: "tokens"},
+    dyn = {"input_ids": {1: "tokens"}, "past_key": _KV, "past_value": _KV,
+           "tree_mask": {0: "tokens", 1: "tokens"}, "logits": {1: "tokens"},
            "new_key": {3: "tokens"}, "new_value": {3: "tokens"}, "last_hidden": {1: "tokens"}}
     if taps:
         dyn["taps"] = {1: "tokens"}
-    return GraphIO(("input_ids", "past_key", "past_value", "position"), outs, dyn)
+    # `tree_mask` [T, T] bool: which new rows each new row sees (`step_caches.StepKV`)
+    return GraphIO(("input_ids", "past_key", "past_value", "position", "tree_mask"), outs, dyn)
 
 
 def _mtp_io(cfg, taps: tuple[int, ...]) -> GraphIO:

@@ -34,6 +34,11 @@ from dataclasses import dataclass
 import torch
 
 
+# The most drafts a draft tree holds (`--dflash-tree-budget`'s range): its verify's rows are
+# these and the root's.
+MAX_TREE_NODES = 64
+
+
 class StepKind(enum.IntEnum):
     """Which model a step runs: what the scheduler counts it as."""
 

@@ -190,12 +190,44 @@ def test_target_step_matches_runtime_forward(tiny_engine):
         model(prompt, cache)
         pk, pv = _stale(cache.k, 5), _stale(cache.v, 5)
         ref = model(new, cache, taps=taps)
-        logits, nk, nv, tapped, last = ox.TargetStep(model, taps)(new, pk, pv, torch.tensor([5]))
+        causal = torch.ones(3, 3, dtype=torch.bool).tril()
+        logits, nk, nv, tapped, last = ox.TargetStep(model, taps)(new, pk, pv, torch.tensor([5]), causal)
     torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(tapped, ref.taps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(last, ref.last_hidden, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(nk, cache.k[:, :, :, 5:8], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(nv, cache.v[:, :, :, 5:8], atol=1e-5, rtol=1e-5)
+
+
+def test_target_step_runs_a_draft_trees_rows_as_the_eager_tree_forward(tiny_engine):
+    """With a tree's mask, each new row sits at the position its depth gives and sees the past
+    and its ancestors only: the eager model's one tree forward (`TreeKV`)."""
+    from metrale.runtime.models.step_caches import TreeKV
+    from metrale.runtime.spec.ddtree import Tree
+
+    model = tiny_engine.target
+    gen = torch.Generator().manual_seed(4)
+    parents, depths = [-1], [0]
+    for i in range(1, 9):
+        parents.append(int(torch.randint(0, i, (1,), generator=gen)))
+        depths.append(depths[parents[-1]] + 1)
+    tree = Tree(tuple(torch.randint(0, model.config.vocab_size, (9,), generator=gen).tolist()),
+                tuple(parents), tuple(depths))
+    assert max(depths) < 8  # not a chain: some rows must hide drafts before them
+    prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=gen)
+    cache = model.new_cache(1, 20)
+    with torch.no_grad():
+        model(prompt, cache)
+        pk, pv = _stale(cache.k, 5), _stale(cache.v, 5)
+        ref = model(torch.tensor([tree.tokens]), TreeKV(cache, tree), taps=(1,))
+        logits, nk, nv, tapped, _ = ox.TargetStep(model, (1,))(
+            torch.tensor([tree.tokens]), pk, pv, torch.tensor([5]), tree.mask())
+        chain = ox.TargetStep(model, (1,))(torch.tensor([tree.tokens]), pk, pv, torch.tensor([5]),
+                                           torch.ones(9, 9, dtype=torch.bool).tril())[0]
+    torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tapped, ref.taps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nk, cache.k[:, :, :, 5:14], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits, chain, atol=1e-3)  # the mask matters: a chain's rows differ
 
 
 def test_mtp_step_matches_runtime_forward(tiny_engine):

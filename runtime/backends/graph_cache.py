@@ -24,6 +24,8 @@ import weakref
 
 import torch
 
+from metrale.runtime.models.kv_cache import move_path
+
 
 # Rows one speculative step may write past the decode budget: every component's cache keeps this
 # headroom past the usable context (`position_limit`).
@@ -68,6 +70,15 @@ class EngineCache:
             raise ValueError(f"KV cache holds {self.max_len} positions; {end} requested")
         self.k[:, :, :, start:end] = k
         self.v[:, :, :, start:end] = v
+
+
+    def keep_path(self, base: int, path: list[int]) -> None:
+        """After a draft tree's verify written from slot `base` (node i at slot base+i): the
+        accepted path's nodes `path` move to the slots of their positions, base+1.., as a chain
+        verify of the path writes them (`kv_cache.KVCache.keep_path`); the length becomes
+        base+1+len(path)."""
+        move_path([(self.k, 3), (self.v, 3)], base, path)  # [L, 1, nkv, S, hd]
+        self.length = base + 1 + len(path)
 
 
 class SlotPool:

@@ -43,6 +43,7 @@ from torch import nn
 from metrale.runtime.artifact.engine_check import component_config
 from metrale.runtime.backends.graph_cache import CacheSizes, EngineCache, position_limit
 from metrale.runtime.backend_registry import BackendEntry
+from metrale.runtime.backends import TreeRows
 from metrale.runtime.components import KINDS, StepShape
 from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
 from metrale.runtime.models.dflash import CandidateSelector, Proposal, candidate_drafts
@@ -50,6 +51,7 @@ from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.errors import EngineDirError, MetraleError
 from metrale.runtime.models.qwen3 import TargetOutput
 from metrale.runtime.models.tp import local_decoder, shard_range
+from metrale.runtime.steps import MAX_TREE_NODES
 
 KV = ("past_key", "past_value")
 
@@ -93,7 +95,11 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 # -- the stand-ins ---------------------------------------------------------------------------
 
 
-class GraphTarget(_Component):
+class GraphTarget(_Component, TreeRows):
+    """The target over its step graph. A graph with a `tree_mask` input (`onnx_export.TargetStep`)
+    runs a draft tree's rows in one call where its profile takes the largest tree's rows
+    (`tree_rows`); every other call feeds it the causal mask."""
+
     @classmethod
     def from_graph(cls, runner: GraphRunner, name: str, info: dict, cfg: DecoderConfig,
                    ctx) -> "GraphTarget":
@@ -111,6 +117,9 @@ class GraphTarget(_Component):
                                                                max_positions))
         self.model = SimpleNamespace(embed_tokens=embed)
         self.engine_taps = engine_taps
+        self.masked = "tree_mask" in runner.dtypes  # a graph exported before trees has none
+        self.tree_rows = self.masked and self.max_new >= MAX_TREE_NODES + 1
+        self._causal: dict[int, torch.Tensor] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,22 +137,53 @@ class GraphTarget(_Component):
             cache = self.new_cache(1, ids.shape[1])
         start = cache.length if start is None else start
         cache.reserve(start + ids.shape[1])  # before any call: graph keys name the final buffer
-        parts = []
-        for lo in range(0, ids.shape[1], self.max_new):  # the profile's most new tokens per call
-            chunk = ids[:, lo:lo + self.max_new]  # [1, t]
-            feeds = {"input_ids": chunk, "past_key": cache.k, "past_value": cache.v,
-                     "position": self._position(start + lo)}
-            key = ("step", cache.slot_id) if chunk.shape[1] == 1 else None
-            out = self.runner.run(feeds, graph_key=key, persistent=KV)
-            cache.write_new(start + lo, out["new_key"], out["new_value"])
-            parts.append(out)
+        parts = [self._step(ids[:, lo:lo + self.max_new], cache, start + lo)  # [1, t] each
+                 for lo in range(0, ids.shape[1], self.max_new)]  # the profile's most rows per call
         cache.length = start + ids.shape[1]
+        return self._output(parts, taps)
+
+    forward = __call__
+
+    def forward_tree(self, f) -> TargetOutput:
+        """A draft tree's rows (`Forward.tree`) in one call: node i written at slot length + i, at
+        position length + its depth, seeing the cache before the root and its own ancestors
+        (`Tree.mask` as the graph's `tree_mask`). The cache's length stays, for `keep_path`."""
+        cache, tree, device = f.cache, f.tree, self.runner.device
+        rows = len(tree.tokens)
+        if rows > self.max_new:
+            raise ValueError(f"a draft tree of {rows} rows: the target graph's profile takes "
+                             f"{self.max_new} rows a call")
+        cache.reserve(cache.length + rows)
+        out = self._step(torch.tensor([list(tree.tokens)], device=device), cache, cache.length,
+                         tree.mask().to(device))
+        return self._output([out], f.taps)
+
+    def _step(self, ids: torch.Tensor, cache: EngineCache, start: int,
+              mask: torch.Tensor | None = None) -> dict:
+        """One graph call: rows ids [1, t] from position `start`, their new K/V written at slots
+        start.. ; `mask` [t, t] (a tree's; default the causal one) where the graph takes one."""
+        t = ids.shape[1]
+        feeds = {"input_ids": ids, "past_key": cache.k, "past_value": cache.v,
+                 "position": self._position(start)}
+        if self.masked:
+            feeds["tree_mask"] = self._causal_mask(t) if mask is None else mask
+        key = ("step", cache.slot_id) if t == 1 else None
+        out = self.runner.run(feeds, graph_key=key, persistent=KV)
+        cache.write_new(start, out["new_key"], out["new_value"])
+        return out
+
+    def _causal_mask(self, t: int) -> torch.Tensor:
+        mask = self._causal.get(t)
+        if mask is None:
+            mask = torch.ones(t, t, dtype=torch.bool, device=self.runner.device).tril()
+            self._causal[t] = mask
+        return mask
+
+    def _output(self, parts: list[dict], taps: tuple[int, ...]) -> TargetOutput:
         tapped = _cat([p.get("taps") for p in parts]) if taps else None
         return TargetOutput(logits=_cat([p["logits"] for p in parts]),
                             last_hidden=_cat([p["last_hidden"] for p in parts]),
                             taps=self.select_taps(tapped, taps))
-
-    forward = __call__
 
     def select_taps(self, tapped: torch.Tensor | None, wanted: tuple[int, ...]) -> torch.Tensor | None:
         """The engine's `taps` [1, T, n·H] (layers `engine_taps`) -> the `wanted` layers' [1, T, m·H]."""

@@ -83,7 +83,8 @@ class Qwen3ForCausalLM(nn.Module):
             cos, sin = rope_table(c.head_dim, c.rope_theta, x.dtype, x.device, c.max_position_embeddings)
             rope = cos[positions], sin[positions]
         elif isinstance(start, torch.Tensor):  # a traced step (`StepKV`): the position is an input
-            positions = start + torch.arange(t, device=ids.device)
+            depths = getattr(cache, "depths", None)  # a tree's rows: each at its depth
+            positions = start + (torch.arange(t, device=ids.device) if depths is None else depths)
             c = self.config
             rope = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
         else:

@@ -140,11 +140,21 @@ class StepKV:
     whole, slots at or after `position` (a [1] tensor: the first new position) masked out, and
     the new keys/values appended, not written back — `new_kv` returns them [L, B, nkv, T, hd]
     for the caller to store at `position`. The runtime modules run on it unchanged (`write` and
-    `mask` are `KVCache`'s), so the ONNX export traces the very forward the torch backend runs."""
+    `mask` are `KVCache`'s), so the ONNX export traces the very forward the torch backend runs.
 
-    def __init__(self, past_key: torch.Tensor, past_value: torch.Tensor, position: torch.Tensor):
+    `tree_mask` [T, T] bool (new row i sees new row j; the target's graph input): the new rows
+    are a draft tree's, row i at position `position` + its depth (its visible new rows less one:
+    itself and its ancestors) and seeing its ancestors only, as `TreeKV` places them. A chain's
+    mask is the causal one, which gives every row the chain's position and visibility."""
+
+    def __init__(self, past_key: torch.Tensor, past_value: torch.Tensor, position: torch.Tensor,
+                 tree_mask: torch.Tensor | None = None):
         self.past_key, self.past_value, self.position = past_key, past_value, position
         self.length = position
+        self.tree_mask = tree_mask
+        # each row's offset from `position` (None: 0..T−1); summed in float, which every
+        # runtime reduces, and exact for any row count a profile takes
+        self.depths = None if tree_mask is None else tree_mask.float().sum(1).long() - 1
         self._new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor):
@@ -153,9 +163,12 @@ class StepKV:
                 torch.cat([self.past_value[layer], v], dim=2))
 
     def mask(self, t: int, start, device) -> torch.Tensor:
-        """[T, P+T]: past slot j is visible iff j < position; new row i sees new rows 0..i."""
+        """[T, P+T]: past slot j is visible iff j < position; new row i sees new rows 0..i (or
+        those `tree_mask` names)."""
         p = self.past_key.shape[3]
         past = (torch.arange(p, device=device)[None, :] < self.position).expand(t, p)
+        if self.tree_mask is not None:
+            return torch.cat([past, self.tree_mask], dim=1)
         rows = torch.arange(t, device=device)
         return torch.cat([past, rows[None, :] <= rows[:, None]], dim=1)
 

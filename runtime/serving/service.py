@@ -89,8 +89,9 @@ class EngineGenerator:
         tree = self.spec.dflash_tree_budget or 0
         if self.spec.dflash_tree_verify == "forward" and not engine.tree_attention:
             raise ConfigError(f"--dflash-tree-verify forward: the {engine.backend} target runs no draft "
-                              "tree's rows in one forward (no tree attention mask; CPU packages built "
-                              "before tree rows: build the engine again); use auto or paths")
+                              "tree's rows in one forward (no tree attention mask: CPU packages or "
+                              "target graphs built before tree rows, or a graph profile of fewer "
+                              "rows than a 64-node tree's: build the engine again); use auto or paths")
         if tree and self.world.size > 1 and not self.relay and not engine.backend.eager:
             raise ConfigError(f"--dflash-tree-budget {tree}: on {self.world.size} ranks draft trees "
                               f"gather a sharded drafter's candidates on the torch backend only, not "

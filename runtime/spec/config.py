@@ -30,12 +30,13 @@ from metrale.runtime.errors import ConfigError
 from metrale.runtime.spec.cost_model import DECIMAL, UINT, CostModel
 from metrale.runtime.spec.cost_model import quoted as _q
 from metrale.runtime.spec.help import HELP  # noqa: F401  (the flags' --help texts)
+from metrale.runtime.steps import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_DRAFTS, MAX_NUM_DRAFTS = 3, 32  # a chain past 32 drafts is never all accepted
 DEFAULT_REPROBE_INTERVAL = 16
-MAX_TREE_BUDGET = 64  # nodes of a draft tree: the rows of its verify, besides the root's
+MAX_TREE_BUDGET = MAX_TREE_NODES  # nodes of a draft tree: the rows of its verify, besides the root's
 TREE_VERIFY = ("auto", "forward", "paths")  # `--dflash-tree-verify`
 AUTO = "auto"  # `--dflash-adaptive-k auto`: the table `metrale calibrate` stored
 DEFAULT_DRAFT_TP_SIZE = 1
