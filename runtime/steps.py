@@ -141,18 +141,18 @@ class HeadForward(ModelStep):
 
 @dataclass
 class DraftForward(ModelStep):
-    """A block propose a sequence needs next: `drafter.propose(anchor [1], embed, cache, gamma)`
-    (`backends.DrafterSteps.propose`, the context added since the last propose fed first) ->
-    its `dflash.Proposal`."""
+    """A block propose a sequence needs next: `drafter.propose(anchor [1], embed, cache, gamma,
+    tree)` (`backends.DrafterSteps.propose`, the context added since the last propose fed first)
+    -> its `dflash.Proposal`."""
 
     drafter: object
     anchor: torch.Tensor
     embed: object
     cache: object
     gamma: int
-    # the block's distributions are needed (a draft tree is built from them): the `Proposal`
-    # carries the slots' logits and hidden states, whatever the face
-    distributions: bool = False
+    # the nodes of a draft tree built from the block (0: none): the `Proposal` then carries the
+    # slots' distributions, whatever the face
+    tree: int = 0
     kind = StepKind.DRAFT
     rows = 1  # one block
 
@@ -160,8 +160,13 @@ class DraftForward(ModelStep):
     def face(self):
         return self.drafter
 
+    @property
+    def distributions(self) -> bool:
+        """Whether the block's distributions are needed (a draft tree is built from them)."""
+        return self.tree > 0
+
     def run(self):
-        return self.drafter.propose(self.anchor, self.embed, self.cache, self.gamma)
+        return self.drafter.propose(self.anchor, self.embed, self.cache, self.gamma, self.tree)
 
 
 class BatchedFace(ABC):

@@ -119,6 +119,10 @@ def _worker(scenario: str, rank: int, world_size: int, port: int, args: dict, ou
             res[label] = {"relay": gen.relay, "drafters": sorted(gen.engine.drafters),
                           "tp": [getattr(d, "tp", None) is not None for d in gen.engine.drafters.values()],
                           "decodes": _decode_all(gen, args["prompts"], world)}
+            # the all-gathers of the sharded drafters (one per propose, a tree's candidates in it;
+            # the drafters share the world's one `TensorParallel`)
+            tps = {id(d.tp): d.tp for d in gen.engine.drafters.values() if getattr(d, "tp", None)}
+            res[label]["gathers"] = sum(tp.stats.calls.get("all_gather", 0) for tp in tps.values())
     torch.save(res, out_file)
     world.close()
 
@@ -220,6 +224,8 @@ def test_a_two_rank_serve_decodes_as_one_rank(two_rank_serves, tiny_engine_dir, 
             assert [s.drafted for s in got.steps] == [s.drafted for s in ref.steps], label
     if label.startswith("auto"):  # the one-rank engine cut at load: every rank holds a shard
         assert not leader["relay"] and all(leader["tp"]) and all(follower["tp"])
+        proposes = sum(1 for d in leader["decodes"] for s in d.steps if s.drafted)
+        assert leader["gathers"] == follower["gathers"] == proposes, label
     else:  # the drafter lives on rank 0 only; the other rank received its drafts
         assert leader["relay"] and follower["relay"] and follower["drafters"] == []
         assert leader["drafters"] == ["dflash", "dflash2"] and not any(leader["tp"])

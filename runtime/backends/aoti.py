@@ -327,8 +327,9 @@ class CompiledDFlash:
             cache.kv[2 * i + 1][start:start + n] = v[0].transpose(0, 1)
         cache.length = start + n
 
-    def propose(self, anchor: torch.Tensor, embed, cache: StaticKVCache, gamma: int):
-        """anchor [1] at position cache.length + pending rows -> γ−1 greedy drafts."""
+    def propose(self, anchor: torch.Tensor, embed, cache: StaticKVCache, gamma: int, tree: int = 0):
+        """anchor [1] at position cache.length + pending rows -> γ−1 greedy drafts (with the
+        whole vocabulary's logits: a tree reads them)."""
         from metrale.runtime.models.dflash import Proposal
 
         if not 1 < gamma <= self.block:

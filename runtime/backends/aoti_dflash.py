@@ -59,9 +59,9 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
                                               slots, dtype, device)
         return PooledCache(pool)
 
-    def propose(self, anchor: torch.Tensor, embed, cache: PooledCache, gamma: int):
+    def propose(self, anchor: torch.Tensor, embed, cache: PooledCache, gamma: int, tree: int = 0):
         """anchor [1] -> a `dflash.Proposal` of γ−1 drafts (the pending context fed first)."""
-        return self.forward_many([DraftForward(self, anchor, embed, cache, gamma)])[0]
+        return self.forward_many([DraftForward(self, anchor, embed, cache, gamma, tree)])[0]
 
     def _backlog(self, f) -> tuple[torch.Tensor, int]:
         """A forward's pending rows [1, n, ·] (none: [1, 0, ·]), the older ones past the last

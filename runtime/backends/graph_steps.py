@@ -309,8 +309,10 @@ class GraphDrafter(_Component):
         cache.length += c
         return out
 
-    def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: EngineCache, gamma: int) -> Proposal:
-        """anchor [1] (the last accepted token, at position cache.length + queued) -> γ−1 drafts."""
+    def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: EngineCache, gamma: int,
+                tree: int = 0) -> Proposal:
+        """anchor [1] (the last accepted token, at position cache.length + queued) -> γ−1 drafts
+        (with the logits a tree reads; a rank graph's trees are refused by the serve)."""
         if cache.pending is None or cache.pending.shape[1] == 0:
             raise RuntimeError("propose needs the context of at least one accepted position first")
         block = torch.full((anchor.shape[0], gamma), self.config.mask_token_id, dtype=torch.long,

@@ -25,7 +25,7 @@ same tokens, equal to one rank's up to the all-reduce's summation order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -156,7 +156,7 @@ class Proposal:
     # states (the eager drafter's), or their projection (an exported graph's `selector_query`,
     # its selector's projection the identity)
     hidden: torch.Tensor | None = None
-    # under tensor parallelism, for a draft tree (`tree_candidates`): every slot's global top
+    # under tensor parallelism, for a draft tree (`propose` with `tree`): every slot's global top
     # candidates, (log-probabilities [B, γ−1, k], ids [B, γ−1, k]) best first
     top: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -247,8 +247,12 @@ class DFlashDrafter(nn.Module):
         hidden = self._blocks(block_embeds, positions, kv, None, g)
         return hidden, self.lm_head(hidden)
 
-    def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: KVCache, gamma: int) -> Proposal:
-        """anchor [B] (the last accepted token, at position cache.length) -> γ−1 greedy drafts."""
+    def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: KVCache, gamma: int,
+                tree: int = 0) -> Proposal:
+        """anchor [B] (the last accepted token, at position cache.length) -> γ−1 greedy drafts.
+        Under tensor parallelism with `tree` (a draft tree's nodes), the proposal carries every
+        slot's global top candidates, at least `tree`, with their log-probabilities under the
+        whole vocabulary (`Proposal.top`), gathered with the drafts' own."""
         cfg = self.config
         block = torch.full((anchor.shape[0], gamma), cfg.mask_token_id, dtype=torch.long,
                            device=anchor.device)
@@ -256,26 +260,19 @@ class DFlashDrafter(nn.Module):
         hidden, logits = self.forward_block(embed(block), cache)
         hidden, logits = hidden[:, 1:], logits[:, 1:]
         if self.tp is not None:
-            # one all-gather: every rank's top candidates, with the anchors and the cache length
-            # as a lockstep check
+            # one all-gather: every rank's top candidates (with a tree's, their normalizer), with
+            # the anchors and the cache length as a lockstep check
             length = torch.tensor([float(cache.length)], device=anchor.device)
-            vals, ids = self.tp.top_candidates(logits, self.vocab_start,
-                                               max(TOP_CANDIDATES, cfg.num_candidates),
-                                               torch.cat([anchor.float(), length]))  # [B, n, k]
+            got = self.tp.top_candidates(logits, self.vocab_start,
+                                         max(TOP_CANDIDATES, cfg.num_candidates, tree),
+                                         torch.cat([anchor.float(), length]), normalizer=tree > 0)
+            vals, ids = got[:2]  # [B, n, k], best first
             selector = self.candidate_selector if cfg.version == 2 else None
             tokens = candidate_drafts(selector, cfg.num_candidates, hidden, vals, ids, anchor)
-            return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start, hidden=hidden)
+            top = (vals - got[2][..., None], ids) if tree else None
+            return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start, hidden=hidden,
+                            top=top)
         return Proposal(tokens=self.drafts(hidden, logits, anchor), logits=logits, hidden=hidden)
-
-    def tree_candidates(self, proposal: Proposal, anchor: torch.Tensor, k: int) -> Proposal:
-        """A proposal of this rank's vocabulary slice (tensor parallelism) as a draft tree of up
-        to `k` nodes reads it: every slot's global top candidates (at least k, and the selector's
-        K) with their log-probabilities under the whole vocabulary, the same on every rank (an
-        all-gather besides the propose's, `TensorParallel.top_candidates`)."""
-        vals, ids, lse = self.tp.top_candidates(
-            proposal.logits, self.vocab_start, max(k, TOP_CANDIDATES, self.config.num_candidates),
-            anchor.float(), normalizer=True)
-        return replace(proposal, top=(vals - lse[..., None], ids))
 
     def drafts(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """The greedy drafts of the draft slots (hidden [B, n, H], logits [B, n, V], anchor [B]):

@@ -115,16 +115,15 @@ class DFlashProposer(Proposer):
         budget = min(self.settings.tree_budget, max_drafts)
         tree = budget > 0 and self.grammar is None  # (under a grammar: the chain, each draft within it)
         proposal = yield DraftForward(self.drafter, anchor, self.embed, self.cache, self.settings.gamma,
-                                      distributions=tree)
+                                      budget if tree else 0)
         if tree:
-            if proposal.vocab_start or proposal.logits.shape[-1] != self.embed.weight.shape[0]:
-                # a tensor-parallel drafter's vocabulary slice: its global candidates, gathered
-                # (the eager drafter's: the serve refuses trees over other sharded faces)
-                if not isinstance(self.drafter, DFlashDrafter):
-                    raise ConfigError(f"--dflash-tree-budget {budget}: a draft tree over a sharded "
-                                      f"{type(self.drafter).__name__} needs the torch backend's "
-                                      "drafter; run --backend torch or --draft-tp-size 1")
-                proposal = self.drafter.tree_candidates(proposal, anchor, budget)
+            if proposal.top is None and (proposal.vocab_start
+                                         or proposal.logits.shape[-1] != self.embed.weight.shape[0]):
+                # a vocabulary slice without the global candidates a tensor-parallel eager drafter
+                # gathers with its propose (the serve refuses trees over other sharded faces)
+                raise ConfigError(f"--dflash-tree-budget {budget}: a draft tree over a sharded "
+                                  f"{type(self.drafter).__name__} needs the torch backend's "
+                                  "drafter; run --backend torch or --draft-tp-size 1")
             drafts = block_tree(self.drafter, pending, proposal, budget)
             if self.chooser is not None and self.batch_size == 1:  # adaptive k: a stream alone
                 probs = [math.exp(p) for p in drafts.log_probs[1:]]
