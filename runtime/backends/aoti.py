@@ -328,8 +328,8 @@ class CompiledDFlash:
         cache.length = start + n
 
     def propose(self, anchor: torch.Tensor, embed, cache: StaticKVCache, gamma: int, tree: int = 0):
-        """anchor [1] at position cache.length + pending rows -> γ−1 greedy drafts (with the
-        whole vocabulary's logits: a tree reads them)."""
+        """anchor [1] at position cache.length + pending rows -> γ−1 greedy drafts (no logits:
+        the batched face, `aoti_dflash.BatchedDFlash`, gives the distributions a tree reads)."""
         from metrale.runtime.models.dflash import Proposal
 
         if not 1 < gamma <= self.block:
