@@ -90,9 +90,8 @@ def test_trees_on_the_cpu_packages_walk_paths_and_emit_plain_decoding(aoti_engin
                                                                        monkeypatch):
     """The CPU packages have no tree mask: a tree is verified along its paths, each a chain of
     the packages' rows (bit-identical to one-row steps), so chunkwise greedy trees emit plain
-    decoding's tokens exactly; the block's distributions come from the drafter's package (or,
-    from a package built without them, the eager drafter over the package's pooled cache).
-    Each step runs one chain from the root along the best children, and one more each time
+    decoding's tokens exactly; the block's distributions come from the drafter's package (one
+    built without them is refused by name). Each step runs one chain from the root along the best children, and one more each time
     the walk leaves it; the τ is the eager backend's one-forward tree's."""
     from metrale.runtime.steps import Forward
 
@@ -106,8 +105,14 @@ def test_trees_on_the_cpu_packages_walk_paths_and_emit_plain_decoding(aoti_engin
         chains.append(self.rows)
 
     assert all(aoti_engine.drafters[n].distributions for n in ("dflash", "dflash2"))
-    for drafter, packaged in (("dflash", True), ("dflash2", True), ("dflash2", False)):
-        monkeypatch.setattr(aoti_engine.drafters[drafter], "distributions", packaged)
+    with monkeypatch.context() as m:  # a package built before draft trees gives drafts only
+        m.setattr(aoti_engine.drafters["dflash2"], "distributions", False)
+        with pytest.raises(ConfigError, match="--dflash-tree-budget 16: drafter dflash2's CPU package .* "
+                                              "gives drafts only .*build the engine again"):
+            EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
+                dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16))
+        EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2"))
+    for drafter in ("dflash", "dflash2"):
         eager = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
             dflash=True, dflash_drafter=drafter, exact_verify=True, dflash_tree_budget=16))
         gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(

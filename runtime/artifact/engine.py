@@ -203,6 +203,11 @@ class LoadedEngine:
         whole caches every row of a verify forward equals the one-row step at its position."""
         return self.dtype == torch.bfloat16 and self.device.type == "cpu"
 
+    def block_distributions(self, drafter: str) -> bool:
+        """Does drafter `drafter`'s face give its blocks' distributions (what a draft tree is
+        built from)? Every face but a CPU package built before draft trees (`distributions`)."""
+        return getattr(self.drafters[drafter], "distributions", True) is True
+
     @property
     def tree_attention(self) -> bool:
         """Does its target run a draft tree's rows in one forward (`Forward.tree`)? Its backend's

@@ -273,6 +273,8 @@ class CompiledDFlash:
     adaptive-k stream) is fed first by the eager drafter's own context projection (`context_kv`,
     one batched call) up to the last `feed` rows, which the package feeds with the block."""
 
+    distributions = False  # drafts only: no blocks' distributions for a draft tree
+
     @classmethod
     def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
         entry, pkg = loaded[0]

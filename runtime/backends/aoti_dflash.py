@@ -10,21 +10,7 @@ from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
 from metrale.runtime.backends.aoti import CompiledDFlash, Package, slots_for
 from metrale.runtime.backends.aoti_batched import _by_pool, _longs
 from metrale.runtime.backends.kv_pool import KVPool, PooledCache
-from metrale.runtime.models.step_caches import PooledKV
 from metrale.runtime.steps import BatchedFace, DraftForward
-
-
-def _split(steps: list, apart, one, many) -> list:
-    """The outputs of `steps` in order: those `apart` picks each by `one`, the rest by `many`."""
-    out: list = [None] * len(steps)
-    rest = [i for i, s in enumerate(steps) if not apart(s)]
-    if rest:
-        for i, r in zip(rest, many([steps[i] for i in rest])):
-            out[i] = r
-    for i, s in enumerate(steps):
-        if apart(s):
-            out[i] = one(s)
-    return out
 
 
 class BatchedDFlash(CompiledDFlash, BatchedFace):
@@ -46,7 +32,9 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
         super().__init__(drafter, package, feed, max_slots)
         self.pools: dict[int, KVPool] = {}
-        self.distributions = False  # its package gives the blocks' logits and hidden states too
+        # its package gives the blocks' logits and hidden states too (what a draft tree reads;
+        # the serve refuses trees where it does not: `LoadedEngine.block_distributions`)
+        self.distributions = False
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
         if batch != 1:
@@ -90,8 +78,8 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         from metrale.runtime.models.dflash import Proposal
 
         if not self.distributions and any(f.distributions for f in forwards):
-            # a package built without the blocks' distributions: the eager drafter's (`_block`)
-            return _split(forwards, lambda f: f.distributions, self._block, self.forward_many)
+            raise ValueError("a draft tree needs the blocks' distributions, which this drafter's "
+                             "package (built before draft trees) does not give")
         for f in forwards:
             if not 1 < f.gamma <= self.block:
                 raise ValueError(f"γ = {f.gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")
@@ -131,31 +119,3 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
             f.cache.pending = []
             f.cache.length += older + rows.shape[0]
         return results
-
-    def _block(self, f):
-        """A `DraftForward` whose block's distributions are needed (a draft tree's) where the
-        package gives drafts only (built without `distributions`): the eager drafter feeds the
-        pending context and runs the block over the sequence's place in the pool, as the package
-        would (`aoti_steps.BatchedDFlashStep`) -> a `Proposal` with the slots' logits and hidden
-        states."""
-        from metrale.runtime.models.dflash import Proposal
-
-        rows, older = self._backlog(f)
-        cache, d, n, g = f.cache, self.eager, rows.shape[0], f.gamma
-        start = cache.length + older
-        if start + n + self.block > cache.max_len:
-            raise ValueError(f"drafter context up to {start + n + self.block} exceeds the cache's "
-                             f"{cache.max_len} slots")
-        kv, index = cache.pool.kv, cache.index
-        if n:
-            d.add_context(rows[None], PooledKV(kv, torch.full((n,), index), torch.arange(start, start + n)))
-        anchor_pos = start + n
-        positions = anchor_pos + torch.arange(g)
-        block = torch.full((1, g), self.config.mask_token_id, dtype=torch.long)
-        block[0, 0] = int(f.anchor.reshape(-1)[0])
-        slots = PooledKV(kv, torch.full((g,), index), positions, torch.full((g,), anchor_pos + g - 1))
-        hidden = d._blocks(f.embed(block), positions, slots, None, g)[:, 1:]
-        logits = d.lm_head(hidden)
-        cache.pending = []
-        cache.length = anchor_pos
-        return Proposal(tokens=d.drafts(hidden, logits, block[:, 0]), logits=logits, hidden=hidden)
