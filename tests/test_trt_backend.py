@@ -157,6 +157,22 @@ def test_exact_verify_through_standins_equals_plain(standins, tiny_prompts):
         assert decode(standins, prompts, {**flags, "exact_verify": True}) == plain
 
 
+def test_a_target_graph_whose_profile_takes_a_trees_rows_verifies_it_in_one_call(tiny_engine, tiny_prompts):
+    """A target profile of at least a 64-node tree's rows (the build's default: 256) runs each
+    tree's rows in one call with its `tree_mask` [N, N]; one of fewer rows walks the paths.
+    Both decode as the torch backend's trees do."""
+    wide = standin_engine(tiny_engine, target_profile={"tokens": (1, 2, 65), "past": (1, 64, 160)})
+    assert wide.target.tree_rows and not standin_engine(tiny_engine).target.tree_rows
+    flags = {**MODES["dflash2"], "dflash_tree_budget": 16, "dflash_tree_verify": "forward"}
+    prompts = tiny_prompts[:2]
+    calls = wide.target.runner.calls
+    calls.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    assert decode(wide, prompts, flags, params) == decode(tiny_engine, prompts, flags, params)
+    rows = [shapes["input_ids"][1] for _, shapes in calls]
+    assert all(shapes["tree_mask"] == (t, t) for t, (_, shapes) in zip(rows, calls))
+    assert rows.count(17) >= 4  # 16-node trees' rows, each in one call
+
 def test_drafter_queue_and_graph_keys(standins, tiny_prompts):
     runner = standins.drafters["dflash"].runner
     runner.calls.clear()
@@ -311,6 +327,18 @@ def test_gpu_greedy_matches_torch_and_exact_verify_matches_plain(gpu_engine_dir,
     agree = sum(a == b for a, b in zip(ref_plain, plain))
     # two implementations: TF32 may move one near tie in float32; bfloat16 rounds coarser
     assert agree >= (len(plain) - 1 if ref.dtype == torch.float32 else len(plain) // 2), (ref_plain, plain)
+
+
+@pytest.mark.gpu
+def test_gpu_trees_in_one_call_emit_what_their_paths_do(gpu_engine_dir, tiny_prompts):
+    _, trt = _engines(gpu_engine_dir)
+    assert trt.tree_attention  # the build's profile takes a 64-node tree's rows
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    tree = {**MODES["dflash2"], "dflash_tree_budget": 16}
+    paths = decode(trt, tiny_prompts, {**tree, "dflash_tree_verify": "paths"}, params)
+    forward = decode(trt, tiny_prompts, {**tree, "dflash_tree_verify": "forward"}, params)
+    assert sum(a == b for a, b in zip(paths, forward)) >= len(paths) - 1  # a near tie may move
+    assert decode(trt, tiny_prompts, {**tree, "exact_verify": True}, params) == decode(trt, tiny_prompts, {}, params)
 
 
 @pytest.mark.gpu
