@@ -165,10 +165,12 @@ class GraphTarget(_Component, TreeRows):
         t = ids.shape[1]
         feeds = {"input_ids": ids, "past_key": cache.k, "past_value": cache.v,
                  "position": self._position(start)}
-        if self.masked:
+        persistent = KV
+        if self.masked:  # a chain's causal mask is one buffer per row count: a graph reads it in place
             feeds["tree_mask"] = self._causal_mask(t) if mask is None else mask
+            persistent = KV if mask is not None else (*KV, "tree_mask")
         key = ("step", cache.slot_id) if t == 1 else None
-        out = self.runner.run(feeds, graph_key=key, persistent=KV)
+        out = self.runner.run(feeds, graph_key=key, persistent=persistent)
         cache.write_new(start, out["new_key"], out["new_value"])
         return out
 
