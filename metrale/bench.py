@@ -37,8 +37,11 @@ def mode_table(engine, gamma_costs: dict | None) -> list[tuple[str, dict]]:
 
     loaded = {n: (KINDS[i.kind], engine.component(n)) for n, i in engine.manifest.components.items()}
     modes = _modes({n: (k, m.config) for n, (k, m) in loaded.items() if m is not None}, gamma_costs)
-    # a tree's rows in one forward where the target has a tree mask only
-    return [(n, f) for n, f in modes if engine.tree_attention or f.get("dflash_tree_verify") != "forward"]
+    # a tree's rows in one forward where the target has a tree mask only; trees where the
+    # drafter gives its blocks' distributions only
+    return [(n, f) for n, f in modes
+            if (engine.tree_attention or f.get("dflash_tree_verify") != "forward")
+            and (not f.get("dflash_tree_budget") or engine.block_distributions(f["dflash_drafter"]))]
 
 
 def _modes(components: dict, gamma_costs: dict | None) -> list[tuple[str, dict]]:
@@ -262,7 +265,8 @@ def bench(
         # tree budgets are priced only for a mode that chooses them
         trees = TREE_BUDGETS[0] if not wanted or any(
             w in n for w in wanted for n in names if "tree" in n and "adaptive" in n) else 0
-        costs = {name: measure_costs(engine, prompts[:2], max_tokens, name, repeats, trees)
+        costs = {name: measure_costs(engine, prompts[:2], max_tokens, name, repeats,
+                                     trees if engine.block_distributions(name) else 0)
                  for name in sorted(engine.drafters)} or None
         rows, plain_tokens, plain_tps = [], None, None
         table = [(name, flags) for name, flags in mode_table(engine, costs)

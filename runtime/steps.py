@@ -142,7 +142,7 @@ class HeadForward(ModelStep):
 @dataclass
 class DraftForward(ModelStep):
     """A block propose a sequence needs next: `drafter.propose(anchor [1], embed, cache, gamma,
-    tree)` (`backends.DrafterSteps.propose`, the context added since the last propose fed first)
+    tree_nodes)` (`backends.DrafterSteps.propose`, the context added since the last propose fed first)
     -> its `dflash.Proposal`."""
 
     drafter: object
@@ -152,7 +152,7 @@ class DraftForward(ModelStep):
     gamma: int
     # the nodes of a draft tree built from the block (0: none): the `Proposal` then carries the
     # slots' distributions, whatever the face
-    tree: int = 0
+    tree_nodes: int = 0
     kind = StepKind.DRAFT
     rows = 1  # one block
 
@@ -163,10 +163,10 @@ class DraftForward(ModelStep):
     @property
     def distributions(self) -> bool:
         """Whether the block's distributions are needed (a draft tree is built from them)."""
-        return self.tree > 0
+        return self.tree_nodes > 0
 
     def run(self):
-        return self.drafter.propose(self.anchor, self.embed, self.cache, self.gamma, self.tree)
+        return self.drafter.propose(self.anchor, self.embed, self.cache, self.gamma, self.tree_nodes)
 
 
 class BatchedFace(ABC):

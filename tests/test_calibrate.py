@@ -99,6 +99,12 @@ def test_calibrate_measures_trees_up_to_its_tree_budget(tiny_engine_dir, tmp_pat
     assert bad.exit_code != 0 and "--tree-budget" in bad.output and "65" in bad.output
     short = CliRunner().invoke(app, [*args, "--tree-budget", "3"])  # below γ: no tree to measure
     assert short.exit_code != 0 and "--tree-budget 3" in short.output and "at least 8" in short.output
+    from metrale.runtime.artifact.engine import LoadedEngine
+
+    with pytest.MonkeyPatch.context() as m:  # as a CPU package built before draft trees loads
+        m.setattr(LoadedEngine, "block_distributions", lambda self, name: False)
+        old = CliRunner().invoke(app, [*args, "--tree-budget", "10"])
+    assert old.exit_code != 0 and "--tree-budget 10" in old.output and "gives drafts only" in old.output
     res = CliRunner().invoke(app, [*args, "--tree-budget", "10"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     entries = json.loads((eng / "calibration.json").read_text())["entries"]

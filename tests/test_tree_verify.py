@@ -107,11 +107,16 @@ def test_trees_on_the_cpu_packages_walk_paths_and_emit_plain_decoding(aoti_engin
     assert all(aoti_engine.drafters[n].distributions for n in ("dflash", "dflash2"))
     with monkeypatch.context() as m:  # a package built before draft trees gives drafts only
         m.setattr(aoti_engine.drafters["dflash2"], "distributions", False)
-        with pytest.raises(ConfigError, match="--dflash-tree-budget 16: drafter dflash2's CPU package .* "
+        with pytest.raises(ConfigError, match="--dflash-tree-budget 16: drafter 'dflash2''s CPU package .* "
                                               "gives drafts only .*build the engine again"):
             EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
                 dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16))
         EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2"))
+        from metrale.bench import mode_table  # bench measures its chains, and the other drafter's trees
+
+        names = [n for n, _ in mode_table(aoti_engine, None)]
+        assert "dflash2 γ=8" in names and "dflash tree 16" in names
+        assert not [n for n in names if n.startswith("dflash2 tree")]
     for drafter in ("dflash", "dflash2"):
         eager = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
             dflash=True, dflash_drafter=drafter, exact_verify=True, dflash_tree_budget=16))
@@ -222,30 +227,38 @@ def test_trees_on_the_onnx_graphs_emit_plain_decoding(engine_factory, tiny_promp
             assert trees == ([1] * drafted if route == "forward" and not exact else [])
 
 
-def test_a_graph_without_a_tree_mask_walks_paths(engine_factory, tiny_prompts, monkeypatch):
-    """A target graph exported before trees (no `tree_mask` input) is still fed and decodes; its
-    trees go along their paths, and the forward route is refused by name."""
+def test_a_graph_without_a_tree_mask_walks_paths(engine_factory, tiny_prompts):
+    """A target graph exported before trees (its runner lists no `tree_mask` input) loads, is fed
+    no mask and decodes; its trees go along their paths, and the forward route is refused by
+    name."""
     from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.graph_steps import GraphTarget
+
+    class OldGraph:  # this build's graph behind the interface of one without the input
+        def __init__(self, inner):
+            self.inner, self.device, self.past_sizes = inner, inner.device, inner.past_sizes
+            self.dtypes = {n: t for n, t in inner.dtypes.items() if n != "tree_mask"}
+            self.fed: list[bool] = []
+
+        def run(self, feeds, graph_key=None, persistent=()):
+            self.fed.append("tree_mask" in feeds)
+            t = feeds["input_ids"].shape[1]  # (the causal mask the graph takes)
+            return self.inner.run({**feeds, "tree_mask": torch.ones(t, t, dtype=torch.bool).tril()})
 
     engine = load_engine(engine_factory(onnx=True), backend="onnxruntime")
-    target = engine.target
-    target.masked = target.tree_rows = False  # as a graph without the input loads
-    fed, run = [], target.runner.run
-
-    def old_graph(feeds, graph_key=None, persistent=()):  # records what was fed, then feeds the
-        fed.append("tree_mask" in feeds)                  # causal mask this graph does take
-        t = feeds["input_ids"].shape[1]
-        return run({**feeds, "tree_mask": torch.ones(t, t, dtype=torch.bool).tril()}, graph_key, persistent)
-
-    monkeypatch.setattr(target.runner, "run", old_graph)
-    assert not engine.tree_attention
+    new = engine.target
+    runner = OldGraph(new.runner)
+    engine.target = GraphTarget(runner, new.profile, new.config, new.model.embed_tokens, new.engine_taps)
+    assert not engine.target.masked and not engine.target.tree_rows and not engine.tree_attention
     with pytest.raises(ConfigError, match="--dflash-tree-verify forward: the onnxruntime target runs no draft tree"):
         EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16,
                                                              dflash_tree_verify="forward"))
     gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16))
     plain = EngineGenerator(load_engine(engine_factory(onnx=True), backend="onnxruntime"), SpeculativeConfig())
-    assert gen.generate(tiny_prompts[0], GREEDY).token_ids == plain.generate(tiny_prompts[0], GREEDY).token_ids
-    assert fed and not any(fed)  # no call fed a mask the graph would not have had
+    got = gen.generate(tiny_prompts[0], GREEDY)
+    assert got.token_ids == plain.generate(tiny_prompts[0], GREEDY).token_ids
+    assert max(s.drafted for s in got.steps) == 16
+    assert runner.fed and not any(runner.fed)  # no call fed a mask the graph would not have had
 
 
 def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tiny_prompts, monkeypatch):

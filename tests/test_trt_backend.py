@@ -341,7 +341,11 @@ def test_gpu_trees_in_one_call_emit_what_their_paths_do(gpu_engine_dir, tiny_pro
     params = SamplingParams(temperature=0.0, max_tokens=24)
     tree = {**MODES["dflash2"], "dflash_tree_budget": 16}
     paths = decode(trt, tiny_prompts, {**tree, "dflash_tree_verify": "paths"}, params)
+    calls, one_call = [], trt.target.forward_tree
+    trt.target.forward_tree = lambda f: calls.append(len(f.tree.tokens)) or one_call(f)
     forward = decode(trt, tiny_prompts, {**tree, "dflash_tree_verify": "forward"}, params)
+    del trt.target.forward_tree
+    assert 17 in calls  # 16-node trees' rows, each in one engine call
     assert sum(a == b for a, b in zip(paths, forward)) >= len(paths) - 1  # a near tie may move
     assert decode(trt, tiny_prompts, {**tree, "exact_verify": True}, params) == decode(trt, tiny_prompts, {}, params)
 

@@ -212,7 +212,9 @@ class LoadedEngine:
     def tree_attention(self) -> bool:
         """Does its target run a draft tree's rows in one forward (`Forward.tree`)? Its backend's
         (`BackendEntry.tree_attention`), or its target face's: a CPU package built with tree rows
-        (`aoti_batched.BatchedTarget.tree_rows`). Elsewhere trees are verified along their paths."""
+        (`aoti_batched.BatchedTarget.tree_rows`), an exported target graph with a `tree_mask`
+        input whose profile takes the largest tree's rows (`graph_steps.GraphTarget.tree_rows`),
+        the CUDA-graph target. Elsewhere trees are verified along their paths."""
         return self.backend.tree_attention or getattr(self.target, "tree_rows", False) is True
 
     @property

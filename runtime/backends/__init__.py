@@ -119,8 +119,8 @@ class DrafterSteps(Protocol):
     def add_context(self, features: torch.Tensor, cache) -> None:
         """Features [1, C, n·Ht] (target taps) of the next C accepted positions."""
 
-    def propose(self, anchor: torch.Tensor, embed, cache, gamma: int, tree: int = 0):
-        """anchor [1] (the last accepted token) -> `dflash.Proposal` of γ−1 drafts. `tree`: the
+    def propose(self, anchor: torch.Tensor, embed, cache, gamma: int, tree_nodes: int = 0):
+        """anchor [1] (the last accepted token) -> `dflash.Proposal` of γ−1 drafts. `tree_nodes`: the
         nodes of a draft tree to be built from the block (0: none); a face whose logits are a
         vocabulary slice then gathers every slot's global top candidates for it with the
         propose's own (`Proposal.top`), a face of the whole vocabulary gives its logits."""

@@ -329,7 +329,7 @@ class CompiledDFlash:
             cache.kv[2 * i + 1][start:start + n] = v[0].transpose(0, 1)
         cache.length = start + n
 
-    def propose(self, anchor: torch.Tensor, embed, cache: StaticKVCache, gamma: int, tree: int = 0):
+    def propose(self, anchor: torch.Tensor, embed, cache: StaticKVCache, gamma: int, tree_nodes: int = 0):
         """anchor [1] at position cache.length + pending rows -> γ−1 greedy drafts (no logits:
         the batched face, `aoti_dflash.BatchedDFlash`, gives the distributions a tree reads)."""
         from metrale.runtime.models.dflash import Proposal

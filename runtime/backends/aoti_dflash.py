@@ -32,8 +32,9 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
         super().__init__(drafter, package, feed, max_slots)
         self.pools: dict[int, KVPool] = {}
-        # its package gives the blocks' logits and hidden states too (what a draft tree reads;
-        # the serve refuses trees where it does not: `LoadedEngine.block_distributions`)
+        # whether its package gives the blocks' logits and hidden states too, what a draft tree
+        # reads (`from_packages` sets it; the serve refuses trees where it does not:
+        # `LoadedEngine.block_distributions`)
         self.distributions = False
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
@@ -47,9 +48,9 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
                                               slots, dtype, device)
         return PooledCache(pool)
 
-    def propose(self, anchor: torch.Tensor, embed, cache: PooledCache, gamma: int, tree: int = 0):
+    def propose(self, anchor: torch.Tensor, embed, cache: PooledCache, gamma: int, tree_nodes: int = 0):
         """anchor [1] -> a `dflash.Proposal` of γ−1 drafts (the pending context fed first)."""
-        return self.forward_many([DraftForward(self, anchor, embed, cache, gamma, tree)])[0]
+        return self.forward_many([DraftForward(self, anchor, embed, cache, gamma, tree_nodes)])[0]
 
     def _backlog(self, f) -> tuple[torch.Tensor, int]:
         """A forward's pending rows [1, n, ·] (none: [1, 0, ·]), the older ones past the last
@@ -78,8 +79,9 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         from metrale.runtime.models.dflash import Proposal
 
         if not self.distributions and any(f.distributions for f in forwards):
-            raise ValueError("a draft tree needs the blocks' distributions, which this drafter's "
-                             "package (built before draft trees) does not give")
+            nodes = max(f.tree_nodes for f in forwards)
+            raise ValueError(f"a draft tree of {nodes} nodes needs the blocks' distributions, which "
+                             "this drafter's CPU package (built before draft trees) does not give")
         for f in forwards:
             if not 1 < f.gamma <= self.block:
                 raise ValueError(f"γ = {f.gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")

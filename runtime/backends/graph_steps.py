@@ -312,7 +312,7 @@ class GraphDrafter(_Component):
         return out
 
     def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: EngineCache, gamma: int,
-                tree: int = 0) -> Proposal:
+                tree_nodes: int = 0) -> Proposal:
         """anchor [1] (the last accepted token, at position cache.length + queued) -> γ−1 drafts
         (with the logits a tree reads; a rank graph's trees are refused by the serve)."""
         if cache.pending is None or cache.pending.shape[1] == 0:

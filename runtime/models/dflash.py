@@ -156,7 +156,7 @@ class Proposal:
     # states (the eager drafter's), or their projection (an exported graph's `selector_query`,
     # its selector's projection the identity)
     hidden: torch.Tensor | None = None
-    # under tensor parallelism, for a draft tree (`propose` with `tree`): every slot's global top
+    # under tensor parallelism, for a draft tree (`propose` with `tree_nodes`): every slot's global top
     # candidates, (log-probabilities [B, γ−1, k], ids [B, γ−1, k]) best first
     top: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -248,10 +248,10 @@ class DFlashDrafter(nn.Module):
         return hidden, self.lm_head(hidden)
 
     def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: KVCache, gamma: int,
-                tree: int = 0) -> Proposal:
+                tree_nodes: int = 0) -> Proposal:
         """anchor [B] (the last accepted token, at position cache.length) -> γ−1 greedy drafts.
-        Under tensor parallelism with `tree` (a draft tree's nodes), the proposal carries every
-        slot's global top candidates, at least `tree`, with their log-probabilities under the
+        Under tensor parallelism with `tree_nodes` (a draft tree's), the proposal carries every
+        slot's global top candidates, at least `tree_nodes`, with their log-probabilities under the
         whole vocabulary (`Proposal.top`), gathered with the drafts' own."""
         cfg = self.config
         block = torch.full((anchor.shape[0], gamma), cfg.mask_token_id, dtype=torch.long,
@@ -264,12 +264,12 @@ class DFlashDrafter(nn.Module):
             # the anchors and the cache length as a lockstep check
             length = torch.tensor([float(cache.length)], device=anchor.device)
             got = self.tp.top_candidates(logits, self.vocab_start,
-                                         max(TOP_CANDIDATES, cfg.num_candidates, tree),
-                                         torch.cat([anchor.float(), length]), normalizer=tree > 0)
+                                         max(TOP_CANDIDATES, cfg.num_candidates, tree_nodes),
+                                         torch.cat([anchor.float(), length]), normalizer=tree_nodes > 0)
             vals, ids = got[:2]  # [B, n, k], best first
             selector = self.candidate_selector if cfg.version == 2 else None
             tokens = candidate_drafts(selector, cfg.num_candidates, hidden, vals, ids, anchor)
-            top = (vals - got[2][..., None], ids) if tree else None
+            top = (vals - got[2][..., None], ids) if tree_nodes else None
             return Proposal(tokens=tokens, logits=logits, vocab_start=self.vocab_start, hidden=hidden,
                             top=top)
         return Proposal(tokens=self.drafts(hidden, logits, anchor), logits=logits, hidden=hidden)

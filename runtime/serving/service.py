@@ -63,9 +63,10 @@ def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
             raise ConfigError(f"--dflash-drafter {name!r}: engine directory {engine.path} has no such "
                               f"drafter (it has: {have})")
         if spec.dflash_tree_budget and not engine.block_distributions(name):
-            raise ConfigError(f"--dflash-tree-budget {spec.dflash_tree_budget}: drafter {name}'s CPU "
+            raise ConfigError(f"--dflash-tree-budget {spec.dflash_tree_budget}: drafter {name!r}'s CPU "
                               f"package in engine directory {engine.path} gives drafts only (built "
-                              "before draft trees); build the engine again, or run --backend torch")
+                              "before draft trees): expected 0 (the chain), or build the engine "
+                              "again, or run --backend torch")
         calibrated, of = None, ""
         if spec.dflash_adaptive_k == AUTO:
             from metrale.runtime.spec import calibration

@@ -44,7 +44,8 @@ def block_acceptance(engine, drafter: str, prompts: list[list[int]], max_tokens:
                     face.add_context(feats[:, fed:at], cache)
                     fed = at
                     anchor = torch.tensor([ys[i]], device=device)
-                    proposal = face.propose(anchor, embed, cache, gamma)
+                    # (a tree's budget: its distributions, whatever the face)
+                    proposal = face.propose(anchor, embed, cache, gamma, budget or 0)
                     if budget is None:
                         tree = chain(ys[i], proposal.tokens[0].tolist())
                     else:  # the tree the decode loop verifies (`DFlashProposer`), which
