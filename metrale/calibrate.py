@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 import typer
 
 from metrale import options as o
-from metrale.runtime.spec.config import MAX_TREE_BUDGET
+from metrale.runtime.steps import MAX_TREE_NODES
 from metrale.console import app, out, user_errors
 
 
@@ -48,9 +48,9 @@ def calibrate(
         from metrale.runtime.artifact.engine_dir import add_files
         from metrale.runtime.errors import ConfigError
 
-        if not 0 <= tree_budget <= MAX_TREE_BUDGET:
+        if not 0 <= tree_budget <= MAX_TREE_NODES:
             raise ConfigError(f"--tree-budget: got {tree_budget}; expected 0 (chains only) to "
-                              f"{MAX_TREE_BUDGET} (the most nodes a draft tree holds)")
+                              f"{MAX_TREE_NODES} (the most nodes a draft tree holds)")
         kind, device = resolve_backend(backend, None, dtype)
         if kind.runs_graphs:
             raise ConfigError(f"--backend {kind.value}: calibrate measures the torch models' backends "

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from metrale.runtime.models.kv_cache import move_path
+from metrale.runtime.models.kv_cache import KVCache
 
 
 # Rows one speculative step may write past the decode budget: every component's cache keeps this
@@ -71,14 +71,7 @@ class EngineCache:
         self.k[:, :, :, start:end] = k
         self.v[:, :, :, start:end] = v
 
-
-    def keep_path(self, base: int, path: list[int]) -> None:
-        """After a draft tree's verify written from slot `base` (node i at slot base+i): the
-        accepted path's nodes `path` move to the slots of their positions, base+1.., as a chain
-        verify of the path writes them (`kv_cache.KVCache.keep_path`); the length becomes
-        base+1+len(path)."""
-        move_path([(self.k, 3), (self.v, 3)], base, path)  # [L, 1, nkv, S, hd]
-        self.length = base + 1 + len(path)
+    keep_path = KVCache.keep_path  # the eager cache's: the same k/v layout [L, B, nkv, S, hd]
 
 
 class SlotPool:

@@ -150,9 +150,9 @@ class GraphTarget(_Component, TreeRows):
         (`Tree.mask` as the graph's `tree_mask`). The cache's length stays, for `keep_path`."""
         cache, tree, device = f.cache, f.tree, self.runner.device
         rows = len(tree.tokens)
-        if rows > self.max_new:
-            raise ValueError(f"a draft tree of {rows} rows: the target graph's profile takes "
-                             f"{self.max_new} rows a call")
+        if not self.tree_rows:
+            raise ValueError(f"a draft tree of {rows} rows: the target graph takes no tree_mask or "
+                             f"its profile takes {self.max_new} rows a call")
         cache.reserve(cache.length + rows)
         out = self._step(torch.tensor([list(tree.tokens)], device=device), cache, cache.length,
                          tree.mask().to(device))

@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NUM_DRAFTS, MAX_NUM_DRAFTS = 3, 32  # a chain past 32 drafts is never all accepted
 DEFAULT_REPROBE_INTERVAL = 16
-MAX_TREE_BUDGET = MAX_TREE_NODES  # nodes of a draft tree: the rows of its verify, besides the root's
 TREE_VERIFY = ("auto", "forward", "paths")  # `--dflash-tree-verify`
 AUTO = "auto"  # `--dflash-adaptive-k auto`: the table `metrale calibrate` stored
 DEFAULT_DRAFT_TP_SIZE = 1
@@ -224,7 +223,7 @@ class SpeculativeConfig:
                 object.__setattr__(self, "dflash_reprobe_interval", DEFAULT_REPROBE_INTERVAL)
             _int_flag("--dflash-reprobe-interval", self.dflash_reprobe_interval, 1)
         if self.dflash_tree_budget is not None:
-            _int_flag("--dflash-tree-budget", self.dflash_tree_budget, 0, MAX_TREE_BUDGET)
+            _int_flag("--dflash-tree-budget", self.dflash_tree_budget, 0, MAX_TREE_NODES)
             if self.dflash_tree_budget and self.dflash_draft_ladder is not None:
                 raise ConfigError(f"--dflash-tree-budget {self.dflash_tree_budget} and "
                                   "--dflash-draft-ladder exclude each other: give one of them")
