@@ -18,12 +18,15 @@ Graph I/O: the one-rank propose graph's (see `onnx_export`) with the rank's shap
 hold the rank's nkv/N heads, `logits` [1, G, V_r] is the rank's vocab slice (global ids
 vocab_start..), `hidden` and DFlash2's `selector_query` are whole (replicated) — plus
 - `top_values` f32 [1, G, K], `top_ids` int64 [1, G, K]: the global top K = max(16,
-  num_candidates) candidates of every slot, sorted by value, ties to the lower rank (the runtime's
-  `TensorParallel.top_candidates`; the runtime uses slots 1.., the draft slots);
+  num_candidates) candidates of every slot, sorted by value, ties to the lower rank (the
+  runtime's `TensorParallel.top_candidates`; the runtime uses slots 1.., the draft slots);
+- `log_normalizer` f32 [1, G]: every slot's logsumexp over the whole vocabulary, which turns
+  the values into log-probabilities: a draft tree's nodes at each depth are drawn from them, so
+  a node has at most K children (a tree of up to K nodes is the one-rank drafter's);
 - `rank_positions` int64 [N]: every rank's `position` input, gathered in the same message: the
   lockstep check (ranks whose values differ decoded different sequences and must be refused).
-The AllGather message per rank is f32 [1, G, 2K+1]: K values, K global ids (exact in f32 below
-2^24, which `check_drafter_split` guarantees) and the position.
+The AllGather message per rank is f32 [1, G, 2K+2]: K values, K global ids (exact in f32 below
+2^24, which `check_drafter_split` guarantees), the logsumexp of the rank's slice and the position.
 
 Invariant: the graphs of ranks 0..N-1 run together (each with its own collectives) compute the
 one-rank drafter's outputs up to the all-reduce's summation order, and the same candidates.
@@ -47,7 +50,7 @@ from metrale.runtime.models.tp import TOP_CANDIDATES, TensorParallel
 
 ALL_REDUCE, ALL_GATHER = "AllReduce", "AllGather"
 COLLECTIVE_OPS = (ALL_REDUCE, ALL_GATHER)
-TP_OUTPUTS = ("top_values", "top_ids", "rank_positions")
+TP_OUTPUTS = ("top_values", "top_ids", "log_normalizer", "rank_positions")
 
 
 # -- the collectives as metrale nodes ----------------------------------------------------------
@@ -97,22 +100,33 @@ class ExportCollectives:
     def gathered_candidates(self, logits: torch.Tensor, vocab_start: int, k: int,
                             position: torch.Tensor):
         """logits [1, G, V_r] of the rank's slice, position int64 [1] -> (values f32 [1, G, k],
-        global ids int64 [1, G, k], every rank's position int64 [N]) from one AllGather."""
+        global ids int64 [1, G, k], the whole vocabulary's logsumexp f32 [1, G], every rank's
+        position int64 [N]) from one AllGather."""
+        logits = logits.float()
         kr = min(k, logits.shape[-1])
-        vals, ids = logits.float().topk(kr, dim=-1)  # [1, G, kr]
+        vals, ids = logits.topk(kr, dim=-1)  # [1, G, kr]
         ids = (ids + vocab_start).float()
         if kr < k:  # a slice smaller than k: pad with candidates that never win
             pad = list(vals.shape[:-1]) + [k - kr]
             vals = torch.cat([vals, vals.new_full(pad, float("-inf"))], dim=-1)
             ids = torch.cat([ids, ids.new_zeros(pad)], dim=-1)
+        lse = log_sum_exp(logits, vals[..., :1])  # [1, G, 1]
         pos = position.float().reshape(1, 1, 1).expand(vals.shape[0], vals.shape[1], 1)
-        every = self.all_gather(torch.cat([vals, ids, pos], dim=-1))  # [N, 1, G, 2k+1]
+        every = self.all_gather(torch.cat([vals, ids, lse, pos], dim=-1))  # [N, 1, G, 2k+2]
         # rank-major along the last axis: TopK's lower-index tie-break is ties to the lower rank
         all_vals = every[..., :k].permute(1, 2, 0, 3).flatten(2)  # [1, G, N·k]
         all_ids = every[..., k:2 * k].permute(1, 2, 0, 3).flatten(2)
         # axis 2, not -1: onnx.reference's GatherElements mishandles a negative axis
         top, order = all_vals.topk(k, dim=2)
-        return top, all_ids.gather(2, order).long(), every[:, 0, 0, 2 * k].long()
+        ranks_lse = every[..., 2 * k:2 * k + 1].permute(1, 2, 3, 0).flatten(2)  # [1, G, N]
+        total = log_sum_exp(ranks_lse, top[..., :1]).squeeze(2)  # the best value is the max
+        return top, all_ids.gather(2, order).long(), total, every[:, 0, 0, 2 * k + 1].long()
+
+
+def log_sum_exp(x: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """logsumexp of x [..., n] over its last axis, given its maximum `peak` [..., 1]: from
+    elementwise ops and a ReduceSum, which every graph runtime here lowers alike."""
+    return peak + (x - peak).exp().sum(-1, keepdim=True).log()
 
 
 def _tp_holders(drafter: nn.Module) -> list[nn.Module]:
@@ -159,7 +173,8 @@ class DFlashProposeTP(nn.Module):
 
 def rank_graph_io(drafter: DFlashDrafter) -> ox.GraphIO:
     base = ox.graph_io("dflash", drafter)
-    dyn = {**base.dynamic, "top_values": {1: "block"}, "top_ids": {1: "block"}}
+    dyn = {**base.dynamic, "top_values": {1: "block"}, "top_ids": {1: "block"},
+           "log_normalizer": {1: "block"}}
     return ox.GraphIO(base.inputs, base.outputs + TP_OUTPUTS, dyn)
 
 

@@ -71,9 +71,8 @@ def calibrate(
                                   f"γ − 1 = {g - 1} drafts already; trees are measured from γ = {g} nodes "
                                   f"on: expected 0 or at least {g}")
             if tree_budget and not engine.block_distributions(name):
-                raise ConfigError(f"--tree-budget {tree_budget}: drafter {name!r}'s CPU package in "
-                                  f"engine directory {engine_dir} gives drafts only (built before draft "
-                                  "trees): expected 0, or build the engine again")
+                raise ConfigError(f"--tree-budget {tree_budget}: {engine.no_distributions(name)}: "
+                                  "expected 0, or build the engine again")
         prompts = [engine.tokenizer.encode(t) for t in texts]
         dtype_name = str(engine.dtype).removeprefix("torch.")
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -3,7 +3,8 @@ collective plugins, the per-rank build).
 
 - The per-rank ONNX graphs of a `--draft-tp-size 2` build, run by two processes joined over gloo
   (`onnx.reference` with AllReduce/AllGather calling torch.distributed), compute the one-rank
-  drafter's outputs and draft its tokens.
+  drafter's outputs and draft its tokens; their gathered candidates with the normalizer give the
+  one-rank drafter's draft tree, and rank graphs without the normalizer refuse trees by name.
 - A `--draft-tp-size 2 --trt-flavor rtx` build writes rank0/rank1 engines for SM89 and SM120 in
   the fp8 and nvfp4 tiers, listed in the manifest with checksums; the parsed networks hold the
   collective plugin layers (2 AllReduce per drafter layer + 1 AllGather per propose graph).
@@ -24,13 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from metrale.runtime.errors import MetraleError
+from metrale.runtime.errors import ConfigError, MetraleError
+from metrale.runtime.spec.ddtree import block_tree
 
 DRAFTERS = ("dflash", "dflash2")
 TIERS = ("fp8", "nvfp4")
 SMS = (89, 120)
 PAST, STALE, NEW = 5, 2, 3  # valid past entries, stale slots after them, new context positions
 ANCHOR = 7
+TREE = 16  # a draft tree's nodes: at most the candidates a rank graph gathers per slot
 
 
 def tp_build(engine_factory, tier: str) -> Path:
@@ -89,7 +92,8 @@ def _one_rank_job(engine, name: str, engine_dir: Path, gen: torch.Generator) -> 
         proposal = d.propose(torch.tensor([ANCHOR]), embed, cache, g)
         want = {"new_key": cache.k[:, :, :, PAST:PAST + NEW].clone(),
                 "new_value": cache.v[:, :, :, PAST:PAST + NEW].clone(),
-                "hidden": hidden, "logits": logits, "tokens": proposal.tokens}
+                "hidden": hidden, "logits": logits, "tokens": proposal.tokens,
+                "tree": block_tree(d, ANCHOR, proposal, TREE)}
         if cfg.version == 2:
             want["selector_query"] = d.candidate_selector.hidden_projection(hidden)
     job = {"engine_dir": str(engine_dir), "context_features": feats[:, PAST:], "past_key": past_k,
@@ -149,6 +153,8 @@ def test_two_rank_graphs_compute_the_one_rank_drafter(two_rank_graphs, tier, nam
         assert torch.equal(g["top_ids"], top_ids)
         torch.testing.assert_close(g["top_values"], top_vals, **close)
     assert torch.equal(got[0]["top_values"], got[1]["top_values"])
+    for g in got:  # the whole vocabulary's normalizer, every slot's, on both ranks
+        torch.testing.assert_close(g["log_normalizer"], want["logits"].logsumexp(-1), **close)
     # the drafts the tensorrt backend's drafter face forms from each rank's outputs (its rank's
     # cache, the global candidates, DFlash2's selector) are the one-rank drafts, on both ranks
     engine_dir = Path(engines[tier].path)
@@ -161,6 +167,16 @@ def test_two_rank_graphs_compute_the_one_rank_drafter(two_rank_graphs, tier, nam
         embed = engines[tier].target.model.embed_tokens
         proposal = face.propose(torch.tensor([ANCHOR]), embed, cache, want["logits"].shape[1])
         assert torch.equal(proposal.tokens, want["tokens"]) and proposal.vocab_start == face.vocab_start
+        assert proposal.top is None  # a chain's proposal
+        # a tree's proposal: the candidates as log-probabilities, and the one-rank drafter's tree
+        face.add_context(torch.zeros(1, NEW, 1), cache)
+        proposal = face.propose(torch.tensor([ANCHOR]), embed, cache, want["logits"].shape[1], TREE)
+        log_probs = want["logits"][:, 1:].float().log_softmax(-1).topk(16, dim=-1).values
+        torch.testing.assert_close(proposal.top[0], log_probs, **close)
+        tree = block_tree(face, ANCHOR, proposal, TREE)
+        assert (tree.tokens, tree.parents) == (want["tree"].tokens, want["tree"].parents)
+    _trees_refused_without_the_normalizer(engines[tier], name, _rank_face(engine_dir, name, 0, got[0]),
+                                          {k: v for k, v in got[0].items() if k != "log_normalizer"})
     diverged = {**got[0], "rank_positions": torch.tensor([PAST, PAST + 1])}
     face = _rank_face(engine_dir, name, 0, diverged)
     cache = face.new_cache(1, 16)
@@ -168,6 +184,31 @@ def test_two_rank_graphs_compute_the_one_rank_drafter(two_rank_graphs, tier, nam
     with pytest.raises(MetraleError, match=r"drafter ranks diverged: .*\[5, 6\]"):
         face.propose(torch.tensor([ANCHOR]), engines[tier].target.model.embed_tokens, cache,
                      want["logits"].shape[1])
+
+
+def _trees_refused_without_the_normalizer(engine, name: str, face, old_outputs: dict) -> None:
+    """Rank graphs exported before draft trees (no `log_normalizer`) still draft chains; a tree
+    over them is refused at startup by name, and by the face itself."""
+    from metrale.runtime.serving.service import check_engine_supports
+    from metrale.runtime.spec.config import SpeculativeConfig
+
+    tree = SpeculativeConfig.from_flags(dflash=True, dflash_drafter=name, dflash_tree_budget=TREE)
+    old = _rank_face(engine.path, name, 0, old_outputs)
+    assert face.distributions and not old.distributions
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(engine.drafters, name, face)
+        check_engine_supports(engine, tree)
+        m.setitem(engine.drafters, name, old)
+        with pytest.raises(ConfigError, match=rf"--dflash-tree-budget {TREE}: drafter '{name}''s rank "
+                                              r"graphs gather no normalizer \(built before draft trees\), "
+                                              r"engine directory .*build the engine again"):
+            check_engine_supports(engine, tree)
+        check_engine_supports(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter=name))
+    embed = engine.target.model.embed_tokens
+    cache = old.new_cache(1, 16)
+    old.add_context(torch.zeros(1, NEW, 1), cache)
+    with pytest.raises(ValueError, match="rank graphs gather no normalizer"):
+        old.propose(torch.tensor([ANCHOR]), embed, cache, 8, TREE)
 
 
 class _RecordedRank:
@@ -269,7 +310,7 @@ def test_tp_build_writes_every_rank_engine_per_sm(rtx, engine_factory, tier):
         layers = quantized.config.decoder.num_hidden_layers
         gemms = sum(type(mod).__name__ == "Nvfp4Linear" for mod in quantized.modules())
         assert info.onnx_ranks == [f"{name}/rank0.onnx", f"{name}/rank1.onnx"]
-        assert info.io.outputs[-3:] == ["top_values", "top_ids", "rank_positions"]
+        assert info.io.outputs[-4:] == ["top_values", "top_ids", "log_normalizer", "rank_positions"]
         for sm in SMS:
             entry = info.engines[str(sm)]
             collectives = {"AllReduce": 2 * layers, "AllGather": 1}
@@ -317,9 +358,9 @@ def test_parsed_rank_network_holds_the_collective_plugin_layers(rtx, engine_fact
     assert ops.count("NvFp4W4A16Gemm") == lw.metrale_ops(lowered)["NvFp4W4A16Gemm"] == len(ops) - 5
     collectives = [(p, shape) for p, shape in made if p.plugin_name in ("AllReduce", "AllGather")]
     assert {(p.group_size, p.rank) for p, _ in collectives} == {(2, r)}
-    # the sums keep the hidden shape; the gather adds the rank axis: [2, 1, G (dynamic), 33]
+    # the sums keep the hidden shape; the gather adds the rank axis: [2, 1, G (dynamic), 2·16 + 2]
     assert {shape for p, shape in collectives if p.op == "AllReduce"} == {(1, -1, 128)}
-    assert [shape for p, shape in collectives if p.op == "AllGather"] == [(2, 1, -1, 33)]
+    assert [shape for p, shape in collectives if p.op == "AllGather"] == [(2, 1, -1, 34)]
     assert plugins.collectives.keep_alive  # held while TensorRT may call them
 
 

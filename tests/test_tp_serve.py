@@ -4,7 +4,9 @@
   also from weights requantized at load to another tier;
 - `--draft-tp-size 1` on a world runs the whole drafter on rank 0 only and relays its drafts
   (the other ranks load no drafter), adaptive k's retirement included;
-- KV heads split unevenly (4 over 3 ranks: 2, 1, 1), drafts equal to one rank's.
+- KV heads split unevenly (4 over 3 ranks: 2, 1, 1), drafts equal to one rank's;
+- draft trees over the sharded drafter, with the eager target or the captured one (the capture
+  stand-in, as auto loads a target on CUDA), the one rank's trees node for node.
 
 Run as a script (`python tests/test_tp_serve.py SCENARIO RANK WORLD PORT ARGS_JSON OUT`) this
 file is one rank of a scenario; the fixtures below start every rank and compare with one rank.
@@ -12,6 +14,7 @@ file is one rank of a scenario; the fixtures below start every rank and compare 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -107,7 +110,8 @@ def _worker(scenario: str, rank: int, world_size: int, port: int, args: dict, ou
         tp = TensorParallel(world.rank, world.size)
         res["proposals"] = {v: propose_with(*uneven_job(v), tp) for v in (1, 2)}
     else:  # decode through load_generator: the startup path of generate and serve
-        for label, flags in args["runs"].items():
+        for label, run in args["runs"].items():
+            flags, backend = spec_flags(run)
             spec = SpeculativeConfig.from_flags(dflash=True, **flags)
             states = None
             if spec.draft_weight_quantization is not None:
@@ -115,8 +119,10 @@ def _worker(scenario: str, rank: int, world_size: int, port: int, args: dict, ou
                 from metrale.runtime.artifact.engine_dir import load_manifest
 
                 states = states_for(args["engine_dir"], load_manifest(args["engine_dir"]), spec)
-            gen = load_generator(args["engine_dir"], spec, states=states, backend="torch")
+            with captured_target(backend == "eager-graphs"):
+                gen = load_generator(args["engine_dir"], spec, states=states, backend="torch")
             res[label] = {"relay": gen.relay, "drafters": sorted(gen.engine.drafters),
+                          "backend": gen.engine.backend.name,
                           "tp": [getattr(d, "tp", None) is not None for d in gen.engine.drafters.values()],
                           "decodes": _decode_all(gen, args["prompts"], world)}
             # the all-gathers of the sharded drafters (one per propose, a tree's candidates in it;
@@ -125,6 +131,31 @@ def _worker(scenario: str, rank: int, world_size: int, port: int, args: dict, ou
             res[label]["gathers"] = sum(tp.stats.calls.get("all_gather", 0) for tp in tps.values())
     torch.save(res, out_file)
     world.close()
+
+
+@contextlib.contextmanager
+def captured_target(on: bool):
+    """With `on`, the serve's engine loads as auto loads it on CUDA: the target's steps captured,
+    here on the capture stand-in (`cuda_graphs.EagerGraphs`), the drafter eager and sharded."""
+    from metrale.runtime.serving import service
+
+    if not on:
+        yield
+        return
+    from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
+
+    load = service.load_engine
+
+    def loading(*args, **kw):
+        engine = load(*args, **kw)
+        use_cuda_graphs(engine, graphs=EagerGraphs())
+        return engine
+
+    service.load_engine = loading
+    try:
+        yield
+    finally:
+        service.load_engine = load
 
 
 def run_ranks(scenario: str, size: int, args: dict, tmp: Path) -> list[dict]:
@@ -184,7 +215,15 @@ RUNS = {
     "auto-tree": {"draft_tp_size": "auto", "dflash_tree_budget": 16},
     "auto-tree-dflash2": {"draft_tp_size": "auto", "dflash_drafter": "dflash2", "dflash_tree_budget": 16},
     "rank0-tree": {"draft_tp_size": "1", "dflash_drafter": "dflash2", "dflash_tree_budget": 16},
+    # a captured target (the capture stand-in) with the sharded eager drafter's trees
+    "auto-tree-graphs": {"draft_tp_size": "auto", "dflash_tree_budget": 16, "backend": "eager-graphs"},
 }
+
+
+def spec_flags(run: dict) -> tuple[dict, str]:
+    """A run's speculative flags and its backend (the torch backend unless it names one)."""
+    flags = dict(run)
+    return flags, flags.pop("backend", "torch")
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +239,7 @@ def one_rank_decodes(engine_dir, prompts, flags):
     from metrale.runtime.serving.service import load_generator
     from metrale.runtime.spec.config import SpeculativeConfig
 
-    spec = SpeculativeConfig.from_flags(dflash=True, **{**flags, "draft_tp_size": None})
+    spec = SpeculativeConfig.from_flags(dflash=True, **{**spec_flags(flags)[0], "draft_tp_size": None})
     gen = load_generator(engine_dir, spec, backend="torch",
                          states=states_for(engine_dir, load_manifest(engine_dir), spec))
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
@@ -222,6 +261,7 @@ def test_a_two_rank_serve_decodes_as_one_rank(two_rank_serves, tiny_engine_dir, 
         assert max(s.drafted for d in leader["decodes"] for s in d.steps) == 16
         for got, ref in zip(leader["decodes"], want):
             assert [s.drafted for s in got.steps] == [s.drafted for s in ref.steps], label
+    assert leader["backend"] == spec_flags(RUNS[label])[1]
     if label.startswith("auto"):  # the one-rank engine cut at load: every rank holds a shard
         assert not leader["relay"] and all(leader["tp"]) and all(follower["tp"])
         proposes = sum(1 for d in leader["decodes"] for s in d.steps if s.drafted)

@@ -107,8 +107,9 @@ def test_trees_on_the_cpu_packages_walk_paths_and_emit_plain_decoding(aoti_engin
     assert all(aoti_engine.drafters[n].distributions for n in ("dflash", "dflash2"))
     with monkeypatch.context() as m:  # a package built before draft trees gives drafts only
         m.setattr(aoti_engine.drafters["dflash2"], "distributions", False)
-        with pytest.raises(ConfigError, match="--dflash-tree-budget 16: drafter 'dflash2''s CPU package .* "
-                                              "gives drafts only .*build the engine again"):
+        with pytest.raises(ConfigError, match=r"--dflash-tree-budget 16: drafter 'dflash2''s CPU package "
+                                              r"gives drafts only \(built before draft trees\), engine "
+                                              r"directory .*build the engine again"):
             EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(
                 dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16))
         EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2"))

@@ -205,8 +205,15 @@ class LoadedEngine:
 
     def block_distributions(self, drafter: str) -> bool:
         """Does drafter `drafter`'s face give its blocks' distributions (what a draft tree is
-        built from)? Every face but a CPU package built before draft trees (`distributions`)."""
+        built from)? Every face but those built before draft trees (`distributions`): a CPU
+        package that gives drafts only, rank graphs that gather no normalizer."""
         return getattr(self.drafters[drafter], "distributions", True) is True
+
+    def no_distributions(self, drafter: str) -> str:
+        """Why drafter `drafter` gives no blocks' distributions, in words naming the drafter and
+        the directory (what a refused `--dflash-tree-budget` quotes)."""
+        what = getattr(self.drafters[drafter], "without_distributions", "face gives drafts only")
+        return f"drafter {drafter!r}'s {what}, engine directory {self.path}"
 
     @property
     def tree_attention(self) -> bool:

@@ -274,6 +274,7 @@ class CompiledDFlash:
     one batched call) up to the last `feed` rows, which the package feeds with the block."""
 
     distributions = False  # drafts only: no blocks' distributions for a draft tree
+    without_distributions = "CPU package gives drafts only (built before draft trees)"
 
     @classmethod
     def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):

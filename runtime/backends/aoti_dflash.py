@@ -81,7 +81,7 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         if not self.distributions and any(f.distributions for f in forwards):
             nodes = max(f.tree_nodes for f in forwards)
             raise ValueError(f"a draft tree of {nodes} nodes needs the blocks' distributions, which "
-                             "this drafter's CPU package (built before draft trees) does not give")
+                             f"this drafter's {self.without_distributions}")
         for f in forwards:
             if not 1 < f.gamma <= self.block:
                 raise ValueError(f"γ = {f.gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")

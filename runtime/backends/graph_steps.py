@@ -259,6 +259,10 @@ class GraphDrafter(_Component):
         self.config = cfg
         self.vocab_start = shard_range(cfg.decoder.vocab_size, rank, size)[0]
         self.max_context = int(profile["context"][2])
+        # a rank graph exported before draft trees gathers no normalizer: its candidates' values
+        # are not log-probabilities (`LoadedEngine.block_distributions`)
+        self.distributions = size == 1 or "log_normalizer" in runner.dtypes
+        self.without_distributions = "rank graphs gather no normalizer (built before draft trees)"
         self.selector = None
         if cfg.version == 2:
             d = cfg.decoder
@@ -313,8 +317,9 @@ class GraphDrafter(_Component):
 
     def propose(self, anchor: torch.Tensor, embed: nn.Embedding, cache: EngineCache, gamma: int,
                 tree_nodes: int = 0) -> Proposal:
-        """anchor [1] (the last accepted token, at position cache.length + queued) -> γ−1 drafts
-        (with the logits a tree reads; a rank graph's trees are refused by the serve)."""
+        """anchor [1] (the last accepted token, at position cache.length + queued) -> γ−1 drafts,
+        with the logits a tree reads; a rank graph's proposal for a tree (`tree_nodes`) carries
+        the gathered candidates as log-probabilities (`Proposal.top`)."""
         if cache.pending is None or cache.pending.shape[1] == 0:
             raise RuntimeError("propose needs the context of at least one accepted position first")
         block = torch.full((anchor.shape[0], gamma), self.config.mask_token_id, dtype=torch.long,
@@ -324,14 +329,25 @@ class GraphDrafter(_Component):
         cache.pending = None
         logits = out["logits"][:, 1:]  # [1, γ−1, V]: slot j predicts position anchor+j
         if "top_ids" in out:  # a tensor-parallel rank: the global candidates, every rank's alike
+            top = None
+            if tree_nodes:
+                if not self.distributions:
+                    raise ValueError(f"a draft tree of {tree_nodes} nodes needs the candidates' "
+                                     f"log-probabilities, which these {self.without_distributions}")
+                top = (out["top_values"][:, 1:] - out["log_normalizer"][:, 1:, None],
+                       out["top_ids"][:, 1:])
             return Proposal(tokens=self._tp_drafts(out, anchor), logits=logits,
-                            vocab_start=self.vocab_start)
-        query = out["selector_query"][:, 1:] if self.selector is not None else None
+                            vocab_start=self.vocab_start, hidden=self._query(out), top=top)
+        query = self._query(out)
         if self.selector is not None:
             tokens = self.selector.select(query, logits, anchor)
         else:
             tokens = logits.argmax(-1)
         return Proposal(tokens=tokens, logits=logits, hidden=query)
+
+    def _query(self, out: dict) -> torch.Tensor | None:
+        """DFlash2's draft slots' `selector_query` [1, γ−1, dim] (None for DFlash)."""
+        return out["selector_query"][:, 1:] if self.selector is not None else None
 
     @property
     def candidate_selector(self):
@@ -346,8 +362,7 @@ class GraphDrafter(_Component):
         if not bool((positions == positions[0]).all()):
             raise MetraleError(f"drafter ranks diverged: their cache positions differ "
                                f"({positions.tolist()}); every rank must decode the same sequence")
-        hidden = out["selector_query"][:, 1:] if self.selector is not None else None
-        return candidate_drafts(self.selector, self.config.num_candidates, hidden,
+        return candidate_drafts(self.selector, self.config.num_candidates, self._query(out),
                                 out["top_values"][:, 1:], out["top_ids"][:, 1:], anchor)
 
 

@@ -63,10 +63,9 @@ def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
             raise ConfigError(f"--dflash-drafter {name!r}: engine directory {engine.path} has no such "
                               f"drafter (it has: {have})")
         if spec.dflash_tree_budget and not engine.block_distributions(name):
-            raise ConfigError(f"--dflash-tree-budget {spec.dflash_tree_budget}: drafter {name!r}'s CPU "
-                              f"package in engine directory {engine.path} gives drafts only (built "
-                              "before draft trees): expected 0 (the chain), or build the engine "
-                              "again, or run --backend torch")
+            raise ConfigError(f"--dflash-tree-budget {spec.dflash_tree_budget}: "
+                              f"{engine.no_distributions(name)}: expected 0 (the chain), or build "
+                              "the engine again, or run --backend torch")
         calibrated, of = None, ""
         if spec.dflash_adaptive_k == AUTO:
             from metrale.runtime.spec import calibration
@@ -97,10 +96,6 @@ class EngineGenerator:
                               "tree's rows in one forward (no tree attention mask: CPU packages or "
                               "target graphs built before tree rows, or a graph profile of fewer "
                               "rows than a 64-node tree's: build the engine again); use auto or paths")
-        if tree and self.world.size > 1 and not self.relay and not engine.backend.eager:
-            raise ConfigError(f"--dflash-tree-budget {tree}: on {self.world.size} ranks draft trees "
-                              f"gather a sharded drafter's candidates on the torch backend only, not "
-                              f"{engine.backend}; run --backend torch, --draft-tp-size 1 or one process")
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
         self.max_context = engine.target.config.max_position_embeddings
