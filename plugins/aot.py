@@ -80,6 +80,20 @@ def kernel_specs(act: str = "bf16") -> list[dict]:
              signature={"x_ptr": _ptr(act), "k_ptr": _ptr(act), "y_ptr": _ptr(act),
                         "T": "i32", "H": "i32", "G": "i32", "BLOCK_SLOTS": "i32"},
              grid=["B * T", "cdiv(H, BLOCK_H)", "1"]),
+        # the decode step's kernels (`step_kernels`): launched through triton's JIT on the serving
+        # GPU, compiled here for every SM as a check that they build (DFlash2's default K and
+        # selector dim; Qwen3's head size)
+        dict(name="dflash2_select_kernel", blocks={"BLOCK_K": 16, "BLOCK_D": 32}, num_warps=1,
+             signature={"proj_ptr": _ptr(act), "logit_ptr": _ptr(act), "cand_ptr": "*i64",
+                        "anchor_ptr": "*i64", "pred_ptr": _ptr(act), "succ_ptr": _ptr(act),
+                        "out_ptr": "*i64", "N": "i32", "K": "i32", "D": "i32"},
+             grid=["B", "1", "1"], note="step_kernels.dflash2_select: one program per sequence"),
+        dict(name="qk_norm_rope_kernel", blocks={"HD": 128}, num_warps=1,
+             signature={"q_in_ptr": _ptr(act), "k_in_ptr": _ptr(act), "w_ptr": _ptr(act),
+                        "cos_ptr": _ptr(act), "sin_ptr": _ptr(act), "q_ptr": _ptr(act),
+                        "k_ptr": _ptr(act), "T": "i32", "NH": "i32", "NKV": "i32",
+                        "Q_STRIDE": "i32", "K_STRIDE": "i32", "eps": "fp32"},
+             grid=["B * T", "NH + NKV", "1"], note="step_kernels.qk_norm_rope: one program per head and row"),
     ]
 
 

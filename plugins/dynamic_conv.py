@@ -28,7 +28,12 @@ TRITON_BLOCKS = {"BLOCK_H": 256}  # channels per program (also the constexpr `ao
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def dflash2_dynamic_conv(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
-    """y [B, T, H] from x [B, T, H] and kernel [B, T, G, 2] over blocks of `block` slots."""
+    """y [B, T, H] from x [B, T, H] and kernel [B, T, G, 2] over blocks of `block` slots: on a
+    GPU whose step kernels passed their check, the Triton kernel's one launch (`step_kernels`)."""
+    from metrale.plugins import step_kernels
+
+    if step_kernels.use(x):
+        return dflash2_dynamic_conv_triton(x, kernel, block)
     _check(x, kernel, block)
     return conv_math(x, kernel, block)
 

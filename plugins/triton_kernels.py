@@ -236,3 +236,68 @@ def dflash2_dynamic_conv_kernel(
     xp = tl.load(x_ptr + (r - 1) * H + c, mask=m & (slot != 0), other=0.0).to(tl.float32)
     y = k0 * xv + k1 * xp
     tl.store(y_ptr + r * H + c, _cast_out(y, y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def dflash2_select_kernel(
+    proj_ptr, logit_ptr, cand_ptr, anchor_ptr, pred_ptr, succ_ptr, out_ptr,
+    N, K, D,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """DFlash2's candidate selector over one sequence's N draft slots, left to right: slot j takes
+    the candidate c of highest logit_c + successor[c]·(proj[j] + predecessor[prev]), prev the
+    token slot j−1 took (the anchor at slot 0); ties to the earlier candidate. proj [B, N, D];
+    logit, cand [B, N, K] (ids int64); anchor [B] int64; codebooks [V, D]; out [B, N] int64.
+    Float32 throughout. Grid (B,)."""
+    b = tl.program_id(0)
+    rk = tl.arange(0, BLOCK_K)
+    rd = tl.arange(0, BLOCK_D)
+    mk = rk < K
+    md = rd < D
+    prev = tl.load(anchor_ptr + b)
+    for j in range(N):
+        row = b * N + j
+        z = (tl.load(proj_ptr + row * D + rd, mask=md, other=0.0).to(tl.float32)
+             + tl.load(pred_ptr + prev * D + rd, mask=md, other=0.0).to(tl.float32))  # [BD]
+        ids = tl.load(cand_ptr + row * K + rk, mask=mk, other=0)  # [BK]
+        succ = tl.load(succ_ptr + ids[:, None] * D + rd[None, :], mask=mk[:, None] & md[None, :],
+                       other=0.0).to(tl.float32)  # [BK, BD]
+        s = tl.load(logit_ptr + row * K + rk, mask=mk, other=0.0).to(tl.float32) + tl.sum(succ * z[None, :], axis=1)
+        best = tl.argmax(tl.where(mk, s, float("-inf")), axis=0)
+        prev = tl.sum(tl.where(rk == best, ids, 0), axis=0)
+        tl.store(out_ptr + row, prev)
+
+
+@triton.jit
+def qk_norm_rope_kernel(
+    q_in_ptr, k_in_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
+    T, NH, NKV, Q_STRIDE, K_STRIDE, eps,
+    HD: tl.constexpr,
+):
+    """Qwen3's per-head RMSNorm of q and k, then rotary (rotate-half), for one head of one row.
+    q_in [B·T, Q_STRIDE] holds a row's NH q heads from column 0, k_in [B·T, K_STRIDE] its NKV k
+    heads (views of one fused projection, or two); w [NH+NKV, HD] each head's norm multiplier;
+    cos, sin [T, HD]. Head h of row r = b·T + t goes to q [B, NH, T, HD] (h < NH) or k [B, NKV,
+    T, HD]. The normed head is rounded to the output dtype (the norm's own output), then roped
+    in float32 and rounded once. HD is a power of two. Grid (B·T, NH+NKV)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    b = r // T
+    t = r % T
+    d = tl.arange(0, HD)
+    rot = (d + HD // 2) % HD  # rotate-half: y[d + HD/2] (negated) in the first half, y[d − HD/2] after
+    if h < NH:
+        src = q_in_ptr + r * Q_STRIDE + h * HD
+        dst = q_ptr + ((b * NH + h) * T + t) * HD
+    else:
+        src = k_in_ptr + r * K_STRIDE + (h - NH) * HD
+        dst = k_ptr + ((b * NKV + h - NH) * T + t) * HD
+    x = tl.load(src + d).to(tl.float32)
+    xr = tl.load(src + rot).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HD + eps)
+    out_ty = q_ptr.dtype.element_ty
+    y = _cast_out(x * inv * tl.load(w_ptr + h * HD + d).to(tl.float32), out_ty).to(tl.float32)
+    yr = _cast_out(xr * inv * tl.load(w_ptr + h * HD + rot).to(tl.float32), out_ty).to(tl.float32)
+    c = tl.load(cos_ptr + t * HD + d).to(tl.float32)
+    s = tl.load(sin_ptr + t * HD + d).to(tl.float32)
+    tl.store(dst + d, _cast_out(y * c + tl.where(d < HD // 2, -yr, yr) * s, out_ty))

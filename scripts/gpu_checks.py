@@ -24,6 +24,8 @@ $METRALE_GPU_BUDGET_S (default 450 s; a step that would start with under 20 s le
   torch-cuda    torch-cuda.json: every speculative mode on CUDA graphs, exact verify == plain,
                 and the backend that ran (a fall-back to eager torch fails the step, with why)
   bench-torch-cuda  bench-torch-cuda.json: `metrale bench --device cuda` (CUDA graphs)
+  bench-unfused bench-torch-cuda-unfused.json: its chain modes with METRALE_STEP_KERNELS=0 (the
+                decode step's fused kernels off): their before/after on this GPU
   targets       DFlash2 >= 2.0x, DFlash >= 1.5x, best MTP >= 1.6x plain, plain >= 1.3 x 1,690 tok/s,
                 adaptive k >= its best fixed mode - 2%, exact modes == plain
   serve-cuda    serve-cuda.json: scripts/load.py, `metrale serve --device cuda` for plain, MTP and
@@ -395,6 +397,12 @@ def cmd_run(out: Path) -> int:
         ("bench-torch-cuda", 150, ("cuda", "cli"), ("build",),
          [py, "-m", "metrale", "bench", "--engine-dir", tiny, "--device", "cuda",
           "--json", bench_json, *bench]),
+        # the same bench with the decode step's fused kernels off (`plugins.step_kernels`): their
+        # before/after on this GPU, kernels per step and tok/s, in the chain modes
+        ("bench-unfused", 120, ("cuda", "cli"), ("build",),
+         [py, "-m", "metrale", "bench", "--engine-dir", tiny, "--device", "cuda", "--modes",
+          "γ=8,k=3", "--no-transformers", "--json", out / "bench-torch-cuda-unfused.json",
+          *bench]),
         ("targets", 0, ("cuda", "cli"), ("bench-torch-cuda",), None),
         ("serve-cuda", 150, ("cuda", "cli"), ("build",),
          [py, ROOT / "scripts" / "load.py", "--engine-dir", tiny, "--serve-flags=--device cuda",
@@ -437,6 +445,8 @@ def cmd_run(out: Path) -> int:
         else:
             work.mkdir(parents=True, exist_ok=True)
             step_env = dict(env, METRALE_TRT_ENGINES=f"nvfp4={trt_dir}")
+            if name == "bench-unfused":
+                step_env["METRALE_STEP_KERNELS"] = "0"
             rec.run(name, cap, cmd, step_env)
     rec.write()
     failed = [r["step"] for r in rec.steps if r["status"] == "failed"]

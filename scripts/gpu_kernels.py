@@ -281,9 +281,26 @@ def _sm() -> int:
     return major * 10 + minor
 
 
+def step_kernel_cases():
+    """(name, run) pairs: the decode step's kernels (`plugins.step_kernels`) against the PyTorch
+    forms on this GPU, the check an engine's load runs, per activation dtype."""
+    import torch
+
+    from metrale.plugins import step_kernels
+
+    def check(dtype):
+        def run():
+            why = step_kernels._agree(torch.device("cuda"), dtype)
+            assert why == "", why
+            return 0.0
+        return run
+
+    return [(f"step kernels {str(d).removeprefix('torch.')}", check(d)) for d in (torch.float32, torch.bfloat16)]
+
+
 def cmd_kernels(out: Path) -> int:
     results = Results(out, sm=_sm())
-    for name, run in kernel_cases():
+    for name, run in kernel_cases() + step_kernel_cases():
         results.run(name, run)
     return 1 if results.failed else 0
 

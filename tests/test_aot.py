@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton==3.9.0)")
 
 SMS = (89, 90, 100, 120)
-QUICK = ("nvfp4_w4a16_gemm_kernel", "dflash2_dynamic_conv_kernel")  # in spec order
+QUICK = ("nvfp4_w4a16_gemm_kernel", "dflash2_dynamic_conv_kernel", "dflash2_select_kernel",
+         "qk_norm_rope_kernel")  # in spec order
 EM_CUDA = 190  # ELF e_machine of NVIDIA CUDA objects
 
 
@@ -34,7 +35,7 @@ def check_outputs(out_dir, results, names, acts=("bf16",)):
         assert on_disk == meta
         spec = specs[meta["symbol"]]
         assert meta["symbol"] == meta["kernel"] + "_kernel" and meta["cubin"] == f"{stem}.cubin"
-        assert meta["block"] == [32 * meta["num_warps"], 1, 1] and meta["num_warps"] == 4
+        assert meta["block"] == [32 * meta["num_warps"], 1, 1] and meta["num_warps"] == spec["num_warps"]
         assert meta["args"] == list(spec["signature"]) and meta["grid"] == spec["grid"]
         assert meta["constexprs"].items() >= spec["blocks"].items()
         assert meta["arch"] == ("sm_89" if meta["sm"] == 89 else f"sm_{meta['sm']}a")
@@ -79,7 +80,8 @@ def test_all_kernels_compile_for_every_target_sm(tmp_path):
     results = aot.compile_kernels_in_subprocess(tmp_path, SMS)
     names = tuple(s["name"] for s in aot.kernel_specs())
     assert names == ("fp8_w8a16_gemm_kernel", "nvfp4_w4a16_gemm_kernel", "nvfp4_moe_gate_up_kernel",
-                     "nvfp4_moe_down_kernel", "dflash2_dynamic_conv_kernel")
+                     "nvfp4_moe_down_kernel", "dflash2_dynamic_conv_kernel", "dflash2_select_kernel",
+                     "qk_norm_rope_kernel")
     check_outputs(tmp_path, results, names)
 
 

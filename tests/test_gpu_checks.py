@@ -17,7 +17,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_STEPS = ("kernels", "cubins", "build", "torch-cuda", "bench-torch-cuda", "targets",
+GPU_STEPS = ("kernels", "cubins", "build", "torch-cuda", "bench-torch-cuda", "bench-unfused", "targets",
              "trt-build", "pytest-trt", "bench-tensorrt")
 
 

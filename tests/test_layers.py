@@ -1,6 +1,8 @@
 """The eager inference forms of `layers` against their textbook forms (float32, CPU): the
 few-kernel RMSNorm and rotary embedding, and the MoE step that reads only the selected experts."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from metrale.plugins.cpu_panels import unpack_panels
 from metrale.runtime.models.configs import DecoderConfig
-from metrale.runtime.models.layers import MoE, RMSNorm, apply_rope, rms_normalize, rope_cos_sin
+from metrale.runtime.models.layers import MoE, RMSNorm, apply_rope, rms_normalize, rope_cos_sin, rope_table
 
 CFG = DecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
@@ -68,6 +70,20 @@ def test_rope_by_roll_is_rotate_half():
     half = 8
     want = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
     torch.testing.assert_close(apply_rope(x, cos, sin), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rotary_table_row_is_its_positions_cos_and_sin_bit_for_bit(dtype):
+    # what a GPU step gathers (`rope_at` over `rope_tables`) is what it would compute
+    from metrale.runtime.models.layers import rope_tables
+
+    cfg = SimpleNamespace(head_dim=32, rope_theta=1e6, max_position_embeddings=100)
+    rope_tables([cfg], dtype, "cpu", margin=50)
+    cos, sin = rope_table(32, 1e6, dtype, "cpu")
+    assert cos.shape[0] >= 150
+    positions = torch.tensor([0, 7, 99, 149, 3])
+    want = rope_cos_sin(positions, 32, 1e6, dtype)
+    assert torch.equal(cos[positions], want[0]) and torch.equal(sin[positions], want[1])
 
 
 def _moe(seed=0) -> MoE:

@@ -19,7 +19,6 @@ torch) and CUDA graphs on a GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -203,6 +202,15 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
         return load_ort_engine(engine_dir)
     engine = load_models(engine_dir, dtype=dtype, device=dev, components=components, tp=tp,
                          states=states)
+    kernels = ""
+    if dev.type == "cuda":  # the eager models' small ops as one launch each, where they check out
+        from metrale.plugins import step_kernels
+        from metrale.runtime.models.layers import rope_tables
+
+        kernels = step_kernels.prepare(dev, engine.dtype)
+        rope_tables([engine.target.config, *(m.config.decoder for m in engine.drafters.values()),
+                     *([engine.mtp.config.decoder] if engine.mtp is not None else [])],
+                    engine.dtype, dev)
     if b is Backend.AOTI or (b is Backend.AUTO and dev.type != "cuda"):
         from metrale.runtime.backends import aoti
 
@@ -213,4 +221,6 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
         from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
 
         use_cuda_graphs(engine)  # after the drafters: their taps are captured with the steps
+    if kernels:
+        engine.backend_note = "; ".join(n for n in (engine.backend_note, kernels) if n)
     return engine

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.plugins import step_kernels
 from metrale.plugins.dynamic_conv import dflash2_dynamic_conv
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.kv_cache import KVCache
@@ -86,8 +87,11 @@ class CandidateSelector(nn.Module):
 
     def select_candidates(self, hidden, cand_logits, cand_ids, anchor):
         """hidden [B, n, H], the top candidates' logits/ids [B, n, K], anchor [B] -> [B, n]."""
-        prev, out = anchor, []
         projected = self.hidden_projection(hidden)  # [B, n, D]: every slot's in one GEMM
+        if step_kernels.use(projected):  # a GPU: the whole left-to-right pick in one launch
+            return step_kernels.dflash2_select(projected, cand_logits, cand_ids, anchor,
+                                               self.predecessor_codebook, self.successor_codebook)
+        prev, out = anchor, []
         for j in range(hidden.shape[1]):
             s = self._scores(projected[:, j], cand_ids[:, j], cand_logits[:, j], prev)  # [B, K]
             prev = cand_ids[:, j].gather(-1, s.argmax(-1, keepdim=True)).squeeze(-1)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.plugins import step_kernels
 from metrale.plugins.nvfp4_moe import dense_experts, nvfp4_moe_w4a16, routed_matvecs
 from metrale.runtime.models.configs import DecoderConfig
 from metrale.runtime.models.kv_cache import KVCache, causal_mask
@@ -112,11 +113,28 @@ def rope_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.d
     """cos, sin [T, hd] at positions [T]: computed eagerly; in a compiled step (torch.export,
     torch.compile) gathered from the shared table (`rope_table`, which the step builds first),
     a constant of the graph (derived in the graph, inductor computes cos and sin again inside
-    the attention's loops, which makes a drafter step several times slower)."""
+    the attention's loops, which makes a drafter step several times slower). On a GPU, where
+    a step costs its launches, gathered from the table too once one exists (`rope_tables`):
+    two gathers instead of a dozen ops, the same bits (each table row is the same arithmetic
+    on its position); a position past the table takes its last row, which only a sequence past
+    the context the table was built for would reach."""
     if torch.compiler.is_compiling():
         cos, sin = rope_table(head_dim, theta, dtype, positions.device)
         return cos[positions], sin[positions]
+    if positions.is_cuda and not torch._C._is_tracing():
+        table = _ROPE_TABLES.get((head_dim, float(theta), dtype, positions.device))
+        if table is not None:
+            rows = positions.clamp(max=table[0].shape[0] - 1)
+            return table[0][rows], table[1][rows]
     return rope_cos_sin(positions, head_dim, theta, dtype)
+
+
+def rope_tables(configs, dtype: torch.dtype, device, margin: int = 1024) -> None:
+    """Build the shared rotary table of each decoder config (head size and base) on `device`,
+    covering its context and `margin` positions past it (a drafter's block beyond the last
+    accepted position): what a GPU step gathers from (`rope_at`)."""
+    for cfg in configs:
+        rope_table(cfg.head_dim, cfg.rope_theta, dtype, device, cfg.max_position_embeddings + margin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -193,14 +211,15 @@ class Attention(nn.Module):
         """Fuse q/k/v into one GEMM for inference (plain float weights only; quantized
         projections keep their own op so their results stay the op's bits)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qk_norm_weight is None:
+            # q and k heads normed in one op: each head's multiplier, (1 + w) when zero-centred
+            mult = [n.weight.detach() + (1.0 if n.zero_centred else 0.0) for n in (self.q_norm, self.k_norm)]
+            self.qk_norm_weight = torch.cat([mult[0].expand(self.nh, -1), mult[1].expand(self.nkv, -1)])
         if fused_already(projs, self.qkv_weight):
             return
         if all(type(p) is nn.Linear and p.bias is None for p in projs):
             self.qkv_weight = torch.cat([p.weight.detach() for p in projs], dim=0)
             share_storage(projs, self.qkv_weight)
-            # q and k heads normed in one op: each head's multiplier, (1 + w) when zero-centred
-            mult = [n.weight.detach() + (1.0 if n.zero_centred else 0.0) for n in (self.q_norm, self.k_norm)]
-            self.qk_norm_weight = torch.cat([mult[0].expand(self.nh, -1), mult[1].expand(self.nkv, -1)])
 
     def use_linear_kernel(self) -> None:
         """Run a compiled step's fused q/k/v projection through the CPU kernel
@@ -228,6 +247,16 @@ class Attention(nn.Module):
         """x [B, T, H] -> q [B, nh, T, hd], k and v [B, nkv, T, hd] (q and k normed and roped):
         one GEMM when `pack` fused the projections."""
         b, t, _ = x.shape
+        if self.qk_norm_weight is not None and step_kernels.use(x):  # a GPU: one launch for q and k
+            nq, nk = self.nh * self.hd, self.nkv * self.hd
+            if self.qkv_weight is not None:
+                qkv = self._qkv(x)
+                q_in, k_in, v = qkv, qkv[..., nq:], qkv[..., nq + nk:]
+            else:
+                q_in, k_in, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = step_kernels.qk_norm_rope(q_in, k_in, self.qk_norm_weight, cos, sin, self.q_norm.eps,
+                                             self.nh, self.nkv, self.hd)
+            return q, k, v.reshape(b, t, self.nkv, self.hd).transpose(1, 2)
         if self.qkv_weight is not None and x.dtype == torch.float32:
             qk, v = self._qkv(x).split_with_sizes(
                 [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
@@ -340,7 +369,6 @@ class MoE(nn.Module):
         self.nvfp4_stacked = stack_nvfp4_experts(self.experts)
         if self.nvfp4_stacked is not None:
             return
-        dtype = self.gate.weight.dtype
         inter = self.experts[0].gate_proj.out_features if self.experts else 0
         gate_up, down = [], []
         for expert in self.experts:
