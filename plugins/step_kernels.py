@@ -15,10 +15,12 @@ device where triton is missing (or imported in interpreter mode), or where a ker
 disagrees, keeps the PyTorch forms, and `prepare` says why; so does METRALE_STEP_KERNELS=0 in
 the environment. Exported graphs and CPU packages always trace the PyTorch forms.
 
-The kernels compute in float32 and round once where the PyTorch forms round per op, so their
-results can differ from the eager forms' in the last bit of the output dtype (exactly the same
-order of operations in float32). A step's rows stay independent of each other, and plain and
-speculative decoding run the same kernels, so greedy speculative output stays plain decoding's.
+The kernels compute in float32 and round once where the PyTorch forms round per op, so the
+norm and rotary can differ from the eager forms' in the last bits of a 16-bit output, and the
+selector, which scores in float32 where the PyTorch form scores in the model's dtype, can pick
+another candidate at a near-tie (a draft: the verify decides what is emitted). A step's rows stay
+independent of each other, and plain and speculative decoding run the same kernels, so greedy
+speculative output stays plain decoding's.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ _state = {"on": False, "cpu": False}  # `prepare` passed; tests: run them on CPU
 
 
 def use(t: torch.Tensor) -> bool:
-    """Does a step on `t`'s device run the kernels here? (A CUDA tensor, not traced, kernels
-    checked on the device by `prepare`; `layers.tracing` is the same test of a trace.)"""
-    return (_state["on"] and (t.is_cuda or _state["cpu"])
+    """Does a step on `t`'s device run the kernels here? (A CUDA tensor, not traced, no autograd
+    (the kernels have no backward), kernels checked on the device by `prepare`; `layers.tracing`
+    is the same test of a trace.)"""
+    return (_state["on"] and (t.is_cuda or _state["cpu"]) and not torch.is_grad_enabled()
             and not (torch._C._is_tracing() or torch.compiler.is_compiling()))
 
 
@@ -123,18 +126,20 @@ def _agree(device: torch.device, dtype: torch.dtype) -> str:
     from metrale.runtime.models.layers import Attention, rope_cos_sin
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    sel = CandidateSelector(64, 256, 32, 16)
+    # the selector's inputs in `dtype`; the PyTorch form scores the same values in float32, as
+    # the kernel does, so the picks must agree (up to the dot products' summation order)
+    sel = CandidateSelector(32, 256, 32, 16)
     with torch.no_grad():
         for p in sel.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
+            p.copy_(torch.randn(p.shape, generator=g).to(dtype))
+    sel.hidden_projection = torch.nn.Identity()
     sel = sel.to(device)
-    hidden = torch.randn(2, 7, 64, generator=g).to(device)
-    logits = (4 * torch.randn(2, 7, 256, generator=g)).to(device)
+    projected = torch.randn(2, 7, 32, generator=g).to(device, dtype)
+    cand_logits, cand_ids = (4 * torch.randn(2, 7, 256, generator=g)).to(device, dtype).topk(16, dim=-1)
     anchor = torch.tensor([3, 9], device=device)
-    cand_logits, cand_ids = logits.topk(16, dim=-1)
-    want = sel.select_candidates(hidden, cand_logits, cand_ids, anchor)
-    got = dflash2_select(sel.hidden_projection(hidden), cand_logits, cand_ids, anchor,
-                         sel.predecessor_codebook, sel.successor_codebook)
+    want = sel.select_candidates(projected.float(), cand_logits.float(), cand_ids, anchor)
+    got = dflash2_select(projected, cand_logits, cand_ids, anchor, sel.predecessor_codebook.to(dtype),
+                         sel.successor_codebook.to(dtype))
     if not torch.equal(got, want):
         return f"dflash2_select drafted {got.tolist()}, the selector {want.tolist()}"
     cfg = DecoderConfig(vocab_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,

@@ -249,7 +249,7 @@ def dflash2_select_kernel(
     token slot j−1 took (the anchor at slot 0); ties to the earlier candidate. proj [B, N, D];
     logit, cand [B, N, K] (ids int64); anchor [B] int64; codebooks [V, D]; out [B, N] int64.
     Float32 throughout. Grid (B,)."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     rd = tl.arange(0, BLOCK_D)
     mk = rk < K
@@ -280,7 +280,7 @@ def qk_norm_rope_kernel(
     cos, sin [T, HD]. Head h of row r = b·T + t goes to q [B, NH, T, HD] (h < NH) or k [B, NKV,
     T, HD]. The normed head is rounded to the output dtype (the norm's own output), then roped
     in float32 and rounded once. HD is a power of two. Grid (B·T, NH+NKV)."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # (row × stride passes 2^31 in a long batched prefill)
     h = tl.program_id(1)
     b = r // T
     t = r % T

@@ -393,8 +393,10 @@ def test_decoding_with_the_step_kernels_is_plain_decoding(step_kernels_on_cpu, t
         got = spec.generate(prompt, params)
     want = plain.generate(prompt, params)  # (the kernels still on: plain's rows take them too)
     step_kernels_on_cpu.on_cpu_for_tests(False)
-    eager = plain.generate(prompt, params)
+    eager, eager_spec = plain.generate(prompt, params), spec.generate(prompt, params)
     assert got.token_ids == want.token_ids == eager.token_ids
+    # the kernels' drafts are the PyTorch forms' (float32 here): the same accepted, step by step
+    assert [s.accepted for s in got.steps] == [s.accepted for s in eager_spec.steps]
     steps = sum(1 for s in got.steps if s.drafted)
     assert steps > 0 and counts["select"] == steps
     assert counts["conv"] >= 4 * steps  # two convs per drafter layer, two layers
@@ -404,7 +406,23 @@ def test_decoding_with_the_step_kernels_is_plain_decoding(step_kernels_on_cpu, t
 def test_the_step_kernels_switch_is_checked(monkeypatch):
     from metrale.plugins import step_kernels
     from metrale.runtime.errors import ConfigError
+    from metrale.runtime.models.layers import rope_cos_sin
 
+    step_kernels.on_cpu_for_tests()
+    try:
+        with torch.no_grad():
+            assert step_kernels.use(torch.zeros(1))
+        with torch.enable_grad():  # the kernels have no backward: autograd takes the PyTorch forms
+            assert not step_kernels.use(torch.zeros(1))
+        attn = qwen3_attention(torch.float32, False, seed=4, nh=2, nkv=1, hd=24)
+        attn.pack()
+        calls = []
+        monkeypatch.setattr(step_kernels, "qk_norm_rope", lambda *a: calls.append(a))
+        with torch.no_grad():  # a head size the kernel does not take: the PyTorch form
+            q, k, _ = attn.project_qkv(torch.randn(1, 3, 64), *rope_cos_sin(torch.arange(3), 24, 1e4, torch.float32))
+        assert not calls and q.shape == (1, 2, 3, 24) and k.shape == (1, 1, 3, 24)
+    finally:
+        step_kernels.on_cpu_for_tests(False)
     monkeypatch.setenv("METRALE_STEP_KERNELS", "0")
     assert step_kernels.prepare(torch.device("cuda"), torch.float32) == \
         "fused step kernels off (METRALE_STEP_KERNELS=0)"

@@ -73,17 +73,27 @@ def test_rope_by_roll_is_rotate_half():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rotary_table_row_is_its_positions_cos_and_sin_bit_for_bit(dtype):
-    # what a GPU step gathers (`rope_at` over `rope_tables`) is what it would compute
-    from metrale.runtime.models.layers import rope_tables
+def test_a_gpu_step_gathers_its_rotary_rows_bit_for_bit(dtype, monkeypatch):
+    """What a GPU step gathers from its step table (`rope_at` over `rope_tables`, taken here on
+    CPU tensors) is what it would compute, at any positions, a tree's included."""
+    from metrale.runtime.models import layers
+    from metrale.runtime.models.layers import rope_at, rope_tables
 
-    cfg = SimpleNamespace(head_dim=32, rope_theta=1e6, max_position_embeddings=100)
-    rope_tables([cfg], dtype, "cpu", margin=50)
-    cos, sin = rope_table(32, 1e6, dtype, "cpu")
-    assert cos.shape[0] >= 150
-    positions = torch.tensor([0, 7, 99, 149, 3])
+    positions = torch.tensor([0, 7, 99, 149, 3, 3])
     want = rope_cos_sin(positions, 32, 1e6, dtype)
-    assert torch.equal(cos[positions], want[0]) and torch.equal(sin[positions], want[1])
+    monkeypatch.setattr(layers, "gathers_rope", lambda p: True)
+    calls = []
+    monkeypatch.setattr(layers, "rope_cos_sin", lambda *a: calls.append(a) or rope_cos_sin(*a))
+    assert all(torch.equal(a, b) for a, b in zip(rope_at(positions, 32, 1e6, dtype), want))
+    assert len(calls) == 1  # no step table for this head size yet: computed
+    rope_tables([SimpleNamespace(head_dim=32, rope_theta=1e6, max_position_embeddings=100)], dtype,
+                "cpu", margin=50)
+    assert rope_table(32, 1e6, dtype, "cpu")[0].shape[0] == 150
+    calls.clear()
+    got = rope_at(positions, 32, 1e6, dtype)
+    assert not calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # past the table (a sequence past the context it was built for): its last row
+    assert torch.equal(rope_at(torch.tensor([400]), 32, 1e6, dtype)[0], want[0][3:4])
 
 
 def _moe(seed=0) -> MoE:

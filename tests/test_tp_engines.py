@@ -258,7 +258,7 @@ def test_rank_graphs_hold_the_collectives_with_their_rank(engine_factory):
             if node.op_type in tp_export.COLLECTIVE_OPS:
                 attrs = {a.name: a.i for a in node.attribute}
                 assert node.domain == "metrale" and attrs == {"group_size": 2, "rank": r}
-        # the gathered message [1, G, 2·16+1] gains a leading rank axis of 2
+        # the gathered message [1, G, 2·16+2] gains a leading rank axis of 2
         shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
                   for v in list(model.graph.value_info) + list(model.graph.output)}
         gather = next(n for n in model.graph.node if n.op_type == "AllGather")

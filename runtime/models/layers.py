@@ -92,12 +92,20 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 _ROPE_TABLES: dict = {}  # (head_dim, theta, dtype, device) -> (cos, sin) [P, hd]
+_STEP_TABLES: dict = {}  # the same keys -> the tables `rope_tables` built for GPU steps
+
+
+def _table_key(head_dim: int, theta: float, dtype: torch.dtype, device) -> tuple:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return head_dim, float(theta), dtype, device
 
 
 def rope_table(head_dim: int, theta: float, dtype: torch.dtype, device, length: int = 0):
     """cos, sin [P, hd] for positions 0..P−1, P ≥ length: built once per head size, base, dtype
     and device, and grown on demand (every model, layer and step shares it)."""
-    key = (head_dim, float(theta), dtype, torch.device(device))
+    key = _table_key(head_dim, theta, dtype, device)
     table = _ROPE_TABLES.get(key)
     if table is None or table[0].shape[0] < length:
         if torch.compiler.is_compiling():
@@ -121,20 +129,27 @@ def rope_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.d
     if torch.compiler.is_compiling():
         cos, sin = rope_table(head_dim, theta, dtype, positions.device)
         return cos[positions], sin[positions]
-    if positions.is_cuda and not torch._C._is_tracing():
-        table = _ROPE_TABLES.get((head_dim, float(theta), dtype, positions.device))
+    if gathers_rope(positions):
+        table = _STEP_TABLES.get(_table_key(head_dim, theta, dtype, positions.device))
         if table is not None:
             rows = positions.clamp(max=table[0].shape[0] - 1)
             return table[0][rows], table[1][rows]
     return rope_cos_sin(positions, head_dim, theta, dtype)
 
 
+def gathers_rope(positions: torch.Tensor) -> bool:
+    """Does `rope_at` gather from a step table for these positions? On a GPU, outside a trace."""
+    return positions.is_cuda and not torch._C._is_tracing()
+
+
 def rope_tables(configs, dtype: torch.dtype, device, margin: int = 1024) -> None:
     """Build the shared rotary table of each decoder config (head size and base) on `device`,
     covering its context and `margin` positions past it (a drafter's block beyond the last
-    accepted position): what a GPU step gathers from (`rope_at`)."""
+    accepted position, which the serve's context limit keeps within it): what a GPU step
+    gathers from (`rope_at`)."""
     for cfg in configs:
-        rope_table(cfg.head_dim, cfg.rope_theta, dtype, device, cfg.max_position_embeddings + margin)
+        key = _table_key(cfg.head_dim, cfg.rope_theta, dtype, device)
+        _STEP_TABLES[key] = rope_table(*key[:3], key[3], cfg.max_position_embeddings + margin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -247,7 +262,8 @@ class Attention(nn.Module):
         """x [B, T, H] -> q [B, nh, T, hd], k and v [B, nkv, T, hd] (q and k normed and roped):
         one GEMM when `pack` fused the projections."""
         b, t, _ = x.shape
-        if self.qk_norm_weight is not None and step_kernels.use(x):  # a GPU: one launch for q and k
+        if self.qk_norm_weight is not None and self.hd & (self.hd - 1) == 0 and step_kernels.use(x):
+            # a GPU: one launch normalises and ropes every q and k head (a power-of-two head size)
             nq, nk = self.nh * self.hd, self.nkv * self.hd
             if self.qkv_weight is not None:
                 qkv = self._qkv(x)

@@ -119,11 +119,12 @@ class DFlashProposer(Proposer):
         if tree:
             if proposal.top is None and (proposal.vocab_start
                                          or proposal.logits.shape[-1] != self.embed.weight.shape[0]):
-                # a vocabulary slice without the global candidates a tensor-parallel eager drafter
-                # gathers with its propose (the serve refuses trees over other sharded faces)
+                # a vocabulary slice without the global candidates a sharded drafter gathers with
+                # its propose (the serve refuses faces without them: `block_distributions`)
                 raise ConfigError(f"--dflash-tree-budget {budget}: a draft tree over a sharded "
-                                  f"{type(self.drafter).__name__} needs the torch backend's "
-                                  "drafter; run --backend torch or --draft-tp-size 1")
+                                  f"{type(self.drafter).__name__} needs its gathered candidates' "
+                                  "log-probabilities, which it did not give; rebuild the engine, or "
+                                  "run --backend torch or --draft-tp-size 1")
             drafts = block_tree(self.drafter, pending, proposal, budget)
             if self.chooser is not None and self.batch_size == 1:  # adaptive k: a stream alone
                 probs = [math.exp(p) for p in drafts.log_probs[1:]]

@@ -135,8 +135,9 @@ HELP: dict[str, str] = {
         "engine built before tree rows, a target graph profile of fewer than 65 rows) or where it "
         "costs less (--dflash-tree-verify) the tree is verified along its paths, one chain forward from the root along each node's best "
         "child and one more through each child the target takes off it. A --draft-tp-size N "
-        "build's rank engines draw each position's nodes from the top 16 candidates they gather "
-        "(with their normalizer), so a node there has at most 16 children. With --exact-verify "
+        "build's rank engines draw each position's nodes from the top candidates they gather "
+        "(16, or DFlash2's candidate count if larger, with their normalizer), so a node there has "
+        "at most that many children. With --exact-verify "
         "the accepted path's rows run one per forward, so greedy output is plain decoding's. "
         "Requires --dflash."
     ),
