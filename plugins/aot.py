@@ -80,9 +80,15 @@ def kernel_specs(act: str = "bf16") -> list[dict]:
              signature={"x_ptr": _ptr(act), "k_ptr": _ptr(act), "y_ptr": _ptr(act),
                         "T": "i32", "H": "i32", "G": "i32", "BLOCK_SLOTS": "i32"},
              grid=["B * T", "cdiv(H, BLOCK_H)", "1"]),
-        # the decode step's kernels (`step_kernels`): launched through triton's JIT on the serving
-        # GPU, compiled here for every SM as a check that they build (DFlash2's default K and
-        # selector dim; Qwen3's head size)
+    ]
+
+
+def step_kernel_specs(act: str = "bf16") -> list[dict]:
+    """`kernel_specs`' entries for the decode step's kernels (`step_kernels`), which no plugin
+    launches: triton's JIT compiles them on the serving GPU. Compiled here (when named) to
+    check that they build for every SM, with DFlash2's default K and selector dim and Qwen3's
+    head size."""
+    return [
         dict(name="dflash2_select_kernel", blocks={"BLOCK_K": 16, "BLOCK_D": 32}, num_warps=1,
              signature={"proj_ptr": _ptr(act), "logit_ptr": _ptr(act), "cand_ptr": "*i64",
                         "anchor_ptr": "*i64", "pred_ptr": _ptr(act), "succ_ptr": _ptr(act),
@@ -99,16 +105,17 @@ def kernel_specs(act: str = "bf16") -> list[dict]:
 
 def kernel_jobs(sms: tuple[int, ...] = DEFAULT_SMS, acts: tuple[str, ...] = ("bf16",),
                 kernels: tuple[str, ...] | None = None) -> list[tuple[str, int, str]]:
-    """(kernel function name, sm, act) for every kernel (or those named), SM and act: kernels
-    outer, then SMs, then acts."""
+    """(kernel function name, sm, act) for every plugin kernel (or those named, the step
+    kernels among them), SM and act: kernels outer, then SMs, then acts."""
     names = [s["name"] for s in kernel_specs()]
-    unknown = sorted(set(kernels or ()) - set(names))
+    known = names + [s["name"] for s in step_kernel_specs()]
+    unknown = sorted(set(kernels or ()) - set(known))
     if unknown:
-        raise ValueError(f"unknown kernels {unknown}; known: {', '.join(names)}")
+        raise ValueError(f"unknown kernels {unknown}; known: {', '.join(known)}")
     bad = sorted(set(acts) - set(ACTS))
     if bad:
         raise ValueError(f"activation dtypes {bad}: allowed {', '.join(ACTS)}")
-    return [(n, sm, act) for n in names if kernels is None or n in kernels
+    return [(n, sm, act) for n in (names if kernels is None else [k for k in known if k in kernels])
             for sm in sms for act in acts]
 
 
@@ -123,7 +130,7 @@ def compile_kernels(out_dir: str | Path, sms: tuple[int, ...] = DEFAULT_SMS,
 def compile_jobs(out_dir: str | Path, jobs: list[tuple[str, int, str]]) -> list[dict]:
     """Compile each (kernel function name, sm, act); write `<kernel>.sm<NN>.<act>.cubin` and
     `.json` to `out_dir` and return the metadata dicts in job order."""
-    specs = {act: {s["name"]: s for s in kernel_specs(act)} for act in ACTS}
+    specs = {act: {s["name"]: s for s in kernel_specs(act) + step_kernel_specs(act)} for act in ACTS}
     bad = [j for j in jobs if j[2] not in specs or j[0] not in specs[j[2]]]
     if bad:
         raise ValueError(f"unknown kernel jobs {bad}; kernels: {', '.join(specs['bf16'])}; "

@@ -283,14 +283,14 @@ def _sm() -> int:
 
 def step_kernel_cases():
     """(name, run) pairs: the decode step's kernels (`plugins.step_kernels`) against the PyTorch
-    forms on this GPU, the check an engine's load runs, per activation dtype."""
+    forms on this GPU, the check an engine's load runs (`step_check.agree`), per activation dtype."""
     import torch
 
-    from metrale.plugins import step_kernels
+    from metrale.runtime.backends.step_check import agree
 
     def check(dtype):
         def run():
-            why = step_kernels._agree(torch.device("cuda"), dtype)
+            why = agree(torch.device("cuda"), dtype)
             assert why == "", why
             return 0.0
         return run

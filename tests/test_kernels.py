@@ -351,16 +351,16 @@ def test_qk_norm_rope_kernel_is_project_qkv(step_kernels_on_cpu, dtype, packed, 
 @needs_triton
 def test_step_kernels_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     from metrale.plugins import step_kernels
+    from metrale.runtime.backends.step_check import agree, prepare
 
     for dtype in (torch.float32, torch.bfloat16):  # the check, here in the interpreter
-        assert step_kernels._agree(torch.device("cpu"), dtype) == ""
-    assert step_kernels.prepare(torch.device("cpu"), torch.float32) == \
-        "the fused step kernels run on CUDA devices only"
-    assert "interpreter mode" in step_kernels.prepare(torch.device("cuda"), torch.float32)
+        assert agree(torch.device("cpu"), dtype) == ""
+    assert prepare(torch.device("cpu"), torch.float32) == "the fused step kernels run on CUDA devices only"
+    assert "interpreter mode" in prepare(torch.device("cuda"), torch.float32)
     assert not step_kernels.use(torch.zeros(1))
     wrong = lambda p, cl, ids, *a: ids[..., 1]  # noqa: E731 - the runner-up, not the selector's pick
     monkeypatch.setattr(step_kernels, "dflash2_select", wrong)
-    assert step_kernels._agree(torch.device("cpu"), torch.float32).startswith("dflash2_select drafted")
+    assert agree(torch.device("cpu"), torch.float32).startswith("dflash2_select drafted")
 
 
 @needs_triton
@@ -405,6 +405,7 @@ def test_decoding_with_the_step_kernels_is_plain_decoding(step_kernels_on_cpu, t
 
 def test_the_step_kernels_switch_is_checked(monkeypatch):
     from metrale.plugins import step_kernels
+    from metrale.runtime.backends.step_check import prepare
     from metrale.runtime.errors import ConfigError
     from metrale.runtime.models.layers import rope_cos_sin
 
@@ -424,11 +425,10 @@ def test_the_step_kernels_switch_is_checked(monkeypatch):
     finally:
         step_kernels.on_cpu_for_tests(False)
     monkeypatch.setenv("METRALE_STEP_KERNELS", "0")
-    assert step_kernels.prepare(torch.device("cuda"), torch.float32) == \
-        "fused step kernels off (METRALE_STEP_KERNELS=0)"
+    assert prepare(torch.device("cuda"), torch.float32) == "fused step kernels off (METRALE_STEP_KERNELS=0)"
     monkeypatch.setenv("METRALE_STEP_KERNELS", "yes")
     with pytest.raises(ConfigError, match=r"METRALE_STEP_KERNELS='yes': expected 1 .* or 0"):
-        step_kernels.prepare(torch.device("cuda"), torch.float32)
+        prepare(torch.device("cuda"), torch.float32)
     assert not step_kernels.use(torch.zeros(1))
 
 

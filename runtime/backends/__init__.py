@@ -204,10 +204,10 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
                          states=states)
     kernels = ""
     if dev.type == "cuda":  # the eager models' small ops as one launch each, where they check out
-        from metrale.plugins import step_kernels
+        from metrale.runtime.backends.step_check import prepare
         from metrale.runtime.models.layers import rope_tables
 
-        kernels = step_kernels.prepare(dev, engine.dtype)
+        kernels = prepare(dev, engine.dtype)
         rope_tables([engine.target.config, *(m.config.decoder for m in engine.drafters.values()),
                      *([engine.mtp.config.decoder] if engine.mtp is not None else [])],
                     engine.dtype, dev)

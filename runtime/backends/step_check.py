@@ -1,0 +1,106 @@
+"""The check an engine's load runs before a GPU step takes the fused kernels of
+`plugins.step_kernels`: each kernel once on the device, on small random inputs in the engine's
+dtype, against the PyTorch forms it replaces; they are turned on only where all agree (the
+switch METRALE_STEP_KERNELS=0 keeps them off)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from metrale.plugins import step_kernels
+from metrale.plugins.dynamic_conv import conv_math, dflash2_dynamic_conv_triton
+from metrale.runtime.errors import ConfigError
+from metrale.runtime.models.configs import DecoderConfig
+from metrale.runtime.models.dflash import CandidateSelector
+from metrale.runtime.models.layers import Attention, rope_cos_sin
+
+log = logging.getLogger(__name__)
+
+SWITCH = "METRALE_STEP_KERNELS"  # 0: keep the PyTorch forms (what a before/after measures)
+
+
+def prepare(device: torch.device, dtype: torch.dtype) -> str:
+    """Check each kernel on `device` against the PyTorch forms (small random inputs in
+    `dtype`) and turn them on where all agree: '' then, else why they stay off."""
+    step_kernels.enable(False)
+    switch = os.environ.get(SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise ConfigError(f"environment variable {SWITCH}={switch!r}: expected 1 (the fused step "
+                          "kernels where they check out, the default) or 0 (their PyTorch forms)")
+    if switch == "0":
+        return f"fused step kernels off ({SWITCH}=0)"
+    if device.type != "cuda":
+        return "the fused step kernels run on CUDA devices only"
+    try:
+        from metrale.plugins.triton_mode import triton_interprets
+
+        if triton_interprets():
+            return "triton was imported in interpreter mode (TRITON_INTERPRET=1): fused step kernels off"
+        why = agree(device, dtype)
+    except Exception as exc:  # noqa: BLE001 - no triton, a compile or launch failure: stay off
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        why = f"fused step kernels off, running their PyTorch forms: {why}"
+        log.warning(why)
+        return why
+    step_kernels.enable(True)
+    return ""
+
+
+def agree(device: torch.device, dtype: torch.dtype) -> str:
+    """'' where both kernels give the PyTorch forms' results on this device, else what differed."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    # the selector's inputs in `dtype`; the PyTorch form scores the same values in float32, as
+    # the kernel does, so the picks must agree (up to the dot products' summation order)
+    sel = CandidateSelector(32, 256, 32, 16)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(dtype))
+    sel.hidden_projection = torch.nn.Identity()
+    sel = sel.to(device)
+    projected = torch.randn(2, 7, 32, generator=g).to(device, dtype)
+    cand_logits, cand_ids = (4 * torch.randn(2, 7, 256, generator=g)).to(device, dtype).topk(16, dim=-1)
+    anchor = torch.tensor([3, 9], device=device)
+    want = sel.select_candidates(projected.float(), cand_logits.float(), cand_ids, anchor)
+    got = step_kernels.dflash2_select(projected, cand_logits, cand_ids, anchor,
+                                      sel.predecessor_codebook.to(dtype), sel.successor_codebook.to(dtype))
+    if not torch.equal(got, want):
+        return f"dflash2_select drafted {got.tolist()}, the selector {want.tolist()}"
+    cfg = DecoderConfig(vocab_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, intermediate_size=64, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, max_position_embeddings=64)
+    attn = Attention(cfg)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 1.0) + (p.dim() == 1))
+    attn = attn.to(device, dtype)
+    attn.pack()
+    x = torch.randn(2, 5, 64, generator=g).to(device, dtype)
+    cos, sin = rope_cos_sin(torch.arange(3, 8, device=device), 32, 10000.0, dtype)
+    want = attn.project_qkv(x, cos, sin)[:2]
+    qkv = torch.nn.functional.linear(x, attn.qkv_weight)
+    got = step_kernels.qk_norm_rope(qkv, qkv[..., 4 * 32:], attn.qk_norm_weight, cos, sin,
+                                    cfg.rms_norm_eps, 4, 2, 32)
+    for name, a, b in zip("qk", got, want):
+        if not _close(a, b):
+            return f"qk_norm_rope's {name} is {_off(a, b):.3g} off the PyTorch form's"
+    x = torch.randn(2, 16, 64, generator=g).to(device, dtype)
+    kernel = torch.randn(2, 16, 8, 2, generator=g).to(device, dtype)
+    a, b = dflash2_dynamic_conv_triton(x, kernel, 8), conv_math(x, kernel, 8)
+    if not _close(a, b):
+        return f"dflash2_dynamic_conv's kernel is {_off(a, b):.3g} off its math"
+    return ""
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within rounding: float32 to 1e-4, a 16-bit dtype to four units in its last place (the
+    PyTorch forms round after each op, up to four times on a CPU, the kernels once or twice)."""
+    rtol, atol = (1e-4, 1e-4) if a.dtype == torch.float32 else (2 ** -5, 2 ** -5)
+    return torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
+
+
+def _off(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
