@@ -325,7 +325,7 @@ def qwen3_attention(dtype, zero_centred: bool, seed: int, nh: int = 4, nkv: int 
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("zero_centred", [False, True])
 def test_qk_norm_rope_kernel_is_project_qkv(step_kernels_on_cpu, dtype, packed, zero_centred):
-    from metrale.runtime.models.layers import rope_cos_sin
+    from metrale.runtime.models.rotary import rope_cos_sin
 
     attn = qwen3_attention(dtype, zero_centred, seed=int(packed) + 2 * int(zero_centred))
     attn.pack()
@@ -407,7 +407,7 @@ def test_the_step_kernels_switch_is_checked(monkeypatch):
     from metrale.plugins import step_kernels
     from metrale.runtime.backends.step_check import prepare
     from metrale.runtime.errors import ConfigError
-    from metrale.runtime.models.layers import rope_cos_sin
+    from metrale.runtime.models.rotary import rope_cos_sin
 
     step_kernels.on_cpu_for_tests()
     try:

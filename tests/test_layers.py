@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from metrale.plugins.cpu_panels import unpack_panels
 from metrale.runtime.models.configs import DecoderConfig
-from metrale.runtime.models.layers import MoE, RMSNorm, apply_rope, rms_normalize, rope_cos_sin, rope_table
+from metrale.runtime.models.layers import MoE, RMSNorm, apply_rope, rms_normalize
+from metrale.runtime.models.rotary import rope_cos_sin, rope_table
 
 CFG = DecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
@@ -76,14 +77,14 @@ def test_rope_by_roll_is_rotate_half():
 def test_a_gpu_step_gathers_its_rotary_rows_bit_for_bit(dtype, monkeypatch):
     """What a GPU step gathers from its step table (`rope_at` over `rope_tables`, taken here on
     CPU tensors) is what it would compute, at any positions, a tree's included."""
-    from metrale.runtime.models import layers
-    from metrale.runtime.models.layers import rope_at, rope_tables
+    from metrale.runtime.models import rotary
+    from metrale.runtime.models.rotary import rope_at, rope_tables
 
     positions = torch.tensor([0, 7, 99, 149, 3, 3])
     want = rope_cos_sin(positions, 32, 1e6, dtype)
-    monkeypatch.setattr(layers, "gathers_rope", lambda p: True)
+    monkeypatch.setattr(rotary, "gathers_rope", lambda p: True)
     calls = []
-    monkeypatch.setattr(layers, "rope_cos_sin", lambda *a: calls.append(a) or rope_cos_sin(*a))
+    monkeypatch.setattr(rotary, "rope_cos_sin", lambda *a: calls.append(a) or rope_cos_sin(*a))
     assert all(torch.equal(a, b) for a, b in zip(rope_at(positions, 32, 1e6, dtype), want))
     assert len(calls) == 1  # no step table for this head size yet: computed
     rope_tables([SimpleNamespace(head_dim=32, rope_theta=1e6, max_position_embeddings=100)], dtype,

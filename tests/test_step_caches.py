@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPStep, BatchedTargetStep
-from metrale.runtime.models.layers import rope_at
+from metrale.runtime.models.rotary import rope_at
 
 SLOTS = 48
 

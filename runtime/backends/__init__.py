@@ -205,7 +205,7 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
     kernels = ""
     if dev.type == "cuda":  # the eager models' small ops as one launch each, where they check out
         from metrale.runtime.backends.step_check import prepare
-        from metrale.runtime.models.layers import rope_tables
+        from metrale.runtime.models.rotary import rope_tables
 
         kernels = prepare(dev, engine.dtype)
         rope_tables([engine.target.config, *(m.config.decoder for m in engine.drafters.values()),

@@ -7,7 +7,7 @@ every row goes, the cache writes the rows' K/V in place and attends over all of 
 with a mask, as reductions over one row's data. S is the packages' one dynamic dimension besides
 the row counts: a request's cache is sized to its length once, and every step of the request
 runs over that S. Traced, the models take their captured forms (`layers.tracing`): textbook norms
-and rotary embeddings (cos and sin gathered from a table, `layers.rope_at`), and each MoE row
+and rotary embeddings (cos and sin gathered from a table, `rotary.rope_at`), and each MoE row
 gathering its top-k experts' weights (NVFP4 experts are dequantized into constants first,
 `MoE.dequantize_experts`).
 
@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.runtime.models.layers import MLP, Attention, MoE, float_weight, rope_table
+from metrale.runtime.models.layers import MLP, Attention, MoE, float_weight
+from metrale.runtime.models.rotary import rope_table
 from metrale.runtime.models.step_caches import LINEARS, PooledKV, SlotKV, hidden_count, linears
 
 __all__ = ["LINEARS", "TargetStep", "BatchedTargetStep", "BatchedTreeTargetStep", "BatchedMTPStep",
@@ -41,7 +42,7 @@ __all__ = ["LINEARS", "TargetStep", "BatchedTargetStep", "BatchedTreeTargetStep"
 def _prepare(model: nn.Module, decoder, positions: int | None) -> None:
     """Make `model`'s weights what a compiled step folds in as constants, in place: the rotary
     table of `decoder`'s attention for `positions` (default: its context and a margin,
-    `layers.rope_at`); every stored
+    `rotary.rope_at`); every stored
     (quantized) linear becomes a plain one of its dequantized weight, so `pack` fuses the
     attention's and the MLP's projections into one GEMM each, as it does for float weights (the
     eager modules multiply by the same dequantized weight, `qlinear._StoredLinear.pack`); every

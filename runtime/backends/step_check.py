@@ -15,7 +15,8 @@ from metrale.plugins.dynamic_conv import conv_math, dflash2_dynamic_conv_triton
 from metrale.runtime.errors import ConfigError
 from metrale.runtime.models.configs import DecoderConfig
 from metrale.runtime.models.dflash import CandidateSelector
-from metrale.runtime.models.layers import Attention, rope_cos_sin
+from metrale.runtime.models.layers import Attention
+from metrale.runtime.models.rotary import rope_cos_sin
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from metrale.plugins import step_kernels
 from metrale.plugins.dynamic_conv import dflash2_dynamic_conv
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.kv_cache import KVCache
-from metrale.runtime.models.layers import MLP, Attention, RMSNorm, attend, rope_at
+from metrale.runtime.models.layers import MLP, Attention, RMSNorm, attend
+from metrale.runtime.models.rotary import rope_at
 from metrale.runtime.models.tp import TOP_CANDIDATES, TensorParallel, check_drafter_split, local_decoder
 
 

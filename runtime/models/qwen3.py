@@ -20,7 +20,8 @@ from torch import nn
 
 from metrale.runtime.models.configs import DecoderConfig
 from metrale.runtime.models.kv_cache import KVCache
-from metrale.runtime.models.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_table
+from metrale.runtime.models.layers import DecoderLayer, RMSNorm
+from metrale.runtime.models.rotary import rope_cos_sin, rope_table
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Qwen3ForCausalLM(nn.Module):
         return TargetOutput(logits=logits, last_hidden=x, taps=tap)
 
     def rope(self, start: int, t: int, dtype: torch.dtype, device: torch.device):
-        """cos, sin [T, hd] for positions start..start+T−1, from the shared table (`layers.rope_table`)."""
+        """cos, sin [T, hd] for positions start..start+T−1, from the shared table (`rotary.rope_table`)."""
         c = self.config
         cos, sin = rope_table(c.head_dim, c.rope_theta, dtype, device, max(c.max_position_embeddings, start + t))
         return cos[start:start + t], sin[start:start + t]
