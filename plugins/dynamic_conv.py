@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from metrale.plugins import step_kernels
+
 OP_NAME = "metrale::dflash2_dynamic_conv"
 TRITON_BLOCKS = {"BLOCK_H": 256}  # channels per program (also the constexpr `aot` compiles)
 
@@ -30,8 +32,6 @@ TRITON_BLOCKS = {"BLOCK_H": 256}  # channels per program (also the constexpr `ao
 def dflash2_dynamic_conv(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
     """y [B, T, H] from x [B, T, H] and kernel [B, T, G, 2] over blocks of `block` slots: on a
     GPU whose step kernels passed their check, the Triton kernel's one launch (`step_kernels`)."""
-    from metrale.plugins import step_kernels
-
     if step_kernels.use(x):
         return dflash2_dynamic_conv_triton(x, kernel, block)
     _check(x, kernel, block)
