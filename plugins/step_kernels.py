@@ -58,25 +58,29 @@ def dflash2_select(projected: torch.Tensor, cand_logits: torch.Tensor, cand_ids:
 
 def qk_norm_rope(q_in: torch.Tensor, k_in: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, eps: float, nh: int, nkv: int, hd: int):
-    """q_in [B, T, ≥ nh·hd] and k_in [B, T, ≥ nkv·hd] (their heads from column 0, rows evenly
-    strided: a fused projection's views or two projections), weight [nh+nkv, hd] (each head's
-    norm multiplier), cos/sin [T, hd] -> q [B, nh, T, hd] and k [B, nkv, T, hd], normed
-    per head and roped: `layers.Attention.project_qkv`'s q and k."""
+    """q_in [B, T, ≥ nh·hd] and k_in [B, T, ≥ nkv·hd] (their heads from column 0: a fused
+    projection's views or two projections), weight [nh+nkv, hd] (each head's norm multiplier),
+    cos/sin [T, hd] -> q [B, nh, T, hd] and k [B, nkv, T, hd], normed per head and roped:
+    `layers.Attention.project_qkv`'s q and k. hd is a power of two."""
     from metrale.plugins.triton_mode import load_kernels
 
     b, t, _ = q_in.shape
-    for name, x in (("q_in", q_in), ("k_in", k_in)):
-        if x.stride(-1) != 1 or x.stride(0) != t * x.stride(1):
-            raise ValueError(f"qk_norm_rope: {name} {tuple(x.shape)} with strides {x.stride()}: its "
-                             "rows must be evenly strided with unit-stride heads")
     if hd & (hd - 1):
         raise ValueError(f"qk_norm_rope: head_dim {hd} must be a power of two")
+    q_rows, k_rows = (_rows(x, b * t) for x in (q_in, k_in))
     q = torch.empty(b, nh, t, hd, dtype=q_in.dtype, device=q_in.device)
     k = torch.empty(b, nkv, t, hd, dtype=q_in.dtype, device=q_in.device)
     load_kernels(q_in.device.type).qk_norm_rope_kernel[(b * t, nh + nkv)](
-        q_in, k_in, weight.contiguous(), cos.contiguous(), sin.contiguous(), q, k,
-        t, nh, nkv, q_in.stride(1), k_in.stride(1), eps, HD=hd, num_warps=1)
+        q_rows, k_rows, weight.contiguous(), cos.contiguous(), sin.contiguous(), q, k,
+        t, nh, nkv, q_rows.stride(0), k_rows.stride(0), eps, HD=hd, num_warps=1)
     return q, k
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, T, F] as n = B·T evenly strided rows of unit-stride columns: a view where the
+    layout allows one (a fused projection's slice), else a copy."""
+    rows = x.reshape(n, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _pow2(n: int) -> int:

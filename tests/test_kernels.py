@@ -493,3 +493,23 @@ def test_the_step_kernels_cut_the_ops_a_step_dispatches(tiny_engine_dir):
     layers = engine.target.config.num_hidden_layers
     assert on["target"] < off["target"] - 5 * layers, (off, on)  # q/k: about nine ops a layer, one launch
     assert on["dflash"] < off["dflash"] and on["dflash2"] < off["dflash2"] - 7 * 10, (off, on)
+
+
+@needs_triton
+def test_qk_norm_rope_takes_any_layout_of_its_rows():
+    """Rows of a fused projection's slice, of a batch's transposed view, or of one row: the
+    kernel's q and k are those of contiguous copies."""
+    from metrale.plugins import step_kernels
+    from metrale.runtime.models.rotary import rope_cos_sin
+
+    attn = qwen3_attention(torch.float32, False, seed=6)
+    attn.pack()
+    w, cos, sin = attn.qk_norm_weight, *rope_cos_sin(torch.arange(4), 32, 1e4, torch.float32)
+    qkv = torch.randn(4, 3, 256, generator=gen(2)).transpose(0, 1)  # [3, 4, 256], batch not outermost
+    want = step_kernels.qk_norm_rope(qkv.contiguous(), qkv.contiguous()[..., 128:], w, cos, sin, 1e-6, 4, 2, 32)
+    got = step_kernels.qk_norm_rope(qkv, qkv[..., 128:], w, cos, sin, 1e-6, 4, 2, 32)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    one = qkv[:1, :1]  # one row: its size-1 dims' strides say nothing
+    got = step_kernels.qk_norm_rope(one, one[..., 128:], w, cos[:1], sin[:1], 1e-6, 4, 2, 32)
+    want = step_kernels.qk_norm_rope(one.contiguous(), one.contiguous()[..., 128:], w, cos[:1], sin[:1], 1e-6, 4, 2, 32)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
