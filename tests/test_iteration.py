@@ -445,3 +445,39 @@ def test_lanes_step_plainly_while_the_batch_may_not_draft(tiny_engine_dir, tiny_
     for lane, toks in got.items():
         assert toks[:MAX_TOKENS] == plain_tokens[lane]
     assert sum(drafted) / len(drafted) > 1.3
+
+
+@pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3)], ids=["dflash", "mtp"])
+def test_each_lane_accepts_at_most_its_requests_cap(tiny_engine_dir, tiny_prompts, plain_tokens, flags):
+    """Three requests in the lanes of one iteration: one uncapped, one capped at 2 drafts, one
+    with speculation off. Each lane's tokens are plain decoding's; the capped lane emits at
+    most 3 tokens an iteration and the one without speculation 1, while the uncapped lane,
+    verified in the same iterations, still accepts more than 2."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
+    from metrale.runtime.spec.iteration_loop import LaneStep, lanes_for
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    spec = SpeculativeConfig.from_flags(**flags)
+    dflash = resolve_dflash(spec, engine.drafters["dflash"].config.block_size) if "dflash" in flags else None
+    lanes = lanes_for(engine, spec, dflash, engine.target.runner.graphs, 4)
+    caps = [None, 2, 0]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_drafts=c, speculate=c != 0) for c in caps]
+    got = {lanes.acquire(): [] for _ in caps}
+    for lane, p in zip(got, params):
+        got[lane].append(lanes.prefill(lane, tiny_prompts[lane], p, MAX_TOKENS))
+    emitted = {lane: [] for lane in got}
+    for _ in range(MAX_TOKENS):
+        steps = [LaneStep(lanes, lane) for lane, toks in got.items() if len(toks) < MAX_TOKENS]
+        if not steps:
+            break
+        for step, toks in zip(steps, lanes.run(steps)):
+            got[step.lane] += toks
+            emitted[step.lane].append(len(toks))
+    for lane, toks in got.items():
+        assert toks[:MAX_TOKENS] == plain_tokens[lane]
+    uncapped, capped, off = emitted.values()
+    assert max(capped) <= 3 and max(capped) > 1 and set(off) == {1}
+    assert max(uncapped) > 3

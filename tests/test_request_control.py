@@ -152,9 +152,9 @@ def test_usage_counts_drafts_only_where_the_server_speculates(tiny_engine):
 
 def test_graph_lanes_serve_requests_that_control_speculation(tiny_engine_dir, tiny_engine, tiny_prompts):
     """On a target whose iterations run as graphs in lanes (the capture stand-in), a request that
-    turns speculation off or caps it below the lanes' count runs plain iterations, batched with
-    the others: every greedy answer is plain decoding's. A schema, which the graphs cannot mask,
-    is refused by name."""
+    turns speculation off or caps it below the lanes' count accepts no drafts, or at most its
+    cap, in its own lane, batched with the others: every greedy answer is plain decoding's. A
+    schema, which the graphs cannot mask, is refused by name."""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
 
@@ -170,7 +170,9 @@ def test_graph_lanes_serve_requests_that_control_speculation(tiny_engine_dir, ti
     for t, text in enumerate(texts):
         ids = plain.generate(tok.encode(text), SamplingParams(temperature=0.0, max_tokens=16)).token_ids
         want[t] = tok.decode([i for i in ids if i not in tok.eos_token_ids])
-    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
+    # batches keep drafting (None), so the requests' caps are what limits their drafts
+    limits = ServerLimits(max_num_seqs=8, speculative_disable_by_batch_size=None)
+    with serve_in_thread(create_app(gen, limits)) as base:
         client = _client(base)
 
         def ask(job):
@@ -185,7 +187,12 @@ def test_graph_lanes_serve_requests_that_control_speculation(tiny_engine_dir, ti
             "prompt": "x", "max_tokens": 4, "response_format": {"type": "json_object"}})
     for (t, b), r in answers:
         assert r.choices[0].text == want[t], (t, bodies[b])
-        if b:  # plain iterations: no draft verified
-            assert r.usage.model_extra["speculative"]["drafts_verified"] == 0
+        spec = r.usage.model_extra["speculative"]
+        if b == 1:  # speculation off: no draft verified for it
+            assert spec["drafts_verified"] == 0
+        else:  # its drafts, at most 2 an iteration where capped
+            assert spec["drafts_verified"] >= spec["drafts_accepted"] > 0, (t, b, spec)
+            if b == 2:
+                assert spec["drafts_verified"] <= 2 * r.usage.completion_tokens
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
     assert "CUDA graphs" in refused.json()["error"]["message"]

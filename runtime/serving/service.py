@@ -253,9 +253,10 @@ class EngineGenerator:
         lanes = self._serving_lanes()
         budget = request_budget(prompt_ids, params, lanes.iteration.vocab_size, self.max_context)
         proposed = lanes.iteration.proposed
-        # the lanes verify one count together: a request capped below it runs plain iterations
-        # (what it allows), and so, while it runs, do the others (as in a busy batch)
-        drafts = params.speculate and (params.max_drafts is None or params.max_drafts >= lanes.iteration.k)
+        # the lanes verify one count together; a request that caps its drafts (or turns them
+        # off) accepts at most its cap in its own lane (`IterationState.cap`), the others theirs
+        cap = lanes.iteration.k if params.max_drafts is None else params.max_drafts
+        cap = cap if params.speculate else 0
         result = DecodeResult([], 0.0, 0.0, "length")
         lane = lanes.acquire()
         t0 = time.perf_counter()
@@ -269,10 +270,11 @@ class EngineGenerator:
                 if len(result.token_ids) >= budget:
                     return
                 t1 = time.perf_counter()
-                tokens = yield LaneStep(lanes, lane, batch.speculate and drafts)
-                n, k = len(tokens), lanes.last_k
+                tokens = yield LaneStep(lanes, lane, batch.speculate)
+                n, k = len(tokens), min(lanes.last_k, cap)  # the drafts its lane verified for it
                 result.metrics.record_step(proposed=proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
-                                           verify_rows=k + 1, draft_s=0.0, verify_s=time.perf_counter() - t1)
+                                           verify_rows=lanes.last_k + 1, draft_s=0.0,
+                                           verify_s=time.perf_counter() - t1)
         finally:
             lanes.release(lane)
             result.seconds = time.perf_counter() - t0

@@ -57,6 +57,7 @@ from metrale.runtime.spec.sampling import SamplingParams, probs_on_device, sampl
 from metrale.runtime.spec.verify import verify_sampling_lanes
 
 PROMPT_ROWS = 256  # a prompt's rows per forward (its attention's scores are rows x slots)
+NO_CAP = 1 << 30  # a lane whose request leaves the drafts uncapped
 
 
 def accepted_count(drafts: torch.Tensor, target_ids: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,8 +71,9 @@ class IterationState:
     """What an iteration owns besides the caches, per lane, on its device: `pending` [L] (the
     last emitted token, not yet fed), `pos` [L] (its position: the lane's target cache length),
     the ring `tokens` [L, R] and `count` [L] (tokens emitted since the prompt), `active` [L]
-    (1: the lane advances), and a sampled lane's `sampled` [L] (bool), `temperature` and
-    `top_p` [L]."""
+    (1: the lane advances), `cap` [L] (the most drafts the lane's request lets an iteration
+    accept: its `max_drafts`, 0 with speculation off), and a sampled lane's `sampled` [L]
+    (bool), `temperature` and `top_p` [L]."""
 
     def __init__(self, device: torch.device, lanes: int, ring: int):
         def longs(*shape: int) -> torch.Tensor:
@@ -79,6 +81,7 @@ class IterationState:
 
         self.pending, self.pos, self.count, self.active = longs(lanes), longs(lanes), longs(lanes), longs(lanes)
         self.tokens = longs(lanes, ring)
+        self.cap = longs(lanes) + NO_CAP
         self.sampled = torch.zeros(lanes, dtype=torch.bool, device=device)
         self.temperature = torch.ones(lanes, dtype=torch.float32, device=device)
         self.top_p = torch.ones(lanes, dtype=torch.float32, device=device)
@@ -105,7 +108,10 @@ class IterationState:
         self.active[lane] = 1
 
     def sampling(self, lane: int, params: SamplingParams | None) -> None:
-        """The lane's request samples with `params`, or is greedy (None, or temperature 0)."""
+        """The lane's request samples with `params`, or is greedy (None, or temperature 0), and
+        accepts at most the drafts it allows (`max_drafts`; none with speculation off)."""
+        self.cap[lane] = (NO_CAP if params is None or params.max_drafts is None and params.speculate
+                          else params.max_drafts if params.speculate else 0)
         sampled = params is not None and not params.greedy
         self.sampled[lane] = sampled
         self.temperature[lane] = params.temperature if sampled else 1.0
@@ -186,6 +192,8 @@ class _Verifying:
         [B, k+1] whose first n+1 are emitted, n [B] accepted): each lane's argmax and its leading
         matches or, where `sampled` and the lane samples, the rejection sampling's."""
         target_ids = logits.argmax(-1)  # [B, k+1]
+        cap = self.state.cap[:logits.shape[0]]  # each lane's request's cap on its drafts
+        counted = cap if counted is None else torch.minimum(counted, cap)
         n = accepted_count(drafts, target_ids, counted)
         if not sampled:
             return target_ids, n
