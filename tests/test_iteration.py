@@ -13,7 +13,7 @@ import torch
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
 from metrale.runtime.spec.config import DraftStop
 from metrale.runtime.spec.host_reads import HostRead, forbid_host_reads
-from metrale.runtime.spec.iteration import (DFlashIteration, IterationState, MTPIteration, PlainIteration,
+from metrale.runtime.spec.iteration import (NO_CAP, DFlashIteration, IterationState, MTPIteration, PlainIteration,
                                             accepted_count)
 from metrale.runtime.spec.iteration_loop import IterationLoop
 from metrale.runtime.spec.sampling import SamplingParams
@@ -464,6 +464,9 @@ def test_each_lane_accepts_at_most_its_requests_cap(tiny_engine_dir, tiny_prompt
     dflash = resolve_dflash(spec, engine.drafters["dflash"].config.block_size) if "dflash" in flags else None
     lanes = lanes_for(engine, spec, dflash, engine.target.runner.graphs, 4)
     caps = [None, 2, 0]
+    state = lanes.iteration.state
+    state.sampling(3, SamplingParams(max_drafts=10 ** 20))  # any count the API lets through
+    assert int(state.cap[3]) == NO_CAP
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_drafts=c, speculate=c != 0) for c in caps]
     got = {lanes.acquire(): [] for _ in caps}
     for lane, p in zip(got, params):

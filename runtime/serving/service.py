@@ -271,7 +271,8 @@ class EngineGenerator:
                     return
                 t1 = time.perf_counter()
                 tokens = yield LaneStep(lanes, lane, batch.speculate)
-                n, k = len(tokens), min(lanes.last_k, cap)  # the drafts its lane verified for it
+                # the drafts its lane verified for it; the rows are the whole iteration's
+                n, k = len(tokens), min(lanes.last_k, cap)
                 result.metrics.record_step(proposed=proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
                                            verify_rows=lanes.last_k + 1, draft_s=0.0,
                                            verify_s=time.perf_counter() - t1)

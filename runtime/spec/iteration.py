@@ -111,7 +111,7 @@ class IterationState:
         """The lane's request samples with `params`, or is greedy (None, or temperature 0), and
         accepts at most the drafts it allows (`max_drafts`; none with speculation off)."""
         self.cap[lane] = (NO_CAP if params is None or params.max_drafts is None and params.speculate
-                          else params.max_drafts if params.speculate else 0)
+                          else min(params.max_drafts, NO_CAP) if params.speculate else 0)
         sampled = params is not None and not params.greedy
         self.sampled[lane] = sampled
         self.temperature[lane] = params.temperature if sampled else 1.0
