@@ -238,6 +238,22 @@ def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny
     again = sampled.generate(tiny_prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=12))
     assert len(res.token_ids) == 12 and res.token_ids == again.token_ids
     assert isinstance(sampled.decoder(), IterationDecoder)
+    # a request that caps its drafts runs the iterations too, each accepting at most its cap;
+    # one that turns speculation off runs the decode loop's plain steps on the target's graphs
+    capped = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_drafts=2)
+    assert isinstance(sampled.decoder(capped), IterationDecoder)
+    res = sampled.generate(tiny_prompts[1], capped)
+    assert res.token_ids == plain_tokens[1]
+    assert max(t.drafted for t in res.steps) == 2 and max(t.emitted for t in res.steps) == 3
+    off = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, speculate=False)
+    assert not isinstance(sampled.decoder(off), IterationDecoder)
+    assert sampled.generate(tiny_prompts[1], off).token_ids == plain_tokens[1]
+    ladder = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_draft_ladder="1,3,7"))
+    seen = []  # a capped request's outcomes do not move the ladder (or teach adaptive k)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ladder.decoder().loop.policy, "observe", lambda *a: seen.append(a))
+        assert ladder.generate(tiny_prompts[1], capped).token_ids == plain_tokens[1] and not seen
+        assert ladder.generate(tiny_prompts[1], greedy).token_ids == plain_tokens[1] and seen
 
 
 class Scripted:

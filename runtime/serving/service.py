@@ -120,7 +120,7 @@ class EngineGenerator:
 
     def decoder(self, params: SamplingParams | None = None) -> Decoder | IterationDecoder:
         """A request's decoder: the iterations' (`IterationDecoder`) where they were captured
-        and the request leaves speculation as the server set it, else the decode loop."""
+        and the request drafts (`_as_served`), else the decode loop."""
         if self._graphs is not None and self._iterations is None:
             self._iterations = self._captured(loop_for, "whole-iteration graphs")
         if self._iterations and (params is None or _as_served(params)):
@@ -338,9 +338,9 @@ class EngineGenerator:
 
 
 def _as_served(params: SamplingParams) -> bool:
-    """A request that leaves decoding as the server set it: speculation as the flags say, no
-    grammar (what whole-iteration graphs run)."""
-    return params.speculate and params.max_drafts is None and params.json_schema is None
+    """A request whose speculation the whole-iteration graphs run: drafting, as the flags say or
+    capped (each iteration accepts at most its cap, `IterationState.cap`), with no grammar."""
+    return params.drafts and params.json_schema is None
 
 
 def drafter_kv_heads(engine_dir: Path, name: str) -> int | None:

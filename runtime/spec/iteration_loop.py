@@ -32,7 +32,7 @@ import torch
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
-from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration
+from metrale.runtime.spec.iteration import NO_CAP, SETTLED, DFlashIteration, MTPIteration, PlainIteration
 from metrale.runtime.spec.sampling import SamplingParams
 from metrale.runtime.steps import BatchedFace, ModelStep
 
@@ -137,6 +137,9 @@ class IterationLoop:
         t0 = time.perf_counter()
         it = self.iteration
         sampled = params is not None and not params.greedy
+        # a request that caps its drafts: each iteration accepts at most that many (the state's
+        # `cap`), and its capped outcomes do not teach adaptive k (the stream's other requests')
+        cap = NO_CAP if params is None or params.max_drafts is None else params.max_drafts
         it.check_room(len(prompt_ids), max_tokens)
         if sampled:
             it.seed(params)
@@ -163,8 +166,8 @@ class IterationLoop:
                 tokens, count = self._host[slot]
                 tokens, n = tokens[0], int(count[0])
                 result.emitted.append(n - read)
-                result.verified.append(self._verified(key))
-                if self.policy is not None:
+                result.verified.append(min(self._verified(key), cap))
+                if self.policy is not None and cap == NO_CAP:
                     self.policy.observe(key, n - read)
                 for j in range(read, n):
                     tok = int(tokens[j % ring])
