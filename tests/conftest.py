@@ -156,6 +156,20 @@ def tiny_prompts(tiny_recipe, tiny_engine) -> list[list[int]]:
     return [tiny_engine.tokenizer.encode(t) for t in texts[:4]]
 
 
+PLAIN_TOKENS = 40  # the tokens of plain decoding `plain_tokens` holds per prompt
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(tiny_engine, tiny_prompts) -> list[list[int]]:
+    """Greedy plain decoding's first PLAIN_TOKENS tokens of each tiny prompt (what the iteration
+    tests compare every mode with)."""
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=PLAIN_TOKENS)
+    return [EngineGenerator(tiny_engine).generate(p, params).token_ids for p in tiny_prompts]
+
+
 def solo_answers(gen, texts: list[str], max_tokens: int) -> list[str]:
     """Each text's greedy completion from `gen`'s decode loop alone (no server), EOS dropped."""
     from metrale.runtime.spec.sampling import SamplingParams

@@ -9,17 +9,18 @@ import functools
 
 import pytest
 import torch
+from conftest import PLAIN_TOKENS
 
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
 from metrale.runtime.spec.config import DraftStop
 from metrale.runtime.spec.host_reads import HostRead, forbid_host_reads
-from metrale.runtime.spec.iteration import (NO_CAP, DFlashIteration, IterationState, MTPIteration, PlainIteration,
+from metrale.runtime.spec.iteration import (DFlashIteration, IterationState, MTPIteration, PlainIteration,
                                             accepted_count)
 from metrale.runtime.spec.iteration_loop import IterationLoop
 from metrale.runtime.spec.sampling import SamplingParams
 from metrale.runtime.serving.service import EngineGenerator
 
-MAX_TOKENS = 40
+MAX_TOKENS = PLAIN_TOKENS
 SLOTS = 256
 
 # name -> (iteration class, its arguments besides the model and slots): chunkwise modes verify
@@ -55,12 +56,6 @@ def make(engine, mode: str):
         return MTPIteration(model, engine.mtp, slots=SLOTS, **args)
     args = dict(args)
     return DFlashIteration(model, engine.drafters[kind], args.pop("k"), slots=SLOTS, **args)
-
-
-@pytest.fixture(scope="module")
-def plain_tokens(tiny_engine, tiny_prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    return [EngineGenerator(tiny_engine).generate(p, params).token_ids for p in tiny_prompts]
 
 
 def test_accepted_count_by_hand():
@@ -339,50 +334,6 @@ def test_sampled_iterations_draw_what_plain_sampling_draws(engine, tiny_engine, 
         assert EngineGenerator(tiny_engine).generate(tiny_prompts[0], warm).token_ids == a
 
 
-@pytest.mark.parametrize("flags", [{}, dict(dflash=True), dict(speculative=True, num_drafts=3),
-                                   dict(dflash=True, dflash_drafter="dflash2", dflash_draft_ladder="1,3,7")],
-                         ids=["plain", "dflash", "mtp", "dflash2 ladder"])
-def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_prompts, flags):
-    """`serve` on a target run as graphs: concurrent requests over HTTP (the official client)
-    run in the lanes of one iteration graph per bucket, each accepting its own drafts, each
-    with its solo answer (greedy); several ran at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import requests
-    from conftest import serve_in_thread
-    from openai import OpenAI
-
-    from metrale.runtime.backends import load_engine
-    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
-    from metrale.runtime.serving.http_guard import ServerLimits
-    from metrale.runtime.serving.server import create_app
-    from metrale.runtime.spec.config import SpeculativeConfig
-
-    engine = load_engine(tiny_engine_dir, backend="torch")
-    use_cuda_graphs(engine, graphs=EagerGraphs())
-    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
-    caps = gen.capabilities
-    assert caps.batched and not caps.sequential and caps.max_running == 32
-    texts = [engine.tokenizer.decode(p[:12]) for p in tiny_prompts]
-    solo = []
-    for text in texts:
-        res = EngineGenerator(engine).generate(engine.tokenizer.encode(text), SamplingParams(temperature=0.0, max_tokens=16))
-        solo.append(engine.tokenizer.decode([t for t in res.token_ids if t not in engine.tokenizer.eos_token_ids]))
-    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
-        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        def ask(i):
-            return client.completions.create(model=gen.model_id, prompt=texts[i], max_tokens=16,
-                                             temperature=0).choices[0].text
-
-        with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(ask, [i % len(texts) for i in range(12)]))
-        metrics = requests.get(base + "/metrics", timeout=5).text
-    assert answers == [solo[i % len(texts)] for i in range(12)]
-    peak = int(float(next(x for x in metrics.splitlines() if x.startswith("metrale_scheduler_peak_running ")).split()[1]))
-    assert 2 <= peak <= 8
-
-
 class _Refusing(EagerGraphs):
     """The stand-in, refusing the captures `refuse(fn)` picks (as a GPU refuses a capture)."""
 
@@ -425,78 +376,3 @@ def test_a_failed_capture_leaves_the_decode_loop(tiny_engine_dir, tiny_prompts, 
     assert gen.generate(tiny_prompts[1], greedy).token_ids == plain_tokens[1]
     sampled = gen.generate(tiny_prompts[1], SamplingParams(temperature=0.8, seed=2, max_tokens=12))
     assert len(sampled.token_ids) == 12 and sampled.steps  # the decode loop's result
-
-
-@pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3)], ids=["dflash", "mtp"])
-def test_lanes_step_plainly_while_the_batch_may_not_draft(tiny_engine_dir, tiny_prompts, plain_tokens, flags):
-    """Three requests in lanes, their iterations alternating between drafting and the plain
-    variant (`--speculative-disable-by-batch-size` under load): each lane's tokens are plain
-    decoding's, a plain iteration emits one token a lane, and drafting after plain steps still
-    accepts (the drafter kept every row)."""
-    from metrale.runtime.backends import load_engine
-    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
-    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
-    from metrale.runtime.spec.iteration_loop import LaneStep, lanes_for
-
-    engine = load_engine(tiny_engine_dir, backend="torch")
-    use_cuda_graphs(engine, graphs=EagerGraphs())
-    spec = SpeculativeConfig.from_flags(**flags)
-    dflash = resolve_dflash(spec, engine.drafters["dflash"].config.block_size) if "dflash" in flags else None
-    lanes = lanes_for(engine, spec, dflash, engine.target.runner.graphs, 4)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    got = {lane: [lanes.prefill(lane, tiny_prompts[lane], greedy, MAX_TOKENS)] for lane in (lanes.acquire() for _ in range(3))}
-    drafted = []
-    for i in range(30):
-        speculate = i % 3 != 1
-        steps = [LaneStep(lanes, lane, speculate) for lane, toks in got.items() if len(toks) < MAX_TOKENS]
-        if not steps:
-            break
-        for step, toks in zip(steps, lanes.run(steps)):
-            got[step.lane] += toks
-            assert lanes.last_k == (lanes.iteration.k if speculate else 0)
-            if speculate:
-                drafted.append(len(toks))
-            else:
-                assert len(toks) == 1
-    for lane, toks in got.items():
-        assert toks[:MAX_TOKENS] == plain_tokens[lane]
-    assert sum(drafted) / len(drafted) > 1.3
-
-
-@pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3)], ids=["dflash", "mtp"])
-def test_each_lane_accepts_at_most_its_requests_cap(tiny_engine_dir, tiny_prompts, plain_tokens, flags):
-    """Three requests in the lanes of one iteration: one uncapped, one capped at 2 drafts, one
-    with speculation off. Each lane's tokens are plain decoding's; the capped lane emits at
-    most 3 tokens an iteration and the one without speculation 1, while the uncapped lane,
-    verified in the same iterations, still accepts more than 2."""
-    from metrale.runtime.backends import load_engine
-    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
-    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
-    from metrale.runtime.spec.iteration_loop import LaneStep, lanes_for
-
-    engine = load_engine(tiny_engine_dir, backend="torch")
-    use_cuda_graphs(engine, graphs=EagerGraphs())
-    spec = SpeculativeConfig.from_flags(**flags)
-    dflash = resolve_dflash(spec, engine.drafters["dflash"].config.block_size) if "dflash" in flags else None
-    lanes = lanes_for(engine, spec, dflash, engine.target.runner.graphs, 4)
-    caps = [None, 2, 0]
-    state = lanes.iteration.state
-    state.sampling(3, SamplingParams(max_drafts=10 ** 20))  # any count the API lets through
-    assert int(state.cap[3]) == NO_CAP
-    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_drafts=c, speculate=c != 0) for c in caps]
-    got = {lanes.acquire(): [] for _ in caps}
-    for lane, p in zip(got, params):
-        got[lane].append(lanes.prefill(lane, tiny_prompts[lane], p, MAX_TOKENS))
-    emitted = {lane: [] for lane in got}
-    for _ in range(MAX_TOKENS):
-        steps = [LaneStep(lanes, lane) for lane, toks in got.items() if len(toks) < MAX_TOKENS]
-        if not steps:
-            break
-        for step, toks in zip(steps, lanes.run(steps)):
-            got[step.lane] += toks
-            emitted[step.lane].append(len(toks))
-    for lane, toks in got.items():
-        assert toks[:MAX_TOKENS] == plain_tokens[lane]
-    uncapped, capped, off = emitted.values()
-    assert max(capped) <= 3 and max(capped) > 1 and set(off) == {1}
-    assert max(uncapped) > 3

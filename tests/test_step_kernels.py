@@ -1,0 +1,266 @@
+"""The decode step's Triton kernels (`plugins.step_kernels`) in the CPU interpreter against the
+model forms they replace (the selector, q/k norm with rotary), the models taking them, the
+check an engine's load runs (`backends.step_check`) and its switch.
+
+Triton's interpreter mode is set by `test_kernels` when imported (before anything imports
+triton); this module imports its helpers, so it is set here too.
+"""
+
+import pytest
+import torch
+from test_kernels import gen, interpreter, needs_triton  # noqa: F401 - `interpreter`: the fixture needs_triton uses
+
+
+@pytest.fixture
+def step_kernels_on_cpu():
+    """The models' fused paths taken on CPU tensors (the kernels in the interpreter)."""
+    from metrale.plugins import step_kernels
+
+    step_kernels.on_cpu_for_tests()
+    try:
+        yield step_kernels
+    finally:
+        step_kernels.on_cpu_for_tests(False)
+
+
+def random_selector(hidden: int, vocab: int, dim: int, k: int, seed: int):
+    from metrale.runtime.models.dflash import CandidateSelector
+
+    sel = CandidateSelector(hidden, vocab, dim, k)
+    g = gen(seed)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return sel
+
+
+@needs_triton
+@pytest.mark.parametrize("b,n,k,d", [(1, 7, 16, 32), (3, 5, 10, 24), (2, 15, 16, 8)])
+def test_select_kernel_drafts_the_selectors_tokens(b, n, k, d):
+    from metrale.plugins import step_kernels
+
+    sel = random_selector(48, 300, d, k, seed=b * 100 + n)
+    g = gen(n + k)
+    hidden = torch.randn(b, n, 48, generator=g)
+    cand_logits, cand_ids = (3 * torch.randn(b, n, 300, generator=g)).topk(k, dim=-1)
+    anchor = torch.randint(0, 300, (b,), generator=g)
+    with torch.no_grad():
+        want = sel.select_candidates(hidden, cand_logits, cand_ids, anchor)
+        got = step_kernels.dflash2_select(sel.hidden_projection(hidden), cand_logits, cand_ids, anchor,
+                                          sel.predecessor_codebook, sel.successor_codebook)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    # each slot's pick follows the one before it: a different anchor changes the drafts
+    other = step_kernels.dflash2_select(sel.hidden_projection(hidden), cand_logits, cand_ids, anchor + 1,
+                                        sel.predecessor_codebook, sel.successor_codebook)
+    with torch.no_grad():
+        assert torch.equal(other, sel.select_candidates(hidden, cand_logits, cand_ids, anchor + 1))
+
+
+def qwen3_attention(dtype, zero_centred: bool, seed: int, nh: int = 4, nkv: int = 2, hd: int = 32):
+    from metrale.runtime.models.configs import DecoderConfig
+    from metrale.runtime.models.layers import Attention
+
+    cfg = DecoderConfig(vocab_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=nh,
+                        num_key_value_heads=nkv, head_dim=hd, intermediate_size=64, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, max_position_embeddings=64)
+    attn = Attention(cfg, zero_centred_norm=zero_centred)
+    g = gen(seed)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.5) + (p.dim() == 1))
+    return attn.to(dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("zero_centred", [False, True])
+def test_qk_norm_rope_kernel_is_project_qkv(step_kernels_on_cpu, dtype, packed, zero_centred):
+    from metrale.runtime.models.rotary import rope_cos_sin
+
+    attn = qwen3_attention(dtype, zero_centred, seed=int(packed) + 2 * int(zero_centred))
+    attn.pack()
+    if not packed:  # two projections (quantized ones keep their own ops): q and k from each
+        attn.qkv_weight = None
+    x = torch.randn(2, 5, 64, generator=gen(9)).to(dtype)
+    cos, sin = rope_cos_sin(torch.tensor([3, 4, 5, 9, 9]), 32, 10000.0, dtype)  # (a tree's rows)
+    calls = []
+    real = step_kernels_on_cpu.qk_norm_rope
+    with pytest.MonkeyPatch.context() as m, torch.no_grad():
+        m.setattr(step_kernels_on_cpu, "qk_norm_rope", lambda *a: calls.append(1) or real(*a))
+        q, k, v = attn.project_qkv(x, cos, sin)
+        m.setattr(step_kernels_on_cpu, "_state", {"on": False, "cpu": False})
+        want = attn.project_qkv(x, cos, sin)
+    assert calls == [1]
+    assert (q.shape, k.shape, v.shape) == tuple(t.shape for t in want) and q.dtype == dtype
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2 ** -5, 2 ** -5)  # the eager form rounds per op
+    torch.testing.assert_close(q, want[0], rtol=rtol, atol=atol)
+    torch.testing.assert_close(k, want[1], rtol=rtol, atol=atol)
+    assert torch.equal(v, want[2])
+
+
+@needs_triton
+def test_step_kernels_check_passes_and_catches_a_wrong_kernel(monkeypatch):
+    from metrale.plugins import step_kernels
+    from metrale.runtime.backends.step_check import agree, prepare
+
+    for dtype in (torch.float32, torch.bfloat16):  # the check, here in the interpreter
+        assert agree(torch.device("cpu"), dtype) == ""
+    assert prepare(torch.device("cpu"), torch.float32) == "the fused step kernels run on CUDA devices only"
+    assert "interpreter mode" in prepare(torch.device("cuda"), torch.float32)
+    assert not step_kernels.use(torch.zeros(1))
+    wrong = lambda p, cl, ids, *a: ids[..., 1]  # noqa: E731 - the runner-up, not the selector's pick
+    monkeypatch.setattr(step_kernels, "dflash2_select", wrong)
+    assert agree(torch.device("cpu"), torch.float32).startswith("dflash2_select drafted")
+
+
+@needs_triton
+def test_decoding_with_the_step_kernels_is_plain_decoding(step_kernels_on_cpu, tiny_engine_dir):
+    """The eager models on the kernels (the interpreter standing in for a GPU): DFlash2's
+    drafts, the conv and every q/k of the target and the drafter take them, and greedy
+    speculative decoding still emits plain decoding's tokens."""
+    from metrale.plugins import dynamic_conv as conv_op
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    plain = EngineGenerator(engine, SpeculativeConfig())
+    spec = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2"))
+    prompt = engine.tokenizer.encode("The river ran")
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    counts = {"select": 0, "qk": 0, "conv": 0}
+    real = (step_kernels_on_cpu.dflash2_select, step_kernels_on_cpu.qk_norm_rope,
+            conv_op.dflash2_dynamic_conv_triton)
+
+    def counted(key, fn):
+        return lambda *a: counts.__setitem__(key, counts[key] + 1) or fn(*a)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(step_kernels_on_cpu, "dflash2_select", counted("select", real[0]))
+        m.setattr(step_kernels_on_cpu, "qk_norm_rope", counted("qk", real[1]))
+        m.setattr(conv_op, "dflash2_dynamic_conv_triton", counted("conv", real[2]))
+        got = spec.generate(prompt, params)
+    want = plain.generate(prompt, params)  # (the kernels still on: plain's rows take them too)
+    step_kernels_on_cpu.on_cpu_for_tests(False)
+    eager, eager_spec = plain.generate(prompt, params), spec.generate(prompt, params)
+    assert got.token_ids == want.token_ids == eager.token_ids
+    # the kernels' drafts are the PyTorch forms' (float32 here): the same accepted, step by step
+    assert [s.accepted for s in got.steps] == [s.accepted for s in eager_spec.steps]
+    steps = sum(1 for s in got.steps if s.drafted)
+    assert steps > 0 and counts["select"] == steps
+    assert counts["conv"] >= 4 * steps  # two convs per drafter layer, two layers
+    assert counts["qk"] > 4 * steps  # every target layer's verify, and the drafter's
+
+
+def test_the_step_kernels_switch_is_checked(monkeypatch):
+    from metrale.plugins import step_kernels
+    from metrale.runtime.backends.step_check import prepare
+    from metrale.runtime.errors import ConfigError
+    from metrale.runtime.models.rotary import rope_cos_sin
+
+    step_kernels.on_cpu_for_tests()
+    try:
+        with torch.no_grad():
+            assert step_kernels.use(torch.zeros(1))
+        with torch.enable_grad():  # the kernels have no backward: autograd takes the PyTorch forms
+            assert not step_kernels.use(torch.zeros(1))
+        attn = qwen3_attention(torch.float32, False, seed=4, nh=2, nkv=1, hd=24)
+        attn.pack()
+        calls = []
+        monkeypatch.setattr(step_kernels, "qk_norm_rope", lambda *a: calls.append(a))
+        with torch.no_grad():  # a head size the kernel does not take: the PyTorch form
+            q, k, _ = attn.project_qkv(torch.randn(1, 3, 64), *rope_cos_sin(torch.arange(3), 24, 1e4, torch.float32))
+        assert not calls and q.shape == (1, 2, 3, 24) and k.shape == (1, 1, 3, 24)
+    finally:
+        step_kernels.on_cpu_for_tests(False)
+    monkeypatch.setenv("METRALE_STEP_KERNELS", "0")
+    assert prepare(torch.device("cuda"), torch.float32) == "fused step kernels off (METRALE_STEP_KERNELS=0)"
+    monkeypatch.setenv("METRALE_STEP_KERNELS", "yes")
+    with pytest.raises(ConfigError, match=r"METRALE_STEP_KERNELS='yes': expected 1 .* or 0"):
+        prepare(torch.device("cuda"), torch.float32)
+    assert not step_kernels.use(torch.zeros(1))
+
+
+@needs_triton
+def test_the_step_kernels_cut_the_ops_a_step_dispatches(tiny_engine_dir):
+    """What the kernels are for: a step's launches. Counted here as the aten ops the eager
+    models dispatch plus one per kernel launch (the interpreter's own work not counted): a
+    target step and each drafter's propose (DFlash2's selector the most) take fewer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from metrale.plugins import step_kernels
+    from metrale.runtime.backends import load_engine
+
+    engine = load_engine(tiny_engine_dir, backend="torch").pack()
+    inside = [0]
+
+    class Launches(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Launches.count += inside[0] == 0
+            return func(*args, **(kwargs or {}))
+
+    def one_launch(fn):
+        def run(*args):
+            inside[0] += 1
+            try:
+                return fn(*args)
+            finally:
+                inside[0] -= 1
+                Launches.count += 1
+        return run
+
+    def step_launches() -> dict[str, int]:
+        target, embed = engine.target, engine.target.model.embed_tokens
+        ids = torch.arange(40, 80)[None]
+        out = {}
+        with torch.no_grad():
+            cache = target.new_cache(1, 128)
+            taps = target(ids, cache, taps=(0, 1, 3)).taps
+            for name, run in [("target", lambda: target(ids[:, :9], cache, taps=(0, 1, 3)))] + [
+                    (n, lambda d=d: d.propose(torch.tensor([5]), embed, dc, 8))
+                    for n, d in engine.drafters.items()]:
+                if name != "target":
+                    dc = engine.drafters[name].new_cache(1, 128, torch.float32)
+                    engine.drafters[name].add_context(taps[:, :30], dc)
+                Launches.count = 0
+                with Launches():
+                    run()
+                out[name] = Launches.count
+        return out
+
+    off = step_launches()
+    with pytest.MonkeyPatch.context() as m:
+        for name in ("dflash2_select", "qk_norm_rope"):
+            m.setattr(step_kernels, name, one_launch(getattr(step_kernels, name)))
+        step_kernels.on_cpu_for_tests()
+        try:
+            on = step_launches()
+        finally:
+            step_kernels.on_cpu_for_tests(False)
+    layers = engine.target.config.num_hidden_layers
+    assert on["target"] < off["target"] - 5 * layers, (off, on)  # q/k: about nine ops a layer, one launch
+    assert on["dflash"] < off["dflash"] and on["dflash2"] < off["dflash2"] - 7 * 10, (off, on)
+
+
+@needs_triton
+def test_qk_norm_rope_takes_any_layout_of_its_rows():
+    """Rows of a fused projection's slice, of a batch's transposed view, or of one row: the
+    kernel's q and k are those of contiguous copies."""
+    from metrale.plugins import step_kernels
+    from metrale.runtime.models.rotary import rope_cos_sin
+
+    attn = qwen3_attention(torch.float32, False, seed=6)
+    attn.pack()
+    w, cos, sin = attn.qk_norm_weight, *rope_cos_sin(torch.arange(4), 32, 1e4, torch.float32)
+    qkv = torch.randn(4, 3, 256, generator=gen(2)).transpose(0, 1)  # [3, 4, 256], batch not outermost
+    want = step_kernels.qk_norm_rope(qkv.contiguous(), qkv.contiguous()[..., 128:], w, cos, sin, 1e-6, 4, 2, 32)
+    got = step_kernels.qk_norm_rope(qkv, qkv[..., 128:], w, cos, sin, 1e-6, 4, 2, 32)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    one = qkv[:1, :1]  # one row: its size-1 dims' strides say nothing
+    got = step_kernels.qk_norm_rope(one, one[..., 128:], w, cos[:1], sin[:1], 1e-6, 4, 2, 32)
+    want = step_kernels.qk_norm_rope(one.contiguous(), one.contiguous()[..., 128:], w, cos[:1], sin[:1], 1e-6, 4, 2, 32)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
