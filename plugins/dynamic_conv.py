@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.plugins import step_kernels
+from metrale.plugins import triton_mode
 
 OP_NAME = "metrale::dflash2_dynamic_conv"
 TRITON_BLOCKS = {"BLOCK_H": 256}  # channels per program (also the constexpr `aot` compiles)
@@ -33,7 +34,7 @@ def dflash2_dynamic_conv(x: torch.Tensor, kernel: torch.Tensor, block: int) -> t
     """y [B, T, H] from x [B, T, H] and kernel [B, T, G, 2] over blocks of `block` slots: on a
     GPU whose step kernels passed their check, the Triton kernel's one launch (`step_kernels`)."""
     if step_kernels.use(x):
-        return dflash2_dynamic_conv_triton(x, kernel, block)
+        return dflash2_dynamic_conv_triton(x, kernel, block, step_kernels.kernels(x.device.type))
     _check(x, kernel, block)
     return conv_math(x, kernel, block)
 
@@ -107,16 +108,16 @@ def _check(x: torch.Tensor, kernel: torch.Tensor, block: int,
     return b, t, h, g
 
 
-def dflash2_dynamic_conv_triton(x: torch.Tensor, kernel: torch.Tensor, block: int) -> torch.Tensor:
-    """The Triton face: same contract as `dflash2_dynamic_conv`; CPU tensors run in the interpreter."""
-    from metrale.plugins.triton_mode import cdiv, load_kernels
-
+def dflash2_dynamic_conv_triton(x: torch.Tensor, kernel: torch.Tensor, block: int,
+                                kernels=None) -> torch.Tensor:
+    """The Triton face: same contract as `dflash2_dynamic_conv`; CPU tensors run in the
+    interpreter. `kernels`: the kernels' module where the caller holds it (a decode step)."""
     b, t, h, g = _check(x, kernel, block)
-    kernels = load_kernels(x.device.type)
+    kernels = kernels if kernels is not None else triton_mode.load_kernels(x.device.type)
     x = x.contiguous()
     y = torch.empty_like(x)  # [B, T, H]
     bh = TRITON_BLOCKS["BLOCK_H"]
-    kernels.dflash2_dynamic_conv_kernel[(b * t, cdiv(h, bh))](
+    kernels.dflash2_dynamic_conv_kernel[(b * t, triton_mode.cdiv(h, bh))](
         x, kernel.contiguous(), y, t, h, g, block, BLOCK_H=bh, num_warps=4,
         enable_fp_fusion=False,
     )

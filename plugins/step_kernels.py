@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import torch
 
-_state = {"on": False, "cpu": False}  # checked on the device; tests: run them on CPU (interpreter)
+# on: checked on the device; cpu: tests run them on CPU tensors (the interpreter); kernels: the
+# module of kernels, loaded once when they are turned on
+_state = {"on": False, "cpu": False, "kernels": None}
 
 
 def use(t: torch.Tensor) -> bool:
@@ -44,12 +46,10 @@ def dflash2_select(projected: torch.Tensor, cand_logits: torch.Tensor, cand_ids:
     """`dflash.CandidateSelector.select_candidates` in one launch: projected [B, n, D] (the
     slots' hidden projection), the candidates' logits and ids [B, n, K], anchor [B], the
     codebooks [V, D] -> the drafts [B, n] int64."""
-    from metrale.plugins.triton_mode import load_kernels
-
     b, n, d = projected.shape
     k = cand_ids.shape[-1]
     out = torch.empty(b, n, dtype=torch.long, device=projected.device)
-    load_kernels(projected.device.type).dflash2_select_kernel[(b,)](
+    kernels(projected.device.type).dflash2_select_kernel[(b,)](
         projected.contiguous(), cand_logits.contiguous(), cand_ids.contiguous(), anchor.contiguous(),
         predecessor.contiguous(), successor.contiguous(), out, n, k, d,
         BLOCK_K=_pow2(k), BLOCK_D=_pow2(d), num_warps=1)
@@ -62,15 +62,13 @@ def qk_norm_rope(q_in: torch.Tensor, k_in: torch.Tensor, weight: torch.Tensor, c
     projection's views or two projections), weight [nh+nkv, hd] (each head's norm multiplier),
     cos/sin [T, hd] -> q [B, nh, T, hd] and k [B, nkv, T, hd], normed per head and roped:
     `layers.Attention.project_qkv`'s q and k. hd is a power of two."""
-    from metrale.plugins.triton_mode import load_kernels
-
     b, t, _ = q_in.shape
     if hd & (hd - 1):
         raise ValueError(f"qk_norm_rope: head_dim {hd} must be a power of two")
     q_rows, k_rows = (_rows(x, b * t) for x in (q_in, k_in))
     q = torch.empty(b, nh, t, hd, dtype=q_in.dtype, device=q_in.device)
     k = torch.empty(b, nkv, t, hd, dtype=q_in.dtype, device=q_in.device)
-    load_kernels(q_in.device.type).qk_norm_rope_kernel[(b * t, nh + nkv)](
+    kernels(q_in.device.type).qk_norm_rope_kernel[(b * t, nh + nkv)](
         q_rows, k_rows, weight.contiguous(), cos.contiguous(), sin.contiguous(), q, k,
         t, nh, nkv, q_rows.stride(0), k_rows.stride(0), eps, HD=hd, num_warps=1)
     return q, k
@@ -91,9 +89,23 @@ def enable(on: bool) -> None:
     """Turn the kernels on for CUDA tensors (after their check on the device:
     `backends.step_check.prepare`) or off."""
     _state["on"] = on
+    _state["kernels"] = _load("cuda") if on else None
+
+
+def kernels(device_type: str):
+    """The kernels' module: the one loaded when they were turned on (a decode step loads
+    nothing), else loaded for `device_type` (the load's check, tests)."""
+    return _state["kernels"] if _state["kernels"] is not None else _load(device_type)
+
+
+def _load(device_type: str):
+    from metrale.plugins.triton_mode import load_kernels
+
+    return load_kernels(device_type)
 
 
 def on_cpu_for_tests(on: bool = True) -> None:
     """Run the kernels on CPU tensors too (triton's interpreter): what the CPU tests of the
     models' fused paths use. Off again with `on=False`."""
     _state["on"] = _state["cpu"] = on
+    _state["kernels"] = _load("cpu") if on else None

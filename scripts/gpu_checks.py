@@ -400,8 +400,9 @@ def cmd_run(out: Path) -> int:
         # the same bench with the decode step's fused kernels off (`plugins.step_kernels`): their
         # before/after on this GPU, kernels per step and tok/s, in the chain modes
         ("bench-unfused", 120, ("cuda", "cli"), ("build",),
-         [py, "-m", "metrale", "bench", "--engine-dir", tiny, "--device", "cuda", "--modes",
-          "γ=8,k=3", "--no-transformers", "--json", out / "bench-torch-cuda-unfused.json",
+         ["env", "METRALE_STEP_KERNELS=0", py, "-m", "metrale", "bench", "--engine-dir", tiny,
+          "--device", "cuda", "--modes", "γ=8,k=3", "--no-transformers", "--json",
+          out / "bench-torch-cuda-unfused.json",
           *bench]),
         ("targets", 0, ("cuda", "cli"), ("bench-torch-cuda",), None),
         ("serve-cuda", 150, ("cuda", "cli"), ("build",),
@@ -445,8 +446,6 @@ def cmd_run(out: Path) -> int:
         else:
             work.mkdir(parents=True, exist_ok=True)
             step_env = dict(env, METRALE_TRT_ENGINES=f"nvfp4={trt_dir}")
-            if name == "bench-unfused":
-                step_env["METRALE_STEP_KERNELS"] = "0"
             rec.run(name, cap, cmd, step_env)
     rec.write()
     failed = [r["step"] for r in rec.steps if r["status"] == "failed"]

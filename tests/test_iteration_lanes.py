@@ -9,8 +9,7 @@ from conftest import PLAIN_TOKENS
 
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
 from metrale.runtime.serving.service import EngineGenerator
-from metrale.runtime.spec.iteration import NO_CAP
-from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.spec.sampling import NO_CAP, SamplingParams
 
 MAX_TOKENS = PLAIN_TOKENS
 

@@ -26,16 +26,14 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         if not loaded[0][0].batched:  # an engine built before batching: one sequence per call
             return CompiledDFlash.from_packages(drafter, loaded, cpu, where)
         face = super().from_packages(drafter, loaded, cpu, where)  # its block and feed checked
+        # whether its package gives the blocks' logits and hidden states too, what a draft tree
+        # reads (the serve refuses trees where it does not: `LoadedEngine.block_distributions`)
         face.distributions = loaded[0][0].distributions
         return face
 
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
         super().__init__(drafter, package, feed, max_slots)
         self.pools: dict[int, KVPool] = {}
-        # whether its package gives the blocks' logits and hidden states too, what a draft tree
-        # reads (`from_packages` sets it; the serve refuses trees where it does not:
-        # `LoadedEngine.block_distributions`)
-        self.distributions = False
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
         if batch != 1:

@@ -46,6 +46,7 @@ from metrale.runtime.backend_registry import BackendEntry
 from metrale.runtime.backends import TreeRows
 from metrale.runtime.components import KINDS, StepShape
 from metrale.runtime.models.configs import DecoderConfig, DFlashConfig
+from metrale.runtime.models.kv_cache import causal_mask
 from metrale.runtime.models.dflash import CandidateSelector, Proposal, candidate_drafts
 from metrale.runtime.artifact.engine import LoadedEngine
 from metrale.runtime.errors import EngineDirError, MetraleError
@@ -177,7 +178,7 @@ class GraphTarget(_Component, TreeRows):
     def _causal_mask(self, t: int) -> torch.Tensor:
         mask = self._causal.get(t)
         if mask is None:
-            mask = torch.ones(t, t, dtype=torch.bool, device=self.runner.device).tril()
+            mask = causal_mask(t, 0, self.runner.device)
             self._causal[t] = mask
         return mask
 

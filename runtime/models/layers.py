@@ -140,6 +140,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, zero_centred_norm: bool = False):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qk_kernel = self.hd & (self.hd - 1) == 0  # a power-of-two head: `step_kernels.qk_norm_rope`
         self.theta = cfg.rope_theta
         h = cfg.hidden_size
         self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
@@ -192,7 +193,7 @@ class Attention(nn.Module):
         """x [B, T, H] -> q [B, nh, T, hd], k and v [B, nkv, T, hd] (q and k normed and roped):
         one GEMM when `pack` fused the projections."""
         b, t, _ = x.shape
-        if self.qk_norm_weight is not None and self.hd & (self.hd - 1) == 0 and step_kernels.use(x):
+        if self.qk_kernel and self.qk_norm_weight is not None and step_kernels.use(x):
             # a GPU: one launch normalises and ropes every q and k head (a power-of-two head size)
             nq, nk = self.nh * self.hd, self.nkv * self.hd
             if self.qkv_weight is not None:

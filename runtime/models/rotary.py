@@ -18,7 +18,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 _ROPE_TABLES: dict = {}  # (head_dim, theta, dtype, device) -> (cos, sin) [P, hd]
-_STEP_TABLES: dict = {}  # the same keys -> the tables `rope_tables` built for GPU steps
+_STEP_KEYS: set = set()  # the keys whose tables `rope_tables` built for GPU steps
 
 
 def _table_key(head_dim: int, theta: float, dtype: torch.dtype, device) -> tuple:
@@ -56,8 +56,9 @@ def rope_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.d
         cos, sin = rope_table(head_dim, theta, dtype, positions.device)
         return cos[positions], sin[positions]
     if gathers_rope(positions):
-        table = _STEP_TABLES.get(_table_key(head_dim, theta, dtype, positions.device))
-        if table is not None:
+        key = _table_key(head_dim, theta, dtype, positions.device)
+        if key in _STEP_KEYS:
+            table = _ROPE_TABLES[key]
             rows = positions.clamp(max=table[0].shape[0] - 1)
             return table[0][rows], table[1][rows]
     return rope_cos_sin(positions, head_dim, theta, dtype)
@@ -75,4 +76,5 @@ def rope_tables(configs, dtype: torch.dtype, device, margin: int = 1024) -> None
     gathers from (`rope_at`)."""
     for cfg in configs:
         key = _table_key(cfg.head_dim, cfg.rope_theta, dtype, device)
-        _STEP_TABLES[key] = rope_table(*key[:3], key[3], cfg.max_position_embeddings + margin)
+        rope_table(*key, cfg.max_position_embeddings + margin)
+        _STEP_KEYS.add(key)

@@ -255,8 +255,7 @@ class EngineGenerator:
         proposed = lanes.iteration.proposed
         # the lanes verify one count together; a request that caps its drafts (or turns them
         # off) accepts at most its cap in its own lane (`IterationState.cap`), the others theirs
-        cap = lanes.iteration.k if params.max_drafts is None else params.max_drafts
-        cap = cap if params.speculate else 0
+        cap = params.lane_cap
         result = DecodeResult([], 0.0, 0.0, "length")
         lane = lanes.acquire()
         t0 = time.perf_counter()

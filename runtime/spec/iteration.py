@@ -53,11 +53,10 @@ from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPSte
 from metrale.runtime.models.layers import MoE
 from metrale.runtime.models.step_caches import PooledKV
 from metrale.runtime.spec.config import DraftStop
-from metrale.runtime.spec.sampling import SamplingParams, probs_on_device, sample_from_probs
+from metrale.runtime.spec.sampling import NO_CAP, SamplingParams, probs_on_device, sample_from_probs
 from metrale.runtime.spec.verify import verify_sampling_lanes
 
 PROMPT_ROWS = 256  # a prompt's rows per forward (its attention's scores are rows x slots)
-NO_CAP = 1 << 30  # a lane whose request leaves the drafts uncapped
 
 
 def accepted_count(drafts: torch.Tensor, target_ids: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,8 +109,7 @@ class IterationState:
     def sampling(self, lane: int, params: SamplingParams | None) -> None:
         """The lane's request samples with `params`, or is greedy (None, or temperature 0), and
         accepts at most the drafts it allows (`max_drafts`; none with speculation off)."""
-        self.cap[lane] = (NO_CAP if params is None or params.max_drafts is None and params.speculate
-                          else min(params.max_drafts, NO_CAP) if params.speculate else 0)
+        self.cap[lane] = NO_CAP if params is None else params.lane_cap
         sampled = params is not None and not params.greedy
         self.sampled[lane] = sampled
         self.temperature[lane] = params.temperature if sampled else 1.0

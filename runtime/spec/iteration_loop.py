@@ -32,8 +32,8 @@ import torch
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
-from metrale.runtime.spec.iteration import NO_CAP, SETTLED, DFlashIteration, MTPIteration, PlainIteration
-from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration
+from metrale.runtime.spec.sampling import NO_CAP, SamplingParams
 from metrale.runtime.steps import BatchedFace, ModelStep
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class IterationLoop:
         sampled = params is not None and not params.greedy
         # a request that caps its drafts: each iteration accepts at most that many (the state's
         # `cap`), and its capped outcomes do not teach adaptive k (the stream's other requests')
-        cap = NO_CAP if params is None or params.max_drafts is None else params.max_drafts
+        cap = NO_CAP if params is None else params.lane_cap
         it.check_room(len(prompt_ids), max_tokens)
         if sampled:
             it.seed(params)

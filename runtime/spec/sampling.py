@@ -25,6 +25,7 @@ from metrale.runtime.errors import ConfigError
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_MAX_TOKENS = 256
+NO_CAP = 1 << 30  # an iteration's cap on a request's drafts that leaves them uncapped
 # Below this, logits / temperature overflows float32 (denormal temperatures): refused, not guessed.
 MIN_TEMPERATURE = 1e-3
 
@@ -124,6 +125,14 @@ class SamplingParams:
     def drafts(self) -> bool:
         """It lets its steps draft (speculation on, a cap above 0)."""
         return self.speculate and self.max_drafts != 0
+
+    @property
+    def lane_cap(self) -> int:
+        """The most drafts an iteration may accept for it: 0 with speculation off, its
+        `max_drafts`, else NO_CAP (what `iteration.IterationState.cap` holds)."""
+        if not self.speculate:
+            return 0
+        return NO_CAP if self.max_drafts is None else min(self.max_drafts, NO_CAP)
 
     def draft_cap(self, room: int) -> int:
         """The most drafts a step may verify with `room` tokens left in its budget."""
