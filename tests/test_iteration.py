@@ -369,7 +369,7 @@ def test_a_failed_capture_leaves_the_decode_loop(tiny_engine_dir, tiny_prompts, 
     assert "whole-iteration graphs failed, the decode loop runs: RuntimeError" in engine.backend_note
     assert gen.capabilities.max_running == 1  # the lanes too: one request at a time on the target's graphs
 
-    engine.target.runner.graphs = _Refusing(lambda fn: iteration(fn) and fn.args[-1])  # sampled ones
+    engine.target.runner.graphs = _Refusing(lambda fn: iteration(fn) and fn.args[2])  # sampled ones
     gen = EngineGenerator(engine, spec)
     decoder = gen.decoder()
     assert isinstance(decoder, IterationDecoder) and decoder.loop.unsampled.startswith("RuntimeError")

@@ -102,10 +102,13 @@ class BatchedTargetStep(TargetStep):
     never on the batch."""
 
     attention_kernel = False  # attend through metrale's CPU kernel (set by the build, `PooledKV`)
+    # the cache its rows attend through: a pool's (`PooledKV`), or a whole-iteration graph's
+    # lanes of equal row counts (`LaneKV`, set by `spec.iteration`)
+    cache = PooledKV
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, want: torch.Tensor,
                 *kv: torch.Tensor):
-        return tuple(o[0] for o in self._run(ids[None], PooledKV(kv, seq, pos, kernel=self.attention_kernel), want))
+        return tuple(o[0] for o in self._run(ids[None], self.cache(kv, seq, pos, kernel=self.attention_kernel), want))
 
 
 class BatchedTreeTargetStep(BatchedTargetStep):
@@ -129,6 +132,7 @@ class BatchedMTPStep(nn.Module):
     logits [N, V], h [N, H] (`mtp.MTPHead.forward`). A row reads its own sequence's slots only."""
 
     attention_kernel = False  # as BatchedTargetStep's
+    cache = PooledKV  # as BatchedTargetStep's
 
     def __init__(self, head, positions: int | None = None):
         super().__init__()
@@ -136,8 +140,8 @@ class BatchedMTPStep(nn.Module):
         _prepare(head, self.decoder, positions)
 
     def forward(self, embeds, hidden, pos, seq, k_pool, v_pool):
-        logits, h = self.head(embeds[None], hidden[None], PooledKV((k_pool, v_pool), seq, pos,
-                                                                  kernel=self.attention_kernel))
+        logits, h = self.head(embeds[None], hidden[None], self.cache((k_pool, v_pool), seq, pos,
+                                                                    kernel=self.attention_kernel))
         return logits[0], h[0]
 
 
@@ -157,6 +161,7 @@ class BatchedDFlashStep(nn.Module):
     states [Q, Γ−1, H]: what a draft tree is built from (`spec.ddtree.block_tree`)."""
 
     attention_kernel = False  # as BatchedTargetStep's
+    cache = PooledKV  # as BatchedTargetStep's
 
     def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int | None = None,
                  distributions: bool = False):
@@ -169,11 +174,11 @@ class BatchedDFlashStep(nn.Module):
     def forward(self, feats, feed_pos, feed_seq, block, block_seq, anchor_pos, gamma, *kv):
         d = self.drafter
         q_n, g = block.shape
-        d.add_context(feats[None], PooledKV(kv, feed_seq, feed_pos))
+        d.add_context(feats[None], self.cache(kv, feed_seq, feed_pos))
         per_row = lambda t: t[:, None].expand(q_n, g).reshape(-1)  # noqa: E731 - [Q] -> [Q·Γ]
         positions = (anchor_pos[:, None] + torch.arange(g, device=feats.device)).reshape(-1)  # [Q·Γ]
-        rows = PooledKV(kv, per_row(block_seq), positions, per_row(anchor_pos + gamma - 1),
-                        kernel=self.attention_kernel)
+        rows = self.cache(kv, per_row(block_seq), positions, per_row(anchor_pos + gamma - 1),
+                          kernel=self.attention_kernel)
         x = F.embedding(block.reshape(1, -1), self.embed.weight)  # [1, Q·Γ, H]
         hidden = d._blocks(x, positions, rows, None, g).view(q_n, g, -1)[:, 1:]  # the draft slots
         logits = d.lm_head(hidden)

@@ -44,12 +44,12 @@ from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.backends import TreeRows
 from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
 from metrale.runtime.models.qwen3 import TargetOutput
+from metrale.runtime.models.step_caches import BASE_SLOTS, buckets_to
 from metrale.runtime.artifact.engine import LoadedEngine
 
 log = logging.getLogger(__name__)
 
 ROWS = (1, 8, 16)  # one-row decode steps; verify steps of up to 8 / 16 rows, prompt chunks
-BASE_SLOTS = (256, 1088)  # slot buckets a request picks from (as the CPU packages')
 WARMUP = 3  # eager runs on a side stream before each capture
 
 
@@ -61,13 +61,7 @@ def slot_buckets(max_positions: int, rows: int = ROWS[-1]) -> tuple[int, ...]:
     """The base buckets below the top one, ×4 steps above them while under half the top, then
     the top: `max_positions` plus room for a padded step and the decode loop's margin (64
     slots, at least `rows` + 17)."""
-    top = max_positions + max(64, rows + 17)
-    out = [s for s in BASE_SLOTS if s < top]
-    s = out[-1] * 4 if out else top
-    while 2 * s <= top:
-        out.append(s)
-        s *= 4
-    return tuple(out) + (top,)
+    return buckets_to(max_positions + max(64, rows + 17))
 
 
 class CudaGraphs:

@@ -11,7 +11,11 @@ steps run the very forwards the torch backend runs:
   `last_visible[t]` (by default its own position); a draft tree's rows (`hide`) are written at
   slots past their positions and hide the drafts that are not their ancestors;
 - `SlotKV`: one sequence, per layer K and V [S, nkv, hd] (slot-major, so a prefix of a bigger
-  buffer is a smaller cache).
+  buffer is a smaller cache);
+- `LaneKV`: a pool of B sequences' caches (per layer K [B, nkv, hd, S] as `PooledKV`'s, V
+  [B, nkv, S, hd]), R rows of each at a time (a whole-iteration graph's lanes, `spec.iteration`):
+  each sequence's cache is read once for all its rows, as two batched matrix products whose
+  operands are views of the pool, instead of once per row.
 
 (`StepKV`, the exported ONNX graphs' cache, appends instead: its graph returns the new K/V.)
 
@@ -33,6 +37,20 @@ from torch.overrides import TorchFunctionMode
 
 from metrale.plugins.cpu_attention import HIDE_BITS, visible_slots
 from metrale.plugins.cpu_attention import pooled_math as pooled_attention
+
+
+BASE_SLOTS = (256, 1088)  # slot buckets a request picks from (the CPU packages' and the graphs')
+
+
+def buckets_to(top: int) -> tuple[int, ...]:
+    """The slot buckets of caches of up to `top` slots: the base buckets below it, ×4 steps above
+    them while under half of it, then `top`."""
+    out = [s for s in BASE_SLOTS if s < top]
+    s = out[-1] * 4 if out else top
+    while 2 * s <= top:
+        out.append(s)
+        s *= 4
+    return tuple(out) + (top,)
 
 
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -89,6 +107,58 @@ def hidden_count(hide: torch.Tensor) -> torch.Tensor:
     position."""
     shifts = torch.arange(HIDE_BITS + 1, device=hide.device)
     return (torch.bitwise_right_shift(hide[:, None], shifts) & 1).sum(1)
+
+
+class LaneKV:
+    """R rows of each of B sequences over a pool of their caches, `kv` per layer K
+    [B, nkv, hd, S] then V [B, nkv, S, hd] (views of a bigger pool's lanes and first slots are a
+    smaller pool); row t is sequence seq[t] = t // R's, written at slot `positions[t]` and seeing
+    that sequence's slots up to `last_visible[t]` (default: its own position). The R rows of a
+    sequence attend as one matrix product with its keys (scores [nkv, g·R, S]) and one with its
+    values, both read in place, so the cache is read once per sequence, not once per row as
+    `PooledKV` reads it; a row's bits then depend on R and S (the GEMMs' shapes), so two runs
+    agree bit for bit where they run the same B, R and S."""
+
+    length = 0
+
+    def __init__(self, kv, seq: torch.Tensor, positions: torch.Tensor, last_visible: torch.Tensor | None = None,
+                 kernel: bool = False, hide: torch.Tensor | None = None):
+        if kernel or hide is not None:
+            raise ValueError("LaneKV attends with matrix products: no CPU kernel, no draft tree's rows")
+        self.kv, self.seq, self.positions = kv, seq, positions
+        self.lanes = kv[0].shape[0]
+        if positions.shape[0] % self.lanes:
+            raise ValueError(f"{positions.shape[0]} rows are not R rows of each of {self.lanes} sequences")
+        self.rows = positions.shape[0] // self.lanes
+        self.last_visible = positions if last_visible is None else last_visible
+        self._hidden: torch.Tensor | None = None  # [B, 1, R, S]: the slots a row may not see
+
+    def _masked(self) -> torch.Tensor:
+        """Which slots each row may not see, worked out at the first layer's attention (rows
+        that are only written, a drafter's context, need none)."""
+        if self._hidden is None:
+            s = self.kv[0].shape[-1]
+            last = self.last_visible.view(self.lanes, 1, self.rows, 1)
+            self._hidden = torch.arange(s, device=last.device) > last
+        return self._hidden
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [1, nkv, B·R, hd] -> each row's slot of its sequence's cache."""
+        self.kv[2 * layer][self.seq, :, :, self.positions] = _rows(k)  # keys slot-minor
+        self.kv[2 * layer + 1][self.seq, :, self.positions] = _rows(v)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [1, nh, B·R, hd] -> [1, B·R, nh·hd]."""
+        k, v = self.kv[2 * layer], self.kv[2 * layer + 1]  # [B, nkv, hd, S], [B, nkv, S, hd]
+        b, r = self.lanes, self.rows
+        nh, hd = q.shape[1], q.shape[3]
+        nkv, s = k.shape[1], k.shape[3]
+        g = nh // nkv
+        qs = q[0].reshape(nkv, g, b, r, hd).permute(2, 0, 1, 3, 4).reshape(b, nkv, g * r, hd)
+        scores = torch.matmul(qs, k).view(b, nkv, g, r, s) * hd ** -0.5
+        probs = torch.softmax(scores.masked_fill(self._masked()[:, :, None], float("-inf")), dim=-1)
+        out = torch.matmul(probs.view(b, nkv, g * r, s), v)  # [B, nkv, g·R, hd]
+        return out.view(b, nkv, g, r, hd).permute(0, 3, 1, 2, 4).reshape(1, b * r, nh * hd)
 
 
 class SlotKV:

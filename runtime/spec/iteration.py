@@ -5,11 +5,18 @@ DFlash worker v2 and TensorRT-LLM's one-model MTP run theirs).
 An iteration runs `lanes` sequences at once (B of them: a bucket, the first B lanes), each with
 its own caches in a pool, its own position and its own accepted length (ragged acceptance, on
 the device). It reads and writes only its `IterationState` and the caches of the batched steps
-it runs (`backends.aoti_steps`: every row placed by its sequence and a position tensor,
-attention masked by position, a row's bits its sequence's alone), so its shapes never change and
-it never reads the device from the host (`host_reads.forbid_host_reads` proves it on a CPU). A
-lane that is not `active` moves nothing (its position, count and kept rows stay; what it writes
-lies at positions it writes again before reading). Greedy decoding, per lane:
+it runs (`backends.aoti_steps`, every row placed by its lane and a position tensor), so its
+shapes never change and it never reads the device from the host (`host_reads.forbid_host_reads`
+proves it on a CPU). A lane that is not `active` moves nothing (its position, count and kept
+rows stay; what it writes lies at positions it writes again before reading).
+
+The steps attend through `step_caches.LaneKV`: a lane's rows (the same count for every lane)
+read its cache once, as two matrix products over views of the pool, masked by position. Each
+variant is captured per slot bucket S (`slot_buckets`): its steps see the first S slots of
+every lane's caches only, so a short request's attention reads S slots, not the whole context.
+A request's bucket is the smallest that holds its positions and `room` past them
+(`check_room`); lanes run in the bucket of the longest request among them. Greedy decoding,
+per lane:
 
 - verify: the target's argmax t_0..t_k of the rows [pending, d_1..d_k] at `pos`.., in one
   forward (chunkwise) or k+1 one-row forwards (`exact`: plain decoding's bits, so plain
@@ -51,12 +58,22 @@ import torch
 
 from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPStep, BatchedTargetStep
 from metrale.runtime.models.layers import MoE
-from metrale.runtime.models.step_caches import PooledKV
+from metrale.runtime.models.step_caches import LaneKV, buckets_to
 from metrale.runtime.spec.config import DraftStop
 from metrale.runtime.spec.sampling import NO_CAP, SamplingParams, probs_on_device, sample_from_probs
 from metrale.runtime.spec.verify import verify_sampling_lanes
 
 PROMPT_ROWS = 256  # a prompt's rows per forward (its attention's scores are rows x slots)
+ROOM = 64  # the slots a request's cache holds past its last position, at least (`room`)
+
+
+def room(k: int, gamma: int = 0) -> int:
+    """The slots a request needs past its last position in iterations of k drafts (a drafter's
+    block of γ): two iterations' rows (the one discarded, see `IterationLoop`) and the block
+    beyond them, at least `ROOM`. Every mode of the usual sizes needs `ROOM`, so a request's
+    slot bucket, and with it its attention's shapes, is the same in every mode (exact verify
+    keeps plain decoding's bits)."""
+    return max(ROOM, 2 * (k + 1) + gamma)
 
 
 def accepted_count(drafts: torch.Tensor, target_ids: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,13 +134,19 @@ class IterationState:
 
 
 def _pooled_kv(layers: int, lanes: int, slots: int, heads: int, head_dim: int, dtype, device) -> list[torch.Tensor]:
-    """A pool of one cache per lane for the batched steps: per layer K [L, nkv, hd, S] and V
-    [L, S, nkv, hd]."""
+    """A pool of one cache per lane for the batched steps' `LaneKV`: per layer K
+    [L, nkv, hd, S] and V [L, nkv, S, hd]."""
     out = []
     for _ in range(layers):
         out += [torch.zeros(lanes, heads, head_dim, slots, dtype=dtype, device=device),
-                torch.zeros(lanes, slots, heads, head_dim, dtype=dtype, device=device)]
+                torch.zeros(lanes, heads, slots, head_dim, dtype=dtype, device=device)]
     return out
+
+
+def lanes_of(pool: list[torch.Tensor], first: int, b: int, s: int) -> list[torch.Tensor]:
+    """Views of lanes first..first+b−1 and slots :s of a pool (`_pooled_kv`): the pool of those
+    lanes' caches in slot bucket s, the memory the whole pool's."""
+    return [t[first:first + b, :, :, :s] if i % 2 == 0 else t[first:first + b, :, :s] for i, t in enumerate(pool)]
 
 
 def capturable(module: torch.nn.Module) -> torch.nn.Module:
@@ -148,8 +171,11 @@ class _Verifying:
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
         self.target = BatchedTargetStep(capturable(model), taps, linear).to(self.device).eval()
+        self.target.cache = LaneKV  # a lane's rows read its cache once
         self.embed = model.model.embed_tokens
         self.slots, self.vocab_size, self.lanes = slots, c.vocab_size, lanes
+        # the slot buckets a request's iterations attend over: the caches' first S slots
+        self.slot_buckets = buckets_to(slots)
         if ring < 4 * (self.k + 1):  # unread: up to two iterations' tokens, and the next's rows
             raise ValueError(f"a ring of {ring} tokens is too small for {self.k + 1} rows an iteration")
         self.kv = _pooled_kv(c.num_hidden_layers, lanes, slots, c.num_key_value_heads, c.head_dim,
@@ -168,10 +194,11 @@ class _Verifying:
         return self._index[key]
 
     def variants(self, buckets: tuple[int, ...] = (1,)) -> dict:
-        """{(B, count, sampled): the iteration of the first B lanes verifying that many drafts,
-        greedy or with its sampled lanes drawing}: what a loop captures, one graph each."""
-        return {(b, k, sampled): functools.partial(self.step, b, k, sampled)
-                for b in buckets for k in self.keys() for sampled in (False, True)}
+        """{(B, count, sampled, S): the iteration of the first B lanes verifying that many
+        drafts, greedy or with its sampled lanes drawing, over their caches' first S slots (a
+        slot bucket)}: what a loop captures, one graph each."""
+        return {(b, k, sampled, s): functools.partial(self.step, b, k, sampled, s)
+                for b in buckets for k in self.keys() for sampled in (False, True) for s in self.slot_buckets}
 
     def keys(self) -> tuple:
         return (self.k,)
@@ -182,7 +209,7 @@ class _Verifying:
         return self.k
 
     def __call__(self) -> tuple:
-        return self.step(1, self.k, False)
+        return self.step(1, self.k, False, self.slots)
 
     def select(self, logits: torch.Tensor, drafts: torch.Tensor, sampled: bool,
                counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,31 +229,35 @@ class _Verifying:
         lanes = st.sampled[:b]
         return torch.where(lanes[:, None], drawn, target_ids), torch.where(lanes, m, n)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor):
-        """Rows ids, pos, seq [N] -> (logits [N, V], last hidden [N, H], taps [N, n·H] when
-        taken)."""
-        return self.target(ids, pos, seq, self.index(1, ids.shape[0])[1], *self.kv)
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, kv: list[torch.Tensor]):
+        """Rows ids, pos, seq [N] over `kv` (`lanes_of` the pool: seq counts from its first
+        lane) -> (logits [N, V], last hidden [N, H], taps [N, n·H] when taken)."""
+        return self.target(ids, pos, seq, self.index(1, ids.shape[0])[1], *kv)
 
-    def verify(self, ids: torch.Tensor):
-        """ids [B, k+1]: each lane's rows at its `pos`.. -> the outputs per lane (logits
-        [B, k+1, V], last hidden, taps when taken): one forward, or one per row (`exact`)."""
+    def verify(self, ids: torch.Tensor, s: int):
+        """ids [B, k+1]: each lane's rows at its `pos`.. over its cache's first `s` slots -> the
+        outputs per lane (logits [B, k+1, V], last hidden, taps when taken): one forward, or
+        one per row (`exact`)."""
         b, rows = ids.shape
         pos = self.state.pos[:b]
+        kv = lanes_of(self.kv, 0, b, s)
         if not self.exact:
             seq, offset = self.index(b, rows)
-            outs = self.forward(ids.reshape(-1), (pos[:, None] + offset).reshape(-1), seq)
+            outs = self.forward(ids.reshape(-1), (pos[:, None] + offset).reshape(-1), seq, kv)
             return tuple(o.view(b, rows, -1) for o in outs)
         seq = self.index(b, 1)[0]
-        outs = [self.forward(ids[:, j], pos + j, seq) for j in range(rows)]
+        outs = [self.forward(ids[:, j], pos + j, seq, kv) for j in range(rows)]
         return tuple(torch.stack(parts, dim=1) for parts in zip(*outs))
 
-    def check_room(self, prompt_len: int, max_tokens: int) -> None:
-        """A request fits the caches: its positions, two iterations' rows past its budget (the
-        one discarded, see `IterationLoop`) and a drafter's block beyond them."""
-        need = prompt_len + max_tokens + 2 * (self.k + 1) + self.gamma
-        if need > self.slots:
+    def check_room(self, prompt_len: int, max_tokens: int) -> int:
+        """A request's slot bucket: the smallest that holds its positions and `room` past them
+        (refused where none does)."""
+        need = prompt_len + max_tokens + room(self.k, self.gamma)
+        fits = [s for s in self.slot_buckets if s >= need]
+        if not fits:
             raise ValueError(f"a prompt of {prompt_len} tokens and {max_tokens} more need {need} "
                              f"cache slots; the iteration's caches hold {self.slots}")
+        return fits[0]
 
     def prompt(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None):
         """The prompt's rows in `lane` at positions 0.. (eager, before its iterations, in pieces
@@ -240,7 +271,7 @@ class _Verifying:
         for start in range(0, n, PROMPT_ROWS):
             rows = ids[start:start + PROMPT_ROWS]
             pos = torch.arange(start, start + rows.shape[0], device=self.device)
-            out = self.target(rows, pos, torch.full_like(pos, lane), pos[-1:] - start, *self.kv)
+            out = self.target(rows, pos, torch.zeros_like(pos), pos[-1:] - start, *lanes_of(self.kv, lane, 1, self.slots))
             hidden.append(out[1])
             taps.append(out[2] if len(out) > 2 else None)
         last = out[0]  # [1, V]: the prompt's last row
@@ -251,6 +282,13 @@ class _Verifying:
             pending = last[0].argmax(-1)
         st.start(lane, pending, n)
         return torch.cat(hidden), (torch.cat(taps) if taps[0] is not None else None)
+
+    def vacate(self, lane: int) -> None:
+        """A lane whose request left: inactive, at position 0, so the rows it still writes while
+        others run (an inactive lane moves nothing but writes at its position) lie in the
+        smallest slot bucket."""
+        self.state.active[lane] = 0
+        self.state.pos[lane] = 0
 
     def seed(self, params: SamplingParams) -> None:
         """A sampled request's seed (or a fresh one) into the generator its lanes draw from."""
@@ -268,8 +306,8 @@ class PlainIteration(_Verifying):
     def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         self.prompt(lane, prompt_ids, params)
 
-    def step(self, b: int, k: int, sampled: bool) -> tuple:
-        logits = self.verify(self.state.pending[:b, None])[0]  # [B, 1, V]
+    def step(self, b: int, k: int, sampled: bool, s: int) -> tuple:
+        logits = self.verify(self.state.pending[:b, None], s)[0]  # [B, 1, V]
         self.state.emit(*self.select(logits, self._no_drafts[:b], sampled))
         return ()
 
@@ -299,6 +337,7 @@ class DFlashIteration(_Verifying):
         super().__init__(model, tuple(cfg.target_layer_ids), slots, ring, linear, lanes)
         d = cfg.decoder
         self.draft = BatchedDFlashStep(capturable(drafter), self.embed, gamma).to(self.device).eval()
+        self.draft.cache = LaneKV
         self.draft_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,
                                    self.dtype, self.device)
         device, width = self.device, cfg.num_context_features * cfg.target_hidden_size
@@ -312,6 +351,10 @@ class DFlashIteration(_Verifying):
     def proposed(self) -> int:
         return self.gamma - 1
 
+    def vacate(self, lane: int) -> None:
+        super().vacate(lane)
+        self.kept[lane] = 0  # its feed's rows from position 0 on
+
     def keys(self) -> tuple:
         """Every count, and `SETTLED` where asked."""
         return self.counts + ((SETTLED,) if self.settled else ())
@@ -320,27 +363,29 @@ class DFlashIteration(_Verifying):
         """The prompt's rows, and their taps into the lane's drafter cache."""
         taps = self.prompt(lane, prompt_ids, params)[1]  # [n, n·Ht]
         positions = torch.arange(taps.shape[0], device=self.device)
-        self.draft.drafter.add_context(taps[None], PooledKV(self.draft_kv, torch.full_like(positions, lane), positions))
+        self.draft.drafter.add_context(taps[None], LaneKV(lanes_of(self.draft_kv, lane, 1, self.slots),
+                                                          torch.zeros_like(positions), positions))
         self.kept[lane] = 0
 
-    def step(self, b: int, k, sampled: bool) -> tuple:
+    def step(self, b: int, k, sampled: bool, slots: int) -> tuple:
         s = self.state
         pending = s.pending[:b]
         if k is SETTLED:  # a plain step whose row the drafter never needs
-            logits = self.verify(pending[:, None])[0]
+            logits = self.verify(pending[:, None], slots)[0]
             s.emit(*self.select(logits, self._no_drafts[:b], sampled))
             return ()
         seq, offset = self.index(b, self.gamma)
         feed_pos = (s.pos[:b, None] - self.kept[:b, None] + offset).reshape(-1)  # the kept rows, then from pos on
         feats = self.feats[:b].reshape(b * self.gamma, -1)
+        draft_kv = lanes_of(self.draft_kv, 0, b, slots)
         if k:
             block = torch.cat([pending[:, None], self._masks[:b]], dim=1)  # [B, γ]
             drafts = self.draft(feats, feed_pos, seq, block, self.index(b, 1)[0], s.pos[:b], self._gamma[:b],
-                                *self.draft_kv)[:, :k]  # [B, k]
+                                *draft_kv)[:, :k]  # [B, k]
         else:  # the kept rows only (those past them land from pos on, written over before read)
-            self.draft.drafter.add_context(feats[None], PooledKV(self.draft_kv, seq, feed_pos))
+            self.draft.drafter.add_context(feats[None], LaneKV(draft_kv, seq, feed_pos))
             drafts = self._no_drafts[:b]
-        logits, _, taps = self.verify(torch.cat([pending[:, None], drafts], dim=1))
+        logits, _, taps = self.verify(torch.cat([pending[:, None], drafts], dim=1), slots)
         ids, n = self.select(logits, drafts, sampled)
         active = s.active[:b].bool()
         self.feats[:b, : k + 1].copy_(torch.where(active[:, None, None], taps, self.feats[:b, : k + 1]))
@@ -361,16 +406,19 @@ class MTPIteration(_Verifying):
         super().__init__(model, (), slots, ring, linear, lanes)
         d = head.config.decoder
         self.head = BatchedMTPStep(capturable(head)).to(self.device).eval()
+        self.head.cache = LaneKV
         self.head_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,
                                   self.dtype, self.device)
         self.next_logits = torch.zeros(lanes, d.vocab_size, dtype=self.dtype, device=self.device)  # [L, V]
         self.next_h = torch.zeros(lanes, d.hidden_size, dtype=self.dtype, device=self.device)  # [L, H]
         self._no_drafts = torch.zeros(lanes, 0, dtype=torch.long, device=self.device)
 
-    def _entries(self, tokens, hidden, pos, seq, last, lanes: slice, active) -> None:
-        """Head entries (token p+1, target hidden p) for rows tokens/hidden/pos/seq [N]; row
+    def _entries(self, tokens, hidden, pos, seq, last, lanes: slice, active, slots: int) -> None:
+        """Head entries (token p+1, target hidden p) for rows tokens/hidden/pos/seq [N] of the
+        lanes `lanes` (seq counting from its start) over their caches' first `slots` slots; row
         `last` [B] of each lane seeds its next chain (an inactive lane's seed stays)."""
-        logits, h = self.head(self.embed(tokens), hidden, pos, seq, *self.head_kv)
+        kv = lanes_of(self.head_kv, lanes.start, lanes.stop - lanes.start, slots)
+        logits, h = self.head(self.embed(tokens), hidden, pos, seq, *kv)
         self.next_logits[lanes].copy_(torch.where(active[:, None], logits.index_select(0, last), self.next_logits[lanes]))
         self.next_h[lanes].copy_(torch.where(active[:, None], h.index_select(0, last), self.next_h[lanes]))
 
@@ -383,7 +431,7 @@ class MTPIteration(_Verifying):
                             self.state.pending[lane:lane + 1]])
         pos = torch.arange(n, device=self.device)
         one = torch.ones(1, dtype=torch.bool, device=self.device)
-        self._entries(tokens, hidden, pos, torch.full_like(pos, lane), pos[-1:], slice(lane, lane + 1), one)
+        self._entries(tokens, hidden, pos, torch.zeros_like(pos), pos[-1:], slice(lane, lane + 1), one, self.slots)
 
     def _counted(self, probs: torch.Tensor) -> torch.Tensor | None:
         """probs [B, k] (each draft's top-1 probability) -> the drafts the stop lets count: the
@@ -398,30 +446,31 @@ class MTPIteration(_Verifying):
         """k, and with `plain` 0: a plain step whose row the head still takes."""
         return ((0,) if self.plain else ()) + (self.k,)
 
-    def step(self, b: int, k: int, sampled: bool) -> tuple:
+    def step(self, b: int, k: int, sampled: bool, slots: int) -> tuple:
         s = self.state
         seq1 = self.index(b, 1)[0]
         if not k:  # a plain step: its row's head entry, no chain
-            target_logits, hidden = self.verify(s.pending[:b, None])[:2]
+            target_logits, hidden = self.verify(s.pending[:b, None], slots)[:2]
             ids, n = self.select(target_logits, self._no_drafts[:b], sampled)
             self._entries(ids.reshape(-1), hidden.reshape(b, -1), s.pos[:b], seq1, seq1, slice(0, b),
-                          s.active[:b].bool())
+                          s.active[:b].bool(), slots)
             s.emit(ids, n)
             return ()
         logits, h = self.next_logits[:b], self.next_h[:b]
+        head_kv = lanes_of(self.head_kv, 0, b, slots)
         drafts, probs = [], []
         for j in range(k):
             if j:  # a speculative entry: the last draft with the head's own output, at pos + j − 1
-                logits, h = self.head(self.embed(drafts[-1]), h, s.pos[:b] + (j - 1), seq1, *self.head_kv)
+                logits, h = self.head(self.embed(drafts[-1]), h, s.pos[:b] + (j - 1), seq1, *head_kv)
             p, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)  # [B] each
             drafts.append(tok)
             probs.append(p)
         d = torch.stack(drafts, dim=1)  # [B, k]
-        target_logits, hidden = self.verify(torch.cat([s.pending[:b, None], d], dim=1))[:2]
+        target_logits, hidden = self.verify(torch.cat([s.pending[:b, None], d], dim=1), slots)[:2]
         ids, n = self.select(target_logits, d, sampled, self._counted(torch.stack(probs, dim=1)))
         seq, offset = self.index(b, k + 1)
         rows = seq1 * (k + 1) + n  # each lane's last kept row
         self._entries(ids.reshape(-1), hidden.reshape(b * (k + 1), -1), (s.pos[:b, None] + offset).reshape(-1),
-                      seq, rows, slice(0, b), s.active[:b].bool())
+                      seq, rows, slice(0, b), s.active[:b].bool(), slots)
         s.emit(ids, n)
         return ()

@@ -32,7 +32,7 @@ import torch
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
-from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration
+from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration, room
 from metrale.runtime.spec.sampling import NO_CAP, SamplingParams
 from metrale.runtime.steps import BatchedFace, ModelStep
 
@@ -91,18 +91,19 @@ class IterationLoop:
         self.unsampled = None  # why the sampled variants could not be captured, if they could not
         with torch.inference_mode():
             for key, fn in iteration.variants().items():
-                if key[-1] and self.unsampled is not None:
+                sampled = key[2]  # (B, count, sampled, slot bucket)
+                if sampled and self.unsampled is not None:
                     continue
                 try:
                     graphs.warmup(fn)
                     self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
                 except Exception as exc:  # noqa: BLE001 - greedy ones raise; sampled ones are left out
-                    if not key[-1]:
+                    if not sampled:
                         raise
                     self.unsampled = f"{type(exc).__name__}: {exc}"
                     log.warning("the sampled iterations could not be captured (%s): sampled "
                                 "requests run the decode loop", self.unsampled)
-        self.captured = {k: g for k, g in self.captured.items() if not (k[-1] and self.unsampled)}
+        self.captured = {k: g for k, g in self.captured.items() if not (k[2] and self.unsampled)}
         cuda = state.tokens.device.type == "cuda"
         self._host = [(torch.empty_like(state.tokens, device="cpu", pin_memory=cuda),
                        torch.empty_like(state.count, device="cpu", pin_memory=cuda)) for _ in range(2)]
@@ -111,8 +112,8 @@ class IterationLoop:
         self.last_result: IterationResult | None = None
 
     def _enqueue(self, slot: int, key):
-        """One replay of variant `key` (a count, sampled or not) and its copy into host buffer
-        `slot` -> an event to wait on (None on a CPU, where the copy is done)."""
+        """One replay of variant `key` (a count, sampled or not, a slot bucket) and its copy into
+        host buffer `slot` -> an event to wait on (None on a CPU, where the copy is done)."""
         self.graphs.replay(self.captured[(1, *key)])
         self.replays += 1
         state, (tokens, count) = self.iteration.state, self._host[slot]
@@ -140,7 +141,7 @@ class IterationLoop:
         # a request that caps its drafts: each iteration accepts at most that many (the state's
         # `cap`), and its capped outcomes do not teach adaptive k (the stream's other requests')
         cap = NO_CAP if params is None else params.lane_cap
-        it.check_room(len(prompt_ids), max_tokens)
+        slots = it.check_room(len(prompt_ids), max_tokens)  # the request's slot bucket
         if sampled:
             it.seed(params)
         it.prefill(0, prompt_ids, params)  # the loop's one lane
@@ -156,11 +157,11 @@ class IterationLoop:
         choose = self.policy.next if self.policy is not None else (lambda: it.k)
         read, slot = 0, 0  # tokens of the ring read so far; the host buffer of the oldest iteration
         key = choose()
-        waiting = self._enqueue(slot, (key, sampled))
+        waiting = self._enqueue(slot, (key, sampled, slots))
         try:
             while True:
                 next_key = choose()
-                following = self._enqueue(1 - slot, (next_key, sampled))  # i+1 enqueued before i is read
+                following = self._enqueue(1 - slot, (next_key, sampled, slots))  # i+1 enqueued before i is read
                 if waiting is not None:
                     waiting.synchronize()
                 tokens, count = self._host[slot]
@@ -200,15 +201,15 @@ def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None
     model = engine.target.model_ref  # the eager model behind the target's graph face
     context, exact = model.config.max_position_embeddings, spec.exact_verify
     if spec.mode is SpecMode.OFF:
-        return PlainIteration(model, slots=context + 2, lanes=lanes)
+        return PlainIteration(model, slots=context + room(0), lanes=lanes)
     if spec.mode is SpecMode.MTP:
         k = spec.num_drafts
         return MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact, plain=plain,
-                            slots=context + 2 * (k + 1), lanes=lanes)
+                            slots=context + room(k), lanes=lanes)
     gamma = dflash.gamma
     counts = (counts or (dflash.max_drafts,)) + ((0,) if plain else ())
     return DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma,
-                           exact=exact, settled=settled, slots=context + 3 * gamma, lanes=lanes)
+                           exact=exact, settled=settled, slots=context + room(gamma - 1, gamma), lanes=lanes)
 
 
 def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs) -> IterationLoop:
@@ -257,8 +258,10 @@ class IterationLanes(BatchedFace):
     """Many requests at once through one iteration of `lanes` lanes (serving on a graph target):
     a request takes the lowest free lane (`acquire`), its prompt runs eagerly (`prefill`), and
     each `run` replays the graph of the smallest bucket (`BUCKETS`, then every lane) holding the
-    lanes asked for, with only those lanes active, then reads their tokens (one wait per
-    iteration). Each lane accepts its own count; a greedy batch runs the greedy graph, one with
+    lanes asked for, with only those lanes active, over the slot bucket of the longest request
+    in those lanes (a released lane goes back to position 0, which the smallest bucket holds),
+    then reads their tokens (one wait per iteration). Each lane accepts its own count; a greedy
+    batch runs the greedy graph, one with
     a sampled lane the graph that also draws (the lanes' one generator: a seed makes a request's
     draws reproducible only while it runs alone). An iteration whose batch may not draft
     (`--speculative-disable-by-batch-size`) runs the plain variant, which still keeps every
@@ -286,6 +289,7 @@ class IterationLanes(BatchedFace):
         self._active = torch.zeros_like(state.active, device="cpu", pin_memory=pin)
         self._free = list(range(n))  # a heap: the lowest lane first keeps the buckets small
         self._read = [0] * n  # per lane, the tokens of its ring read so far
+        self._slots = [0] * n  # per lane, its request's slot bucket (0: free)
         self._sampled: set[int] = set()
         self._plain = 0 in iteration.keys() and iteration.k > 0
         self.last_k = iteration.k
@@ -296,14 +300,15 @@ class IterationLanes(BatchedFace):
         return heapq.heappop(self._free)
 
     def release(self, lane: int) -> None:
-        self.iteration.state.active[lane] = 0
+        self.iteration.vacate(lane)
+        self._slots[lane] = 0
         self._sampled.discard(lane)
         heapq.heappush(self._free, lane)
 
     def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> int:
         """The request's prompt in `lane` -> its first token."""
         it = self.iteration
-        it.check_room(len(prompt_ids), max_tokens)
+        self._slots[lane] = it.check_room(len(prompt_ids), max_tokens)
         with torch.inference_mode():
             it.prefill(lane, prompt_ids, params)
         if not params.greedy:
@@ -319,6 +324,9 @@ class IterationLanes(BatchedFace):
         lanes = [s.lane for s in steps]
         top = max(lanes) + 1
         b = next(x for x in self.buckets if x >= top)
+        # the slot bucket of every request in the first b lanes, those not stepping included:
+        # each lane's rows are written at its position, so it must lie in the bucket
+        slots = max(self._slots[:b])
         state = self.iteration.state
         self._active.zero_()
         self._active[lanes] = 1
@@ -326,7 +334,7 @@ class IterationLanes(BatchedFace):
         self.last_k = k
         with torch.inference_mode():
             state.active.copy_(self._active, non_blocking=self._cuda)
-            self.graphs.replay(self.captured[(b, k, not self._sampled.isdisjoint(lanes))])
+            self.graphs.replay(self.captured[(b, k, not self._sampled.isdisjoint(lanes), slots)])
             self._tokens[:b].copy_(state.tokens[:b], non_blocking=self._cuda)
             self._count[:b].copy_(state.count[:b], non_blocking=self._cuda)
         if self._cuda:
