@@ -31,6 +31,8 @@ $METRALE_GPU_BUDGET_S (default 450 s; a step that would start with under 20 s le
   serve-cuda    serve-cuda.json: scripts/load.py, `metrale serve --device cuda` for plain, MTP and
                 DFlash at 32 concurrent requests over HTTP (the requests in an iteration's lanes)
   serve-targets every speculative mode >= 1.0x plain's tokens/s at C = 32, no request lost
+  lane-costs    lane-costs.json: scripts/lane_costs.py, ms per replayed iteration of serving's
+                lanes per mode at 1 and 32 lanes, in slot buckets 256 and the context's
   trt-build, pytest-trt, bench-tensorrt   only where a TensorRT flavour builds this SM
 Each step's outcome (ok, failed, skipped) goes to summary.json the moment it ends, with why a
 step was skipped; result files are written as their cases finish. Without a GPU every GPU step
@@ -410,6 +412,10 @@ def cmd_run(out: Path) -> int:
           "--concurrency", "32", "--requests", "2", "--rounds", "2", "--max-tokens", "32",
           "--json", load_json]),
         ("serve-targets", 0, ("cuda", "cli"), ("serve-cuda",), None),
+        # one iteration of the lanes, per mode, 1 and 32 lanes, slot buckets 256 and the context's
+        ("lane-costs", 90, ("cuda", "metrale"), ("build",),
+         [py, ROOT / "scripts" / "lane_costs.py", tiny, out / "lane-costs.json", "--device", "cuda",
+          "--replays", "20"]),
         ("trt-build", 150, ("cuda", "builder", "flavor"), (),
          [py, "-m", "metrale", "build", "--engine-dir", trt_dir, "--draft-weight-quantization",
           "nvfp4", "--mtp-experts-nvfp4", "--trt-flavor", info.get("build_flavor") or "-",

@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_STEPS = ("kernels", "cubins", "build", "torch-cuda", "bench-torch-cuda", "bench-unfused", "targets",
-             "trt-build", "pytest-trt", "bench-tensorrt")
+             "lane-costs", "trt-build", "pytest-trt", "bench-tensorrt")
 
 
 def _script():

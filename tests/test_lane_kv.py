@@ -152,3 +152,21 @@ def test_iteration_pools_are_lane_views(engine):
     assert views[1].shape == (2, c.num_key_value_heads, 256, c.head_dim)
     views[1][1, 0, 5].fill_(7.0)
     assert bool((it.kv[1][2, 0, 5] == 7.0).all())
+
+
+def test_the_lane_costs_script_measures_a_case(tiny_engine_dir, tmp_path):
+    """scripts/lane_costs.py on this CPU (the capture stand-in): a DFlash case of 2 lanes per
+    slot bucket, its ops and allocated bytes counted, more bytes in the bigger bucket."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "lane_costs.py"
+    out = tmp_path / "costs.json"
+    subprocess.run([sys.executable, script, tiny_engine_dir, out, "--lanes", "2", "--modes", "dflash",
+                    "--replays", "1"], check=True, capture_output=True, timeout=300)
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["lanes"], c["slots"], c["rows"]) for c in cases] == [(2, 256, 8), (2, 1088, 8)]
+    assert cases[0]["ops"] == cases[1]["ops"] > 100
+    assert 0 < cases[0]["allocated_mb"] < cases[1]["allocated_mb"]
