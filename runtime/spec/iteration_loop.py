@@ -165,13 +165,13 @@ class IterationLoop:
                 if waiting is not None:
                     waiting.synchronize()
                 tokens, count = self._host[slot]
-                tokens, n = tokens[0], int(count[0])
+                tokens, n = tokens[0].tolist(), int(count[0])
                 result.emitted.append(n - read)
                 result.verified.append(min(self._verified(key), cap))
                 if self.policy is not None and cap == NO_CAP:
                     self.policy.observe(key, n - read)
                 for j in range(read, n):
-                    tok = int(tokens[j % ring])
+                    tok = tokens[j % ring]
                     result.token_ids.append(tok)
                     yield tok
                     if tok in eos or len(result.token_ids) >= max_tokens:
@@ -340,11 +340,12 @@ class IterationLanes(BatchedFace):
         if self._cuda:
             torch.cuda.current_stream().synchronize()
         ring = self._tokens.shape[1]
+        counts, tokens = self._count[:b].tolist(), self._tokens[:b].tolist()  # one conversion each
         out = []
         for lane in lanes:
-            n, read = int(self._count[lane]), self._read[lane]
-            row = self._tokens[lane]
-            out.append([int(row[j % ring]) for j in range(read, n)])
+            n, read = counts[lane], self._read[lane]
+            row = tokens[lane]
+            out.append([row[j % ring] for j in range(read, n)])
             self._read[lane] = n
         return out
 
