@@ -5,12 +5,15 @@
 
 Each case fills the lanes with greedy requests of a prompt of `--prompt-tokens` tokens and a
 `max_tokens` (which picks their slot bucket: 64 puts a 32-token prompt in the 256-slot bucket,
-900 in the whole context's) and replays the iteration of all of them. On a CUDA device the
-iterations are CUDA graphs (`cuda_graphs.CudaGraphs`) and a case records the milliseconds per
-replay (CUDA events); on a CPU they run on the capture stand-in (`EagerGraphs`, eager ops, one
-thread) and a case also records the ops one iteration dispatches and the bytes of the tensors
-they allocate (in-place writes not counted): the memory traffic a GPU's kernels would make.
-The JSON is rewritten as each case ends.
+900 in the whole context's) and runs the iteration of all of them (`IterationLanes.run`: the
+replay, the copy of the tokens to the host and its wait), refilling the lanes whenever their
+requests reach their budget; a case records the wall milliseconds per iteration. On a CUDA
+device the iterations are CUDA graphs (`cuda_graphs.CudaGraphs`); on a CPU they run on the
+capture stand-in (`EagerGraphs`, eager ops, one thread) and a case also records the ops one
+iteration dispatches and the bytes of the tensors they allocate (in-place writes not counted):
+the memory traffic a GPU's kernels would make. First it checks `LaneKV`'s attention against
+`PooledKV`'s on the device in bfloat16 (exit status 1 past its rounding). The JSON is
+rewritten as each case ends.
 """
 
 from __future__ import annotations
@@ -60,38 +63,84 @@ def _engine(engine_dir: str, device: str):
     return engine
 
 
-def case(engine, mode: str, lanes_n: int, prompt_tokens: int, max_tokens: int, replays: int) -> dict:
-    from metrale.runtime.spec.config import SpecMode, SpeculativeConfig, resolve_dflash
-    from metrale.runtime.spec.iteration_loop import LaneStep, lanes_for
-    from metrale.runtime.spec.sampling import SamplingParams
+def lane_attention_error(device: str) -> float:
+    """`LaneKV`'s attention against `PooledKV`'s on `device` in bfloat16 (4 lanes of 8 rows over
+    the first 256 slots of 300; the head sizes of the tiny target): the largest difference,
+    relative to the outputs' largest magnitude."""
+    from metrale.runtime.models.step_caches import LaneKV, PooledKV
 
-    flags = MODES[mode]
-    spec = SpeculativeConfig.from_flags(**flags)
+    g = torch.Generator().manual_seed(0)
+    b, r, nkv, nh, hd, s = 4, 8, 2, 4, 32, 300
+    k, v = torch.randn(b, nkv, hd, s, generator=g), torch.randn(b, s, nkv, hd, generator=g)
+    q = torch.randn(1, nh, b * r, hd, generator=g)
+    pos = (torch.randint(0, 240, (b, 1), generator=g) + torch.arange(r)).reshape(-1)
+    seq = torch.arange(b).repeat_interleave(r)
+    put = dict(device=device, dtype=torch.bfloat16)
+    ref = PooledKV([k.to(**put)[..., :256], v.to(**put)[:, :256]], seq.to(device), pos.to(device)).attend(0, q.to(**put))
+    lane = LaneKV([k.to(**put)[..., :256], v.transpose(1, 2).contiguous().to(**put)[:, :, :256]],
+                  seq.to(device), pos.to(device)).attend(0, q.to(**put))
+    return float((lane.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def _lanes(engine, mode: str, n: int):
+    """Serving's lanes for `mode`: `n` lanes, captured once for every case."""
+    from metrale.runtime.spec.config import SpecMode, SpeculativeConfig, resolve_dflash
+    from metrale.runtime.spec.iteration_loop import lanes_for
+
+    spec = SpeculativeConfig.from_flags(**MODES[mode])
     dflash = None
     if spec.mode is SpecMode.DFLASH:
         dflash = resolve_dflash(spec, engine.drafters[spec.dflash_drafter].config.block_size)
-    lanes = lanes_for(engine, spec, dflash, engine.target.runner.graphs, lanes_n)
+    return lanes_for(engine, spec, dflash, engine.target.runner.graphs, n)
+
+
+def case(lanes, mode: str, prompt_tokens: int, max_tokens: int, replays: int) -> dict:
+    """One case on `lanes` (`IterationLanes`, every lane filled with a fresh request of
+    `max_tokens` whenever the last ones have run the iterations their budget allows)."""
+    from metrale.runtime.spec.iteration_loop import LaneStep
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    it = lanes.iteration
+    n = it.lanes
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    vocab = engine.target.config.vocab_size
-    for lane in range(lanes_n):  # distinct prompts: each lane drafts and accepts its own
-        ids = [(7 + 31 * lane + 13 * i) % (vocab - 8) + 4 for i in range(prompt_tokens)]
-        lanes.prefill(lanes.acquire(), ids, params, max_tokens)
-    steps = [LaneStep(lanes, lane) for lane in range(lanes_n)]
+    vocab = it.vocab_size
+    rows = it.k + 1
+    per_round = max(1, (max_tokens - 1) // rows)  # iterations a request runs within its budget
+
+    held: list[int] = []
+
+    def fill() -> None:
+        while held:
+            lanes.release(held.pop())
+        for i in range(n):  # distinct prompts: each lane drafts and accepts its own
+            ids = [(7 + 31 * i + 13 * j) % (vocab - 8) + 4 for j in range(prompt_tokens)]
+            held.append(lanes.acquire())
+            lanes.prefill(held[-1], ids, params, max_tokens)
+
+    steps = [LaneStep(lanes, lane) for lane in range(n)]
+    fill()
     lanes.run(steps)
-    out = {"mode": mode, "lanes": lanes_n, "slots": lanes.iteration.check_room(prompt_tokens, max_tokens),
-           "rows": lanes.iteration.k + 1}
-    cuda = lanes.iteration.device.type == "cuda"
+    used = 1
+    out = {"mode": mode, "lanes": n, "slots": it.check_room(prompt_tokens, max_tokens), "rows": rows}
+    cuda = it.device.type == "cuda"
     if not cuda:
         count = _Allocations()
         with count:
             lanes.run(steps)
+        used += 1
         out.update(ops=count.ops, allocated_mb=round(count.bytes / 2**20, 2))
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
+    elapsed = 0.0
     for _ in range(replays):
+        if used >= per_round:
+            fill()
+            used = 0
+        start = time.perf_counter()
         lanes.run(steps)
-    out["ms_per_iteration"] = round((time.perf_counter() - start) / replays * 1e3, 3)
+        elapsed += time.perf_counter() - start
+        used += 1
+    out["ms_per_iteration"] = round(elapsed / replays * 1e3, 3)
+    while held:
+        lanes.release(held.pop())
     return out
 
 
@@ -109,15 +158,18 @@ def main() -> None:
     if a.device == "cpu":
         torch.set_num_threads(1)
     engine = _engine(a.engine_dir, a.device)
-    results = []
+    results = {"device": a.device, "lane_attention_error": lane_attention_error(a.device), "cases": []}
+    print(f"LaneKV vs PooledKV, bfloat16: {results['lane_attention_error']:.2e} of the largest output")
     with torch.inference_mode():
         for mode in a.modes.split(","):
             for n in (int(x) for x in a.lanes.split(",")):
+                lanes = _lanes(engine, mode, n)
                 for mt in (int(x) for x in a.max_tokens.split(",")):
-                    results.append(case(engine, mode, n, a.prompt_tokens, mt, a.replays))
-                    print(json.dumps(results[-1]), flush=True)
-                    Path(a.out).write_text(json.dumps({"device": a.device, "cases": results}, indent=1))
-
+                    results["cases"].append(case(lanes, mode, a.prompt_tokens, mt, a.replays))
+                    print(json.dumps(results["cases"][-1]), flush=True)
+                    Path(a.out).write_text(json.dumps(results, indent=1))
+    if results["lane_attention_error"] > 2e-2:
+        raise SystemExit("LaneKV's attention differs from PooledKV's past bfloat16's rounding")
 
 if __name__ == "__main__":
     main()

@@ -27,13 +27,17 @@ def _pools(lanes: int, slots: int, seed: int = 0):
     return [k, v], [k.clone(), v.transpose(1, 2).contiguous()]
 
 
-@pytest.mark.parametrize("lanes,rows,bucket", [(1, 1, 40), (3, 4, 24), (4, 1, 40), (2, 6, 16)])
-def test_lane_attention_is_pooled_attention(lanes, rows, bucket):
-    """B lanes of R rows each over the first `bucket` slots of a 40-slot pool: the rows' K/V
-    land in the pool's own memory and every row's attention equals `PooledKV`'s (which reads
-    every slot, the unwritten ones past a row masked), with rows that see their own position
-    and rows that see further (a drafter's block)."""
-    pooled, own = _pools(lanes, 40)
+@pytest.mark.parametrize("lanes,rows,bucket,first", [(1, 1, 40, 0), (3, 4, 24, 0), (4, 1, 40, 0), (2, 6, 16, 0),
+                                                     (2, 3, 24, 1)])
+def test_lane_attention_is_pooled_attention(lanes, rows, bucket, first):
+    """B lanes of R rows each over the first `bucket` slots of a 40-slot pool (lanes from
+    `first` on, as `iteration.lanes_of` views them): the rows' K/V land in the pool's own
+    memory and every row's attention equals `PooledKV`'s (which reads every slot, the unwritten
+    ones past a row masked), with rows that see their own position and rows that see further
+    (a drafter's block)."""
+    pooled, whole = _pools(first + lanes, 40)
+    pooled = [pooled[0][first:], pooled[1][first:]]
+    own = [whole[0][first:first + lanes], whole[1][first:first + lanes]]
     g = torch.Generator().manual_seed(1)
     pos = torch.randint(0, bucket - rows, (lanes, 1), generator=g) + torch.arange(rows)  # [B, R]
     seq = torch.arange(lanes).repeat_interleave(rows)
@@ -48,6 +52,17 @@ def test_lane_attention_is_pooled_attention(lanes, rows, bucket):
         torch.testing.assert_close(own[0], pooled[0], rtol=0, atol=0)  # written through the views
         torch.testing.assert_close(own[1], pooled[1].transpose(1, 2), rtol=0, atol=0)
         torch.testing.assert_close(got.attend(0, q), ref.attend(0, q), rtol=1e-12, atol=1e-12)
+
+
+def test_lane_attention_in_bfloat16():
+    """In the engines' dtype on a GPU, bfloat16, the two forms differ by its rounding only."""
+    from importlib.util import module_from_spec, spec_from_file_location
+    from pathlib import Path
+
+    spec = spec_from_file_location("lane_costs", Path(__file__).resolve().parent.parent / "scripts" / "lane_costs.py")
+    module = module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert 0 < module.lane_attention_error("cpu") < 2e-2
 
 
 def test_lane_attention_refuses_what_it_cannot_run():
@@ -121,8 +136,8 @@ def test_lanes_attend_over_the_bucket_of_their_longest_request(engine, tiny_prom
            long: [lanes.prefill(long, tiny_prompts[1], greedy, 600)]}
     got[short] += lanes.run([LaneStep(lanes, short)])[0]
     assert graphs.keys[-1][0] == 1 and graphs.keys[-1][3] == 256  # lane 0 alone
-    while min(len(t) for t in got.values()) < PLAIN_TOKENS:
-        steps = [LaneStep(lanes, short), LaneStep(lanes, long)]
+    while min(len(t) for t in got.values()) < PLAIN_TOKENS:  # each stepped until its budget
+        steps = [LaneStep(lanes, lane) for lane, toks in got.items() if len(toks) < PLAIN_TOKENS]
         for step, toks in zip(steps, lanes.run(steps)):
             got[step.lane] += toks
         assert graphs.keys[-1][0] == 2 and graphs.keys[-1][3] == 1088
@@ -140,6 +155,22 @@ def test_lanes_attend_over_the_bucket_of_their_longest_request(engine, tiny_prom
         toks += lanes.run([LaneStep(lanes, again), LaneStep(lanes, other)])[0]
         assert graphs.keys[-1][3] == 256
     assert toks[:PLAIN_TOKENS] == plain_tokens[2]
+
+
+def test_a_lane_past_its_bucket_is_refused_before_the_replay(engine, tiny_prompts):
+    """A request stepped past its budget would write past the bucket its iterations attend
+    over (on a GPU, a device fault inside a graph): the host refuses the iteration first."""
+    it = DFlashIteration(engine.target, engine.drafters["dflash"], 7, slots=1088, lanes=1)
+    lanes = IterationLanes(it, EagerGraphs())
+    ids = tiny_prompts[0]
+    budget = 256 - room(7, 8) - len(ids)  # the most the 256-slot bucket holds
+    lane = lanes.acquire()
+    lanes.prefill(lane, ids, SamplingParams(temperature=0.0, max_tokens=budget), budget)
+    emitted = 0
+    with pytest.raises(RuntimeError, match="lane 0 at position .* would write past the 256 slots"):
+        while True:
+            emitted += len(lanes.run([LaneStep(lanes, lane)])[0])
+    assert emitted > budget  # refused only past its budget
 
 
 def test_iteration_pools_are_lane_views(engine):

@@ -99,12 +99,18 @@ class BatchedTargetStep(TargetStep):
     last row's only), then K and V of every layer as pools, K [B, nkv, hd, S] and V
     [B, S, nkv, hd] (sequence b's cache is [b]) -> logits [M, V], last_hidden [N, H], taps
     [N, n·H]. A row reads its own sequence's slots only, so its bits depend on its sequence,
-    never on the batch."""
+    never on the batch.
+
+    `cache` is the cache its rows attend through: `PooledKV` (the above), or `LaneKV` for a
+    whole-iteration graph's lanes (`spec.iteration`): R rows of each of the pools' B sequences,
+    V [B, nkv, S, hd], a row's bits depending on B, R and S too."""
 
     attention_kernel = False  # attend through metrale's CPU kernel (set by the build, `PooledKV`)
-    # the cache its rows attend through: a pool's (`PooledKV`), or a whole-iteration graph's
-    # lanes of equal row counts (`LaneKV`, set by `spec.iteration`)
-    cache = PooledKV
+
+    def __init__(self, model, taps: tuple[int, ...] = (), linear: str = "gemm", positions: int | None = None,
+                 cache=PooledKV):
+        super().__init__(model, taps, linear, positions)
+        self.cache = cache
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, want: torch.Tensor,
                 *kv: torch.Tensor):
@@ -129,14 +135,14 @@ class BatchedMTPStep(nn.Module):
     """The MTP head's entries for the rows of many sequences at once (`aoti_batched`): `embeds`,
     `hidden` [N, H], `pos`, `seq` [N] int64 (each row's position and sequence, a sequence's rows
     in position order), then the head's K pool [B, nkv, hd, S] and V pool [B, S, nkv, hd] ->
-    logits [N, V], h [N, H] (`mtp.MTPHead.forward`). A row reads its own sequence's slots only."""
+    logits [N, V], h [N, H] (`mtp.MTPHead.forward`). A row reads its own sequence's slots only.
+    `cache` as `BatchedTargetStep`'s."""
 
     attention_kernel = False  # as BatchedTargetStep's
-    cache = PooledKV  # as BatchedTargetStep's
 
-    def __init__(self, head, positions: int | None = None):
+    def __init__(self, head, positions: int | None = None, cache=PooledKV):
         super().__init__()
-        self.head, self.decoder = head, head.config.decoder
+        self.head, self.decoder, self.cache = head, head.config.decoder, cache
         _prepare(head, self.decoder, positions)
 
     def forward(self, embeds, hidden, pos, seq, k_pool, v_pool):
@@ -158,15 +164,15 @@ class BatchedDFlashStep(nn.Module):
     its sequence's slots before the anchor and the block's first `gamma` slots; `drafts` picks
     the tokens (DFlash2's convs run the dynamic conv op, which the build compiles as its math).
     With `distributions` it also gives the draft slots' logits [Q, Γ−1, V] and final hidden
-    states [Q, Γ−1, H]: what a draft tree is built from (`spec.ddtree.block_tree`)."""
+    states [Q, Γ−1, H]: what a draft tree is built from (`spec.ddtree.block_tree`). `cache` as
+    `BatchedTargetStep`'s (with `LaneKV`, every sequence proposes: Q = B, NF = B·Γ)."""
 
     attention_kernel = False  # as BatchedTargetStep's
-    cache = PooledKV  # as BatchedTargetStep's
 
     def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int | None = None,
-                 distributions: bool = False):
+                 distributions: bool = False, cache=PooledKV):
         super().__init__()
-        self.drafter, self.embed, self.feed_rows = drafter, embed, feed_rows
+        self.drafter, self.embed, self.feed_rows, self.cache = drafter, embed, feed_rows, cache
         self.distributions = distributions
         self.decoder = drafter.config.decoder
         _prepare(drafter, self.decoder, positions)

@@ -19,8 +19,9 @@ steps run the very forwards the torch backend runs:
 
 (`StepKV`, the exported ONNX graphs' cache, appends instead: its graph returns the new K/V.)
 
-Both attend over *all* S slots with a mask, written as reductions over one row's data, so a
-row's bits depend on its sequence and position, never on how many rows the call has. A CPU
+`PooledKV` and `SlotKV` attend over *all* S slots with a mask, written as reductions over one
+row's data, so a row's bits depend on its sequence and position, never on how many rows the
+call has (`LaneKV`'s products depend on the call's shapes: see it). A CPU
 package's `PooledKV` may instead call metrale's kernel (`kernel=True`, `plugins.cpu_attention`),
 which reads a row's visible slots only, under the same contract.
 `linears("rowwise")` writes every projection as a reduction over its input features for the same
@@ -112,8 +113,10 @@ def hidden_count(hide: torch.Tensor) -> torch.Tensor:
 class LaneKV:
     """R rows of each of B sequences over a pool of their caches, `kv` per layer K
     [B, nkv, hd, S] then V [B, nkv, S, hd] (views of a bigger pool's lanes and first slots are a
-    smaller pool); row t is sequence seq[t] = t // R's, written at slot `positions[t]` and seeing
-    that sequence's slots up to `last_visible[t]` (default: its own position). The R rows of a
+    smaller pool); row t is sequence t // R's, written at slot `positions[t]` and seeing that
+    sequence's slots up to `last_visible[t]` (default: its own position). `seq` [B·R] must be
+    t // R (the caller's lane-major index, made once per shape): it places the writes, while
+    the attention reads rows by that layout. The R rows of a
     sequence attend as one matrix product with its keys (scores [nkv, g·R, S]) and one with its
     values, both read in place, so the cache is read once per sequence, not once per row as
     `PooledKV` reads it; a row's bits then depend on R and S (the GEMMs' shapes), so two runs

@@ -71,8 +71,10 @@ def room(k: int, gamma: int = 0) -> int:
     """The slots a request needs past its last position in iterations of k drafts (a drafter's
     block of γ): two iterations' rows (the one discarded, see `IterationLoop`) and the block
     beyond them, at least `ROOM`. Every mode of the usual sizes needs `ROOM`, so a request's
-    slot bucket, and with it its attention's shapes, is the same in every mode (exact verify
-    keeps plain decoding's bits)."""
+    slot bucket, and with it its attention's shapes, is the same in every mode: a request alone
+    (`IterationLoop`) gets plain decoding's bits from exact verify. Lanes attend over the bucket
+    of their longest request, so there, as with the batch bucket, a row's last bits may change
+    with what it runs beside."""
     return max(ROOM, 2 * (k + 1) + gamma)
 
 
@@ -170,8 +172,7 @@ class _Verifying:
         c = model.config
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
-        self.target = BatchedTargetStep(capturable(model), taps, linear).to(self.device).eval()
-        self.target.cache = LaneKV  # a lane's rows read its cache once
+        self.target = BatchedTargetStep(capturable(model), taps, linear, cache=LaneKV).to(self.device).eval()
         self.embed = model.model.embed_tokens
         self.slots, self.vocab_size, self.lanes = slots, c.vocab_size, lanes
         # the slot buckets a request's iterations attend over: the caches' first S slots
@@ -259,10 +260,13 @@ class _Verifying:
                              f"cache slots; the iteration's caches hold {self.slots}")
         return fits[0]
 
-    def prompt(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None):
+    def prompt(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None,
+               slots: int | None = None):
         """The prompt's rows in `lane` at positions 0.. (eager, before its iterations, in pieces
-        of `PROMPT_ROWS`) -> (last hidden [n, H], taps [n, n·H] or None), its first token (the
-        last row's argmax, or its draw) made pending."""
+        of `PROMPT_ROWS`, over the first `slots` slots: the request's bucket, default all) ->
+        (last hidden [n, H], taps [n, n·H] or None), its first token (the last row's argmax, or
+        its draw) made pending."""
+        kv = lanes_of(self.kv, lane, 1, slots or self.slots)
         st = self.state
         st.sampling(lane, params)
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
@@ -271,7 +275,7 @@ class _Verifying:
         for start in range(0, n, PROMPT_ROWS):
             rows = ids[start:start + PROMPT_ROWS]
             pos = torch.arange(start, start + rows.shape[0], device=self.device)
-            out = self.target(rows, pos, torch.zeros_like(pos), pos[-1:] - start, *lanes_of(self.kv, lane, 1, self.slots))
+            out = self.target(rows, pos, torch.zeros_like(pos), pos[-1:] - start, *kv)
             hidden.append(out[1])
             taps.append(out[2] if len(out) > 2 else None)
         last = out[0]  # [1, V]: the prompt's last row
@@ -303,11 +307,12 @@ class PlainIteration(_Verifying):
         super().__init__(model, (), slots, ring, linear, lanes)
         self._no_drafts = torch.zeros(lanes, 0, dtype=torch.long, device=self.device)
 
-    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        self.prompt(lane, prompt_ids, params)
+    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None,
+                slots: int | None = None) -> None:
+        self.prompt(lane, prompt_ids, params, slots)
 
-    def step(self, b: int, k: int, sampled: bool, s: int) -> tuple:
-        logits = self.verify(self.state.pending[:b, None], s)[0]  # [B, 1, V]
+    def step(self, b: int, k: int, sampled: bool, slots: int) -> tuple:
+        logits = self.verify(self.state.pending[:b, None], slots)[0]  # [B, 1, V]
         self.state.emit(*self.select(logits, self._no_drafts[:b], sampled))
         return ()
 
@@ -336,8 +341,7 @@ class DFlashIteration(_Verifying):
         self.k, self.gamma, self.exact = max(counts), gamma, exact
         super().__init__(model, tuple(cfg.target_layer_ids), slots, ring, linear, lanes)
         d = cfg.decoder
-        self.draft = BatchedDFlashStep(capturable(drafter), self.embed, gamma).to(self.device).eval()
-        self.draft.cache = LaneKV
+        self.draft = BatchedDFlashStep(capturable(drafter), self.embed, gamma, cache=LaneKV).to(self.device).eval()
         self.draft_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,
                                    self.dtype, self.device)
         device, width = self.device, cfg.num_context_features * cfg.target_hidden_size
@@ -359,9 +363,10 @@ class DFlashIteration(_Verifying):
         """Every count, and `SETTLED` where asked."""
         return self.counts + ((SETTLED,) if self.settled else ())
 
-    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None,
+                slots: int | None = None) -> None:
         """The prompt's rows, and their taps into the lane's drafter cache."""
-        taps = self.prompt(lane, prompt_ids, params)[1]  # [n, n·Ht]
+        taps = self.prompt(lane, prompt_ids, params, slots)[1]  # [n, n·Ht]
         positions = torch.arange(taps.shape[0], device=self.device)
         self.draft.drafter.add_context(taps[None], LaneKV(lanes_of(self.draft_kv, lane, 1, self.slots),
                                                           torch.zeros_like(positions), positions))
@@ -405,8 +410,7 @@ class MTPIteration(_Verifying):
         self.k, self.stop, self.exact, self.plain = k, stop, exact, plain
         super().__init__(model, (), slots, ring, linear, lanes)
         d = head.config.decoder
-        self.head = BatchedMTPStep(capturable(head)).to(self.device).eval()
-        self.head.cache = LaneKV
+        self.head = BatchedMTPStep(capturable(head), cache=LaneKV).to(self.device).eval()
         self.head_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,
                                   self.dtype, self.device)
         self.next_logits = torch.zeros(lanes, d.vocab_size, dtype=self.dtype, device=self.device)  # [L, V]
@@ -422,16 +426,19 @@ class MTPIteration(_Verifying):
         self.next_logits[lanes].copy_(torch.where(active[:, None], logits.index_select(0, last), self.next_logits[lanes]))
         self.next_h[lanes].copy_(torch.where(active[:, None], h.index_select(0, last), self.next_h[lanes]))
 
-    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+    def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams | None = None,
+                slots: int | None = None) -> None:
         """The prompt's rows, and its head entries in the lane (token p+1 for p < n−1, then the
-        pending)."""
-        hidden = self.prompt(lane, prompt_ids, params)[0]
+        pending), in pieces of `PROMPT_ROWS`; the last piece's last entry seeds the chain."""
+        hidden = self.prompt(lane, prompt_ids, params, slots)[0]
         n = len(prompt_ids)
         tokens = torch.cat([torch.tensor(prompt_ids[1:], dtype=torch.long, device=self.device),
                             self.state.pending[lane:lane + 1]])
-        pos = torch.arange(n, device=self.device)
         one = torch.ones(1, dtype=torch.bool, device=self.device)
-        self._entries(tokens, hidden, pos, torch.zeros_like(pos), pos[-1:], slice(lane, lane + 1), one, self.slots)
+        for start in range(0, n, PROMPT_ROWS):
+            pos = torch.arange(start, min(n, start + PROMPT_ROWS), device=self.device)
+            self._entries(tokens[pos], hidden[pos], pos, torch.zeros_like(pos), pos[-1:] - start,
+                          slice(lane, lane + 1), one, slots or self.slots)
 
     def _counted(self, probs: torch.Tensor) -> torch.Tensor | None:
         """probs [B, k] (each draft's top-1 probability) -> the drafts the stop lets count: the

@@ -144,7 +144,7 @@ class IterationLoop:
         slots = it.check_room(len(prompt_ids), max_tokens)  # the request's slot bucket
         if sampled:
             it.seed(params)
-        it.prefill(0, prompt_ids, params)  # the loop's one lane
+        it.prefill(0, prompt_ids, params, slots)  # the loop's one lane
         first = int(it.state.pending[0])
         result = self.last_result = IterationResult([first], "length")
         result.prefill_s = time.perf_counter() - t0
@@ -195,7 +195,7 @@ class IterationLoop:
 def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, lanes: int = 1,
                   counts: tuple[int, ...] | None = None, settled: bool = False, plain: bool = False):
     """`spec`'s mode on `engine`'s models as an iteration of `lanes` lanes, its caches holding
-    the target's context and two iterations' rows past it; a DFlash iteration of `counts`
+    the target's context and the mode's `room` past it; a DFlash iteration of `counts`
     (default: the mode's fixed count); `plain`: with a plain variant (k = 0) that keeps its
     row for the drafter."""
     model = engine.target.model_ref  # the eager model behind the target's graph face
@@ -261,9 +261,10 @@ class IterationLanes(BatchedFace):
     lanes asked for, with only those lanes active, over the slot bucket of the longest request
     in those lanes (a released lane goes back to position 0, which the smallest bucket holds),
     then reads their tokens (one wait per iteration). Each lane accepts its own count; a greedy
-    batch runs the greedy graph, one with
-    a sampled lane the graph that also draws (the lanes' one generator: a seed makes a request's
-    draws reproducible only while it runs alone). An iteration whose batch may not draft
+    batch runs the greedy graph, one with a sampled lane the graph that also draws (the lanes'
+    one generator: a seed makes a request's draws reproducible only while it runs alone).
+    Before a replay the host checks that every lane's next rows lie in the bucket (a write past
+    a graph's caches would be a device fault). An iteration whose batch may not draft
     (`--speculative-disable-by-batch-size`) runs the plain variant, which still keeps every
     row for the drafter; `last_k` is the count the last iteration verified."""
 
@@ -290,6 +291,8 @@ class IterationLanes(BatchedFace):
         self._free = list(range(n))  # a heap: the lowest lane first keeps the buckets small
         self._read = [0] * n  # per lane, the tokens of its ring read so far
         self._slots = [0] * n  # per lane, its request's slot bucket (0: free)
+        self._prompt = [0] * n  # per lane, its request's prompt length
+        self._room = room(iteration.k, iteration.gamma)
         self._sampled: set[int] = set()
         self._plain = 0 in iteration.keys() and iteration.k > 0
         self.last_k = iteration.k
@@ -309,8 +312,9 @@ class IterationLanes(BatchedFace):
         """The request's prompt in `lane` -> its first token."""
         it = self.iteration
         self._slots[lane] = it.check_room(len(prompt_ids), max_tokens)
+        self._prompt[lane] = len(prompt_ids)
         with torch.inference_mode():
-            it.prefill(lane, prompt_ids, params)
+            it.prefill(lane, prompt_ids, params, self._slots[lane])
         if not params.greedy:
             self._sampled.add(lane)
         self._read[lane] = 0
@@ -327,6 +331,11 @@ class IterationLanes(BatchedFace):
         # the slot bucket of every request in the first b lanes, those not stepping included:
         # each lane's rows are written at its position, so it must lie in the bucket
         slots = max(self._slots[:b])
+        for lane in range(b):  # position: its prompt and the tokens emitted since (a free lane's: 0)
+            pos = self._prompt[lane] + self._read[lane] if self._slots[lane] else 0
+            if pos + self._room > slots:
+                raise RuntimeError(f"lane {lane} at position {pos} would write past the {slots} slots "
+                                   f"its iteration attends over: its request ran past its budget")
         state = self.iteration.state
         self._active.zero_()
         self._active[lanes] = 1
