@@ -52,11 +52,12 @@ def _engine(engine_dir: str, device: str):
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
 
-    if device == "cuda":
-        engine = load_engine(engine_dir, backend="torch", dtype=torch.bfloat16, device="cuda")
-        use_cuda_graphs(engine)
-        if engine.backend_note:
+    if device == "cuda":  # as `--device cuda` loads it: the step kernels checked, the target's graphs
+        engine = load_engine(engine_dir, backend="auto", dtype=torch.bfloat16, device="cuda")
+        if engine.backend.name != "cuda-graphs":
             raise SystemExit(f"CUDA graphs failed: {engine.backend_note}")
+        if engine.backend_note:
+            print(f"note: {engine.backend_note}")
     else:
         engine = load_engine(engine_dir, backend="torch")
         use_cuda_graphs(engine, graphs=EagerGraphs())

@@ -157,8 +157,9 @@ class LaneKV:
         nh, hd = q.shape[1], q.shape[3]
         nkv, s = k.shape[1], k.shape[3]
         g = nh // nkv
-        qs = q[0].reshape(nkv, g, b, r, hd).permute(2, 0, 1, 3, 4).reshape(b, nkv, g * r, hd)
-        scores = torch.matmul(qs, k).view(b, nkv, g, r, s) * hd ** -0.5
+        # scaled before the product: the queries are R rows, the scores R·S
+        qs = q[0].reshape(nkv, g, b, r, hd).permute(2, 0, 1, 3, 4).reshape(b, nkv, g * r, hd) * hd ** -0.5
+        scores = torch.matmul(qs, k).view(b, nkv, g, r, s)
         probs = torch.softmax(scores.masked_fill(self._masked()[:, :, None], float("-inf")), dim=-1)
         out = torch.matmul(probs.view(b, nkv, g * r, s), v)  # [B, nkv, g·R, hd]
         return out.view(b, nkv, g, r, hd).permute(0, 3, 1, 2, 4).reshape(1, b * r, nh * hd)
