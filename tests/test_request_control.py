@@ -153,15 +153,14 @@ def test_usage_counts_drafts_only_where_the_server_speculates(tiny_engine):
 def test_graph_lanes_serve_requests_that_control_speculation(tiny_engine_dir, tiny_engine, tiny_prompts):
     """On a target whose iterations run as graphs in lanes (the capture stand-in), a request that
     turns speculation off or caps it below the lanes' count accepts no drafts, or at most its
-    cap, in its own lane, batched with the others: every greedy answer is plain decoding's. A
-    schema, which the graphs cannot mask, is refused by name."""
+    cap, in its own lane, batched with the others: every greedy answer is plain decoding's."""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
 
     engine = load_engine(tiny_engine_dir, backend="torch")
     use_cuda_graphs(engine, graphs=EagerGraphs())
     gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))
-    assert gen.capabilities.max_running is not None and not gen.structured_output  # lanes
+    assert gen.capabilities.max_running is not None  # lanes
     tok = tiny_engine.tokenizer
     bodies = [{}, {"speculative": {"enabled": False}}, {"speculative": {"max_drafts": 2}}]
     texts = [tok.decode(p[:12]) for p in tiny_prompts[:2]]
@@ -183,8 +182,6 @@ def test_graph_lanes_serve_requests_that_control_speculation(tiny_engine_dir, ti
 
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(ask, [(t, b) for t in range(len(texts)) for b in range(len(bodies))] * 2))
-        refused = requests.post(base + "/v1/completions", timeout=30, json={
-            "prompt": "x", "max_tokens": 4, "response_format": {"type": "json_object"}})
     for (t, b), r in answers:
         assert r.choices[0].text == want[t], (t, bodies[b])
         spec = r.usage.model_extra["speculative"]
@@ -194,5 +191,4 @@ def test_graph_lanes_serve_requests_that_control_speculation(tiny_engine_dir, ti
             assert spec["drafts_verified"] >= spec["drafts_accepted"] > 0, (t, b, spec)
             if b == 2:
                 assert spec["drafts_verified"] <= 2 * r.usage.completion_tokens
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
-    assert "CUDA graphs" in refused.json()["error"]["message"]
+

@@ -161,3 +161,48 @@ def test_a_bad_response_format_is_refused(tiny_engine):
         ok = requests.post(base + "/v1/completions", timeout=30, json={
             "prompt": "x", "max_tokens": 4, "response_format": {"type": "text"}})
         assert ok.status_code == 200
+
+
+def test_schemas_are_honoured_beside_graph_lanes(tiny_engine_dir, tiny_engine, tiny_prompts):
+    """On a target whose requests run in the lanes of whole-iteration graphs (the capture
+    stand-in), requests with a schema run the decode loop on the eager model beside them, several
+    at once: every answer validates, greedy exact answers are plain constrained decoding's, and
+    the requests without one still get plain decoding's answers from the lanes."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    flags = dict(dflash=True, exact_verify=True)
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
+    assert gen.capabilities.max_running == 32  # lanes
+    tok = tiny_engine.tokenizer
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}}
+    texts = [tok.decode(p[:10]) for p in tiny_prompts[:3]]
+    plain = EngineGenerator(tiny_engine, SpeculativeConfig())
+    want = {}
+    for i, text in enumerate(texts):
+        for schema in (True, False):
+            params = SamplingParams(temperature=0.0, max_tokens=64, json_schema=json.dumps(SCHEMA) if schema else None)
+            want[i, schema] = _text(tok, plain.generate(tok.encode(text), params).token_ids)
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(job):
+            i, schema, sampled = job
+            extra = {"response_format": fmt} if schema else None
+            r = client.completions.create(model=gen.model_id, prompt=texts[i], max_tokens=64, extra_body=extra,
+                                          **(dict(temperature=0.9, seed=i) if sampled else dict(temperature=0)))
+            return job, r.choices[0].text
+
+        jobs = [(i, schema, sampled) for i in range(len(texts)) for schema in (True, False) for sampled in (False, True)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, jobs))
+        metrics = requests.get(base + "/metrics", timeout=5).text
+    for (i, schema, sampled), text in answers:
+        if schema:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        if not sampled:
+            assert text == want[i, schema], (i, schema)
+    peak = int(float(next(x for x in metrics.splitlines() if x.startswith("metrale_scheduler_peak_running ")).split()[1]))
+    assert peak >= 2

@@ -280,11 +280,6 @@ class _GenerationBody(BaseModel):
                            f"{max_tokens}", where, "context_length_exceeded")
         sampling: dict[str, Any] = {"max_tokens": max_tokens, "seed": self.seed}
         if self.response_format is not None:
-            if not gen.structured_output:
-                raise APIError(400, "`response_format` with a schema is not supported by this server: "
-                               "its target runs whole iterations as CUDA graphs, which do not mask "
-                               "tokens (serve with --backend torch for structured output)",
-                               "response_format", "unsupported_parameter")
             sampling["json_schema"] = self.response_format
         if self.speculative is not None:
             if self.speculative.enabled is not None:

@@ -33,7 +33,6 @@ class TextGenerator(Protocol):
     max_context: int  # prompt + max_tokens must fit
     # what its scheduler may do with it (`scheduler.STREAM_ONLY`: each request's `stream` alone)
     capabilities: Capabilities
-    structured_output: bool  # it takes requests with a `response_format` schema
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                counted: SpecMetrics | None = None) -> Iterator[int]:

@@ -93,7 +93,7 @@ def engine_setup(gen, max_num_seqs: int, disable_at: int | None, prefix_cache_to
     engine = gen.engine
     info = EngineInfo(gen.model_id, gen.max_context, str(engine.path), engine.backend.name,
                       engine.backend_note, dict(engine.requantized), cache is not None, lanes,
-                      torch.get_num_threads(), gen.structured_output)
+                      torch.get_num_threads())
     freeze_heap()
     return scheduler, info
 
@@ -438,7 +438,6 @@ class EngineProxy:
 
         self.engine = engine
         self.model_id, self.max_context = engine.info.model_id, engine.info.max_context
-        self.structured_output = engine.info.structured_output
         self.tokenizer = Tokenizer.from_dir(Path(engine.info.engine_dir) / "tokenizer")
 
     def stats(self) -> GeneratorStats:

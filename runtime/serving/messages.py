@@ -46,7 +46,6 @@ class EngineInfo(msgspec.Struct, frozen=True):
     prefix_cache: bool = False
     lanes: int | None = None
     threads: int = 1
-    structured_output: bool = True
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

@@ -29,12 +29,14 @@ from typing import Iterator
 import torch
 
 from metrale.runtime.artifact.engine import LoadedEngine
+from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.artifact.engine_dir import load_manifest
 from metrale.runtime.backends import Backend, load_engine, run_forwards
 from metrale.runtime.components import KINDS, Role, names_with_role
 from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.models.configs import DFlashConfig
 from metrale.runtime.models.tp import TensorParallel, World
+from metrale.runtime.serving.eager_rows import on_eager_target
 from metrale.runtime.serving.scheduler import Capabilities
 from metrale.runtime.serving.stats import GeneratorStats, PrefixCacheStats
 from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
@@ -128,9 +130,10 @@ class EngineGenerator:
                                     self._decode_loop)
         return self._decode_loop(params)
 
-    def _decode_loop(self, params: SamplingParams | None = None) -> Decoder:
+    def _decode_loop(self, params: SamplingParams | None = None, eager: bool = False) -> Decoder:
         """The decode loop of a request: plain where the request turned speculation off
-        (`SamplingParams.drafts`), as on a server without speculative flags."""
+        (`SamplingParams.drafts`), as on a server without speculative flags; with `eager`, on
+        the eager model behind a graph target (a cache of its own)."""
         e, spec = self.engine, self.spec
         embed = e.target.model.embed_tokens
         max_len = self.max_context + 64
@@ -148,6 +151,9 @@ class EngineGenerator:
             proposer = factory.for_spec(e.component(name), embed, spec, self.dflash, max_len)
             if self.relay:
                 proposer = LeaderDrafts(proposer, self.world)
+        if eager:
+            return Decoder(e.target.model_ref, self.tokenizer.eos_token_ids, proposer, spec.exact_verify,
+                           self.max_context, e.eager_rows_invariant, grammar, BACKENDS["torch"].tree_attention)
         return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context,
                        e.rows_invariant, grammar, e.tree_attention)
 
@@ -203,14 +209,6 @@ class EngineGenerator:
         return Capabilities(batched=one, sequential=not one, max_running=most,
                             thread_mode=torch.inference_mode)
 
-    @property
-    def structured_output(self) -> bool:
-        """Whether it constrains requests' output to a schema: not where requests run in the
-        lanes of whole-iteration graphs, which emit their argmax unmasked (a request with a
-        grammar would need the decode loop, and a graph target runs that for one sequence at
-        a time)."""
-        return not (self._graphs is not None and self._serving_lanes())
-
     def _serving_lanes(self) -> "IterationLanes | None":
         if self._lanes is None:
             self._lanes = self._captured(lambda *a: lanes_for(*a, LANES), "iteration lanes")
@@ -232,13 +230,18 @@ class EngineGenerator:
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
         resumed under its capabilities' `thread_mode`; on a graph target its iterations in a lane
         (`_lane_steps`), or, for a request with a grammar (which the graphs do not mask), the
-        decode loop on the target's graphs."""
-        if self._graphs is not None and params.json_schema is None and self._serving_lanes():
+        decode loop: beside lanes on the eager model behind the graphs (`eager_rows`), any
+        number at once, else on the target's graphs (one request at a time)."""
+        lanes = self._graphs is not None and self._serving_lanes()
+        if lanes and params.json_schema is None:
             yield from self._lane_steps(prompt_ids, params, batch, counted)
             return
-        decoder = self._decode_loop(params) if self._graphs is not None else self.decoder(params)
+        decoder = self._decode_loop(params, eager=lanes) if self._graphs is not None else self.decoder(params)
+        steps = decoder.steps(prompt_ids, params, batch, runs=True)
+        if lanes:
+            steps = on_eager_target(steps, decoder.target)
         try:
-            yield from decoder.steps(prompt_ids, params, batch, runs=True)
+            yield from steps
         finally:
             if decoder.last_result is not None:
                 self._finished(decoder.last_result.metrics, counted)
