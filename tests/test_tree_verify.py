@@ -300,6 +300,30 @@ def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tin
                     assert trees == forwards, (drafter, exact, route)
 
 
+def test_a_tree_server_on_the_cuda_graph_target_runs_one_request_at_a_time(tiny_engine_dir, tiny_engine):
+    """Draft trees run the decode loop on the target's graphs (no iteration lanes), whose one
+    decode cache serves one sequence: concurrent requests over HTTP queue for it, each with its
+    solo greedy answer (several at once used to retire each other's cache)."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16))
+    assert gen.capabilities.max_running == 1
+    tok = tiny_engine.tokenizer
+    texts = [f"def f{i}(" for i in range(4)]
+    plain = EngineGenerator(tiny_engine, SpeculativeConfig())
+    want = [tok.decode([t for t in plain.generate(tok.encode(x), SamplingParams(temperature=0.0, max_tokens=16)).token_ids
+                        if t not in tok.eos_token_ids]) for x in texts]
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda x: client.completions.create(model=gen.model_id, prompt=x, max_tokens=16,
+                                                                    temperature=0).choices[0].text, texts))
+    assert got == want
+
+
 @pytest.mark.parametrize("backend", ["cuda-graphs", "onnxruntime"])
 def test_a_graph_targets_tree_rows_are_the_eager_trees(engine_factory, tiny_prompts, backend):
     """A graph target's rows of a tree (17 rows; on the CUDA graphs a 16-row graph and a 1-row

@@ -200,11 +200,13 @@ class EngineGenerator:
         """What a scheduler may do with it. In one process its sequences' model steps run
         together (`steps`, `run_forwards`); a tensor-parallel world decodes one request at a
         time (its ranks decode in lockstep). On a graph backend it runs at most its lanes at
-        once (captured here, at the scheduler's construction), or 1 where they could not be:
-        the decode loop then runs one request at a time on the target's graphs."""
+        once (captured here, at the scheduler's construction), or 1 where there are none (a
+        draft tree's mode, whose decode loop verifies on the target's graphs) or they could not
+        be captured: the decode loop then runs one request at a time on the target's graphs,
+        whose one decode cache serves one sequence."""
         most = None
-        if self._graphs is not None:
-            most = LANES if self._serving_lanes() else 1
+        if self.engine.backend.iteration_graphs:
+            most = LANES if self._graphs is not None and self._serving_lanes() else 1
         one = self.world.size == 1
         return Capabilities(batched=one, sequential=not one, max_running=most,
                             thread_mode=torch.inference_mode)
