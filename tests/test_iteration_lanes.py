@@ -131,3 +131,32 @@ def test_each_lane_accepts_at_most_its_requests_cap(tiny_engine_dir, tiny_prompt
     uncapped, capped, off = emitted.values()
     assert max(capped) <= 3 and max(capped) > 1 and set(off) == {1}
     assert max(uncapped) > 3
+
+
+def test_a_failing_step_beside_the_lanes_leaves_them_unreplayed(tiny_engine_dir, tiny_prompts):
+    """The lanes' replay goes last in a batched call: where a step beside them fails, the lanes
+    have not moved, so the scheduler's retry of each step alone replays them once."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.iteration_loop import LaneStep
+    from metrale.runtime.steps import ModelStep
+
+    class Failing(ModelStep):
+        face = object()
+
+        def run(self):
+            raise RuntimeError("out of memory")
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    graphs = EagerGraphs()
+    use_cuda_graphs(engine, graphs=graphs)
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))
+    lanes = gen._serving_lanes()
+    lane = lanes.acquire()
+    lanes.prefill(lane, tiny_prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), MAX_TOKENS)
+    before = graphs.replays
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gen.run_forwards([LaneStep(lanes, lane), Failing()])
+    assert graphs.replays == before
+    assert len(gen.run_forwards([LaneStep(lanes, lane)])[0]) >= 1 and graphs.replays == before + 1

@@ -3,10 +3,13 @@
 Where a graph target serves requests in the lanes of its iteration graphs, a request the graphs
 cannot serve (one with a `response_format` schema: the graphs emit their rows' argmax unmasked)
 runs the decode loop instead, on the eager model behind the graphs with a cache of its own, so
-any number of them run beside the lanes. The scheduler runs a step on its face, and a decode
-loop's target rows (`Forward`) have none (they run on the scheduler's target, the graph target,
-whose one decode cache serves one sequence at a time): `on_eager_target` re-yields the loop's
-steps with its target rows as `EagerRows`, whose face is the eager model.
+several of them run beside the lanes (within the server's running limit, which they share
+with the lanes' requests). The scheduler runs a step on its face, and a decode loop's target
+rows (`Forward`) have none (they run on the scheduler's target, the graph target, whose one
+decode cache serves one sequence at a time): `on_eager_target` re-yields the loop's steps with
+its target rows as `EagerRows`, whose face is the eager model. The loop must take no plain runs
+(`Decoder.steps(runs=False)`; a request with a grammar takes none): a run's rows would go to
+the scheduler's target.
 """
 
 from __future__ import annotations
@@ -41,26 +44,8 @@ class EagerRows(ModelStep):
         return self.model(f.ids, f.cache, taps=f.taps)
 
 
-class _EagerRun(Run):
-    """A decode loop's `Run` whose steps' rows run on `model`."""
-
-    def __init__(self, run: Run, model):
-        self.run, self.model = run, model
-
-    @property
-    def forward(self) -> EagerRows | None:
-        f = self.run.forward
-        return None if f is None else EagerRows(f, self.model)
-
-    def take(self, out) -> int:
-        return self.run.take(out)
-
-    def close(self) -> None:
-        self.run.close()
-
-
 def on_eager_target(steps: Generator, model) -> Generator:
-    """`steps` (a decode loop's coroutine) with its target rows, and its runs' rows, run on
+    """`steps` (a decode loop's coroutine, taking no plain runs) with its target rows run on
     `model`; the rest as it yields them, and what it returns."""
     reply = None
     try:
@@ -69,12 +54,10 @@ def on_eager_target(steps: Generator, model) -> Generator:
                 item = steps.send(reply)
             except StopIteration as done:
                 return done.value
+            if isinstance(item, Run):
+                raise TypeError("a decode loop on the eager target takes no plain runs (runs=False)")
             if isinstance(item, Forward):
                 item = EagerRows(item, model)
-            elif isinstance(item, Run):
-                item = _EagerRun(item, model)
             reply = yield item
-            if isinstance(reply, _EagerRun):  # a run that ended goes back to the loop as itself
-                reply = reply.run
     finally:
         steps.close()

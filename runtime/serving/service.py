@@ -232,14 +232,16 @@ class EngineGenerator:
         """One request's decode loop as a coroutine (`decode.Decoder.steps`) for a scheduler,
         resumed under its capabilities' `thread_mode`; on a graph target its iterations in a lane
         (`_lane_steps`), or, for a request with a grammar (which the graphs do not mask), the
-        decode loop: beside lanes on the eager model behind the graphs (`eager_rows`), any
-        number at once, else on the target's graphs (one request at a time)."""
-        lanes = self._graphs is not None and self._serving_lanes()
+        decode loop: beside lanes on the eager model behind the graphs (`eager_rows`), several
+        at once within the server's running limit, else on the target's graphs (one request at
+        a time)."""
+        lanes = self._graphs is not None and self._serving_lanes() is not None
         if lanes and params.json_schema is None:
             yield from self._lane_steps(prompt_ids, params, batch, counted)
             return
         decoder = self._decode_loop(params, eager=lanes) if self._graphs is not None else self.decoder(params)
-        steps = decoder.steps(prompt_ids, params, batch, runs=True)
+        # (a request with a grammar takes no plain runs: every row it emits from is masked)
+        steps = decoder.steps(prompt_ids, params, batch, runs=not lanes)
         if lanes:
             steps = on_eager_target(steps, decoder.target)
         try:
@@ -287,7 +289,18 @@ class EngineGenerator:
 
     def run_forwards(self, forwards: list) -> list:
         """The outputs of many sequences' model steps (`steps`), in one batched call per face
-        where the face has one (a graph target's `LaneStep`s: one replay of their lanes)."""
+        where the face has one (a graph target's `LaneStep`s: one replay of their lanes). The
+        lanes' replay goes last: where another step fails the scheduler runs every step again
+        alone, and a replay that had already run would have moved its lanes on."""
+        last = [i for i, f in enumerate(forwards) if isinstance(f, LaneStep)]
+        if last and len(last) < len(forwards):
+            order = [i for i, f in enumerate(forwards) if not isinstance(f, LaneStep)] + last
+            with torch.inference_mode():
+                outs = run_forwards(self.engine.target, [forwards[i] for i in order])
+            out: list = [None] * len(forwards)
+            for i, o in zip(order, outs):
+                out[i] = o
+            return out
         with torch.inference_mode():
             return run_forwards(self.engine.target, forwards)
 
