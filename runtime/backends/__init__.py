@@ -43,7 +43,9 @@ def run_forwards(target, needs: list) -> list:
     """Each model step's output, in order (`steps`): the target's `Forward`s on `target`, every
     other step on its own face; a `BatchedFace` runs all of its steps in one call (the aoti
     backend's `aoti_batched` faces, a graph target's lanes), any other face one step after
-    another."""
+    another. The batched calls go last: where a step fails, the scheduler runs every step again
+    alone, and a batched call that had already run (a lanes' replay moves every lane on) would
+    have run twice."""
     out: list = [None] * len(needs)
     groups: dict[int, tuple[object, list[int]]] = {}
     for i, need in enumerate(needs):
@@ -51,7 +53,7 @@ def run_forwards(target, needs: list) -> list:
         if face is None:
             face = target
         groups.setdefault(id(face), (face, []))[1].append(i)
-    for face, members in groups.values():
+    for face, members in sorted(groups.values(), key=lambda g: isinstance(g[0], BatchedFace)):
         mine = [needs[i] for i in members]
         if isinstance(face, BatchedFace):
             results = face.forward_many(mine)

@@ -29,8 +29,8 @@ from typing import Iterator
 import torch
 
 from metrale.runtime.artifact.engine import LoadedEngine
-from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.artifact.engine_dir import load_manifest
+from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.backends import Backend, load_engine, run_forwards
 from metrale.runtime.components import KINDS, Role, names_with_role
 from metrale.runtime.errors import ConfigError, MetraleError
@@ -151,11 +151,10 @@ class EngineGenerator:
             proposer = factory.for_spec(e.component(name), embed, spec, self.dflash, max_len)
             if self.relay:
                 proposer = LeaderDrafts(proposer, self.world)
-        if eager:
-            return Decoder(e.target.model_ref, self.tokenizer.eos_token_ids, proposer, spec.exact_verify,
-                           self.max_context, e.eager_rows_invariant, grammar, BACKENDS["torch"].tree_attention)
-        return Decoder(e.target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context,
-                       e.rows_invariant, grammar, e.tree_attention)
+        target, invariant, trees = ((e.target.model_ref, e.eager_rows_invariant, BACKENDS["torch"].tree_attention)
+                                    if eager else (e.target, e.rows_invariant, e.tree_attention))
+        return Decoder(target, self.tokenizer.eos_token_ids, proposer, spec.exact_verify, self.max_context,
+                       invariant, grammar, trees)
 
     def _announce(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Leader: send the request to the other ranks (a sampled request gets a seed)."""
@@ -289,18 +288,7 @@ class EngineGenerator:
 
     def run_forwards(self, forwards: list) -> list:
         """The outputs of many sequences' model steps (`steps`), in one batched call per face
-        where the face has one (a graph target's `LaneStep`s: one replay of their lanes). The
-        lanes' replay goes last: where another step fails the scheduler runs every step again
-        alone, and a replay that had already run would have moved its lanes on."""
-        last = [i for i, f in enumerate(forwards) if isinstance(f, LaneStep)]
-        if last and len(last) < len(forwards):
-            order = [i for i, f in enumerate(forwards) if not isinstance(f, LaneStep)] + last
-            with torch.inference_mode():
-                outs = run_forwards(self.engine.target, [forwards[i] for i in order])
-            out: list = [None] * len(forwards)
-            for i, o in zip(order, outs):
-                out[i] = o
-            return out
+        where the face has one (a graph target's `LaneStep`s: one replay of their lanes)."""
         with torch.inference_mode():
             return run_forwards(self.engine.target, forwards)
 

@@ -368,7 +368,7 @@ class DFlashIteration(_Verifying):
         """The prompt's rows, and their taps into the lane's drafter cache."""
         taps = self.prompt(lane, prompt_ids, params, slots)[1]  # [n, n·Ht]
         positions = torch.arange(taps.shape[0], device=self.device)
-        self.draft.drafter.add_context(taps[None], LaneKV(lanes_of(self.draft_kv, lane, 1, self.slots),
+        self.draft.drafter.add_context(taps[None], LaneKV(lanes_of(self.draft_kv, lane, 1, slots or self.slots),
                                                           torch.zeros_like(positions), positions))
         self.kept[lane] = 0
 
