@@ -27,7 +27,8 @@ whose rows may differ from one-row steps in the last bits (cuBLAS picks kernels 
 
 `graphs` abstracts capture and replay: `CudaGraphs` on a GPU; `EagerGraphs` runs the captured
 function again at each replay, writing into the captured outputs as a replay does, so the
-runner's bookkeeping is testable without a GPU. Nothing but tests passes `EagerGraphs`.
+runner's bookkeeping is testable without a GPU, and checks that the replay dispatched what the
+capture did (`graph_trace`), which a graph would replay. Nothing but tests passes `EagerGraphs`.
 `load_graph_target` raises on any failure; `use_cuda_graphs` falls back to eager torch
 and records why.
 """
@@ -43,6 +44,8 @@ import torch
 from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.backends import TreeRows
 from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
+from metrale.runtime.backends.graph_trace import OpTrace, check_capture, check_replay
+from metrale.runtime.models.layers import graph_stand_in
 from metrale.runtime.models.qwen3 import TargetOutput
 from metrale.runtime.models.step_caches import BASE_SLOTS, buckets_to
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -105,34 +108,54 @@ class CudaGraphs:
 
 
 class _Recorded:
-    def __init__(self, fn, outs):
-        self.fn, self.outs = fn, outs
+    def __init__(self, fn, outs, trace: OpTrace, generators):
+        self.fn, self.outs, self.trace, self.generators = fn, outs, trace, generators
+        self.replays = 0
 
 
 class EagerGraphs:
     """A stand-in with `CudaGraphs`' face for machines without CUDA (tests only): `capture`
-    runs the function once and keeps it with its outputs; `replay` runs it again and copies its
-    results into those outputs, which is what a replay leaves in a graph's static outputs."""
+    runs the function once and keeps it with its outputs and the ops it dispatched; `replay`
+    runs it again and copies its results into those outputs, which is what a replay leaves in a
+    graph's static outputs. Code inside runs as on a GPU (`layers.graph_stand_in`), and replays
+    are checked against the capture (`graph_trace.check_replay`: what a graph would run
+    instead): a graph's first `CHECK_FIRST` replays and every `CHECK_EVERY`-th after them (a
+    host value that changes every iteration differs at the first; one that changes per
+    request, within the request's first few iterations), since a checked replay costs several
+    times an unchecked one."""
 
     name = "eager-graphs"
+    CHECK_FIRST, CHECK_EVERY = 4, 8
 
     def __init__(self, device: torch.device | None = None):
         self.captured = 0
         self.replays = 0
 
     def warmup(self, fn) -> None:
-        for _ in range(WARMUP):
-            fn()
+        with graph_stand_in():
+            for _ in range(WARMUP):
+                fn()
 
     def capture(self, fn, generators=()):
         self.captured += 1
-        outs = tuple(fn())
-        return _Recorded(fn, outs), outs
+        with graph_stand_in(), OpTrace(generators) as trace:
+            outs = tuple(fn())
+        check_capture(trace, f"captured {fn!r}")
+        return _Recorded(fn, outs, trace, generators), outs
 
     def replay(self, graph: _Recorded) -> None:
         self.replays += 1
-        for out, now in zip(graph.outs, graph.fn()):
-            out.copy_(now)
+        graph.replays += 1
+        n = graph.replays
+        with graph_stand_in():
+            if n <= self.CHECK_FIRST or n % self.CHECK_EVERY == 0:
+                with OpTrace(graph.generators) as trace:
+                    now = graph.fn()
+                check_replay(graph.trace, trace, f"captured {graph.fn!r}")
+            else:
+                now = graph.fn()
+        for out, value in zip(graph.outs, now):
+            out.copy_(value)
 
 
 class GraphKVCache(StaticKVCache):

@@ -9,8 +9,10 @@ weights, so model code never branches on precision.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,26 @@ def tracing() -> bool:
     these sizes an eager step costs its kernel count. (`torch.onnx.is_in_onnx_export` costs two
     imports per call, a measurable share of a decode step.)"""
     return torch._C._is_tracing() or torch.compiler.is_compiling()
+
+
+_graph = threading.local()
+
+
+@contextlib.contextmanager
+def graph_stand_in():
+    """Code run inside is a CUDA graph's on a machine without CUDA (`EagerGraphs`' capture,
+    warm-up and replays): it takes the paths a GPU would, not the CPU's eager shortcuts that
+    read values on the host (a graph replays none of its host code)."""
+    depth = getattr(_graph, "depth", 0)
+    _graph.depth = depth + 1
+    try:
+        yield
+    finally:
+        _graph.depth = depth
+
+
+def in_graph_stand_in() -> bool:
+    return getattr(_graph, "depth", 0) > 0
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -344,7 +366,7 @@ class MoE(nn.Module):
                 routed = (self._kernel_experts if self.routed_kernel else self._gathered_experts)(x, weights, ids)
                 return (routed + self.shared(x)).reshape(shape)
             few = (x.device.type == "cpu" and not self.row_invariant and not tracing()
-                   and x.shape[0] * self.top_k <= self.experts_down.shape[0])
+                   and not in_graph_stand_in() and x.shape[0] * self.top_k <= self.experts_down.shape[0])
             routed = (self._selected_experts if few else self._dense_experts)(x, weights, ids)
             if self.shared_expert is not None:
                 routed = routed + self.shared(x)
