@@ -114,22 +114,24 @@ class _Recorded:
 
 
 class EagerGraphs:
-    """A stand-in with `CudaGraphs`' face for machines without CUDA (tests only): `capture`
-    runs the function once and keeps it with its outputs and the ops it dispatched; `replay`
+    """A stand-in with `CudaGraphs`' face for machines without CUDA (tests, CPU measurements):
+    `capture` runs the function once and keeps it with its outputs and the ops it dispatched; `replay`
     runs it again and copies its results into those outputs, which is what a replay leaves in a
     graph's static outputs. Code inside runs as on a GPU (`layers.graph_stand_in`), and replays
     are checked against the capture (`graph_trace.check_replay`: what a graph would run
     instead): a graph's first `CHECK_FIRST` replays and every `CHECK_EVERY`-th after them (a
     host value that changes every iteration differs at the first; one that changes per
     request, within the request's first few iterations), since a checked replay costs several
-    times an unchecked one."""
+    times an unchecked one. `check=False` checks none (`scripts/lane_costs.py` times the
+    stand-in's own cost)."""
 
     name = "eager-graphs"
     CHECK_FIRST, CHECK_EVERY = 4, 8
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, check: bool = True):
         self.captured = 0
         self.replays = 0
+        self.check = check
 
     def warmup(self, fn) -> None:
         with graph_stand_in():
@@ -148,7 +150,7 @@ class EagerGraphs:
         graph.replays += 1
         n = graph.replays
         with graph_stand_in():
-            if n <= self.CHECK_FIRST or n % self.CHECK_EVERY == 0:
+            if self.check and (n <= self.CHECK_FIRST or n % self.CHECK_EVERY == 0):
                 with OpTrace(graph.generators) as trace:
                     now = graph.fn()
                 check_replay(graph.trace, trace, f"captured {graph.fn!r}")
