@@ -28,9 +28,9 @@ whose rows may differ from one-row steps in the last bits (cuBLAS picks kernels 
 `graphs` abstracts capture and replay: `CudaGraphs` on a GPU; `EagerGraphs` runs the captured
 function again at each replay, writing into the captured outputs as a replay does, so the
 runner's bookkeeping is testable without a GPU, and checks that the replay dispatched what the
-capture did (`graph_trace`), which a graph would replay. Nothing but tests passes `EagerGraphs`.
-`load_graph_target` raises on any failure; `use_cuda_graphs` falls back to eager torch
-and records why.
+capture did (`graph_trace`), which a graph would replay. Only tests and `scripts/lane_costs.py`
+pass `EagerGraphs`. `load_graph_target` raises on any failure; `use_cuda_graphs` falls back to
+eager torch and records why.
 """
 
 from __future__ import annotations
