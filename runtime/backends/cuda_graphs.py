@@ -47,6 +47,7 @@ from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
 from metrale.runtime.backends.graph_trace import OpTrace, check_capture, check_replay
 from metrale.runtime.models.layers import graph_stand_in
 from metrale.runtime.models.qwen3 import TargetOutput
+from metrale.runtime.spec.host_reads import forbid_host_reads
 from metrale.runtime.models.step_caches import BASE_SLOTS, buckets_to
 from metrale.runtime.artifact.engine import LoadedEngine
 
@@ -140,9 +141,11 @@ class EagerGraphs:
 
     def capture(self, fn, generators=()):
         self.captured += 1
-        with graph_stand_in(), OpTrace(generators) as trace:
+        what = f"captured {fn!r}"
+        with graph_stand_in(), forbid_host_reads(what), OpTrace(generators) as trace:
             outs = tuple(fn())
-        check_capture(trace, f"captured {fn!r}")
+            trace.returned(outs)
+        check_capture(trace, what)
         return _Recorded(fn, outs, trace, generators), outs
 
     def replay(self, graph: _Recorded) -> None:
@@ -151,11 +154,13 @@ class EagerGraphs:
         n = graph.replays
         with graph_stand_in():
             if self.check and (n <= self.CHECK_FIRST or n % self.CHECK_EVERY == 0):
-                with OpTrace(graph.generators) as trace:
-                    now = graph.fn()
-                check_replay(graph.trace, trace, f"captured {graph.fn!r}")
+                what = f"captured {graph.fn!r}"
+                with forbid_host_reads(what), OpTrace(graph.generators) as trace:
+                    now = tuple(graph.fn())
+                    trace.returned(now)
+                check_replay(graph.trace, trace, what)
             else:
-                now = graph.fn()
+                now = tuple(graph.fn())
         for out, value in zip(graph.outs, now):
             out.copy_(value)
 

@@ -59,12 +59,11 @@ def graph_stand_in():
     """Code run inside is a CUDA graph's on a machine without CUDA (`EagerGraphs`' capture,
     warm-up and replays): it takes the paths a GPU would, not the CPU's eager shortcuts that
     read values on the host (a graph replays none of its host code)."""
-    depth = getattr(_graph, "depth", 0)
-    _graph.depth = depth + 1
+    _graph.depth = getattr(_graph, "depth", 0) + 1
     try:
         yield
     finally:
-        _graph.depth = depth
+        _graph.depth -= 1
 
 
 def in_graph_stand_in() -> bool:
