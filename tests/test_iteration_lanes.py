@@ -160,3 +160,80 @@ def test_a_failing_step_beside_the_lanes_leaves_them_unreplayed(tiny_engine_dir,
         gen.run_forwards([LaneStep(lanes, lane), Failing()])
     assert graphs.replays == before
     assert len(gen.run_forwards([LaneStep(lanes, lane)])[0]) >= 1 and graphs.replays == before + 1
+
+
+def _policy_lanes(engine_dir, **flags):
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
+    from metrale.runtime.spec.iteration_loop import lanes_for
+
+    engine = load_engine(engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    spec = SpeculativeConfig.from_flags(dflash=True, **flags)
+    dflash = resolve_dflash(spec, engine.drafters["dflash"].config.block_size)
+    return lanes_for(engine, spec, dflash, engine.target.runner.graphs, 4)
+
+
+def _run_lanes(lanes, prompts, params, budget=MAX_TOKENS):
+    """Each prompt in a lane, every lane stepped together until each has `budget` tokens ->
+    (tokens per lane, the count of each iteration)."""
+    from metrale.runtime.spec.iteration_loop import LaneStep
+
+    got = {}
+    for prompt, p in zip(prompts, params):
+        lane = lanes.acquire()
+        got[lane] = [lanes.prefill(lane, prompt, p, budget)]
+    counts = []
+    while True:
+        steps = [LaneStep(lanes, lane) for lane, toks in got.items() if len(toks) < budget]
+        if not steps:
+            break
+        for step, toks in zip(steps, lanes.run(steps)):
+            got[step.lane] += toks
+        counts.append(lanes.last_k)
+    for lane in got:
+        lanes.release(lane)
+    return [toks[:budget] for toks in got.values()], counts
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.parametrize("table, pays", [("0:1,1:1.01,2:1.02,3:1.03,4:1.04,5:1.05,6:1.06,7:1.07", True),
+                                         ("0:1,1:9,2:9.5,3:10,4:10.5,5:11,6:11.5,7:12", False)],
+                         ids=["drafting pays", "drafting cannot pay"])
+def test_adaptive_k_in_lanes_chooses_each_iterations_count_for_the_batch(tiny_engine_dir, tiny_prompts,
+                                                                          plain_tokens, table, pays):
+    """Adaptive k serving in lanes: a graph per count, the batch's count chosen each iteration
+    from every lane's outcomes under the cost table: where drafting is nearly free and the
+    drafter accepts, the iterations draft (more than one count as the estimates move); where
+    no count could beat a plain step even fully accepted, every iteration is plain. Each
+    lane's tokens are plain decoding's either way."""
+    lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k=table)
+    assert {key[1] for key in lanes.captured} == set(range(8))  # every count, and plain
+    got, counts = _run_lanes(lanes, tiny_prompts[:3], [GREEDY] * 3)
+    assert got == plain_tokens[:3]
+    if pays:
+        assert sum(k > 0 for k in counts) > len(counts) // 2 and len(set(counts)) > 1
+        assert len(lanes.policy.controller.estimator.tested) > 0
+    else:
+        assert set(counts) == {0} and lanes.policy.controller.settled
+
+
+def test_a_draft_ladder_in_lanes_climbs_its_rungs_for_the_batch(tiny_engine_dir, tiny_prompts, plain_tokens):
+    lanes = _policy_lanes(tiny_engine_dir, dflash_draft_ladder="1,3,7")
+    assert {key[1] for key in lanes.captured} == {0, 1, 3, 7}
+    got, counts = _run_lanes(lanes, tiny_prompts[:3], [GREEDY] * 3)
+    assert got == plain_tokens[:3]
+    assert counts[0] == 1 and set(counts) <= {1, 3, 7} and max(counts) > 1
+
+
+def test_a_capped_lane_does_not_teach_adaptive_k(tiny_engine_dir, tiny_prompts, plain_tokens):
+    """A request capped at 2 drafts accepts at most 2 whatever the batch verifies: its outcomes
+    would read as a low acceptance, so they are not observed."""
+    lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k="0:1,1:1.01,2:1.02,3:1.03,4:1.04,5:1.05,6:1.06,7:1.07")
+    capped = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_drafts=2)
+    got, counts = _run_lanes(lanes, tiny_prompts[:1], [capped])
+    assert got == plain_tokens[:1] and max(counts) > 2
+    assert len(lanes.policy.controller.estimator.tested) == 0

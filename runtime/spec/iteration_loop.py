@@ -225,12 +225,13 @@ def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, gra
 def lanes_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs, lanes: int) -> "IterationLanes":
     """`spec`'s mode as an iteration of `lanes` lanes, captured per bucket (serving), with a
     plain variant for iterations whose batch may not draft; a DFlash ladder or adaptive k
-    verifies its largest count."""
-    counts = None
+    with a graph per count, the count of each iteration chosen for the batch."""
+    counts, policy = None, None
     if spec.mode is SpecMode.DFLASH and (dflash.ladder is not None or dflash.adaptive_k is not None):
-        counts = (max(CountPolicy(dflash).counts),)
+        policy = CountPolicy(dflash)
+        counts = tuple(k for k in policy.counts if k > 0)  # (0: the plain variant, which every mode has)
     plain = spec.mode is not SpecMode.OFF
-    return IterationLanes(iteration_for(engine, spec, dflash, lanes=lanes, counts=counts, plain=plain), graphs)
+    return IterationLanes(iteration_for(engine, spec, dflash, lanes=lanes, counts=counts, plain=plain), graphs, policy)
 
 
 @dataclass(frozen=True)
@@ -266,12 +267,19 @@ class IterationLanes(BatchedFace):
     Before a replay the host checks that every lane's next rows lie in the bucket (a write past
     a graph's caches would be a device fault). An iteration whose batch may not draft
     (`--speculative-disable-by-batch-size`) runs the plain variant, which still keeps every
-    row for the drafter; `last_k` is the count the last iteration verified."""
+    row for the drafter; `last_k` is the count the last iteration verified.
+
+    With a `policy` (a DFlash ladder or adaptive k, `CountPolicy`) every count's variant is
+    captured and the policy picks each iteration's count for the whole batch, from the batch's
+    outcomes: every lane's accepted drafts teach it (a lane capped by its request's
+    `max_drafts` does not), so adaptive k maximises the batch's tokens per iteration cost under
+    the stream's cost table (the iteration's cost at a count, relative to plain, taken as the
+    same for any number of lanes) and may settle every lane on the plain variant."""
 
     BUCKETS = (1, 2, 4, 8, 16, 32)
 
-    def __init__(self, iteration, graphs):
-        self.iteration, self.graphs = iteration, graphs
+    def __init__(self, iteration, graphs, policy: CountPolicy | None = None):
+        self.iteration, self.graphs, self.policy = iteration, graphs, policy
         n = iteration.lanes
         self.buckets = tuple(b for b in self.BUCKETS if b < n) + (n,)
         state = iteration.state
@@ -279,7 +287,7 @@ class IterationLanes(BatchedFace):
         self.captured = {}
         with torch.inference_mode():
             for key, fn in iteration.variants(self.buckets).items():
-                if key[1] in (iteration.k, 0):
+                if policy is not None or key[1] in (iteration.k, 0):
                     graphs.warmup(fn)
                     self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
             state.active.zero_()
@@ -294,6 +302,7 @@ class IterationLanes(BatchedFace):
         self._prompt = [0] * n  # per lane, its request's prompt length
         self._room = room(iteration.k, iteration.gamma)
         self._sampled: set[int] = set()
+        self._capped: set[int] = set()  # lanes whose requests cap their drafts
         self._plain = 0 in iteration.keys() and iteration.k > 0
         self.last_k = iteration.k
 
@@ -306,6 +315,7 @@ class IterationLanes(BatchedFace):
         self.iteration.vacate(lane)
         self._slots[lane] = 0
         self._sampled.discard(lane)
+        self._capped.discard(lane)
         heapq.heappush(self._free, lane)
 
     def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> int:
@@ -317,6 +327,8 @@ class IterationLanes(BatchedFace):
             it.prefill(lane, prompt_ids, params, self._slots[lane])
         if not params.greedy:
             self._sampled.add(lane)
+        if params.lane_cap != NO_CAP:
+            self._capped.add(lane)
         self._read[lane] = 0
         return int(it.state.pending[lane])
 
@@ -339,7 +351,12 @@ class IterationLanes(BatchedFace):
         state = self.iteration.state
         self._active.zero_()
         self._active[lanes] = 1
-        k = self.iteration.k if not self._plain or all(s.speculate for s in steps) else 0
+        chosen = self.policy is not None and (not self._plain or all(s.speculate for s in steps))
+        if chosen:
+            k = self.policy.next()
+            k = 0 if k is SETTLED else k
+        else:
+            k = self.iteration.k if not self._plain or all(s.speculate for s in steps) else 0
         self.last_k = k
         with torch.inference_mode():
             state.active.copy_(self._active, non_blocking=self._cuda)
@@ -356,6 +373,8 @@ class IterationLanes(BatchedFace):
             row = tokens[lane]
             out.append([row[j % ring] for j in range(read, n)])
             self._read[lane] = n
+            if chosen and k > 0 and lane not in self._capped:
+                self.policy.observe(k, n - read)
         return out
 
 
