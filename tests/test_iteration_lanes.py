@@ -177,14 +177,16 @@ def _policy_lanes(engine_dir, **flags):
 
 def _run_lanes(lanes, prompts, params, budget=MAX_TOKENS):
     """Each prompt in a lane, every lane stepped together until each has `budget` tokens ->
-    (tokens per lane, the count of each iteration)."""
+    (tokens per lane, the count of each iteration); `lanes.stepped`: per iteration, the
+    indices (in `prompts`) of the requests it stepped."""
     from metrale.runtime.spec.iteration_loop import LaneStep
 
     got = {}
     for prompt, p in zip(prompts, params):
         lane = lanes.acquire()
         got[lane] = [lanes.prefill(lane, prompt, p, budget)]
-    counts = []
+    index = {lane: i for i, lane in enumerate(got)}
+    counts, lanes.stepped = [], []
     while True:
         steps = [LaneStep(lanes, lane) for lane, toks in got.items() if len(toks) < budget]
         if not steps:
@@ -192,6 +194,7 @@ def _run_lanes(lanes, prompts, params, budget=MAX_TOKENS):
         for step, toks in zip(steps, lanes.run(steps)):
             got[step.lane] += toks
         counts.append(lanes.last_k)
+        lanes.stepped.append([index[s.lane] for s in steps])
     for lane in got:
         lanes.release(lane)
     return [toks[:budget] for toks in got.values()], counts
@@ -229,11 +232,52 @@ def test_a_draft_ladder_in_lanes_climbs_its_rungs_for_the_batch(tiny_engine_dir,
     assert counts[0] == 1 and set(counts) <= {1, 3, 7} and max(counts) > 1
 
 
-def test_a_capped_lane_does_not_teach_adaptive_k(tiny_engine_dir, tiny_prompts, plain_tokens):
+def test_a_lane_capped_below_the_count_does_not_teach_adaptive_k(tiny_engine_dir, tiny_prompts, plain_tokens):
     """A request capped at 2 drafts accepts at most 2 whatever the batch verifies: its outcomes
-    would read as a low acceptance, so they are not observed."""
-    lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k="0:1,1:1.01,2:1.02,3:1.03,4:1.04,5:1.05,6:1.06,7:1.07")
+    would read as a low acceptance, so they are observed only where the count is within its
+    cap; one capped at 7 (no count exceeds it) teaches as an uncapped one."""
+    table = "0:1,1:1.01,2:1.02,3:1.03,4:1.04,5:1.05,6:1.06,7:1.07"
     capped = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_drafts=2)
+    lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k=table)
     got, counts = _run_lanes(lanes, tiny_prompts[:1], [capped])
     assert got == plain_tokens[:1] and max(counts) > 2
-    assert len(lanes.policy.controller.estimator.tested) == 0
+    assert lanes.policy.controller.estimator.tested == []
+    # beside lanes that teach: the position-1 tests count the taught lanes' outcomes only
+    lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k=table)
+    seven = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_drafts=7)
+    got, counts = _run_lanes(lanes, tiny_prompts[:3], [GREEDY, capped, seven], budget=12)
+    assert got == [p[:12] for p in plain_tokens[:3]]
+    taught = sum(len([i for i in stepped if i != 1 or k <= 2]) for k, stepped in zip(counts, lanes.stepped) if k > 0)
+    assert 1 in lanes.stepped[0] and max(counts) > 2
+    assert lanes.policy.controller.estimator.tested[0] == taught
+
+
+def test_the_ladder_moves_once_an_iteration_by_the_batch_and_not_by_the_order_of_its_lanes():
+    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
+    from metrale.runtime.spec.iteration_loop import CountPolicy
+
+    def rung_after(emitted):
+        policy = CountPolicy(resolve_dflash(SpeculativeConfig.from_flags(dflash=True, dflash_draft_ladder="1,3,7"), 8))
+        policy.observe_batch(1, emitted)
+        return policy.next()
+
+    assert rung_after([2, 2, 1]) == rung_after([1, 2, 2]) == 3  # most lanes accepted their draft: one rung up
+    assert rung_after([1, 1, 2]) == rung_after([2, 1, 1]) == 1
+    policy = CountPolicy(resolve_dflash(SpeculativeConfig.from_flags(dflash=True, dflash_draft_ladder="1,3,7"), 8))
+    policy.observe_batch(1, [2] * 8)
+    assert policy.next() == 3  # one rung, however many lanes climbed
+    policy.observe_batch(3, [2, 4, 4])
+    policy.observe_batch(7, [2, 3, 2])  # fewer than the rung below (3): down one
+    assert policy.next() == 3
+
+
+def test_a_lane_step_counts_the_rows_its_iteration_ran(tiny_engine_dir, tiny_prompts):
+    from metrale.runtime.spec.iteration_loop import LaneStep
+
+    lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k="0:1,1:9,2:9.5,3:10,4:10.5,5:11,6:11.5,7:12")
+    lane = lanes.acquire()
+    lanes.prefill(lane, tiny_prompts[0], GREEDY, MAX_TOKENS)
+    step = LaneStep(lanes, lane)
+    assert step.rows == 8  # before it runs: at most the largest count's
+    lanes.run([step])
+    assert lanes.last_k == 0 and step.ran == 1

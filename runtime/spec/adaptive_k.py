@@ -108,6 +108,12 @@ class AcceptanceEstimator:
         return out
 
 
+def batch_outcome(accepted: Sequence[int]) -> int:
+    """The accepted drafts a ladder moves by, for one step of many sequences at one count: the
+    lower median's (a rung for the batch, not one lane's; and whatever order they come in)."""
+    return sorted(accepted)[(len(accepted) - 1) // 2]
+
+
 class DraftLadder:
     """`--dflash-draft-ladder`: the draft count a sequence sits on, moved by its verify outcomes.
 
@@ -342,3 +348,11 @@ class AdaptiveKController:
         self.estimator.update(drafted, accepted)
         if self.ladder is not None:
             self.ladder.observe(drafted, accepted)
+
+    def observe_batch(self, drafted: int, accepted: Sequence[int]) -> None:
+        """One step of many sequences verifying `drafted` each (serving's lanes): each one's
+        outcome teaches the estimates; the ladder moves once (`batch_outcome`)."""
+        for a in accepted:
+            self.estimator.update(drafted, a)
+        if self.ladder is not None and accepted:
+            self.ladder.observe(drafted, batch_outcome(accepted))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
+from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder, batch_outcome
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
 from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration, room
@@ -76,6 +76,15 @@ class CountPolicy:
         if key is SETTLED:
             return
         (self.controller or self.ladder).observe(key, emitted - 1)
+
+    def observe_batch(self, k: int, emitted: list[int]) -> None:
+        """An iteration of many lanes at count k (each lane's tokens emitted): every lane
+        teaches adaptive k's estimates, and the ladder moves once, by the batch's outcome."""
+        accepted = [n - 1 for n in emitted]
+        if self.controller is not None:
+            self.controller.observe_batch(k, accepted)
+        elif accepted:
+            self.ladder.observe(k, batch_outcome(accepted))
 
 
 class IterationLoop:
@@ -246,9 +255,11 @@ class LaneStep(ModelStep):
 
     @property
     def rows(self) -> int:
-        return self.lanes.iteration.k + 1
+        return self.lanes.iteration.k + 1  # at most: the count is chosen when the lanes run
 
-    ran = rows
+    @property
+    def ran(self) -> int:
+        return self.lanes.last_k + 1
 
     @property
     def face(self) -> "IterationLanes":
@@ -271,10 +282,11 @@ class IterationLanes(BatchedFace):
 
     With a `policy` (a DFlash ladder or adaptive k, `CountPolicy`) every count's variant is
     captured and the policy picks each iteration's count for the whole batch, from the batch's
-    outcomes: every lane's accepted drafts teach it (a lane capped by its request's
-    `max_drafts` does not), so adaptive k maximises the batch's tokens per iteration cost under
-    the stream's cost table (the iteration's cost at a count, relative to plain, taken as the
-    same for any number of lanes) and may settle every lane on the plain variant."""
+    outcomes: every lane's accepted drafts teach it (not a lane whose request's `max_drafts`
+    capped it below the count) and the ladder moves once an iteration, so adaptive k maximises
+    the batch's tokens per iteration cost under the stream's cost table (the iteration's cost
+    at a count, relative to plain, taken as the same for any number of lanes) and may settle
+    every lane on the plain variant."""
 
     BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -302,7 +314,7 @@ class IterationLanes(BatchedFace):
         self._prompt = [0] * n  # per lane, its request's prompt length
         self._room = room(iteration.k, iteration.gamma)
         self._sampled: set[int] = set()
-        self._capped: set[int] = set()  # lanes whose requests cap their drafts
+        self._cap = [NO_CAP] * n  # per lane, its request's cap on its drafts
         self._plain = 0 in iteration.keys() and iteration.k > 0
         self.last_k = iteration.k
 
@@ -315,7 +327,7 @@ class IterationLanes(BatchedFace):
         self.iteration.vacate(lane)
         self._slots[lane] = 0
         self._sampled.discard(lane)
-        self._capped.discard(lane)
+        self._cap[lane] = NO_CAP
         heapq.heappush(self._free, lane)
 
     def prefill(self, lane: int, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> int:
@@ -327,8 +339,7 @@ class IterationLanes(BatchedFace):
             it.prefill(lane, prompt_ids, params, self._slots[lane])
         if not params.greedy:
             self._sampled.add(lane)
-        if params.lane_cap != NO_CAP:
-            self._capped.add(lane)
+        self._cap[lane] = params.lane_cap
         self._read[lane] = 0
         return int(it.state.pending[lane])
 
@@ -373,8 +384,8 @@ class IterationLanes(BatchedFace):
             row = tokens[lane]
             out.append([row[j % ring] for j in range(read, n)])
             self._read[lane] = n
-            if chosen and k > 0 and lane not in self._capped:
-                self.policy.observe(k, n - read)
+        if chosen and k > 0:  # (a lane whose request capped it below k measured its cap)
+            self.policy.observe_batch(k, [len(o) for lane, o in zip(lanes, out) if k <= self._cap[lane]])
         return out
 
 
