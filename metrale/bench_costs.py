@@ -139,7 +139,7 @@ def step_counts(gen, prompt: list[int], max_tokens: int = 16) -> dict:
     (`steps_run_as`). The decode loop's are counted over the request's steps; whole-iteration
     graphs' are one iteration's ops and none inside it (the host waits once per iteration, on
     the copy of its tokens)."""
-    from metrale.runtime.spec.host_reads import OpCount
+    from metrale.runtime.backends.host_reads import OpCount
     from metrale.runtime.spec.iteration_loop import IterationDecoder
     from metrale.runtime.spec.sampling import SamplingParams
 

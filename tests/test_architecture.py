@@ -57,7 +57,6 @@ def test_no_runtime_module_names_the_builder_even_as_a_string():
 # proposer, a face or a generator (which declare what they offer: `spec.proposer.Proposer`,
 # `backend_registry`, `serving.scheduler.Capabilities`).
 _NOT_PROBING = {
-    "runtime/spec/host_reads.py": ['getattr(func, "__name__", "")'],  # a dispatched torch op's name
     "runtime/serving/http_guard.py": ["getattr(self, name)", 'getattr(ctypes.CDLL(name), "malloc_trim", None)'],
 }
 

@@ -8,7 +8,7 @@ import torch
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
 from metrale.runtime.backends.graph_trace import GraphReplayError, OpTrace, check_replay
 from metrale.runtime.models.layers import MoE, graph_stand_in
-from metrale.runtime.spec.host_reads import HostRead, forbid_host_reads
+from metrale.runtime.backends.host_reads import HostRead, forbid_host_reads
 from metrale.runtime.spec.sampling import probs_on_device
 
 

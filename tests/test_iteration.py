@@ -13,7 +13,7 @@ from conftest import PLAIN_TOKENS
 
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
 from metrale.runtime.spec.config import DraftStop
-from metrale.runtime.spec.host_reads import HostRead, forbid_host_reads
+from metrale.runtime.backends.host_reads import HostRead, forbid_host_reads
 from metrale.runtime.spec.iteration import (DFlashIteration, IterationState, MTPIteration, PlainIteration,
                                             accepted_count)
 from metrale.runtime.spec.iteration_loop import IterationLoop
@@ -171,7 +171,7 @@ def test_the_decode_loop_reads_the_host_where_an_iteration_does_not(engine, tiny
     greedy) reads the device several times; the DFlash iteration none, in fewer ops."""
     from metrale.runtime.backends import run_forwards
     from metrale.runtime.spec.config import SpeculativeConfig
-    from metrale.runtime.spec.host_reads import OpCount
+    from metrale.runtime.backends.host_reads import OpCount
 
     decoder = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True)).decoder()
     steps = decoder.steps(tiny_prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

@@ -121,7 +121,7 @@ def test_sample_from_probs_follows_each_row_of_a_batch():
 def test_probs_on_the_device_are_probs_from_logits(temperature, top_p):
     """The captured form of a sampled request's distribution (temperature and top_p as
     tensors, no branch on their values): the reference's bits, and no host read."""
-    from metrale.runtime.spec.host_reads import forbid_host_reads
+    from metrale.runtime.backends.host_reads import forbid_host_reads
     from metrale.runtime.spec.sampling import probs_on_device
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 3

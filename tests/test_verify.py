@@ -173,7 +173,7 @@ def test_a_plain_step_draws_its_token_from_row_0():
 def _on_device(drafts, target, g):
     """`verify_sampling_on_device` as `verify_sampling` answers (for the chain harness), run
     under the host-read guard."""
-    from metrale.runtime.spec.host_reads import forbid_host_reads
+    from metrale.runtime.backends.host_reads import forbid_host_reads
     from metrale.runtime.spec.verify import verify_sampling_on_device
 
     with forbid_host_reads("the device verify"):

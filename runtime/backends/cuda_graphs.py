@@ -45,9 +45,9 @@ from metrale.runtime.backend_registry import BACKENDS
 from metrale.runtime.backends import TreeRows
 from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
 from metrale.runtime.backends.graph_trace import OpTrace, check_capture, check_replay
+from metrale.runtime.backends.host_reads import forbid_host_reads
 from metrale.runtime.models.layers import graph_stand_in
 from metrale.runtime.models.qwen3 import TargetOutput
-from metrale.runtime.spec.host_reads import forbid_host_reads
 from metrale.runtime.models.step_caches import BASE_SLOTS, buckets_to
 from metrale.runtime.artifact.engine import LoadedEngine
 
