@@ -281,3 +281,25 @@ def test_a_lane_step_counts_the_rows_its_iteration_ran(tiny_engine_dir, tiny_pro
     assert step.rows == 8  # before it runs: at most the largest count's
     lanes.run([step])
     assert lanes.last_k == 0 and step.ran == 1
+
+
+def test_lanes_settled_by_what_they_accepted_measure_again_when_a_request_joins(tiny_engine_dir, tiny_prompts):
+    """Adaptive k settled by measurements (lanes that accepted nothing) opens again for a new
+    request, from the prior; settled by its cost table (no count could ever pay), it stays."""
+    lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4,5:1.5,6:1.6,7:1.7")
+    controller = lanes.policy.controller
+    assert lanes.policy.next() > 0  # the prior: drafting pays
+    for _ in range(40):
+        lanes.policy.observe_batch(3, [1] * 8)  # every lane rejected every draft
+        lanes.policy.next()
+        if controller.settled:
+            break
+    assert controller.settled
+    lane = lanes.acquire()
+    lanes.prefill(lane, tiny_prompts[0], GREEDY, MAX_TOKENS)
+    assert not controller.settled and controller.estimator.tested == [] and lanes.policy.next() > 0
+    lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k="0:1,1:9,2:9.5,3:10,4:10.5,5:11,6:11.5,7:12")
+    lanes.policy.next()
+    assert lanes.policy.controller.settled
+    lanes.prefill(lanes.acquire(), tiny_prompts[0], GREEDY, MAX_TOKENS)
+    assert lanes.policy.controller.settled

@@ -266,6 +266,15 @@ class AdaptiveKController:
     def cap(self) -> int:
         return min(self.max_k, self.ladder.current) if self.ladder else self.max_k
 
+    def reopen(self) -> None:
+        """Where the measurements settled the stream on plain decoding (not the cost table, under
+        which no count could pay at any acceptance), forget them: the next step chooses from the
+        prior again. For a pool of sequences that changes (serving's lanes), whose newly
+        admitted sequence may accept what those measured did not."""
+        if self.settled and self.can_pay(self.cap()):
+            self.estimator = AcceptanceEstimator(self.estimator.decay)
+            self.settled, self._choice, self.plain_steps, self.interval = False, None, 0, self.reprobe_interval
+
     def optimistic_acceptance(self) -> float:
         """The pooled acceptance's upper confidence bound (1 for a stream with no data and no
         calibrated prior)."""

@@ -77,6 +77,12 @@ class CountPolicy:
             return
         (self.controller or self.ladder).observe(key, emitted - 1)
 
+    def reopen(self) -> None:
+        """A sequence joins the batch: adaptive k settled by what the others accepted measures
+        afresh (`AdaptiveKController.reopen`)."""
+        if self.controller is not None:
+            self.controller.reopen()
+
     def observe_batch(self, k: int, emitted: list[int]) -> None:
         """An iteration of many lanes at count k (each lane's tokens emitted): every lane
         teaches adaptive k's estimates, and the ladder moves once, by the batch's outcome."""
@@ -286,7 +292,7 @@ class IterationLanes(BatchedFace):
     capped it below the count) and the ladder moves once an iteration, so adaptive k maximises
     the batch's tokens per iteration cost under the stream's cost table (the iteration's cost
     at a count, relative to plain, taken as the same for any number of lanes) and may settle
-    every lane on the plain variant."""
+    every lane on the plain variant until a request is admitted (`CountPolicy.reopen`)."""
 
     BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -340,6 +346,8 @@ class IterationLanes(BatchedFace):
         if not params.greedy:
             self._sampled.add(lane)
         self._cap[lane] = params.lane_cap
+        if self.policy is not None:
+            self.policy.reopen()
         self._read[lane] = 0
         return int(it.state.pending[lane])
 
