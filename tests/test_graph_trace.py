@@ -7,7 +7,7 @@ import torch
 
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
 from metrale.runtime.backends.graph_trace import GraphReplayError, OpTrace, check_replay
-from metrale.runtime.models.layers import MoE, graph_stand_in
+from metrale.runtime.models.layers import MoE, capturable
 from metrale.runtime.backends.host_reads import HostRead, forbid_host_reads
 from metrale.runtime.spec.sampling import probs_on_device
 
@@ -148,9 +148,10 @@ def _moe() -> MoE:
     return moe
 
 
-def test_inside_the_stand_in_a_one_row_moe_takes_the_gpus_path():
+def test_a_captured_one_row_moe_takes_the_gpus_path():
     """On a CPU a one-row MoE step reads its routing on the host (its selected experts only);
-    a GPU's graph cannot, and the stand-in runs what the GPU runs: every expert, weighted."""
+    a GPU's graph cannot, and what a graph captures (`capturable`, as the graph target's and the
+    iterations' models are) runs what the GPU runs: every expert, weighted."""
     moe = _moe()
     x = torch.randn(1, 1, 32)
     with torch.inference_mode():
@@ -158,7 +159,8 @@ def test_inside_the_stand_in_a_one_row_moe_takes_the_gpus_path():
             with forbid_host_reads("a one-row step"):
                 eager = moe(x)
         eager = moe(x)
-        with graph_stand_in(), forbid_host_reads("a one-row step in a graph"):
+        capturable(moe)
+        with forbid_host_reads("a one-row step in a graph"):
             graphed = moe(x)
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
     graphs, graph, (out,) = _captured(lambda: (moe(x),))

@@ -46,7 +46,7 @@ from metrale.runtime.backends import TreeRows
 from metrale.runtime.backends.aoti import CompiledTarget, StaticKVCache
 from metrale.runtime.backends.graph_trace import OpTrace, check_capture, check_replay
 from metrale.runtime.backends.host_reads import forbid_host_reads
-from metrale.runtime.models.layers import graph_stand_in
+from metrale.runtime.models.layers import capturable
 from metrale.runtime.models.qwen3 import TargetOutput
 from metrale.runtime.models.step_caches import BASE_SLOTS, buckets_to
 from metrale.runtime.artifact.engine import LoadedEngine
@@ -109,18 +109,17 @@ class CudaGraphs:
 
 
 class _Recorded:
-    def __init__(self, fn, outs, trace: OpTrace, generators):
-        self.fn, self.outs, self.trace, self.generators = fn, outs, trace, generators
+    def __init__(self, fn, outs, trace: OpTrace):
+        self.fn, self.outs, self.trace = fn, outs, trace
         self.replays = 0
 
 
 class EagerGraphs:
     """A stand-in with `CudaGraphs`' face for machines without CUDA (tests, CPU measurements):
-    `capture` runs the function once and keeps it with its outputs and the ops it dispatched; `replay`
-    runs it again and copies its results into those outputs, which is what a replay leaves in a
-    graph's static outputs. Code inside runs as on a GPU (`layers.graph_stand_in`), and replays
-    are checked against the capture (`graph_trace.check_replay`: what a graph would run
-    instead): a graph's first `CHECK_FIRST` replays and every `CHECK_EVERY`-th after them (a
+    `capture` runs the function once and keeps it with its outputs and the ops it dispatched;
+    `replay` runs it again and copies its results into those outputs, which is what a replay
+    leaves in a graph's static outputs. Replays are checked against the capture
+    (`graph_trace.check_replay`: what a graph would run instead): a graph's first `CHECK_FIRST` replays and every `CHECK_EVERY`-th after them (a
     host value that changes every iteration differs at the first; one that changes per
     request, within the request's first few iterations), since a checked replay costs several
     times an unchecked one. `check=False` checks none (`scripts/lane_costs.py` times the
@@ -135,32 +134,30 @@ class EagerGraphs:
         self.check = check
 
     def warmup(self, fn) -> None:
-        with graph_stand_in():
-            for _ in range(WARMUP):
-                fn()
+        for _ in range(WARMUP):
+            fn()
 
     def capture(self, fn, generators=()):
         self.captured += 1
         what = f"captured {fn!r}"
-        with graph_stand_in(), forbid_host_reads(what), OpTrace(generators) as trace:
+        with forbid_host_reads(what), OpTrace(generators) as trace:
             outs = tuple(fn())
             trace.returned(outs)
         check_capture(trace, what)
-        return _Recorded(fn, outs, trace, generators), outs
+        return _Recorded(fn, outs, trace), outs
 
     def replay(self, graph: _Recorded) -> None:
         self.replays += 1
         graph.replays += 1
         n = graph.replays
-        with graph_stand_in():
-            if self.check and (n <= self.CHECK_FIRST or n % self.CHECK_EVERY == 0):
-                what = f"captured {graph.fn!r}"
-                with forbid_host_reads(what), OpTrace(graph.generators) as trace:
-                    now = tuple(graph.fn())
-                    trace.returned(now)
-                check_replay(graph.trace, trace, what)
-            else:
+        if self.check and (n <= self.CHECK_FIRST or n % self.CHECK_EVERY == 0):
+            what = f"captured {graph.fn!r}"
+            with forbid_host_reads(what), OpTrace(graph.trace.generators) as trace:
                 now = tuple(graph.fn())
+                trace.returned(now)
+            check_replay(graph.trace, trace, what)
+        else:
+            now = tuple(graph.fn())
         for out, value in zip(graph.outs, now):
             out.copy_(value)
 
@@ -331,7 +328,7 @@ def load_graph_target(model, taps: tuple[int, ...], *, rows: tuple[int, ...] = R
 
     c = model.config
     device = model.model.embed_tokens.weight.device
-    step = TargetStep(model, taps, "gemm").to(device).eval()
+    step = TargetStep(capturable(model), taps, "gemm").to(device).eval()
     runner = GraphRunner(step, layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads,
                          head_dim=c.head_dim, dtype=model.dtype, device=device, rows=rows,
                          slots=slots or slot_buckets(c.max_position_embeddings, max(rows)),

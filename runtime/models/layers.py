@@ -9,10 +9,8 @@ weights, so model code never branches on precision.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +40,16 @@ def pack_for_inference(module: nn.Module) -> nn.Module:
     return module
 
 
+def capturable(module: nn.Module) -> nn.Module:
+    """`module` with every MoE on its dense routed path, a fixed set of ops whatever the routing
+    (on a CPU the eager path reads the routing to run each row's experts only; a GPU takes the
+    dense path anyway): what a CUDA graph, or its stand-in on a CPU, captures. Returned."""
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.row_invariant = True
+    return module
+
+
 def tracing() -> bool:
     """Inside a graph capture: torch.export / torch.compile, or the TorchScript tracer that the
     ONNX export runs. Captured graphs take the textbook formulas (inductor fuses them; the ONNX
@@ -49,25 +57,6 @@ def tracing() -> bool:
     these sizes an eager step costs its kernel count. (`torch.onnx.is_in_onnx_export` costs two
     imports per call, a measurable share of a decode step.)"""
     return torch._C._is_tracing() or torch.compiler.is_compiling()
-
-
-_graph = threading.local()
-
-
-@contextlib.contextmanager
-def graph_stand_in():
-    """Code run inside is a CUDA graph's on a machine without CUDA (`EagerGraphs`' capture,
-    warm-up and replays): it takes the paths a GPU would, not the CPU's eager shortcuts that
-    read values on the host (a graph replays none of its host code)."""
-    _graph.depth = getattr(_graph, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _graph.depth -= 1
-
-
-def in_graph_stand_in() -> bool:
-    return getattr(_graph, "depth", 0) > 0
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -365,7 +354,7 @@ class MoE(nn.Module):
                 routed = (self._kernel_experts if self.routed_kernel else self._gathered_experts)(x, weights, ids)
                 return (routed + self.shared(x)).reshape(shape)
             few = (x.device.type == "cpu" and not self.row_invariant and not tracing()
-                   and not in_graph_stand_in() and x.shape[0] * self.top_k <= self.experts_down.shape[0])
+                   and x.shape[0] * self.top_k <= self.experts_down.shape[0])
             routed = (self._selected_experts if few else self._dense_experts)(x, weights, ids)
             if self.shared_expert is not None:
                 routed = routed + self.shared(x)

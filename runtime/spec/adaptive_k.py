@@ -108,12 +108,6 @@ class AcceptanceEstimator:
         return out
 
 
-def batch_outcome(accepted: Sequence[int]) -> int:
-    """The accepted drafts a ladder moves by, for one step of many sequences at one count: the
-    lower median's (a rung for the batch, not one lane's; and whatever order they come in)."""
-    return sorted(accepted)[(len(accepted) - 1) // 2]
-
-
 class DraftLadder:
     """`--dflash-draft-ladder`: the draft count a sequence sits on, moved by its verify outcomes.
 
@@ -144,6 +138,13 @@ class DraftLadder:
             self.index = min(self.index + 1, len(self.rungs) - 1)
         elif self.index > 0 and accepted < self.rungs[self.index - 1]:
             self.index -= 1
+
+    def observe_batch(self, drafted: int, accepted: Sequence[int]) -> None:
+        """One step of many sequences at one count: the ladder moves once, by the lower median
+        of their accepted drafts (a rung for the batch, not one sequence's, whatever their
+        order)."""
+        if accepted:
+            self.observe(drafted, sorted(accepted)[(len(accepted) - 1) // 2])
 
 
 class TreeBudgetChooser:
@@ -360,8 +361,8 @@ class AdaptiveKController:
 
     def observe_batch(self, drafted: int, accepted: Sequence[int]) -> None:
         """One step of many sequences verifying `drafted` each (serving's lanes): each one's
-        outcome teaches the estimates; the ladder moves once (`batch_outcome`)."""
+        outcome teaches the estimates; the ladder moves once (`DraftLadder.observe_batch`)."""
         for a in accepted:
             self.estimator.update(drafted, a)
-        if self.ladder is not None and accepted:
-            self.ladder.observe(drafted, batch_outcome(accepted))
+        if self.ladder is not None:
+            self.ladder.observe_batch(drafted, accepted)

@@ -57,7 +57,7 @@ import functools
 import torch
 
 from metrale.runtime.backends.aoti_steps import BatchedDFlashStep, BatchedMTPStep, BatchedTargetStep
-from metrale.runtime.models.layers import MoE
+from metrale.runtime.models.layers import capturable
 from metrale.runtime.models.step_caches import LaneKV, buckets_to
 from metrale.runtime.spec.config import DraftStop
 from metrale.runtime.spec.sampling import NO_CAP, SamplingParams, probs_on_device, sample_from_probs
@@ -149,16 +149,6 @@ def lanes_of(pool: list[torch.Tensor], first: int, b: int, s: int) -> list[torch
     """Views of lanes first..first+b−1 and slots :s of a pool (`_pooled_kv`): the pool of those
     lanes' caches in slot bucket s, the memory the whole pool's."""
     return [t[first:first + b, :, :, :s] if i % 2 == 0 else t[first:first + b, :, :s] for i, t in enumerate(pool)]
-
-
-def capturable(module: torch.nn.Module) -> torch.nn.Module:
-    """`module` with every MoE on its dense routed path, a fixed set of ops whatever the routing
-    (on a CPU the eager path reads the routing to run each row's experts only; a GPU takes the
-    dense path anyway), and returned."""
-    for m in module.modules():
-        if isinstance(m, MoE):
-            m.row_invariant = True
-    return module
 
 
 class _Verifying:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder, batch_outcome
+from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
 from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration, room
@@ -86,11 +86,7 @@ class CountPolicy:
     def observe_batch(self, k: int, emitted: list[int]) -> None:
         """An iteration of many lanes at count k (each lane's tokens emitted): every lane
         teaches adaptive k's estimates, and the ladder moves once, by the batch's outcome."""
-        accepted = [n - 1 for n in emitted]
-        if self.controller is not None:
-            self.controller.observe_batch(k, accepted)
-        elif accepted:
-            self.ladder.observe(k, batch_outcome(accepted))
+        (self.controller or self.ladder).observe_batch(k, [n - 1 for n in emitted])
 
 
 class IterationLoop:
@@ -244,7 +240,7 @@ def lanes_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, gr
     counts, policy = None, None
     if spec.mode is SpecMode.DFLASH and (dflash.ladder is not None or dflash.adaptive_k is not None):
         policy = CountPolicy(dflash)
-        counts = tuple(k for k in policy.counts if k > 0)  # (0: the plain variant, which every mode has)
+        counts = policy.counts
     plain = spec.mode is not SpecMode.OFF
     return IterationLanes(iteration_for(engine, spec, dflash, lanes=lanes, counts=counts, plain=plain), graphs, policy)
 
@@ -305,9 +301,8 @@ class IterationLanes(BatchedFace):
         self.captured = {}
         with torch.inference_mode():
             for key, fn in iteration.variants(self.buckets).items():
-                if policy is not None or key[1] in (iteration.k, 0):
-                    graphs.warmup(fn)
-                    self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
+                graphs.warmup(fn)
+                self.captured[key] = graphs.capture(fn, generators=(iteration.generator,))[0]
             state.active.zero_()
         self._cuda = state.tokens.device.type == "cuda"
         pin = self._cuda
@@ -370,12 +365,10 @@ class IterationLanes(BatchedFace):
         state = self.iteration.state
         self._active.zero_()
         self._active[lanes] = 1
-        chosen = self.policy is not None and (not self._plain or all(s.speculate for s in steps))
-        if chosen:
-            k = self.policy.next()
-            k = 0 if k is SETTLED else k
-        else:
-            k = self.iteration.k if not self._plain or all(s.speculate for s in steps) else 0
+        speculate = not self._plain or all(s.speculate for s in steps)
+        chosen = speculate and self.policy is not None
+        k = (self.policy.next() if chosen else self.iteration.k) if speculate else 0
+        k = 0 if k is SETTLED else k
         self.last_k = k
         with torch.inference_mode():
             state.active.copy_(self._active, non_blocking=self._cuda)
