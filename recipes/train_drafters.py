@@ -2,7 +2,11 @@
 
 Used by `train_tiny.py`. Labels are the target's own argmax at every position of sequences whose
 continuations it produced greedily, which is exactly what a drafter must predict for greedy
-speculative decoding to accept its drafts.
+speculative decoding to accept its drafts. With SOFT_LABELS > 0 the DFlash drafters also fit the
+target's whole distribution there (a KL term of that weight; DFlash2's selector, the target's
+distribution over its candidates): the argmax labels alone rank a drafter's first candidate,
+while a draft tree also verifies its second and third, which then learn from the target's other
+likely tokens.
 
 MTP entry p pairs (embed(token_{p+1}), target hidden_p) and predicts token_{p+2}; the second
 chain step feeds the head's own pre-norm output back. DFlash blocks anchor at a generated
@@ -25,6 +29,7 @@ PROMPT, GEN = 32, 96
 BLOCK = 8
 DRAFTER_STEPS = 2400
 TAPS = (0, 1, 3)
+SOFT_LABELS = 0.0  # weight of a KL to the target's distribution beside its argmax labels (--soft-labels)
 
 
 def held_out_prompts(tok, docs: list[str], n: int) -> list[str]:
@@ -62,13 +67,18 @@ def distill_data(target, stream: torch.Tensor, n: int, seed: int) -> dict[str, t
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - PROMPT, (n,), generator=g).tolist()
     ids = greedy_sequences(target, torch.stack([stream[s:s + PROMPT] for s in starts]), GEN)
-    taps, hidden, greedy = [], [], []
+    taps, hidden, greedy, logp = [], [], [], []
     for chunk in ids.split(128):
         o = target(chunk, taps=TAPS)
         taps.append(o.taps)
         hidden.append(o.last_hidden)
         greedy.append(o.logits.argmax(-1))
-    return {"ids": ids, "taps": torch.cat(taps), "hidden": torch.cat(hidden), "greedy": torch.cat(greedy)}
+        if SOFT_LABELS:
+            logp.append(o.logits.float().log_softmax(-1).to(torch.bfloat16))
+    data = {"ids": ids, "taps": torch.cat(taps), "hidden": torch.cat(hidden), "greedy": torch.cat(greedy)}
+    if SOFT_LABELS:
+        data["logp"] = torch.cat(logp)
+    return data
 
 
 def _adamw(params, lr):
@@ -209,25 +219,34 @@ def train_dflash(target, data, version: int, mask_id: int, steps: int, log) -> D
         logits = logits.view(b, len(anchors), BLOCK, -1)[:, :, 1:]  # [B, nb, Bs-1, V]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
         loss = (ce.view(b, len(anchors), BLOCK - 1) * weights).mean()
+        if SOFT_LABELS:
+            slots = torch.tensor(anchors)[:, None] + torch.arange(BLOCK - 1)[None, :]
+            teacher = data["logp"][idx][:, slots].float()  # [B, nb, Bs-1, V]
+            kl = F.kl_div(logits.float().log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+            loss = loss + SOFT_LABELS * (kl * weights).mean()
         if version == 2:
             loss = loss + selector_loss(drafter, hidden.view(b, len(anchors), BLOCK, -1)[:, :, 1:],
-                                        logits, labels, block.view(b, len(anchors), BLOCK)[:, :, 0])
+                                        logits, labels, block.view(b, len(anchors), BLOCK)[:, :, 0],
+                                        teacher if SOFT_LABELS else None)
         optimizer_step(opt, drafter, loss, step, steps, log, f"dflash{version if version > 1 else ''}")
     return drafter.eval()
 
 
-def selector_loss(drafter, hidden, logits, labels, anchor):
+def selector_loss(drafter, hidden, logits, labels, anchor, teacher=None):
     """Cross-entropy over the top-K candidates, teacher-forced predecessors; slots whose label
-    is not among the candidates are skipped."""
+    is not among the candidates are skipped. With `teacher` (the target's log-probabilities per
+    slot), plus SOFT_LABELS × the cross-entropy to the target's distribution over the candidates."""
     sel = drafter.candidate_selector
     cand_logits, cand_ids = logits.detach().topk(sel.num_candidates, dim=-1)  # [B, nb, n, K]
     prev = torch.cat([anchor[..., None], labels[..., :-1]], dim=-1)  # [B, nb, n]
     scores = sel.scores(hidden, cand_ids, cand_logits, prev)
     hit = cand_ids == labels[..., None]
     valid = hit.any(-1)
-    if not valid.any():
-        return scores.sum() * 0.0
-    return F.cross_entropy(scores[valid], hit[valid].float().argmax(-1))
+    loss = F.cross_entropy(scores[valid], hit[valid].float().argmax(-1)) if valid.any() else scores.sum() * 0.0
+    if teacher is not None:
+        soft = teacher.gather(-1, cand_ids).softmax(-1)  # the target's, renormalised over the K
+        loss = loss - SOFT_LABELS * (soft * scores.log_softmax(-1)).sum(-1).mean()
+    return loss
 
 
 def dflash_hf(drafter: DFlashDrafter, tcfg: DecoderConfig):

@@ -13,7 +13,10 @@ in `prompts.json` for `metrale bench` and the tests.
 
 The target is trained on the text. The MTP head and the drafters are then trained on the target's
 own greedy behaviour — its argmax at every position of sequences whose continuations it generated
-greedily — so the acceptance they reach when drafting for it is real. Checkpoints are written in
+greedily — so the acceptance they reach when drafting for it is real. `--soft-labels W` also
+teaches the DFlash drafters the target's whole distribution at each slot (a KL term of weight W;
+DFlash2's candidate selector, the target's distribution over its candidates): the argmax alone
+teaches a drafter its first choice, and a draft tree verifies its next ones too. Checkpoints are written in
 Hugging Face layouts with real tensor names, in bfloat16; the drafters learn from the target after
 it has been rounded to bfloat16, i.e. from exactly the model that is shipped.
 """
@@ -146,7 +149,8 @@ def retrain_drafters(out: pathlib.Path, train_docs: list[str], quick: bool, t_st
     prompts = json.loads((out / "prompts.json").read_text())
     report = json.loads((out / "TRAINING.json").read_text())
     report.update(train_drafters.train_all(target, tok, stream, out, prompts, quick=quick, log=log, mtp=mtp))
-    report["drafters_retrain_s"] = round(time.time() - t_start, 1)
+    report.update(drafters_retrain_s=round(time.time() - t_start, 1), drafters_torch_threads=torch.get_num_threads(),
+                  soft_labels=train_drafters.SOFT_LABELS)
     (out / "TRAINING.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     log(json.dumps(report, indent=2))
 
@@ -161,8 +165,11 @@ def main() -> None:
     ap.add_argument("--drafters-only", action="store_true",
                     help="retrain only the DFlash drafters against the target, tokenizer, prompts "
                          "and MTP head already in --out (the rest is kept byte for byte)")
+    ap.add_argument("--soft-labels", type=float, default=train_drafters.SOFT_LABELS,
+                    help="weight of the KL to the target's distribution in the DFlash drafters' loss")
     args = ap.parse_args()
     train_drafters.DRAFTER_STEPS = args.drafter_steps
+    train_drafters.SOFT_LABELS = args.soft_labels
     torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
     t_start = time.time()
@@ -198,7 +205,7 @@ def main() -> None:
     report = train_drafters.train_all(target, tok, stream, out, prompts, quick=args.quick, log=log)
     report.update(target_steps=steps, target_train_s=round(t_target, 1),
                   total_train_s=round(time.time() - t_start, 1), seed=SEED,
-                  torch_threads=torch.get_num_threads())
+                  torch_threads=torch.get_num_threads(), soft_labels=train_drafters.SOFT_LABELS)
     (out / "TRAINING.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     log(json.dumps(report, indent=2))
 

@@ -24,7 +24,8 @@ def test_quick_training_is_reproducible_and_loadable(tmp_path):
     runs = []
     for i in range(2):
         out = tmp_path / f"run{i}"
-        subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--out", str(out)], check=True,
+        subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--soft-labels", "1",
+                        "--out", str(out)], check=True,
                        capture_output=True, timeout=600)
         runs.append(digest(out))
     assert runs[0] == runs[1]
