@@ -29,7 +29,7 @@ PROMPT, GEN = 32, 96
 BLOCK = 8
 DRAFTER_STEPS = 2400
 TAPS = (0, 1, 3)
-SOFT_LABELS = 0.0  # weight of a KL to the target's distribution beside its argmax labels (--soft-labels)
+SOFT_LABELS = 1.0  # weight of a KL to the target's distribution beside its argmax labels (--soft-labels)
 
 
 def held_out_prompts(tok, docs: list[str], n: int) -> list[str]:

@@ -1,7 +1,7 @@
 """Train the embedded tiny default: tokenizer, Qwen3-MoE target, MTP head, DFlash and DFlash2 drafters.
 
     python recipes/train_tiny.py [--out recipes/tiny] [--quick]
-    python recipes/train_tiny.py --drafters-only    # the DFlash drafters again, nothing else
+    python recipes/train_tiny.py --drafters-only --threads 1   # the DFlash drafters again, as shipped
 
 Seeded and reproducible on one machine (fixed seeds, fixed thread count, sorted inputs); about
 20-30 minutes on 2 CPU cores (the drafters alone: about 5). The drafters read the target's taps
@@ -13,7 +13,7 @@ in `prompts.json` for `metrale bench` and the tests.
 
 The target is trained on the text. The MTP head and the drafters are then trained on the target's
 own greedy behaviour — its argmax at every position of sequences whose continuations it generated
-greedily — so the acceptance they reach when drafting for it is real. `--soft-labels W` also
+greedily — so the acceptance they reach when drafting for it is real. `--soft-labels W` (1) also
 teaches the DFlash drafters the target's whole distribution at each slot (a KL term of weight W;
 DFlash2's candidate selector, the target's distribution over its candidates): the argmax alone
 teaches a drafter its first choice, and a draft tree verifies its next ones too. Checkpoints are written in

@@ -304,7 +304,7 @@ def test_adaptive_k_over_captured_counts(engine, tiny_prompts, plain_tokens):
 
     drafts, _ = run("0:1,1:1.05,2:1.1,3:1.15,4:1.2,5:1.25,6:1.3,7:1.35")
     assert sum(k > 0 for k in drafts) > len(drafts) // 2
-    suspended, policy = run("0:1,1:1.7,2:2.4,3:3.1")
+    suspended, policy = run("0:1,1:1.9,2:2.7,3:3.5")
     assert suspended.count(0) > len(suspended) // 2 and any(suspended)
     settled, policy = run("0:1,1:50,2:50,3:50")
     assert policy.controller.settled and not any(settled)
