@@ -22,13 +22,16 @@ def digest(folder: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_quick_training_is_reproducible_and_loadable(tmp_path):
     runs = []
-    for i in range(2):
+    for i, soft in enumerate(("1", "1", "0")):
         out = tmp_path / f"run{i}"
-        subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--soft-labels", "1",
+        subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--soft-labels", soft,
                         "--out", str(out)], check=True,
                        capture_output=True, timeout=600)
         runs.append(digest(out))
     assert runs[0] == runs[1]
+    # the soft labels train the DFlash drafters only
+    changed = {k for k in runs[0] if runs[0][k] != runs[2].get(k)}
+    assert changed == {"dflash/model.safetensors", "dflash2/model.safetensors"}, changed
     out = tmp_path / "run0"
     assert {"target/model.safetensors", "mtp/model.safetensors", "dflash/model.safetensors",
             "dflash2/model.safetensors", "target/tokenizer.json", "prompts.json"} <= set(runs[0])
