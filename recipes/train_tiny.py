@@ -4,7 +4,7 @@
     python recipes/train_tiny.py --drafters-only --threads 1   # the DFlash drafters again, as shipped
 
 Seeded and reproducible on one machine (fixed seeds, fixed thread count, sorted inputs); about
-20-30 minutes on 2 CPU cores (the drafters alone: about 5). The drafters read the target's taps
+20-30 minutes on 2 CPU cores (the drafters alone, on one thread: about 8). The drafters read the target's taps
 as transformers numbers them (the last layer's after the final norm) and train for 2,400 steps
 each: at 800 steps on those taps they drafted worse than the earlier ones did. The text is what ships with CPython, so nothing is downloaded: the
 language reference (`pydoc_data.topics`) and the standard library's top-level `.py` files. A
@@ -16,8 +16,8 @@ own greedy behaviour — its argmax at every position of sequences whose continu
 greedily — so the acceptance they reach when drafting for it is real. `--soft-labels W` (1) also
 teaches the DFlash drafters the target's whole distribution at each slot (a KL term of weight W;
 DFlash2's candidate selector, the target's distribution over its candidates): the argmax alone
-teaches a drafter its first choice, and a draft tree verifies its next ones too. Checkpoints are written in
-Hugging Face layouts with real tensor names, in bfloat16; the drafters learn from the target after
+teaches a drafter its first choice, and a draft tree verifies its next ones too. Checkpoints are
+written in Hugging Face layouts with real tensor names, in bfloat16; the drafters learn from the target after
 it has been rounded to bfloat16, i.e. from exactly the model that is shipped.
 """
 
@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--soft-labels", type=float, default=train_drafters.SOFT_LABELS,
                     help="weight of the KL to the target's distribution in the DFlash drafters' loss")
     args = ap.parse_args()
+    if not args.soft_labels >= 0:
+        ap.error(f"--soft-labels {args.soft_labels}: the KL term's weight must be 0 (none) or more")
     train_drafters.DRAFTER_STEPS = args.drafter_steps
     train_drafters.SOFT_LABELS = args.soft_labels
     torch.set_num_threads(args.threads)

@@ -40,3 +40,11 @@ def test_quick_training_is_reproducible_and_loadable(tmp_path):
     assert head.config.naming == "qwen3_next" and head.config.decoder.is_moe
     assert load_dflash(out / "dflash", target.lm_head.weight).config.version == 1
     assert load_dflash(out / "dflash2", target.lm_head.weight).config.version == 2
+
+
+def test_a_negative_soft_label_weight_is_refused_by_name(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--soft-labels", "-0.5", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--soft-labels -0.5" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
