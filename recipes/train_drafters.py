@@ -189,13 +189,16 @@ def dflash_config(tcfg: DecoderConfig, version: int, mask_id: int) -> DFlashConf
 
 
 def dflash_batch(data, idx, anchors, mask_id):
+    """-> (blocks [B, nb·Bs], labels [B, nb, Bs-1], the target's log-probabilities there
+    [B, nb, Bs-1, V] where `data` keeps them, else None)."""
     ids, greedy = data["ids"][idx], data["greedy"][idx]
     a = torch.tensor(anchors)
     slots = a[:, None] + torch.arange(BLOCK)[None, :]  # [nb, Bs]
     block = ids[:, slots]  # [B, nb, Bs]
     block[:, :, 1:] = mask_id
     labels = greedy[:, slots[:, :-1]]  # [B, nb, Bs-1]: the target's prediction for slots 1..
-    return block.reshape(len(idx), -1), labels
+    teacher = data["logp"][idx][:, slots[:, :-1]].float() if "logp" in data else None
+    return block.reshape(len(idx), -1), labels, teacher
 
 
 def train_dflash(target, data, version: int, mask_id: int, steps: int, log) -> DFlashDrafter:
@@ -213,21 +216,19 @@ def train_dflash(target, data, version: int, mask_id: int, steps: int, log) -> D
         _cosine(opt, step, steps, 2e-3)
         idx = torch.randint(0, data["ids"].shape[0], (16,), generator=g)
         anchors = sorted(torch.randint(PROMPT - 1, length - BLOCK, (8,), generator=g).tolist())
-        block, labels = dflash_batch(data, idx, anchors, mask_id)
+        block, labels, teacher = dflash_batch(data, idx, anchors, mask_id)
         hidden, logits = drafter.forward_train(data["taps"][idx], embed(block), anchors)
         b = len(idx)
         logits = logits.view(b, len(anchors), BLOCK, -1)[:, :, 1:]  # [B, nb, Bs-1, V]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
         loss = (ce.view(b, len(anchors), BLOCK - 1) * weights).mean()
-        if SOFT_LABELS:
-            slots = torch.tensor(anchors)[:, None] + torch.arange(BLOCK - 1)[None, :]
-            teacher = data["logp"][idx][:, slots].float()  # [B, nb, Bs-1, V]
+        if teacher is not None:
             kl = F.kl_div(logits.float().log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
             loss = loss + SOFT_LABELS * (kl * weights).mean()
         if version == 2:
             loss = loss + selector_loss(drafter, hidden.view(b, len(anchors), BLOCK, -1)[:, :, 1:],
                                         logits, labels, block.view(b, len(anchors), BLOCK)[:, :, 0],
-                                        teacher if SOFT_LABELS else None)
+                                        teacher)
         optimizer_step(opt, drafter, loss, step, steps, log, f"dflash{version if version > 1 else ''}")
     return drafter.eval()
 
@@ -289,7 +290,7 @@ def agreement(target, tok, prompts, mtp, drafters) -> dict:
     for name, drafter in drafters.items():
         length = data["ids"].shape[1]
         anchors = list(range(PROMPT - 1, length - BLOCK, 4))
-        block, labels = dflash_batch(data, torch.arange(len(rows)), anchors, drafter.config.mask_token_id)
+        block, labels, _ = dflash_batch(data, torch.arange(len(rows)), anchors, drafter.config.mask_token_id)
         hidden, logits = drafter.forward_train(data["taps"], embed(block), anchors)
         b = len(rows)
         hidden = hidden.view(b, len(anchors), BLOCK, -1)[:, :, 1:]
