@@ -109,9 +109,17 @@ class CudaGraphs:
 
 
 class _Recorded:
-    def __init__(self, fn, outs, trace: OpTrace):
-        self.fn, self.outs, self.trace = fn, outs, trace
+    def __init__(self, fn, outs, trace: OpTrace, what: str):
+        self.fn, self.outs, self.trace, self.what = fn, outs, trace, what
         self.replays = 0
+
+
+def _traced(fn, generators, what: str):
+    """fn() under the host-read guard and an op trace -> (its results, the trace)."""
+    with forbid_host_reads(what), OpTrace(generators) as trace:
+        outs = tuple(fn())
+        trace.returned(outs)
+    return outs, trace
 
 
 class EagerGraphs:
@@ -140,22 +148,16 @@ class EagerGraphs:
     def capture(self, fn, generators=()):
         self.captured += 1
         what = f"captured {fn!r}"
-        with forbid_host_reads(what), OpTrace(generators) as trace:
-            outs = tuple(fn())
-            trace.returned(outs)
+        outs, trace = _traced(fn, generators, what)
         check_capture(trace, what)
-        return _Recorded(fn, outs, trace), outs
+        return _Recorded(fn, outs, trace, what), outs
 
     def replay(self, graph: _Recorded) -> None:
         self.replays += 1
         graph.replays += 1
-        n = graph.replays
-        if self.check and (n <= self.CHECK_FIRST or n % self.CHECK_EVERY == 0):
-            what = f"captured {graph.fn!r}"
-            with forbid_host_reads(what), OpTrace(graph.trace.generators) as trace:
-                now = tuple(graph.fn())
-                trace.returned(now)
-            check_replay(graph.trace, trace, what)
+        if self.check and (graph.replays <= self.CHECK_FIRST or graph.replays % self.CHECK_EVERY == 0):
+            now, trace = _traced(graph.fn, graph.trace.generators, graph.what)
+            check_replay(graph.trace, trace, graph.what)
         else:
             now = tuple(graph.fn())
         for out, value in zip(graph.outs, now):

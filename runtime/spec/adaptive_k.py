@@ -252,12 +252,16 @@ class AdaptiveKController:
         self.prior, self.strength = prior, 1.0
         if cost.acceptance is not None:
             self.prior, self.strength = cost.acceptance, self.CALIBRATED_STRENGTH
-        self.plain_steps = 0  # consecutive steps that chose k = 0
-        self.interval = reprobe_interval  # the current re-probe interval (see backoff above)
-        self._choice = None  # (what it depends on, rates, k, a probe could pay) of the last choice
-        self.settled = False  # suspended with no probe that could pay: plain from here on
+        self._start()
         self.probed = False  # the last k came from a probe
         self.row_ms = 0.0  # what keeping a plain step's row for the probe costs (`rerun_rows`)
+
+    def _start(self) -> None:
+        """The choice's state before any step (at construction, and when `reopen`ed)."""
+        self.plain_steps = 0  # consecutive steps that chose k = 0
+        self.interval = self.reprobe_interval  # the current re-probe interval (see backoff above)
+        self._choice = None  # (what it depends on, rates, k, a probe could pay) of the last choice
+        self.settled = False  # suspended with no probe that could pay: plain from here on
 
     def rerun_rows(self) -> None:
         """The plain steps' rows run again before a probe (rather than being kept as they
@@ -274,7 +278,7 @@ class AdaptiveKController:
         admitted sequence may accept what those measured did not."""
         if self.settled and self.can_pay(self.cap()):
             self.estimator = AcceptanceEstimator(self.estimator.decay)
-            self.settled, self._choice, self.plain_steps, self.interval = False, None, 0, self.reprobe_interval
+            self._start()
 
     def optimistic_acceptance(self) -> float:
         """The pooled acceptance's upper confidence bound (1 for a stream with no data and no

@@ -39,6 +39,11 @@ from metrale.runtime.steps import BatchedFace, ModelStep
 log = logging.getLogger(__name__)
 
 
+def drafts_of(count) -> int:
+    """The drafts an iteration of policy count `count` verifies (SETTLED's variant: none)."""
+    return 0 if count is SETTLED else count
+
+
 @dataclass
 class IterationResult:
     token_ids: list[int]
@@ -136,10 +141,6 @@ class IterationLoop:
         event.record()
         return event
 
-    @staticmethod
-    def _verified(count) -> int:
-        return 0 if count is SETTLED else count
-
     def stream(self, prompt_ids: list[int], max_tokens: int, eos: frozenset[int] = frozenset(),
                params: SamplingParams | None = None) -> Iterator[int]:
         """Yield the request's tokens as their iterations are read; stops at EOS (yielded) or
@@ -178,7 +179,7 @@ class IterationLoop:
                 tokens, count = self._host[slot]
                 tokens, n = tokens[0].tolist(), int(count[0])
                 result.emitted.append(n - read)
-                result.verified.append(min(self._verified(key), cap))
+                result.verified.append(min(drafts_of(key), cap))
                 if self.policy is not None and cap == NO_CAP:
                     self.policy.observe(key, n - read)
                 for j in range(read, n):
@@ -366,9 +367,8 @@ class IterationLanes(BatchedFace):
         self._active.zero_()
         self._active[lanes] = 1
         speculate = not self._plain or all(s.speculate for s in steps)
-        chosen = speculate and self.policy is not None
-        k = (self.policy.next() if chosen else self.iteration.k) if speculate else 0
-        k = 0 if k is SETTLED else k
+        k = (0 if not speculate else
+             drafts_of(self.policy.next()) if self.policy is not None else self.iteration.k)
         self.last_k = k
         with torch.inference_mode():
             state.active.copy_(self._active, non_blocking=self._cuda)
@@ -385,7 +385,7 @@ class IterationLanes(BatchedFace):
             row = tokens[lane]
             out.append([row[j % ring] for j in range(read, n)])
             self._read[lane] = n
-        if chosen and k > 0:  # (a lane whose request capped it below k measured its cap)
+        if self.policy is not None and k > 0:  # (a lane whose request capped it below k measured its cap)
             self.policy.observe_batch(k, [len(o) for lane, o in zip(lanes, out) if k <= self._cap[lane]])
         return out
 
