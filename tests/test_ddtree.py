@@ -103,6 +103,72 @@ def test_the_chain_policy_measures_the_decode_loops_acceptance(tiny_engine, tiny
         assert got["tree 16"] == round(emitted / steps, 3), name
 
 
+def test_the_marginal_reading_is_dflashs_own_and_drops_dflash2s_selector(tiny_engine, tiny_prompts):
+    """`block_steps(marginal=True)` reads a block as DFlash's: for DFlash, whose blocks are read
+    that way already, every step is the same; for DFlash2 the chain is each slot's argmax, not
+    the selector's pick. Each policy's histogram counts its steps and gives its τ."""
+    from metrale.runtime.spec.tree_acceptance import block_steps
+
+    prompts = tiny_prompts[:2]
+    own = block_steps(tiny_engine, "dflash", prompts, 48, (16,))
+    read = block_steps(tiny_engine, "dflash", prompts, 48, (16,), marginal=True)
+    assert {p: (a.steps, a.emitted, a.accepted) for p, a in own.items()} == \
+        {p: (a.steps, a.emitted, a.accepted) for p, a in read.items()}
+    for a in own.values():
+        assert sum(a.accepted.values()) == a.steps
+        # each step emits its accepted drafts and one token more, but a prompt's last step,
+        # whose bonus would fall past the 48 tokens
+        assert 0 <= sum((n + 1) * c for n, c in a.accepted.items()) - a.emitted <= len(prompts)
+
+    face = tiny_engine.drafters["dflash2"]
+    selected, argmax = [], []
+    propose = face.propose
+
+    def spy(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        selected.append(proposal.tokens[0].tolist())
+        argmax.append(proposal.logits[0].argmax(-1).tolist())
+        return proposal
+
+    face.propose = spy
+    try:
+        got = block_steps(tiny_engine, "dflash2", prompts, 48, (), marginal=True)
+    finally:
+        del face.propose
+    assert got["chain"].steps == len(argmax) > 0
+    assert selected != argmax  # the selector picks other tokens than the argmax somewhere ...
+    assert got["chain"].tau != block_steps(tiny_engine, "dflash2", prompts, 48, ())["chain"].tau  # ... and accepts differently
+
+
+def test_the_tree_tau_script_reports_each_policy(tiny_engine_dir, tmp_path):
+    """scripts/tree_tau.py: a row per drafter reading and policy, the chain's ratio 1, its JSON
+    the printed figures; a bad flag is refused by name, with no traceback."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "tree_tau.py"
+    out = tmp_path / "tau.json"
+    run = subprocess.run([sys.executable, script, "--engine-dir", tiny_engine_dir, "--prompts", "1",
+                          "--max-tokens", "24", "--budgets", "4", "--marginal", "--json", out],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["drafter"], r["marginal"], r["policy"]) for r in rows] == [
+        ("dflash", False, "chain"), ("dflash", False, "tree 4"), ("dflash2", False, "chain"),
+        ("dflash2", False, "tree 4"), ("dflash2", True, "chain"), ("dflash2", True, "tree 4")]
+    assert all(r["ratio"] == 1.0 for r in rows if r["policy"] == "chain")
+    assert all(0.0 <= r["whole_block_share"] <= 1.0 and r["tau"] >= 1.0 for r in rows)
+    for r in rows:
+        assert f"{r['tau']:.3f}" in run.stdout
+    for flags, named in ((["--budgets", "0"], "--budgets '0'"), (["--drafters", "eagle"], "--drafters 'eagle'"),
+                         (["--max-tokens", "1"], "--max-tokens 1")):
+        bad = subprocess.run([sys.executable, script, "--engine-dir", tiny_engine_dir, *flags],
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and named in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
 def _random_tree(seed: int, budget: int = 12) -> Tree:
     g = torch.Generator().manual_seed(seed)
     return build_tree(7, torch.log_softmax(torch.randn(5, 40, generator=g) * 3, -1), budget)
