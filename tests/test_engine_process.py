@@ -414,6 +414,29 @@ def test_the_pipes_frames_are_read_whole_however_they_arrive():
         assert [m for batch in got for m in batch] == msgs and frames.pending == 0
 
 
+def test_any_seed_and_draft_cap_the_api_takes_crosses_the_pipe(tiny_engine):
+    """The API takes any integer as a seed (modulo 2**64) or a draft cap; the request the
+    engine process receives carries them within MessagePack's 64 bits, with the same meaning:
+    the seed's generator and the cap's drafts are the ones the integer gives."""
+    from metrale.runtime.serving.api_request import parse_request
+    from metrale.runtime.serving.messages import Submit, ToEngine
+    from metrale.runtime.serving.pipe import Encoder, Frames
+    from metrale.runtime.spec.sampling import NO_CAP, generator_for
+
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True))
+    for seed, cap in ((2 ** 70 + 5, 10 ** 30), (-2 ** 80, 3), (7, None)):
+        body = {"prompt": "x", "max_tokens": 2, "temperature": 0.5, "seed": seed,
+                "speculative": {"max_drafts": cap}}
+        req = parse_request(gen, body, chat=False)
+        (got,) = Frames(ToEngine).feed(Encoder().encode(Submit("r", req)))
+        params = got.request.params
+        assert params.seed == seed % 2 ** 64
+        want = generator_for(params.__class__(temperature=0.5, seed=seed)).initial_seed()
+        assert generator_for(params).initial_seed() == want
+        assert params.draft_cap(9) == (8 if cap is None else min(8, cap))  # 9 tokens left: 8 drafts at most
+        assert params.max_drafts == (None if cap is None else min(cap, NO_CAP))
+
+
 def test_a_send_on_the_loop_never_waits_for_the_engine(engine):
     """A message far larger than the pipe holds, sent from the event loop, returns with the rest
     in the transport's buffer (the engine reads only between iterations); the engine then reads

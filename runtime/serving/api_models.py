@@ -26,8 +26,9 @@ from pydantic_core import PydanticCustomError
 
 from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.serving.stats import Drafts
-from metrale.runtime.spec.grammar import JSON_OBJECT, check_schema
-from metrale.runtime.spec.sampling import (ALLOWED, DEFAULT_MAX_TOKENS, MaxDrafts, MaxTokens, SamplingError,
+from metrale.runtime.spec.grammar import JSON_OBJECT
+from metrale.runtime.spec.schema_check import check_shape
+from metrale.runtime.spec.sampling import (ALLOWED, DEFAULT_MAX_TOKENS, NO_CAP, MaxDrafts, MaxTokens, SamplingError,
                                            SamplingParams, Seed, Temperature, TopP, shown)
 
 MAX_STOPS = 16
@@ -228,12 +229,11 @@ class _GenerationBody(BaseModel):
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise _invalid("invalid_value", "must hold `json_schema.schema`, a JSON schema object, "
                            f"got {shown(spec)}")
-        schema = json.dumps(spec["schema"])
         try:
-            check_schema(schema)
+            check_shape(spec["schema"])
         except ConfigError as e:
             raise _invalid("invalid_value", f"holds a schema that cannot be enforced: {e}") from None
-        return schema
+        return json.dumps(spec["schema"])
 
     @field_validator("n")
     @classmethod
@@ -262,6 +262,10 @@ class _GenerationBody(BaseModel):
     def completion_budget(self) -> int | None:
         return self.max_tokens
 
+    def budget_field(self) -> str:
+        """The field `completion_budget` comes from."""
+        return "max_tokens"
+
     def to_generation(self, gen) -> GenerationRequest:
         """The request against the served model: its prompt encoded (no tokens: refused), its
         completion budget checked against the context window (unset: the sampler's default, cut
@@ -272,19 +276,26 @@ class _GenerationBody(BaseModel):
             raise APIError(400, f"`{where}` encodes to no tokens", where, "invalid_value")
         room = gen.max_context - len(ids)
         max_tokens = self.completion_budget()
+        held = f"the context holds {gen.max_context} tokens; the {where} takes {len(ids)}"
+        if room < 1:
+            raise APIError(400, f"{held}, leaving none for completion", where, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(DEFAULT_MAX_TOKENS, room)
-        if room < 1 or max_tokens > room:
-            raise APIError(400, f"the context holds {gen.max_context} tokens; the {where} takes "
-                           f"{len(ids)}, leaving {max(room, 0)} for completion, but max_tokens is "
-                           f"{max_tokens}", where, "context_length_exceeded")
-        sampling: dict[str, Any] = {"max_tokens": max_tokens, "seed": self.seed}
+        if max_tokens > room:
+            raise APIError(400, f"{held}, leaving {room} for completion, but {self.budget_field()} "
+                           f"is {max_tokens}", where, "context_length_exceeded")
+        # any integer is a seed, taken modulo 2**64 (`sampling.generator_for`), and a draft cap
+        # past NO_CAP caps nothing: both as the same values within 64 bits, as the engine
+        # process's messages carry integers
+        seed = None if self.seed is None else self.seed % 2**64
+        sampling: dict[str, Any] = {"max_tokens": max_tokens, "seed": seed}
         if self.response_format is not None:
             sampling["json_schema"] = self.response_format
         if self.speculative is not None:
             if self.speculative.enabled is not None:
                 sampling["speculate"] = self.speculative.enabled
-            sampling["max_drafts"] = self.speculative.max_drafts
+            cap = self.speculative.max_drafts
+            sampling["max_drafts"] = None if cap is None else min(cap, NO_CAP)
         if self.temperature is not None:
             sampling["temperature"] = self.temperature
         if self.top_p is not None:
@@ -344,6 +355,9 @@ class ChatRequest(_GenerationBody):
 
     def completion_budget(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    def budget_field(self) -> str:
+        return "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
 
     def prompt_ids(self, gen) -> list[int]:
         tok = gen.tokenizer

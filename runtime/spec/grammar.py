@@ -22,6 +22,7 @@ vocabulary (a model's padded embedding rows) are never allowed.
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
@@ -34,14 +35,15 @@ from metrale.runtime.errors import ConfigError
 JSON_OBJECT = json.dumps({"type": "object"})
 
 
-def check_schema(schema: str) -> None:
-    """Refuse a JSON schema xgrammar cannot turn into a grammar (ConfigError, its words)."""
-    import xgrammar
-
-    try:
-        xgrammar.Grammar.from_json_schema(schema)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise ConfigError(str(e).split("\n")[-1].split("] ")[-1].strip() or str(e)) from None
+def refusal(e: Exception) -> str:
+    """xgrammar's reason for refusing a schema, in its own words without its log prefix (time,
+    source file and line, the failed check's expression), cut to a readable length."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(e).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # [12:00:00]
+    text = re.sub(r"^\S+\.(cc|h):\d+:\s*", "", text)  # json_schema_converter.cc:4944:
+    text = re.sub(r"^Check failed: \(.*\) is false:\s*", "", text)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 class Grammars:
@@ -61,9 +63,21 @@ class Grammars:
         self.compiler = xgrammar.GrammarCompiler(info)
         self.vocab_size = vocab_size
 
+    def compile(self, schema: str):
+        """JSON schema `schema` (text, `schema_check.check_shape` passed) compiled for this
+        tokenizer (cached by text); ConfigError, in xgrammar's words, where it cannot be, or
+        where no document satisfies it (no token may start one)."""
+        try:
+            compiled = self.compiler.compile_json_schema(schema, any_whitespace=False)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ConfigError(refusal(e)) from None
+        if GrammarState(compiled, self.vocab_size).masked(torch.zeros(self.vocab_size)).isinf().all():
+            raise ConfigError("no JSON document satisfies it (no token can start one)")
+        return compiled
+
     def state(self, schema: str) -> GrammarState:
-        """A fresh matcher for JSON schema `schema` (text)."""
-        return GrammarState(self.compiler.compile_json_schema(schema, any_whitespace=False), self.vocab_size)
+        """A fresh matcher for JSON schema `schema` (text; `compile`'s refusals)."""
+        return GrammarState(self.compile(schema), self.vocab_size)
 
 
 class GrammarState:
