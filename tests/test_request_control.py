@@ -13,7 +13,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from metrale.runtime.serving.api_models import Usage
+from metrale.runtime.serving.api_answers import Usage
 from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator

@@ -267,6 +267,16 @@ def error_of(resp, status):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5 * CONTEXT},
          400, "messages", f"but max_completion_tokens is {5 * CONTEXT}"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model", "'gpt-9' does not"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+         "only allowed when `stream` is true"),
+        ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+         "stream_options", "`include_usage` must be a boolean, got 'yes'"),
+        ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"bogus": 1}}, 400,
+         "stream_options", "has no key 'bogus'"),
+        ("/v1/completions", {"prompt": "x", "top_k": 5}, 400, "top_k", "not supported by this server, got 5"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [1]}, 400, "stop_token_ids", "not supported"),
+        ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of", "not supported"),
+        ("/v1/completions", {"prompt": "x", "echo": 0}, 400, "echo", "not supported"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list of messages"),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages", "`role`"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty"),
@@ -280,6 +290,24 @@ def test_malformed_requests_get_openai_errors(base, path, body, status, param, w
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert words in err["message"]
     assert requests.get(base + "/health", timeout=5).json() == {"status": "ok"}
+
+
+def test_unsupported_fields_pass_when_neutral(base):
+    """OpenAI's fields and vLLM's extensions this server does not implement pass at the value
+    that changes nothing (a number as an int or a float, a boolean only as a boolean), and the
+    answer is the one without them."""
+    plain = requests.post(base + "/v1/completions", timeout=30,
+                          json={"prompt": "the", "max_tokens": 3, "temperature": 0}).json()
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "best_of": 1, "echo": False, "top_k": -1,
+               "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False,
+               "stop_token_ids": [], "logprobs": None}
+    got = requests.post(base + "/v1/completions", timeout=30,
+                        json={"prompt": "the", "max_tokens": 3, "temperature": 0, **neutral})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    streamed = requests.post(base + "/v1/completions", timeout=30, json={
+        "prompt": "the", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.status_code == 200 and '"usage"' in streamed.text
 
 
 def test_unknown_route_gets_error_shape(base):

@@ -10,22 +10,20 @@ Contract:
 - A refusal is an `APIError`: OpenAI's error object (`ErrorBody`) with a 4xx status that names
   the field (`param`), the value given and what is allowed. `api_error` words pydantic's errors
   so; the checks pydantic's types cannot express raise an `APIError` themselves.
-- The answers (`Completion`, `ChatCompletion`, their stream chunks, `Usage`) are built by the
-  server and serialized with `model_dump_json`.
+- The answers are `api_answers`'.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo,
                       field_validator)
 from pydantic_core import PydanticCustomError
 
 from metrale.runtime.errors import ConfigError, MetraleError
-from metrale.runtime.serving.stats import Drafts
 from metrale.runtime.spec.grammar import JSON_OBJECT
 from metrale.runtime.spec.schema_check import check_shape
 from metrale.runtime.spec.sampling import (ALLOWED, DEFAULT_MAX_TOKENS, NO_CAP, MaxDrafts, MaxTokens, SamplingError,
@@ -37,7 +35,17 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
     "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
     "tools": ([],), "tool_choice": ("none", "auto"),
+    # vLLM's and SGLang's sampling extensions, which clients of those servers send
+    "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
+    "ignore_eos": (False,), "stop_token_ids": ([],),
 }
+
+
+def _neutral_value(v: Any, neutral: tuple[Any, ...]) -> bool:
+    """`v` is one of `neutral`: a boolean only as a boolean, a number as an int or a float
+    (`true` is not `1`, `0.0` is `0`)."""
+    return any(v == n and (isinstance(v, bool) == isinstance(n, bool)) for n in neutral)
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 RESPONSE_FORMAT = ('an object: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
                    '"json_schema": {"name": ..., "schema": {...}}}')
 
@@ -191,6 +199,12 @@ class _GenerationBody(BaseModel):
     logit_bias: Any = None
     tools: Any = None
     tool_choice: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    stop_token_ids: Any = None
     response_format: Any = Field(None, description=RESPONSE_FORMAT)
     speculative: SpeculativeOptions | None = Field(None, description=SPECULATIVE)
 
@@ -208,7 +222,7 @@ class _GenerationBody(BaseModel):
     @field_validator(*NEUTRAL)
     @classmethod
     def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is not None and v not in NEUTRAL[info.field_name]:
+        if v is not None and not _neutral_value(v, NEUTRAL[info.field_name]):
             raise _invalid("unsupported_parameter", f"is not supported by this server, got {shown(v)}")
         return v
 
@@ -234,6 +248,22 @@ class _GenerationBody(BaseModel):
         except ConfigError as e:
             raise _invalid("invalid_value", f"holds a schema that cannot be enforced: {e}") from None
         return json.dumps(spec["schema"])
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: dict | None, info: ValidationInfo) -> dict | None:
+        """OpenAI's rule: only with `stream` true; `include_usage` (and `include_obfuscation`,
+        which changes nothing here) booleans."""
+        if v is None:
+            return None
+        if info.data.get("stream") is not True:
+            raise _invalid("invalid_value", "is only allowed when `stream` is true")
+        for key, value in v.items():
+            if key not in STREAM_OPTIONS:
+                raise _invalid("invalid_value", f"has no key {key!r}; its keys are {', '.join(STREAM_OPTIONS)}")
+            if not isinstance(value, bool):
+                raise _invalid("invalid_type", f"`{key}` must be a boolean, got {shown(value)}")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -381,120 +411,3 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-
-
-# ---------------------------------------------------------------- answers
-
-class CompletionTokensDetails(BaseModel):
-    """OpenAI's breakdown of the completion tokens; the prediction fields (its Predicted Outputs'
-    names) count the request's verified drafts: those the target accepted, and the rest."""
-
-    accepted_prediction_tokens: int
-    rejected_prediction_tokens: int
-
-
-class SpeculativeUsage(BaseModel):
-    """The request's drafts (metrale's extension of `usage`): made by the drafter, verified by
-    the target, and accepted."""
-
-    drafts_proposed: int
-    drafts_verified: int
-    drafts_accepted: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=lambda d: d is None)
-    speculative: SpeculativeUsage | None = Field(None, exclude_if=lambda d: d is None)
-
-    @classmethod
-    def of(cls, prompt: int, completion: int, drafts: Drafts | None = None) -> Usage:
-        """The usage of a request; its drafts where its server speculates."""
-        details = spec = None
-        if drafts is not None:
-            details = CompletionTokensDetails(accepted_prediction_tokens=drafts.accepted,
-                                              rejected_prediction_tokens=drafts.verified - drafts.accepted)
-            spec = SpeculativeUsage(drafts_proposed=drafts.proposed, drafts_verified=drafts.verified,
-                                    drafts_accepted=drafts.accepted)
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   completion_tokens_details=details, speculative=spec)
-
-
-Finish = Literal["stop", "length"]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: Finish | None = None
-
-
-class Completion(BaseModel):
-    """A `/v1/completions` answer; streamed, each chunk is one of these (`usage` on the last
-    only, when asked for: `stream_options.include_usage`)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, exclude_if=lambda u: u is None)
-
-
-class ChatMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessage
-    logprobs: None = None
-    finish_reason: Finish
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(BaseModel):
-    """A chunk's new text: the first chunk says the role, the last carries nothing."""
-
-    role: Literal["assistant"] | None = Field(None, exclude_if=lambda v: v is None)
-    content: str | None = Field(None, exclude_if=lambda v: v is None)
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    logprobs: None = None
-    finish_reason: Finish | None = None
-
-
-class ChatChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, exclude_if=lambda u: u is None)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "metrale"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

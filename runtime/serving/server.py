@@ -44,10 +44,10 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metrale.runtime.serving.api_models import (APIError, ChatChoice, ChatChunk, ChatChunkChoice,
-                                                ChatCompletion, ChatMessage, Completion,
-                                                CompletionChoice, Delta, GenerationRequest,
-                                                ModelCard, ModelList, Usage)
+from metrale.runtime.serving.api_answers import (ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion,
+                                                 ChatMessage, Completion, CompletionChoice, Delta,
+                                                 ModelCard, ModelList, Usage)
+from metrale.runtime.serving.api_models import APIError, GenerationRequest
 from metrale.runtime.serving.api_request import Schemas, TextGenerator, decode_body, parse_request
 from metrale.runtime.serving.channels import LocalEngine, Wakes, events
 from metrale.runtime.serving.engine_process import freeze_heap
