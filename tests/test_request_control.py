@@ -148,6 +148,13 @@ def test_usage_counts_drafts_only_where_the_server_speculates(tiny_engine):
     assert Usage.model_validate(got).speculative is not None
     assert got["speculative"]["drafts_verified"] >= got["speculative"]["drafts_accepted"] >= 0
     assert got["completion_tokens_details"]["accepted_prediction_tokens"] == got["speculative"]["drafts_accepted"]
+    # a request that ends at the prefill's token made no drafts, and says so in the same shape
+    with serve_in_thread(create_app(mtp, ServerLimits())) as base:
+        one = requests.post(base + "/v1/completions", timeout=30,
+                            json={"prompt": "def main(", "max_tokens": 1, "temperature": 0}).json()["usage"]
+    assert one["completion_tokens"] == 1
+    assert one["speculative"] == {"drafts_proposed": 0, "drafts_verified": 0, "drafts_accepted": 0}
+    assert one["completion_tokens_details"] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
 
 
 def test_graph_lanes_serve_requests_that_control_speculation(tiny_engine_dir, tiny_engine, tiny_prompts):

@@ -97,6 +97,7 @@ class Capabilities:
     batched: bool = False
     sequential: bool = False  # it decodes one request at a time (a tensor-parallel world)
     max_running: int | None = None  # the most requests it runs at once (a graph target's lanes)
+    speculates: bool = False  # every answer's usage counts its drafts (zeros where it made none)
     # what the scheduler's model thread runs in (entered once: the coroutines resume there)
     thread_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
@@ -108,7 +109,8 @@ class Job:
     """One admitted request: emits ("text", str)*, then ("done", (finish_reason, n_tokens,
     drafts)) or ("error", exception); `cancel` set ends it at its next step (or before it
     starts). `drafts` (`stats.Drafts`) counts its drafts where its generator speculates (the
-    generator merges the request's counters into `counted` as it ends), else None.
+    generator merges the request's counters into `counted` as it ends; zeros for a request that
+    ended before its first step), else None.
 
     On a batched scheduler (`coroutine`, set at `Scheduler.submit`) the request runs as its
     decode loop's coroutine (`gen.steps`) through a `steps.Driver`: `advance` runs it up to the
@@ -188,7 +190,7 @@ class Job:
             if text:
                 self.emit("text", text)
         counted = self.counted
-        drafts = Drafts.of(counted) if counted.steps else None
+        drafts = Drafts.of(counted) if counted.steps or self.gen.capabilities.speculates else None
         self.emit("done", ("stop" if stopped or eos or self.n < self.limit else "length", self.n, drafts))
         return False
 

@@ -208,7 +208,7 @@ class EngineGenerator:
             most = LANES if self._graphs is not None and self._serving_lanes() else 1
         one = self.world.size == 1
         return Capabilities(batched=one, sequential=not one, max_running=most,
-                            thread_mode=torch.inference_mode)
+                            speculates=self.spec.mode is not SpecMode.OFF, thread_mode=torch.inference_mode)
 
     def _serving_lanes(self) -> "IterationLanes | None":
         if self._lanes is None:
