@@ -350,11 +350,13 @@ def test_the_engines_inbox_handles_what_waits_and_yields_its_core_when_nothing_d
     from metrale.runtime.serving import engine_process as ep
     from metrale.runtime.serving.api_models import GenerationRequest
     from metrale.runtime.serving.messages import Cancel, Stop, Submit
+    from metrale.runtime.serving.scheduler import STREAM_ONLY
     from metrale.runtime.serving.stats import GeneratorStats, SchedulerStats
     from metrale.runtime.spec.sampling import SamplingParams
 
     class Gen:
         tokenizer = tiny_engine.tokenizer
+        capabilities = STREAM_ONLY
 
         def stats(self):
             return GeneratorStats()

@@ -199,7 +199,8 @@ class _Inbox:
                 if type(msg) is Submit:
                     self.cancels[msg.rid] = cancel = threading.Event()
                     emit = self.outbox.emitter(msg.rid, msg.request.stream)
-                    self.scheduler.submit(Job(self.gen, msg.request, emit, cancel, msg.rid))
+                    self.scheduler.submit(Job(self.gen, msg.request, emit, cancel, msg.rid,
+                                              speculates=self.gen.capabilities.speculates))
                 elif type(msg) is Cancel:
                     cancel = self.cancels.pop(msg.rid, None)
                     if cancel is not None:

@@ -119,8 +119,9 @@ class Job:
     stream-only generator) `advance` takes the next token of `gen.stream`."""
 
     def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
-                 batch: Batch | None = None, coroutine: bool = False):
+                 batch: Batch | None = None, coroutine: bool = False, speculates: bool = False):
         self.gen, self.req, self.emit, self.cancel, self.rid = gen, req, emit, cancel, rid
+        self.speculates = speculates  # its generator's `Capabilities.speculates`
         # a request neither streamed nor cut at stop strings needs its text only once it ends:
         # its ids are decoded then, at once, not one decode per token in the busy loop
         self.decoder = IncrementalDecoder(gen.tokenizer, deferred=not (req.stream or req.stop))
@@ -190,7 +191,7 @@ class Job:
             if text:
                 self.emit("text", text)
         counted = self.counted
-        drafts = Drafts.of(counted) if counted.steps or self.gen.capabilities.speculates else None
+        drafts = Drafts.of(counted) if counted.steps or self.speculates else None
         self.emit("done", ("stop" if stopped or eos or self.n < self.limit else "length", self.n, drafts))
         return False
 
@@ -269,7 +270,7 @@ class Scheduler:
 
     def start(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str) -> None:
         """Admit request `req` of `gen`: its events go to `emit`; `cancel` set ends it."""
-        self.submit(Job(gen, req, emit, cancel, rid))
+        self.submit(Job(gen, req, emit, cancel, rid, speculates=gen.capabilities.speculates))
 
     @staticmethod
     def new_cancel(rid: str) -> threading.Event:
