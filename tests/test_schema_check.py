@@ -17,7 +17,7 @@ from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
 from metrale.runtime.spec.config import SpeculativeConfig
-from metrale.runtime.spec.schema_check import FORMATS, IGNORED, MAX_PROPERTIES, MAX_REPEAT, check_shape
+from metrale.runtime.spec.schema_check import FORMATS, IGNORED, MAX_PROPERTIES, MAX_REPEAT, MAX_REPEATS, check_shape
 
 REFUSED = [
     ({"type": "string", "pattern": "[a-z]{1,15000}"}, "$.pattern: the quantifier {1,15000} repeats 15000"),
@@ -42,6 +42,8 @@ REFUSED = [
         "type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {
             "type": "array", "items": {"type": "array", "items": {"type": "array", "items": {}}}}}}}}}}}},
      "nest 11 deep; at most 10"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{1,128}$"} for i in range(MAX_REPEATS // 128 + 1)}},
+     f"repeat more than {MAX_REPEATS} times in all"),
     ({"type": "object", "properties": "x"}, "$.properties: an object of subschemas"),
     ([1, 2], "$: a schema is a JSON object, got a list"),
 ]

@@ -22,6 +22,7 @@ MAX_DEPTH = 10  # nested subschemas (OpenAI's structured outputs allow 10 levels
 MAX_PROPERTIES = 500  # object properties over the whole schema
 MAX_ENUM = 1000  # values of one `enum`
 MAX_REPEAT = 128  # a `pattern` quantifier's count: xgrammar's regex compiler goes no further
+MAX_REPEATS = 16384  # the counts of every `pattern` quantifier, summed over the schema
 
 # keywords xgrammar drops (a document breaking them passes its grammar; `tests/test_schema_check.py`
 # checks each); `allOf` of one subschema is that subschema and `multipleOf` of an integer is kept,
@@ -51,7 +52,7 @@ def check_shape(schema: Any) -> None:
         json.dumps(schema, allow_nan=False)
     except ValueError:
         raise ConfigError("$: holds NaN or Infinity, which JSON does not allow") from None
-    properties = 0
+    properties, repeats = 0, 0
     stack: list[tuple[Any, str, int]] = [(schema, "$", 0)]
     while stack:
         node, path, depth = stack.pop()
@@ -61,7 +62,10 @@ def check_shape(schema: Any) -> None:
             raise ConfigError(f"{path}: a subschema is a JSON object or a boolean, got {_kind(node)}")
         if depth > MAX_DEPTH:
             raise ConfigError(f"{path}: subschemas nest {depth} deep; at most {MAX_DEPTH} levels are allowed")
-        _check_keywords(node, path)
+        repeats += _check_keywords(node, path)
+        if repeats > MAX_REPEATS:
+            raise ConfigError(f"{path}.pattern: the schema's pattern quantifiers repeat more than "
+                              f"{MAX_REPEATS} times in all, the most allowed")
         for key in ONE:
             if isinstance(node.get(key), (dict, bool)):
                 stack.append((node[key], f"{path}.{key}", depth + 1))
@@ -92,11 +96,13 @@ def check_shape(schema: Any) -> None:
                 stack.extend((s, f"{path}.{key}.{name}", inner) for name, s in subs.items())
 
 
-def _check_keywords(node: dict, path: str) -> None:
+def _check_keywords(node: dict, path: str) -> int:
+    """-> the repetitions its `pattern`'s quantifiers count."""
     for key in IGNORED:
         if key in node:
             raise ConfigError(f"{path}.{key}: this keyword is not enforced by the grammar, so it "
                               "is refused rather than ignored")
+    repeats = 0
     if "multipleOf" in node and node.get("type") != "integer":
         raise ConfigError(f"{path}.multipleOf: enforced for `\"type\": \"integer\"` only")
     if "format" in node and node["format"] not in FORMATS:
@@ -135,6 +141,7 @@ def _check_keywords(node: dict, path: str) -> None:
             if count > MAX_REPEAT:
                 raise ConfigError(f"{path}.pattern: the quantifier {m.group(0)} repeats {count} "
                                   f"times; at most {MAX_REPEAT} are allowed")
+            repeats += count
     required = node.get("required")
     if required is not None:
         if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
@@ -144,6 +151,7 @@ def _check_keywords(node: dict, path: str) -> None:
         if missing:  # the grammar would drop the name and not require it
             raise ConfigError(f"{path}.required: names {_shown(missing[0])}, which `properties` "
                               "does not define; a required property must be defined there")
+    return repeats
 
 
 def _kind(v: Any) -> str:
