@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(f"--drafters {args.drafters!r}: the engine's drafters are {', '.join(sorted(engine.drafters)) or 'none'}")
     texts = json.loads(PROMPTS.read_text())
     texts = texts[:args.prompts] if args.prompts else texts
-    prompts = [engine.tokenizer.encode(t) for t in texts]
+    prompts = [ids for ids in (engine.tokenizer.encode(t) for t in texts) if ids]
+    if not prompts:
+        sys.exit(f"{PROMPTS}: no prompt to measure")
 
     readings = [(n, False) for n in names]
     if args.marginal:
@@ -75,9 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
         whole = engine.drafters[name].config.block_size - 1
         got = block_steps(engine, name, prompts, args.max_tokens, budgets, marginal=marginal)
         label = f"{name} (marginal)" if marginal else name
+        chain = got["chain"]
         for policy, a in got.items():
             row = {"drafter": name, "marginal": marginal, "policy": policy, "tau": a.tau,
-                   "ratio": round(a.tau / got["chain"].tau, 3),
+                   "ratio": round(a.emitted * chain.steps / (a.steps * chain.emitted), 3),
                    "whole_block_share": round(a.accepted[whole] / a.steps, 3)}
             report["rows"].append(row)
             print(f"{label:<20} {policy:<8} {row['tau']:>6.3f} {row['ratio']:>7.3f}x {row['whole_block_share']:>12.3f}")

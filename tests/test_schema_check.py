@@ -17,34 +17,56 @@ from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
 from metrale.runtime.spec.config import SpeculativeConfig
-from metrale.runtime.spec.schema_check import FORMATS, IGNORED, MAX_PROPERTIES, MAX_REPEAT, MAX_REPEATS, check_shape
+from metrale.runtime.spec.schema_check import (FORMATS, IGNORED, MAX_DEPTH, MAX_ENUM, MAX_EXPANSION, MAX_PROPERTIES,
+                                                MAX_REPEAT, check_shape)
+
+def _nested(levels: int) -> dict:
+    schema: dict = {}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _deep_value(levels: int) -> list:
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
 
 REFUSED = [
-    ({"type": "string", "pattern": "[a-z]{1,15000}"}, "$.pattern: the quantifier {1,15000} repeats 15000"),
+    ({"type": "string", "pattern": "[a-z]{1,15000}"}, "$.pattern: a quantifier repeats 15000 times"),
     ({"type": "string", "pattern": "^[A-Za-z0-9]{1,150}$"}, "at most 128"),
+    ({"type": "string", "pattern": "^\\\\{1,15000}$"}, "repeats 15000 times"),  # an escaped backslash, repeated
+    ({"type": "object", "patternProperties": {"^a{1,15000}$": {}}}, "$.patternProperties: a quantifier"),
+    ({"type": "string", "pattern": "((x{128}){128}){2}"}, f"more than {MAX_EXPANSION} items in all"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{1,128}$"}
+                                       for i in range(MAX_EXPANSION // 128 + 1)}}, "in all, the most allowed"),
     ({"type": "string", "pattern": "^(?=a)a+$"}, "$.pattern: lookahead"),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2}, "$.minLength: not enforced beside `pattern`"),
+    ({"type": "string", "format": "email", "maxLength": 20}, "$.maxLength: not enforced beside `format`"),
+    ({"type": "string", "format": "email", "pattern": "^a"}, "$.pattern: not enforced beside `format`"),
+    ({"type": "string", "nullable": True}, "$.nullable: OpenAPI's keyword"),
+    ({"type": "array", "uniqueItems": True}, "$.uniqueItems: only false"),
     ({"type": "string", "minLength": -1}, "$.minLength: a whole number of at least 0, got -1"),
     ({"type": "array", "minItems": 5, "maxItems": 2}, "minItems 5 is greater than maxItems 2"),
-    ({"type": "integer", "minimum": float("nan")}, "NaN or Infinity"),
+    ({"type": "integer", "minimum": float("nan")}, "$.minimum: a finite number, got nan"),
+    ({"type": "string", "default": float("inf")}, "NaN or Infinity"),
+    ({"type": "array", "default": _deep_value(5000)}, "nests JSON too deeply"),
     ({"anyOf": []}, "$.anyOf: an empty list"),
     ({"enum": []}, "$.enum: a non-empty list"),
+    ({"anyOf": [{"enum": list(range(MAX_ENUM))}, {"enum": [-1]}]}, f"more than {MAX_ENUM} enum values in all"),
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "$.allOf: 2 subschemas"),
     ({"not": {"type": "string"}}, "$.not: this keyword is not enforced"),
     ({"type": "object", "properties": {"a": {"type": "string", "if": {"const": "x"}}}},
      "$.properties.a.if: this keyword is not enforced"),
-    ({"type": "string", "format": "bogus"}, "$.format: 'bogus' is not enforced"),
-    ({"type": "number", "multipleOf": 0.1}, "$.multipleOf: enforced for"),
+    ({"type": "number", "multipleOf": 0.1}, "$.multipleOf: enforced for integers only"),
     ({"$ref": "http://example.com/s.json"}, "$.$ref: only references inside the schema"),
     ({"type": "object", "properties": {}, "required": ["zz"]}, "$.required: names 'zz'"),
+    ({"type": "object", "properties": ["a"], "required": ["a"]}, "$.properties: an object of subschemas, got a list"),
     ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_PROPERTIES + 1)}},
      f"more than {MAX_PROPERTIES} properties"),
-    ({"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {
-        "type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {
-            "type": "array", "items": {"type": "array", "items": {"type": "array", "items": {}}}}}}}}}}}},
-     "nest 11 deep; at most 10"),
-    ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{1,128}$"} for i in range(MAX_REPEATS // 128 + 1)}},
-     f"repeat more than {MAX_REPEATS} times in all"),
-    ({"type": "object", "properties": "x"}, "$.properties: an object of subschemas"),
+    (_nested(MAX_DEPTH + 1), f"nest {MAX_DEPTH + 1} deep; at most {MAX_DEPTH}"),
     ([1, 2], "$: a schema is a JSON object, got a list"),
 ]
 
@@ -57,14 +79,19 @@ def test_the_shape_check_refuses_by_name_and_place(schema, words):
 
 
 def test_the_shape_check_passes_what_the_grammar_enforces():
+    """A schema as pydantic or OpenAI's structured outputs write them, with what says nothing
+    (`then` without `if`, `uniqueItems: false`, `nullable: false`) and annotation formats."""
     check_shape({"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12, "pattern": f"^[a-z]{{1,{MAX_REPEAT}}}$"},
+        "name": {"type": "string", "pattern": f"^[a-z]{{1,{MAX_REPEAT}}}$"},
+        "code": {"type": "string", "pattern": "^\\{1,999\\}[{1,999}]$"},  # literal braces, a class
         "when": {"type": "string", "format": "date"},
-        "n": {"type": "integer", "multipleOf": 3, "minimum": 0},
-        "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "minItems": 0, "maxItems": 3},
-        "pick": {"anyOf": [{"type": "null"}, {"allOf": [{"enum": ["a", "b"]}]}]}},
+        "secret": {"type": "string", "format": "password", "maxLength": 64, "then": {"minLength": 3}},
+        "n": {"type": ["integer", "null"], "multipleOf": 3, "minimum": 10 ** 400, "format": "int64"},
+        "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "maxItems": 3, "uniqueItems": False},
+        "pick": {"anyOf": [{"type": "null"}, {"allOf": [{"enum": ["a", "b"]}]}], "nullable": False}},
         "required": ["name"], "additionalProperties": False,
-        "$defs": {"tag": {"type": "string", "description": "{not a quantifier: \\{1,999}"}}})
+        "$defs": {"tag": {"type": "string", "maxLength": 8, "description": "{1,999}"}}})
+    check_shape(_nested(MAX_DEPTH))
 
 
 # a character-level vocabulary: a document is its characters, one token each, then the end
@@ -87,8 +114,6 @@ def _accepts(compiler, schema: dict, doc: str) -> bool:
 BROKEN = {
     "not": ({"type": "string", "not": {"const": "a"}}, '"a"'),
     "if": ({"type": "string", "if": {"const": "a"}, "then": {"minLength": 3}}, '"a"'),
-    "then": ({"type": "string", "then": {"minLength": 3}}, '"a"'),
-    "else": ({"type": "string", "if": {"const": "b"}, "else": {"minLength": 3}}, '"a"'),
     "dependentSchemas": ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
                           "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": "x"}'),
     "dependentRequired": ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
@@ -96,10 +121,20 @@ BROKEN = {
     "dependencies": ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
                       "dependencies": {"a": ["b"]}}, '{"a": "x"}'),
     "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[1]"),
-    "minContains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}, "minContains": 2}, "[1, 1]"),
-    "maxContains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}, "maxContains": 1}, "[3, 3]"),
-    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    "minContains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}, "minContains": 2},
+                    "[3, 1]"),
+    "maxContains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}, "maxContains": 1},
+                    "[3, 3]"),
 }
+# the same for what is refused only in some forms (`nullable`: a document it allows is refused)
+BROKEN_FORMS = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", True),
+    ({"type": "string", "nullable": True}, "null", False),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, '"a"', True),
+    ({"type": "string", "format": "date", "maxLength": 3}, '"2020-01-01"', True),
+    ({"type": "string", "format": "date", "pattern": "^1"}, '"2020-01-01"', True),
+    ({"type": "number", "multipleOf": 0.5}, "0.3", True),
+]
 
 
 @pytest.mark.parametrize("keyword", IGNORED)
@@ -108,6 +143,15 @@ def test_each_refused_keyword_is_one_the_grammar_drops(compiler, keyword):
     xgrammar starts enforcing one, this fails and the keyword can be let through)."""
     schema, doc = BROKEN[keyword]
     assert _accepts(compiler, schema, doc)
+    with pytest.raises(ConfigError):
+        check_shape(schema)
+
+
+@pytest.mark.parametrize("schema,doc,passes", BROKEN_FORMS)
+def test_each_refused_form_is_one_the_grammar_drops(compiler, schema, doc, passes):
+    assert _accepts(compiler, schema, doc) == passes
+    with pytest.raises(ConfigError):
+        check_shape(schema)
 
 
 def test_what_passes_is_enforced(compiler):
@@ -115,11 +159,25 @@ def test_what_passes_is_enforced(compiler):
         assert not _accepts(compiler, {"type": "string", "format": fmt}, '"x y%"'), fmt
         assert _accepts(compiler, {"type": "string"}, '"x y%"')
     assert not _accepts(compiler, {"type": "integer", "multipleOf": 3}, "4")
+    assert not _accepts(compiler, {"type": ["integer", "null"], "multipleOf": 3}, "4")
+    assert not _accepts(compiler, {"type": "string", "pattern": "^[a-z]+$"}, '"A"')
+    assert not _accepts(compiler, {"type": "string", "maxLength": 2}, '"abc"')
+    assert not _accepts(compiler, {"type": "string", "format": "password", "maxLength": 2}, '"abc"')
     assert not _accepts(compiler, {"allOf": [{"type": "string", "minLength": 3}]}, '"a"')
     assert not _accepts(compiler, {"type": "string", "pattern": f"^a{{{MAX_REPEAT}}}$"}, '"a"')
     # past the limit the compiler fails outright, deep inside
     with pytest.raises(RuntimeError):
         compiler.compile_json_schema(json.dumps({"type": "string", "pattern": f"^a{{{MAX_REPEAT + 1}}}$"}))
+
+
+def test_xgrammars_refusals_lose_their_log_prefix():
+    from metrale.runtime.spec.grammar import refusal
+
+    logged = RuntimeError("[16:04:19] /project/cpp/json_schema_converter.cc:4944: Unsupported type \"foo\"\n")
+    assert refusal(logged) == 'Unsupported type "foo"'
+    failed = RuntimeError("[16:04:19] /project/cpp/grammar_functor.cc:3567: Check failed: (x.has_value()) is false:\n")
+    assert refusal(failed) == "xgrammar could not compile it"
+    assert len(refusal(RuntimeError("y" * 1000))) == 200
 
 
 def test_a_schema_the_grammar_cannot_enforce_is_a_400_before_generation(tiny_engine):
@@ -129,9 +187,9 @@ def test_a_schema_the_grammar_cannot_enforce_is_a_400_before_generation(tiny_eng
     beside them is answered."""
     gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True))
     cases = [({"type": "string", "pattern": "[a-z]{1,15000}"}, "at most 128"),
-             ({"$ref": "#"}, "no JSON document satisfies it"),
+             ({"$ref": "#"}, "no token can start a document"),
              ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-              "no JSON document satisfies it"),
+              "no token can start a document"),
              ({"type": "objectx"}, 'Unsupported type "objectx"'),
              ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 is greater than maxLength 2"),
              ({"not": {"type": "string"}}, "$.not")]

@@ -37,14 +37,21 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none", "auto"),
     # vLLM's and SGLang's sampling extensions, which clients of those servers send
     "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
-    "ignore_eos": (False,), "stop_token_ids": ([],),
+    "ignore_eos": (False,), "stop_token_ids": ([],), "use_beam_search": (False,), "bad_words": ([],),
+    # their structured-output fields: only null (this server's is `response_format`)
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "regex": (), "ebnf": (), "json_schema": (),
 }
+STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+              "regex", "ebnf", "json_schema")
 
 
 def _neutral_value(v: Any, neutral: tuple[Any, ...]) -> bool:
     """`v` is one of `neutral`: a boolean only as a boolean, a number as an int or a float
     (`true` is not `1`, `0.0` is `0`)."""
     return any(v == n and (isinstance(v, bool) == isinstance(n, bool)) for n in neutral)
+
+
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 RESPONSE_FORMAT = ('an object: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
                    '"json_schema": {"name": ..., "schema": {...}}}')
@@ -205,6 +212,16 @@ class _GenerationBody(BaseModel):
     min_tokens: Any = None
     ignore_eos: Any = None
     stop_token_ids: Any = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
     response_format: Any = Field(None, description=RESPONSE_FORMAT)
     speculative: SpeculativeOptions | None = Field(None, description=SPECULATIVE)
 
@@ -223,7 +240,8 @@ class _GenerationBody(BaseModel):
     @classmethod
     def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None and not _neutral_value(v, NEUTRAL[info.field_name]):
-            raise _invalid("unsupported_parameter", f"is not supported by this server, got {shown(v)}")
+            hint = "; structured output is asked with `response_format`" if info.field_name in STRUCTURED else ""
+            raise _invalid("unsupported_parameter", f"is not supported by this server{hint}, got {shown(v)}")
         return v
 
     @field_validator("response_format")

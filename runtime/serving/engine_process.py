@@ -200,7 +200,7 @@ class _Inbox:
                     self.cancels[msg.rid] = cancel = threading.Event()
                     emit = self.outbox.emitter(msg.rid, msg.request.stream)
                     self.scheduler.submit(Job(self.gen, msg.request, emit, cancel, msg.rid,
-                                              speculates=self.gen.capabilities.speculates))
+                                              speculates=self.scheduler.speculates))
                 elif type(msg) is Cancel:
                     cancel = self.cancels.pop(msg.rid, None)
                     if cancel is not None:

@@ -221,8 +221,9 @@ class Scheduler:
                  speculative_disable_by_batch_size: int | None = None,
                  thread_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  flush: Callable[[], None] = lambda: None, yield_gil: bool = True,
-                 inbox: Callable[[bool], bool] | None = None):
+                 inbox: Callable[[bool], bool] | None = None, speculates: bool = False):
         self.max_num_seqs = max_num_seqs
+        self.speculates = speculates  # its generator's `Capabilities.speculates`, for its jobs
         # between iterations, let another thread of this interpreter in (an event loop's)
         self.yield_gil = yield_gil
         self.thread_mode = thread_mode  # the model thread runs in it (the generator's torch mode)
@@ -256,7 +257,7 @@ class Scheduler:
         caps: Capabilities = gen.capabilities
         most = 1 if caps.sequential else min(max_num_seqs, caps.max_running or max_num_seqs)
         return cls(most, gen.run_forwards if caps.batched else None, disable_at, caps.thread_mode,
-                   flush, yield_gil, inbox)
+                   flush, yield_gil, inbox, caps.speculates)
 
     def run(self) -> None:
         """The loop on the caller's thread, for a scheduler given an `inbox`: a callable that
@@ -270,7 +271,7 @@ class Scheduler:
 
     def start(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str) -> None:
         """Admit request `req` of `gen`: its events go to `emit`; `cancel` set ends it."""
-        self.submit(Job(gen, req, emit, cancel, rid, speculates=gen.capabilities.speculates))
+        self.submit(Job(gen, req, emit, cancel, rid, speculates=self.speculates))
 
     @staticmethod
     def new_cancel(rid: str) -> threading.Event:

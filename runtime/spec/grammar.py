@@ -31,6 +31,8 @@ from metrale.runtime.errors import ConfigError
 # xgrammar is imported where a grammar is first made: its import loads its compiler's runtime,
 # and most processes never constrain a request
 
+CACHE_BYTES = 256 << 20  # compiled grammars kept for schemas seen again, least recently used out
+
 # `response_format: {"type": "json_object"}`: any JSON object
 JSON_OBJECT = json.dumps({"type": "object"})
 
@@ -42,7 +44,9 @@ def refusal(e: Exception) -> str:
     text = lines[-1] if lines else type(e).__name__
     text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # [12:00:00]
     text = re.sub(r"^\S+\.(cc|h):\d+:\s*", "", text)  # json_schema_converter.cc:4944:
-    text = re.sub(r"^Check failed: \(.*\) is false:\s*", "", text)
+    text = re.sub(r"^Check failed: \(.*\) is false:\s*", "", text).strip()
+    if not text:  # a failed check with no words of its own
+        return "xgrammar could not compile it"
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -60,19 +64,19 @@ class Grammars:
                 encoded[i] = text
         info = xgrammar.TokenizerInfo(encoded, xgrammar.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
                                       stop_token_ids=sorted(tokenizer.eos_token_ids))
-        self.compiler = xgrammar.GrammarCompiler(info)
+        self.compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
 
     def compile(self, schema: str):
         """JSON schema `schema` (text, `schema_check.check_shape` passed) compiled for this
         tokenizer (cached by text); ConfigError, in xgrammar's words, where it cannot be, or
-        where no document satisfies it (no token may start one)."""
+        where no token may start a document (a schema that is only a reference to itself)."""
         try:
             compiled = self.compiler.compile_json_schema(schema, any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ConfigError(refusal(e)) from None
         if GrammarState(compiled, self.vocab_size).masked(torch.zeros(self.vocab_size)).isinf().all():
-            raise ConfigError("no JSON document satisfies it (no token can start one)")
+            raise ConfigError("no token can start a document it allows")
         return compiled
 
     def state(self, schema: str) -> GrammarState:

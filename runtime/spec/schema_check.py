@@ -3,33 +3,35 @@
 xgrammar drops keywords it does not enforce (with a warning in the server's log), so a schema
 using them would be answered with documents that break it; this refuses them instead, by name
 and place. It also bounds what a grammar costs to compile (its time grows faster than the
-schema: a few thousand properties take minutes), refuses what says outright that no document
-satisfies it (`anyOf: []`, an empty `enum`), and checks the counts xgrammar would otherwise fail
-on deep in its compiler. Pure Python over the parsed schema, in time linear in its size, so it
-may run wherever the request is parsed.
+schema: a few thousand properties, or one pattern quantifier of thousands, take minutes),
+refuses what says outright that no document satisfies it (`anyOf: []`, an empty `enum`), and
+checks the counts xgrammar would otherwise fail on deep in its compiler. Pure Python over the
+parsed schema, without recursion and in time linear in its size, so it may run wherever the
+request is parsed. `format` is an annotation (JSON Schema's default): the formats xgrammar
+knows it enforces (`FORMATS`), the others it lets pass.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 from metrale.runtime.errors import ConfigError
 
-MAX_DEPTH = 10  # nested subschemas (OpenAI's structured outputs allow 10 levels of nesting)
+MAX_DEPTH = 32  # subschemas within subschemas (each `properties`, `items`, `anyOf` entry: one)
 MAX_PROPERTIES = 500  # object properties over the whole schema
-MAX_ENUM = 1000  # values of one `enum`
-MAX_REPEAT = 128  # a `pattern` quantifier's count: xgrammar's regex compiler goes no further
-MAX_REPEATS = 16384  # the counts of every `pattern` quantifier, summed over the schema
+MAX_ENUM = 1000  # `enum` values over the whole schema
+MAX_REPEAT = 128  # one `pattern` quantifier's count: xgrammar's regex compiler goes no further
+MAX_EXPANSION = 16384  # the patterns' size with every quantifier written out, summed
 
-# keywords xgrammar drops (a document breaking them passes its grammar; `tests/test_schema_check.py`
-# checks each); `allOf` of one subschema is that subschema and `multipleOf` of an integer is kept,
-# and are allowed
-IGNORED = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
-           "contains", "minContains", "maxContains", "uniqueItems")
-# the string formats xgrammar enforces
+# keywords xgrammar drops: a document breaking them passes its grammar
+# (`tests/test_schema_check.py` checks each). `then`/`else` without `if`, `uniqueItems: false`
+# and OpenAPI's `nullable: false` say nothing, and are let through.
+IGNORED = ("not", "if", "dependentSchemas", "dependentRequired", "dependencies", "contains",
+           "minContains", "maxContains")
+# the string formats xgrammar enforces (the others are annotations to it); beside one of these
+# it drops a string's length bounds and pattern
 FORMATS = ("date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
            "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer")
 # keywords whose values are subschemas: one, a list of them, or a name -> subschema map
@@ -37,8 +39,6 @@ ONE = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedIte
 LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 MAPS = ("properties", "$defs", "definitions", "patternProperties")
 COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
-_QUANTIFIER = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
-_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")
 
 
 def check_shape(schema: Any) -> None:
@@ -48,11 +48,7 @@ def check_shape(schema: Any) -> None:
     property it does not define, or says outright that no document satisfies it."""
     if not isinstance(schema, dict):
         raise ConfigError(f"$: a schema is a JSON object, got {_kind(schema)}")
-    try:
-        json.dumps(schema, allow_nan=False)
-    except ValueError:
-        raise ConfigError("$: holds NaN or Infinity, which JSON does not allow") from None
-    properties, repeats = 0, 0
+    properties = enums = expansion = 0
     stack: list[tuple[Any, str, int]] = [(schema, "$", 0)]
     while stack:
         node, path, depth = stack.pop()
@@ -62,52 +58,85 @@ def check_shape(schema: Any) -> None:
             raise ConfigError(f"{path}: a subschema is a JSON object or a boolean, got {_kind(node)}")
         if depth > MAX_DEPTH:
             raise ConfigError(f"{path}: subschemas nest {depth} deep; at most {MAX_DEPTH} levels are allowed")
-        repeats += _check_keywords(node, path)
-        if repeats > MAX_REPEATS:
-            raise ConfigError(f"{path}.pattern: the schema's pattern quantifiers repeat more than "
-                              f"{MAX_REPEATS} times in all, the most allowed")
-        for key in ONE:
-            if isinstance(node.get(key), (dict, bool)):
-                stack.append((node[key], f"{path}.{key}", depth + 1))
-            elif key == "items" and isinstance(node.get(key), list):
-                stack.extend((s, f"{path}.items[{i}]", depth + 1) for i, s in enumerate(node[key]))
-        for key in LISTS:
-            if key in node:
-                subs = node[key]
-                if not isinstance(subs, list):
-                    raise ConfigError(f"{path}.{key}: a list of subschemas, got {_kind(subs)}")
-                if key in ("anyOf", "oneOf") and not subs:
-                    raise ConfigError(f"{path}.{key}: an empty list, which no document satisfies")
-                if key == "allOf" and len(subs) > 1:
-                    raise ConfigError(f"{path}.allOf: {len(subs)} subschemas; only one is enforced here")
-                stack.extend((s, f"{path}.{key}[{i}]", depth + 1) for i, s in enumerate(subs))
-        for key in MAPS:
-            if key in node:
-                subs = node[key]
-                if not isinstance(subs, dict):
-                    raise ConfigError(f"{path}.{key}: an object of subschemas, got {_kind(subs)}")
-                if key == "properties":
-                    properties += len(subs)
-                    if properties > MAX_PROPERTIES:
-                        raise ConfigError(f"{path}.properties: the schema defines more than "
-                                          f"{MAX_PROPERTIES} properties in all, the most allowed")
-                # definitions are reached through references: their depth starts again
-                inner = 1 if key in ("$defs", "definitions") else depth + 1
-                stack.extend((s, f"{path}.{key}.{name}", inner) for name, s in subs.items())
+        subs = _subschemas(node, path, depth)
+        _check_keywords(node, path)
+        properties += len(node["properties"]) if "properties" in node else 0
+        if properties > MAX_PROPERTIES:
+            raise ConfigError(f"{path}.properties: the schema defines more than {MAX_PROPERTIES} "
+                              "properties in all, the most allowed")
+        enums += len(node["enum"]) if "enum" in node else 0
+        if enums > MAX_ENUM:
+            raise ConfigError(f"{path}.enum: the schema lists more than {MAX_ENUM} enum values in "
+                              "all, the most allowed")
+        patterns = [(f"{path}.pattern", node["pattern"])] if "pattern" in node else []
+        patterns += [(f"{path}.patternProperties", key) for key in node.get("patternProperties", ())]
+        for where, pattern in patterns:
+            expansion += _pattern_size(pattern, where)
+            if expansion > MAX_EXPANSION:
+                raise ConfigError(f"{where}: the schema's patterns, their quantifiers written out, "
+                                  f"come to more than {MAX_EXPANSION} items in all, the most allowed")
+        stack.extend(subs)
+    try:
+        json.dumps(schema, allow_nan=False)
+    except ValueError:
+        raise ConfigError("$: holds NaN or Infinity, which JSON does not allow") from None
+    except RecursionError:  # nesting in values no subschema walk reaches (`default`, `const`)
+        raise ConfigError("$: nests JSON too deeply") from None
 
 
-def _check_keywords(node: dict, path: str) -> int:
-    """-> the repetitions its `pattern`'s quantifiers count."""
+def _subschemas(node: dict, path: str, depth: int) -> list[tuple[Any, str, int]]:
+    """The subschemas in `node` (after checking each holder's type), one level deeper;
+    definitions are reached through references, so their depth starts again."""
+    out: list[tuple[Any, str, int]] = []
+    for key in ONE:
+        if isinstance(node.get(key), (dict, bool)):
+            out.append((node[key], f"{path}.{key}", depth + 1))
+    for key in LISTS:
+        if key in node:
+            subs = node[key]
+            if not isinstance(subs, list):
+                raise ConfigError(f"{path}.{key}: a list of subschemas, got {_kind(subs)}")
+            if key in ("anyOf", "oneOf") and not subs:
+                raise ConfigError(f"{path}.{key}: an empty list, which no document satisfies")
+            if key == "allOf" and len(subs) > 1:
+                raise ConfigError(f"{path}.allOf: {len(subs)} subschemas; only one is enforced here")
+            out.extend((s, f"{path}.{key}[{i}]", depth + 1) for i, s in enumerate(subs))
+    for key in MAPS:
+        if key in node:
+            subs = node[key]
+            if not isinstance(subs, dict):
+                raise ConfigError(f"{path}.{key}: an object of subschemas, got {_kind(subs)}")
+            inner = 1 if key in ("$defs", "definitions") else depth + 1
+            out.extend((s, f"{path}.{key}.{name}", inner) for name, s in subs.items())
+    return out
+
+
+def _check_keywords(node: dict, path: str) -> None:
     for key in IGNORED:
         if key in node:
             raise ConfigError(f"{path}.{key}: this keyword is not enforced by the grammar, so it "
                               "is refused rather than ignored")
-    repeats = 0
-    if "multipleOf" in node and node.get("type") != "integer":
-        raise ConfigError(f"{path}.multipleOf: enforced for `\"type\": \"integer\"` only")
-    if "format" in node and node["format"] not in FORMATS:
-        raise ConfigError(f"{path}.format: {_shown(node['format'])} is not enforced; the formats "
-                          f"enforced are {', '.join(FORMATS)}")
+    if node.get("nullable") not in (None, False):
+        raise ConfigError(f"{path}.nullable: OpenAPI's keyword is not enforced; write "
+                          "`\"type\": [..., \"null\"]` instead")
+    if node.get("uniqueItems") not in (None, False):
+        raise ConfigError(f"{path}.uniqueItems: only false (the default) can be enforced, got "
+                          f"{_shown(node['uniqueItems'])}")
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "multipleOf" in node and ("integer" not in types or "number" in types):
+        raise ConfigError(f"{path}.multipleOf: enforced for integers only (`\"type\": \"integer\"`)")
+    # beside a pattern or a format it enforces, xgrammar drops a string's length bounds; beside
+    # such a format, the pattern
+    stringy = types == [None] or "string" in types
+    shaped = [k for k in ("pattern", "format") if stringy and k in node
+              and (k == "pattern" or node["format"] in FORMATS)]
+    for key in ("minLength", "maxLength") if shaped else ():
+        if key in node:
+            raise ConfigError(f"{path}.{key}: not enforced beside `{shaped[0]}`; write the length "
+                              "into the pattern instead (e.g. ^[a-z]{2,8}$)")
+    if shaped == ["pattern", "format"]:
+        raise ConfigError(f"{path}.pattern: not enforced beside `format`; give one of the two")
     ref = node.get("$ref")
     if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
         raise ConfigError(f"{path}.$ref: only references inside the schema (\"#...\") are "
@@ -121,37 +150,83 @@ def _check_keywords(node: dict, path: str) -> int:
             raise ConfigError(f"{path}: {low} {node[low]} is greater than {high} {node[high]}")
     for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         v = node.get(key)
-        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or (isinstance(v, float) and not math.isfinite(v))):
             raise ConfigError(f"{path}.{key}: a finite number, got {_shown(v)}")
-    if "enum" in node:
-        values = node["enum"]
-        if not isinstance(values, list) or not values:
-            raise ConfigError(f"{path}.enum: a non-empty list of values, got {_shown(values)}")
-        if len(values) > MAX_ENUM:
-            raise ConfigError(f"{path}.enum: {len(values)} values; at most {MAX_ENUM} are allowed")
-    pattern = node.get("pattern")
-    if pattern is not None:
-        if not isinstance(pattern, str):
-            raise ConfigError(f"{path}.pattern: a regular expression as a string, got {_kind(pattern)}")
-        if _LOOKAROUND.search(pattern):
-            raise ConfigError(f"{path}.pattern: lookahead and lookbehind are not enforced, so they "
-                              "are refused rather than ignored")
-        for m in _QUANTIFIER.finditer(pattern):
-            count = max(int(m.group(1)), int(m.group(2) or 0))
-            if count > MAX_REPEAT:
-                raise ConfigError(f"{path}.pattern: the quantifier {m.group(0)} repeats {count} "
-                                  f"times; at most {MAX_REPEAT} are allowed")
-            repeats += count
+    if "enum" in node and not (isinstance(node["enum"], list) and node["enum"]):
+        raise ConfigError(f"{path}.enum: a non-empty list of values, got {_shown(node['enum'])}")
+    if "pattern" in node and not isinstance(node["pattern"], str):
+        raise ConfigError(f"{path}.pattern: a regular expression as a string, got {_kind(node['pattern'])}")
     required = node.get("required")
     if required is not None:
         if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
             raise ConfigError(f"{path}.required: a list of property names, got {_shown(required)}")
-        defined = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        missing = [r for r in required if r not in defined]
+        missing = [r for r in required if r not in node.get("properties", {})]
         if missing:  # the grammar would drop the name and not require it
             raise ConfigError(f"{path}.required: names {_shown(missing[0])}, which `properties` "
                               "does not define; a required property must be defined there")
-    return repeats
+
+
+def _pattern_size(pattern: str, where: str) -> int:
+    """The number of items (characters, classes) in regular expression `pattern` with every
+    quantifier written out (`(ab){3}` is 6, `[a-z]{1,8}` 8), refusing a quantifier past
+    MAX_REPEAT and lookaround, which xgrammar does not enforce."""
+    groups = [0]  # the size of each open group so far; the outermost is the pattern
+    last = 0  # the size of the item a quantifier would repeat
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":  # an escape: one item
+            i, last = i + 2, 1
+            groups[-1] += 1
+            continue
+        if c == "[":  # a class, up to its unescaped closing bracket: one item
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i, last = j + 1, 1
+            groups[-1] += 1
+            continue
+        if c == "(":
+            if pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+                raise ConfigError(f"{where}: lookahead and lookbehind are not enforced, so they "
+                                  "are refused rather than ignored")
+            groups.append(0)
+            i += 1
+            continue
+        if c == ")" and len(groups) > 1:
+            last = groups.pop()
+            groups[-1] += last
+            i += 1
+            continue
+        if c == "{":
+            count = _braces(pattern, i)
+            if count is not None:
+                times, i = count
+                if times > MAX_REPEAT:
+                    raise ConfigError(f"{where}: a quantifier repeats {times} times; at most "
+                                      f"{MAX_REPEAT} are allowed")
+                groups[-1] += last * (times - 1)
+                last *= times
+                continue
+        if c not in "*+?|^$":
+            last = 1
+            groups[-1] += 1
+        i += 1
+    return sum(groups)
+
+
+def _braces(pattern: str, i: int) -> tuple[int, int] | None:
+    """The count of the quantifier `{m}`, `{m,}` or `{m,n}` at `i` (its larger bound) and the
+    index after it; None where the brace is a literal."""
+    j = pattern.find("}", i)
+    if j < 0:
+        return None
+    body = pattern[i + 1:j].split(",")
+    if len(body) > 2 or not body[0].isdigit() or not all(b.isdigit() for b in body[1:] if b):
+        return None
+    return max(int(b) for b in body if b), j + 1
 
 
 def _kind(v: Any) -> str:
