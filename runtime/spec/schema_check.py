@@ -3,7 +3,7 @@
 xgrammar drops keywords it does not enforce (with a warning in the server's log), so a schema
 using them would be answered with documents that break it; this refuses them instead, by name
 and place. It also bounds what a grammar costs to compile (its time grows faster than the
-schema: a few thousand properties, or one pattern quantifier of thousands, take minutes),
+schema: a few thousand properties take minutes),
 refuses what says outright that no document satisfies it (`anyOf: []`, an empty `enum`), and
 checks the counts xgrammar would otherwise fail on deep in its compiler. Pure Python over the
 parsed schema, without recursion and in time linear in its size, so it may run wherever the
@@ -22,8 +22,8 @@ from metrale.runtime.errors import ConfigError
 MAX_DEPTH = 32  # subschemas within subschemas (each `properties`, `items`, `anyOf` entry: one)
 MAX_PROPERTIES = 500  # object properties over the whole schema
 MAX_ENUM = 1000  # `enum` values over the whole schema
-MAX_REPEAT = 128  # one `pattern` quantifier's count: xgrammar's regex compiler goes no further
-MAX_EXPANSION = 16384  # the patterns' size with every quantifier written out, summed
+MAX_REPEAT = 1000  # one `pattern` quantifier's count
+MAX_EXPANSION = 4096  # the patterns' size with every quantifier written out, summed
 
 # keywords xgrammar drops: a document breaking them passes its grammar
 # (`tests/test_schema_check.py` checks each). `then`/`else` without `if`, `uniqueItems: false`
