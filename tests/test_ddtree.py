@@ -142,7 +142,8 @@ def test_the_marginal_reading_is_dflashs_own_and_drops_dflash2s_selector(tiny_en
 
 def test_the_tree_tau_script_reports_each_policy(tiny_engine_dir, tmp_path):
     """scripts/tree_tau.py: a row per drafter reading and policy, the chain's ratio 1, its JSON
-    the printed figures; a bad flag is refused by name, with no traceback."""
+    the printed figures; `--unseen` measures prompts of the standard library's packages; a bad
+    flag or prompts file is refused by name, with no traceback."""
     import json
     import subprocess
     import sys
@@ -162,8 +163,18 @@ def test_the_tree_tau_script_reports_each_policy(tiny_engine_dir, tmp_path):
     assert all(0.0 <= r["whole_block_share"] <= 1.0 and r["tau"] >= 1.0 for r in rows)
     for r in rows:
         assert f"{r['tau']:.3f}" in run.stdout
+    unseen = subprocess.run([sys.executable, script, "--engine-dir", tiny_engine_dir, "--unseen", "--prompts", "2",
+                             "--max-tokens", "16", "--drafters", "dflash", "--budgets", "4", "--json", out],
+                            capture_output=True, text=True, timeout=300)
+    assert unseen.returncode == 0, unseen.stderr
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2 and [r["policy"] for r in report["rows"]] == ["chain", "tree 4"]
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"a": 1}')
     for flags, named in ((["--budgets", "0"], "--budgets '0'"), (["--drafters", "eagle"], "--drafters 'eagle'"),
-                         (["--max-tokens", "1"], "--max-tokens 1")):
+                         (["--max-tokens", "1"], "--max-tokens 1"),
+                         (["--prompts-file", str(notes)], "a JSON list of strings"),
+                         (["--prompts-file", str(tmp_path / "none.json")], "cannot be read")):
         bad = subprocess.run([sys.executable, script, "--engine-dir", tiny_engine_dir, *flags],
                              capture_output=True, text=True, timeout=300)
         assert bad.returncode != 0 and named in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
