@@ -362,7 +362,6 @@ def test_the_engines_inbox_handles_what_waits_and_yields_its_core_when_nothing_d
     class Sched:
         jobs: list = []
         iterations = 0
-        speculates = False
 
         def submit(self, job):
             self.jobs.append(job)

@@ -99,7 +99,7 @@ class Schemas:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.tokenizer.vocab_size)
         try:
-            self._grammars.compile(schema)
+            self._grammars.check(schema)
         except ConfigError as e:
             raise APIError(400, f"`response_format` holds a schema that cannot be enforced: {e}",
                            "response_format", "invalid_value") from None

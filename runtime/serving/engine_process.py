@@ -199,8 +199,7 @@ class _Inbox:
                 if type(msg) is Submit:
                     self.cancels[msg.rid] = cancel = threading.Event()
                     emit = self.outbox.emitter(msg.rid, msg.request.stream)
-                    self.scheduler.submit(Job(self.gen, msg.request, emit, cancel, msg.rid,
-                                              speculates=self.scheduler.speculates))
+                    self.scheduler.submit(Job(self.gen, msg.request, emit, cancel, msg.rid))
                 elif type(msg) is Cancel:
                     cancel = self.cancels.pop(msg.rid, None)
                     if cancel is not None:

@@ -119,9 +119,9 @@ class Job:
     stream-only generator) `advance` takes the next token of `gen.stream`."""
 
     def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
-                 batch: Batch | None = None, coroutine: bool = False, speculates: bool = False):
+                 batch: Batch | None = None, coroutine: bool = False):
         self.gen, self.req, self.emit, self.cancel, self.rid = gen, req, emit, cancel, rid
-        self.speculates = speculates  # its generator's `Capabilities.speculates`
+        self.speculates = False  # its generator's `Capabilities.speculates` (set at `Scheduler.submit`)
         # a request neither streamed nor cut at stop strings needs its text only once it ends:
         # its ids are decoded then, at once, not one decode per token in the busy loop
         self.decoder = IncrementalDecoder(gen.tokenizer, deferred=not (req.stream or req.stop))
@@ -271,7 +271,7 @@ class Scheduler:
 
     def start(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str) -> None:
         """Admit request `req` of `gen`: its events go to `emit`; `cancel` set ends it."""
-        self.submit(Job(gen, req, emit, cancel, rid, speculates=self.speculates))
+        self.submit(Job(gen, req, emit, cancel, rid))
 
     @staticmethod
     def new_cancel(rid: str) -> threading.Event:
@@ -281,6 +281,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         job.batch = self.batch
         job.coroutine = self.run_forwards is not None
+        job.speculates = self.speculates
         with self._cv:
             self.waiting.append(job)
             self._cv.notify()

@@ -226,8 +226,14 @@ def block_tree(drafter, anchor: int, proposal, budget: int) -> Tree:
     elif drafter.config.version == 2 and proposal.hidden is not None:
         children = SelectorChildren(drafter.candidate_selector, proposal.hidden[0], proposal.logits[0], anchor)
     else:
-        children = MarginalChildren(torch.log_softmax(proposal.logits[0].float(), dim=-1), budget)
+        return marginal_tree(anchor, proposal.logits[0], budget)
     return build_tree(anchor, children, budget)
+
+
+def marginal_tree(anchor: int, logits: torch.Tensor, budget: int) -> Tree:
+    """A block's tree of `budget` nodes from its positions' own distributions (`logits` [D,
+    V]): DFlash's, and any drafter's block read as DFlash's."""
+    return build_tree(anchor, MarginalChildren(torch.log_softmax(logits.float(), dim=-1), budget), budget)
 
 
 def choose_child(probs: torch.Tensor, children: list[int], generator=None) -> tuple[int, int]:

@@ -69,15 +69,17 @@ class Grammars:
 
     def compile(self, schema: str):
         """JSON schema `schema` (text, `schema_check.check_shape` passed) compiled for this
-        tokenizer (cached by text); ConfigError, in xgrammar's words, where it cannot be, or
-        where no token may start a document (a schema that is only a reference to itself)."""
+        tokenizer (cached by text); ConfigError, in xgrammar's words, where it cannot be."""
         try:
-            compiled = self.compiler.compile_json_schema(schema, any_whitespace=False)
+            return self.compiler.compile_json_schema(schema, any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ConfigError(refusal(e)) from None
-        if GrammarState(compiled, self.vocab_size).masked(torch.zeros(self.vocab_size)).isinf().all():
+
+    def check(self, schema: str) -> None:
+        """`compile`'s refusals, and a schema whose grammar lets no token start a document (a
+        union of only a reference to itself): what the server refuses before admitting it."""
+        if self.state(schema).masked(torch.zeros(self.vocab_size)).isinf().all():
             raise ConfigError("no token can start a document it allows")
-        return compiled
 
     def state(self, schema: str) -> GrammarState:
         """A fresh matcher for JSON schema `schema` (text; `compile`'s refusals)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale.runtime.spec.ddtree import MarginalChildren, accepted_along, block_tree, build_tree, chain
+from metrale.runtime.spec.ddtree import accepted_along, block_tree, chain, marginal_tree
 from metrale.runtime.spec.decode import Decoder
 from metrale.runtime.spec.sampling import SamplingParams
 
@@ -76,9 +76,7 @@ def block_steps(engine, drafter: str, prompts: list[list[int]], max_tokens: int,
                     if marginal and budget is None:
                         tree = chain(ys[i], proposal.logits[0].argmax(-1).tolist())
                     elif marginal:
-                        log_probs = torch.log_softmax(proposal.logits[0].float(), dim=-1)
-                        tree = build_tree(ys[i], MarginalChildren(log_probs, budget),
-                                          min(budget, len(ys) - 2 - i))
+                        tree = marginal_tree(ys[i], proposal.logits[0], min(budget, len(ys) - 2 - i))
                     elif budget is None:
                         tree = chain(ys[i], proposal.tokens[0].tolist())
                     else:  # the tree the decode loop verifies (`DFlashProposer`), which
