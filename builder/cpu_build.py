@@ -10,10 +10,11 @@ the staged model (loaded back exactly as serve loads it, then packed), exported 
 head, the row count: one package for every row count, as fast per call as one of fixed rows,
 with no padding rows), and compiled with `torch._inductor.aoti_compile_and_package`:
 inductor `freezing` (weights are constants, so its CPU code is specialised to them) and
-max-autotune with its C++ micro-GEMM templates for the projections; on an x86 machine with
-AVX-512 or AVX2 (float32) the target's and the head's routed experts and projections and every
-batched step's attention are metrale's own kernels (`plugins.cpu_moe`, `plugins.cpu_linear`,
-`plugins.cpu_attention`), linked into the package. Packages compile in parallel worker processes,
+max-autotune with its C++ micro-GEMM templates for the projections (the drafters' steps
+without them); on an x86 machine with AVX-512 or AVX2 (float32) the target's and the head's
+routed experts, every step's projections and every batched step's attention are metrale's own
+kernels (`plugins.cpu_moe`, `plugins.cpu_linear`, `plugins.cpu_attention`), linked into the
+package. Packages compile in parallel worker processes,
 one thread each.
 
 After compiling, the build checks what the runtime relies on, on random prompts: each row of
@@ -64,12 +65,18 @@ THREADS = 1
 # inside the loops (the faces check every position against its cache, and token ids are checked
 # on entry).
 _LOOPS = {"realize_reads_threshold": 1, "assert_indirect_indexing": False}
-# "extern": the projections are the GEMM library's (not row-invariant across row counts; the
-# drafters' packages only move drafts). The drafter's batched step takes them: compiled with the
-# micro-GEMM templates it gives wrong drafts, then crashes, for more blocks than its example has.
+# The drafters' batched step is compiled without the micro-GEMM templates (with them it gives
+# wrong drafts, then crashes, for more blocks than its example has): "kernel", its projections
+# metrale's kernel (`uses_linear_kernel`) where the kernels build, else "extern", the GEMM
+# library's (not row-invariant across row counts; a drafter's package only moves drafts).
 INDUCTOR = {"gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", **_LOOPS},
             "rowwise": {"freezing": True, **_LOOPS},
+            "kernel": {"freezing": True, **_LOOPS},
             "extern": {"freezing": True, **_LOOPS}}
+# the projections `uses_linear_kernel` swaps for the kernel where they are plain bias-free
+# linears: attention outputs, LM heads, the MTP head's and the drafters' context projections,
+# the drafters' stacked context K/V, DFlash2's conv kernels and selector query
+KERNEL_LINEARS = ("o_proj", "lm_head", "fc", "context_kv_proj", "kernel_projection", "hidden_projection")
 
 
 def cache_dir() -> Path:
@@ -193,23 +200,29 @@ def uses_moe_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> bool
 
 def uses_linear_kernel(job: Job, step: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether `job`'s step computes its projections through the CPU kernel
-    (`plugins.cpu_linear`): a target or head step of float32 where the kernels build. Then every
-    fused q/k/v projection (`Attention.use_linear_kernel`) and every bias-free linear named
-    `o_proj`, `lm_head` or `fc` (the MTP head's input projection) whose outputs are whole panels
+    (`plugins.cpu_linear`): any step of float32 where the kernels build, but a drafter's
+    compiled with the GEMM library's (`linear="extern"`). Then every fused q/k/v projection
+    (`Attention.use_linear_kernel`), every dense MLP's fused gate/up projection
+    (`MLP.use_linear_kernel`; a MoE's experts have their own kernel) and every bias-free linear
+    of `KERNEL_LINEARS` or an MLP's `down_proj` whose outputs are whole panels
     (`cpu_linear.fits`) goes through it, and so does every MoE router, its few columns padded to
-    a panel (so narrow a matrix is a slow shape for inductor's GEMM); the experts have their own
-    kernel."""
-    from metrale.runtime.models.layers import Attention, MoE
+    a panel (so narrow a matrix is a slow shape for inductor's GEMM)."""
+    from metrale.runtime.models.layers import MLP, Attention, MoE
 
-    if (kind_named(job.kind).role not in (Role.TARGET, Role.HEAD) or job.linear == "extern"
-            or not cpu_kernels.available(dtype)):
+    if job.linear == "extern" or not cpu_kernels.available(dtype):
         return False
+    experts = {id(m) for moe in step.modules() if isinstance(moe, MoE) for m in moe.experts.modules()}
     used = False
     for mod in list(step.modules()):
+        if id(mod) in experts:
+            continue
         if isinstance(mod, Attention) and mod.qkv_weight is not None and cpu_linear.fits(*mod.qkv_weight.shape[::-1]):
             mod.use_linear_kernel()
             used = True
-        for name in ("o_proj", "lm_head", "fc"):
+        if isinstance(mod, MLP) and mod.gate_up_weight is not None and cpu_linear.fits(*mod.gate_up_weight.shape[::-1]):
+            mod.use_linear_kernel()
+            used = True
+        for name in (*KERNEL_LINEARS, *(("down_proj",) if isinstance(mod, MLP) else ())):
             lin = getattr(mod, name, None)
             if type(lin) is torch.nn.Linear and lin.bias is None and cpu_linear.fits(lin.in_features, lin.out_features):
                 setattr(mod, name, cpu_linear.KernelLinear.of(lin))
@@ -283,7 +296,8 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
         if role is Role.HEAD:
             jobs.append(Job(name, kinds[name].kind, MTP_ROWS, f"{name}/cpu/steps.pt2"))
         else:
-            jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose.pt2", "extern"))
+            jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose.pt2",
+                            "kernel" if cpu_kernels.available(dtype) else "extern"))
     compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
     progress("checking the CPU packages against one-row steps and the eager models")
     check = check_packages(root, jobs, kinds, taps, slots, dtype)

@@ -1,7 +1,9 @@
 """`metrale::linear_rows`: a projection of a compiled step's rows, y [N, C] = x [N, K] · B [K, C],
 with a C++ kernel that the CPU packages (AOTInductor) call directly: the LM heads, the fused
-q/k/v projections, the attention outputs and the MTP head's input projection of the target and
-MTP steps (`KernelLinear`, swapped in by the build: `cpu_build.uses_linear_kernel`).
+q/k/v and gate/up projections, the attention outputs and MLP down projections, the MTP head's
+and the drafters' context projections and DFlash2's conv and selector projections of the
+target, MTP and drafter steps (`KernelLinear`, swapped in by the build:
+`cpu_build.uses_linear_kernel`).
 
 B is held in panels of 16 columns, [C/16, K, 16] (`cpu_panels.pack_panels`), float32 or, when
 every value is a bfloat16 one (a bfloat16 checkpoint's, widened: the tiny target's), bfloat16,
@@ -13,7 +15,9 @@ fused multiply-adds over k, so a row's bits never depend on the other rows of th
 Inductor's GEMM template, which the target's projections use otherwise, gives the same
 row-invariance but reads B row-major, so a call takes longer there than in this kernel's panels;
 torch's `linear` is quicker than the template, but its rows' bits depend on the row count, so a
-batched step cannot use it.
+batched step cannot use it. A drafter's step, which could (it only moves drafts), runs faster
+through this kernel too: at its few rows and small widths the library's calls cost more than
+their multiply-adds.
 """
 
 from __future__ import annotations

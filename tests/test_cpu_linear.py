@@ -6,6 +6,7 @@ GEMM for their projections."""
 from __future__ import annotations
 
 import ctypes
+import json
 import zipfile
 
 import pytest
@@ -130,6 +131,35 @@ def _calls(package) -> int:
 @NEEDS_CPU_KERNELS
 def test_the_tiny_packages_project_through_the_kernel(aoti_engine_dir):
     """The target's LM head and each of its 4 layers' fused q/k/v and output projections and
-    router; the MTP head's input projection, its layer's two, its router and its LM head."""
+    router; the MTP head's input projection, its layer's two, its router, its shared expert's
+    fused gate/up and down projections and its LM head; each drafter's context projection,
+    stacked context K/V, each of its 2 layers' fused q/k/v, output, fused gate/up and down
+    projections and its LM head, and DFlash2's too each layer's two conv kernels' projections
+    and its selector's query. The drafters' manifest entries say so, and their packages
+    proposed the eager drafters' drafts, for sequences together as alone."""
     assert _calls(aoti_engine_dir / "target" / "cpu" / "steps.pt2") == 1 + 3 * 4
-    assert _calls(aoti_engine_dir / "mtp" / "cpu" / "steps.pt2") == 5
+    assert _calls(aoti_engine_dir / "mtp" / "cpu" / "steps.pt2") == 7
+    assert _calls(aoti_engine_dir / "dflash" / "cpu" / "propose.pt2") == 2 + 4 * 2 + 1
+    assert _calls(aoti_engine_dir / "dflash2" / "cpu" / "propose.pt2") == 2 + 6 * 2 + 1 + 1
+    manifest = json.loads((aoti_engine_dir / "config.json").read_text())["components"]
+    for name in ("dflash", "dflash2"):
+        cpu = manifest[name]["cpu"]
+        assert cpu["linear"] == "kernel"
+        assert cpu["check"] == {"drafts_equal": 1.0, "batched_equal_alone": 1.0}
+
+
+@NEEDS_CPU_KERNELS
+def test_a_dense_mlp_through_the_kernel_is_its_math():
+    """`MLP.use_linear_kernel`: its fused gate/up projection through the kernel's op (eagerly,
+    its math) gives the plain MLP's output."""
+    from metrale.runtime.models.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(64, 96)
+    mlp.pack()
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        want = mlp(x)
+        mlp.use_linear_kernel()
+        assert isinstance(mlp.gate_up_kernel, cpu_linear.KernelLinear)
+        torch.testing.assert_close(mlp(x), want, rtol=1e-6, atol=1e-6)

@@ -15,7 +15,9 @@ The target's projections are GEMMs (`linear="gemm"`: inductor's CPU micro-GEMM t
 and row-invariant where the build's check finds them so) or reductions over the input features
 (`linear="rowwise"`, `step_caches.linears`: row-invariant by construction, slower); the build
 compiles "gemm" and falls back to "rowwise" when a multi-row package's rows differ from one-row
-steps. Drafter packages only move drafts, never emitted tokens: always GEMMs.
+steps; on x86 either way its projections are metrale's kernel (`cpu_build.uses_linear_kernel`).
+Drafter packages only move drafts, never emitted tokens: their projections are that kernel, or
+where it does not build the GEMM library's.
 
 Target (`TargetStep`, one sequence): `ids` [1, T] int64, `pos` [1] int64 (position of ids[0, 0]),
 then K and V [S, nkv, hd] of every layer (and optionally `hide` [T]: a draft tree's rows, as

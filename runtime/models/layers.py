@@ -262,6 +262,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2I, H], see pack()
+        self.gate_up_kernel: nn.Module | None = None  # the fused projection through the CPU kernel
 
     def pack(self) -> None:
         """Fuse gate and up into one GEMM (plain float weights only)."""
@@ -272,7 +273,17 @@ class MLP(nn.Module):
                                              self.up_proj.weight.detach()], dim=0)
             share_storage((self.gate_proj, self.up_proj), self.gate_up_weight)
 
+    def use_linear_kernel(self) -> None:
+        """Run a compiled step's fused gate/up projection through the CPU kernel
+        (`plugins.cpu_linear`), its weight held in the kernel's panels (after `pack`)."""
+        from metrale.plugins.cpu_linear import KernelLinear
+
+        self.gate_up_kernel = KernelLinear(self.gate_up_weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_kernel is not None:
+            gate, up = self.gate_up_kernel(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         if self.gate_up_weight is not None:
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
