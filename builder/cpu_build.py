@@ -58,6 +58,7 @@ MAX_POOL = 4096  # most sequences one cache pool of the batched target step hold
 MTP_ROWS = 64  # most rows of a head step: every drafting sequence's chain step, kept rows, prompts
 FEED_ROWS = 8  # context rows a propose feeds at once, per sequence
 DRAFT_BLOCKS = 64  # most sequences' blocks one drafter call proposes
+FED_ROWS = FEED_ROWS * DRAFT_BLOCKS  # most context rows one drafter call feeds, its sequences' together
 THREADS = 1
 # Both: a pointwise result read by a reduction is computed once, not inlined into the
 # reduction's loop (inductor's default derives the normed, roped queries again for every cache
@@ -300,14 +301,14 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
                             "kernel" if cpu_kernels.available(dtype) else "extern"))
     compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
     progress("checking the CPU packages against one-row steps and the eager models")
-    check = check_packages(root, jobs, kinds, taps, slots, dtype)
+    check = check_packages(root, jobs, kinds, taps, slots, dtype, FED_ROWS)
     if not check["target"]["rows_bit_identical"]:
         log.info("CPU packages (gemm projections): target rows differ from one-row steps; "
                  "compiling row-wise projections")
         jobs = [Job(j.name, j.kind, j.rows, j.rel, "rowwise") if j.name == "target" else j for j in jobs]
         compiled.update(_compile_all(root, [j for j in jobs if j.name == "target"], kinds, taps, slots,
                                      fingerprint, dtype, workers, progress))
-        check = check_packages(root, jobs, kinds, taps, slots, dtype)
+        check = check_packages(root, jobs, kinds, taps, slots, dtype, FED_ROWS)
         if not check["target"]["rows_bit_identical"]:
             raise EngineDirError("CPU packages: the rows of a multi-row target step differ from "
                                  "one-row steps even with row-wise projections; build with "
@@ -327,7 +328,8 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
     for name in kinds:
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel], "batched": True,
-                    **({"feed": j.rows, "block": staged_block(root, name), "distributions": True}
+                    **({"feed": j.rows, "fed_rows": FED_ROWS, "block": staged_block(root, name),
+                        "distributions": True}
                        if roles.get(name) is Role.DRAFTER
                        else {"rows": j.rows, "dynamic_rows": True, "tree_rows": name == "target"})}
                    for j in mine]

@@ -178,11 +178,13 @@ def _check_mtp(root, jobs, name, staged, slots, gen) -> dict:
     return {"max_abs_diff_vs_eager": worst}
 
 
-def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
+def _check_drafter(root, jobs, name, staged, taps, slots, gen, fed_rows: int) -> dict:
     """Five sequences' proposes run together (feeds of different sizes, backlogs longer than a
-    feed) against the eager drafter's for each sequence alone (`drafts_equal`, the share of
-    equal draft tokens) and against the same package run one sequence at a time
-    (`batched_equal_alone`)."""
+    feed, which the package feeds whole as it is recorded to) against the eager drafter's for
+    each sequence alone (`drafts_equal`, the share of equal draft tokens) and against the same
+    package run one sequence at a time, feeding at most `feed` rows itself and the older ones
+    of a longer backlog through the eager context projection (`batched_equal_alone`); `fed_rows`,
+    the most context rows a call of the package feeds, as the manifest records it."""
     from metrale.runtime.steps import DraftForward
     from metrale.runtime.backends.aoti_dflash import BatchedDFlash
 
@@ -190,13 +192,15 @@ def _check_drafter(root, jobs, name, staged, taps, slots, gen) -> dict:
     job = next(j for j in jobs if j.name == name)
     (package,) = _packages(root, jobs, name)
     together = BatchedDFlash(drafter, package, job.rows, slots)
+    together.fed_rows = fed_rows
     alone = BatchedDFlash(drafter, package, job.rows, slots)
     cfg = drafter.config
     ids = torch.randint(0, target.config.vocab_size, (5, 30), generator=gen)
     taps = [target(ids[b:b + 1], target.new_cache(1, 40), taps=cfg.target_layer_ids).taps for b in range(5)]
     dtype, embed = taps[0].dtype, target.model.embed_tokens
     # each sequence's context so far after each propose: feeds of 11 (longer than a package's
-    # feed: its older rows go through the eager projection), 1, 3, 8, 1 and 6 rows, and others
+    # feed: alone, its older rows go through the eager projection), 1, 3, 8, 1 and 6 rows, and
+    # others
     schedule = [(11, 12, 15, 23, 24, 30), (1, 9, 10, 18, 26, 30), (20, 21, 22, 23, 29, 30),
                 (2, 3, 4, 5, 6, 7), (8, 16, 24, 25, 27, 30)]
     eq_eager = eq_alone = total = 0
@@ -235,8 +239,9 @@ def load_packed(root: Path, kinds: dict, dtype: torch.dtype):
     return staged
 
 
-def check_packages(root, jobs, kinds: dict, taps, slots: int, dtype) -> dict[str, dict]:
-    """`kinds`: name -> manifest entry of the target and every component with packages."""
+def check_packages(root, jobs, kinds: dict, taps, slots: int, dtype, fed_rows: int) -> dict[str, dict]:
+    """`kinds`: name -> manifest entry of the target and every component with packages;
+    `fed_rows`: the most context rows a drafter package's call feeds."""
     staged = load_packed(root, kinds, dtype)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -247,5 +252,5 @@ def check_packages(root, jobs, kinds: dict, taps, slots: int, dtype) -> dict[str
             if kind_named(info.kind).role is Role.HEAD:
                 out[name] = _check_mtp(root, jobs, name, staged, slots, gen)
             else:
-                out[name] = _check_drafter(root, jobs, name, staged, taps, slots, gen)
+                out[name] = _check_drafter(root, jobs, name, staged, taps, slots, gen, fed_rows)
     return out

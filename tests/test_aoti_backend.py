@@ -52,7 +52,7 @@ def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir)
         ("mtp/cpu/steps.pt2", 64, True, True)]
     for name in ("dflash", "dflash2"):
         (pkg,) = comps[name]["cpu"]["packages"]
-        assert pkg["feed"] == 8 and pkg["block"] == 8 and pkg["batched"]
+        assert pkg["feed"] == 8 and pkg["block"] == 8 and pkg["batched"] and pkg["fed_rows"] == 8 * 64
         assert comps[name]["cpu"]["check"]["drafts_equal"] >= 0.9
         assert comps[name]["cpu"]["check"]["batched_equal_alone"] >= 0.9
     assert comps["mtp"]["cpu"]["check"]["max_abs_diff_vs_eager"] <= 1e-4
@@ -215,16 +215,26 @@ def test_batched_head_entries_equal_each_chain_alone(aoti_engine, tiny_engine):
         assert (want[0] - ref[0]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["backlogs through the package", "older rows eagerly"])
 @pytest.mark.parametrize("name", ["dflash", "dflash2"])
-def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, name):
+def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, name, whole, monkeypatch):
     """Five sequences' blocks proposed in one drafter call (contexts fed in steps of different
     sizes, backlogs longer than a package's feed, caches in two pools, γ 8 and 4) are the
-    drafts each sequence gets alone, and the eager drafter's; a call that fails moves no cache."""
+    drafts each sequence gets alone, and the eager drafter's; a call that fails moves no cache.
+    The package feeds the backlogs whole, as its manifest entry's `fed_rows` lets it; on a
+    package without it (feeding `feed` rows a sequence), their older rows go through the eager
+    context projection first, with the same drafts."""
     from metrale.runtime.steps import DraftForward
     from metrale.runtime.backends.aoti_dflash import BatchedDFlash
 
     drafter, eager = aoti_engine.drafters[name], tiny_engine.drafters[name]
-    assert isinstance(drafter, BatchedDFlash)
+    assert isinstance(drafter, BatchedDFlash) and drafter.fed_rows == 512
+    if not whole:
+        monkeypatch.setattr(drafter, "fed_rows", drafter.feed)
+    projected = []
+    context_kv = drafter.eager.context_kv
+    monkeypatch.setattr(drafter.eager, "context_kv", lambda rows, *a: projected.append(rows.shape[1]) or
+                        context_kv(rows, *a))
     target, embed = tiny_engine.target, tiny_engine.target.model.embed_tokens
     ids = torch.randint(0, target.config.vocab_size, (5, 24), generator=torch.Generator().manual_seed(5))
     equal = total = 0
@@ -260,6 +270,8 @@ def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, na
                     equal, total = equal + int((got.tokens == want).sum()), total + want.numel()
                 assert [c.length for c in caches] == done and all(not c.pending for c in caches)
     assert equal >= 0.9 * total  # the eager drafter's drafts, but for a rare near-tie
+    # the backlogs of 12, 9 and 8 rows past the feed of 8: fed eagerly only without fed_rows
+    assert (projected == []) if whole else (4 in projected and 1 in projected)
 
 
 def test_leaving_cores_to_another_process_splits_steps_over_fewer_lanes(aoti_engine, tiny_engine,

@@ -181,6 +181,11 @@ def edit_manifest(root: Path, fn) -> None:
     (root / "config.json").write_text(json.dumps(manifest))
 
 
+def edit_component_config(root: Path, component: str, **fields) -> None:
+    path = root / component / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+
+
 def _section(manifest: dict, component: str) -> dict:
     return manifest["components"][component]["quantization"]["quantization"]
 
@@ -215,6 +220,14 @@ def engine_copy(tiny_engine_dir, tmp_path):
     (lambda d: (d / "target" / "rank0.safetensors").write_bytes(
         (d / "target" / "rank0.safetensors").read_bytes()[:100_000]), "target/rank0.safetensors"),
     (lambda d: (d / "tokenizer" / "tokenizer.json").write_text("{}"), "tokenizer.json"),
+    # counts past what the files hold, refused before a model of that many modules is built
+    (lambda d: edit_component_config(d, "mtp", num_experts=10**6),
+     "mtp/rank0.safetensors: missing tensors of expert 8: config num_experts is 1000000"),
+    (lambda d: edit_component_config(d, "target", num_experts=10**6), "config num_experts is 1000000"),
+    (lambda d: edit_component_config(d, "target", num_hidden_layers=10**6),
+     "missing tensors of layer 4: config num_hidden_layers is 1000000"),
+    (lambda d: edit_component_config(d, "dflash2", num_hidden_layers=10**6),
+     "missing tensors of layer 2: config num_hidden_layers is 1000000"),
     # the stored formats against the manifest's quantization sections
     (lambda d: edit_manifest(d, lambda m: _section(m, "dflash").update(quant_algo="NVFP4")),
      "layers.0.mlp.down_proj is stored as fp8, but the manifest's quant_algo is NVFP4"),

@@ -37,7 +37,7 @@ from metrale.runtime.artifact.engine_dir import Manifest
 from metrale.runtime.artifact.entries import ComponentEntry
 from metrale.runtime.errors import CheckpointError, EngineDirError
 from metrale.runtime.models.layers import Attention, MoE, pack_for_inference
-from metrale.runtime.models.loader import strict_fill
+from metrale.runtime.models.loader import check_counts, strict_fill
 from metrale.runtime.artifact.tokenizer import Tokenizer
 from metrale.runtime.models.tp import (TensorParallel, check_drafter_split, cut_tensor, drafter_cut,
                                 merge_drafter_state)
@@ -318,6 +318,8 @@ def build_models(path: Path, manifest: Manifest, dtype: torch.dtype, device: tor
             tensors, source = states.get(name) or _component_files(path, name, 0, meta)[1:]
         if name not in states:  # weights requantized at load follow their own tier
             check_formats(tensors, info, source)
+        check_counts(cfg if kind.role is Role.TARGET else cfg.decoder, tensors, source,
+                     layered=kind.role is not Role.HEAD, routed=kind.role is not Role.DRAFTER)
         with torch.device("meta") if meta else contextlib.nullcontext():
             module = kind.build(cfg, tp).to(dtype=dtype, device=device)
         module = fill_engine_state(module, tensors, source)

@@ -90,8 +90,10 @@ class CpuPackage(_Entry):
     """One AOTInductor package: a step over `rows` rows (the target and the MTP head; any row
     count where `dynamic_rows`; many sequences per call where `batched`), or a drafter's propose
     over `feed` context rows and a `block` of drafts (with `distributions`, also each block's
-    logits and hidden states, which draft trees are built from). A batched target package with
-    `tree_rows` takes each row's hidden drafts besides: a draft tree's rows in one call."""
+    logits and hidden states, which draft trees are built from); a batched drafter package
+    feeds up to `fed_rows` context rows a call, its sequences' together (unset: `feed` per
+    sequence). A batched target package with `tree_rows` takes each row's hidden drafts
+    besides: a draft tree's rows in one call."""
 
     file: str
     compile_s: float
@@ -99,6 +101,7 @@ class CpuPackage(_Entry):
     dynamic_rows: bool = False
     batched: bool = False
     feed: int | None = None
+    fed_rows: int | None = None
     block: int | None = None
     distributions: bool = False
     tree_rows: bool = False

@@ -18,8 +18,11 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
     and `propose` as `aoti.CompiledDFlash`'s, plus `forward_many`, the blocks of many
     sequences' `backends.DraftForward`s in one package call per pool. Context added with
     `add_context` waits in the cache's `pending` rows and enters the cache with the next
-    propose, up to `feed` rows through the package; a longer backlog's older rows are fed first
-    by the eager drafter's context projection, as `CompiledDFlash` does."""
+    propose, through the package: a call feeds up to its package's `fed_rows`, its sequences'
+    together, each sequence at least `feed` (a prompt's rows at its first propose are one
+    call's); a longer backlog's older rows are fed first by the eager drafter's context
+    projection, as `CompiledDFlash` does (every backlog past `feed`, on a package that does not
+    record `fed_rows`)."""
 
     @classmethod
     def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
@@ -29,11 +32,13 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         # whether its package gives the blocks' logits and hidden states too, what a draft tree
         # reads (the serve refuses trees where it does not: `LoadedEngine.block_distributions`)
         face.distributions = loaded[0][0].distributions
+        face.fed_rows = loaded[0][0].fed_rows or face.feed
         return face
 
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
         super().__init__(drafter, package, feed, max_slots)
         self.pools: dict[int, KVPool] = {}
+        self.fed_rows = feed  # the most context rows one call feeds (`from_packages` reads it)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
         if batch != 1:
@@ -50,15 +55,15 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         """anchor [1] -> a `dflash.Proposal` of γ−1 drafts (the pending context fed first)."""
         return self.forward_many([DraftForward(self, anchor, embed, cache, gamma, tree_nodes)])[0]
 
-    def _backlog(self, f) -> tuple[torch.Tensor, int]:
+    def _backlog(self, f, most: int) -> tuple[torch.Tensor, int]:
         """A forward's pending rows [1, n, ·] (none: [1, 0, ·]), the older ones past the last
-        `feed` written now by the eager projection (again, with the same values, on a retry)
+        `most` written now by the eager projection (again, with the same values, on a retry)
         -> (the rows the package feeds, how many were fed eagerly)."""
         c = self.config
         rows = f.cache.pending[0] if len(f.cache.pending) == 1 else (
             torch.cat(f.cache.pending, dim=1) if f.cache.pending else
             torch.zeros(1, 0, c.num_context_features * c.target_hidden_size, dtype=f.cache.pool.kv[0].dtype))
-        older = max(0, rows.shape[1] - self.feed)
+        older = max(0, rows.shape[1] - most)
         if older:
             start = f.cache.length
             if start + rows.shape[1] + self.block > f.cache.max_len:
@@ -83,7 +88,8 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         for f in forwards:
             if not 1 < f.gamma <= self.block:
                 raise ValueError(f"γ = {f.gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")
-        fed = [self._backlog(f) for f in forwards]
+        most = max(self.feed, self.fed_rows // len(forwards))  # so a call feeds at most fed_rows
+        fed = [self._backlog(f, most) for f in forwards]
         results: list = [None] * len(forwards)
         for members in _by_pool(forwards, [f.cache.length for f in forwards]).values():
             feats, pos, seq, anchor_pos = [], [], [], []

@@ -150,20 +150,25 @@ def check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Te
             )
 
 
-def _check_counts(cfg: DecoderConfig, tensors: dict, source: str) -> None:
-    """A config asking for more layers or experts than the checkpoint's tensors hold is refused
-    before a model of that many modules is built (fewer: the tensors left over are named by
-    `strict_fill`)."""
+def check_counts(cfg: DecoderConfig, tensors: dict, source: str, layered: bool = True,
+                 routed: bool = True) -> None:
+    """A config asking for more layers (`layered`: a model of `num_hidden_layers` layers, not
+    an MTP head's one) or experts (`routed`: a model whose layers build them, not a DFlash
+    drafter's) than the tensors hold is refused before a model of that many modules is built,
+    even on the meta device (fewer: the tensors left over are named by `strict_fill`). Layers
+    and experts are counted by their tensors' names (`layers.N.`, `experts.N.`), whatever comes
+    before them."""
     layers, experts = set(), set()
     for name in tensors:
-        if m := re.match(r"model\.layers\.(\d+)\.(mlp\.experts\.(\d+)\.)?", name):
+        if m := re.search(r"(?:^|\.)layers\.(\d+)\.", name):
             layers.add(int(m.group(1)))
-            if m.group(3) is not None:
-                experts.add(int(m.group(3)))
-    if cfg.num_hidden_layers > len(layers):
+        if m := re.search(r"(?:^|\.)experts\.(\d+)\.", name):
+            experts.add(int(m.group(1)))
+    if layered and cfg.num_hidden_layers > len(layers):
         raise CheckpointError(f"{source}: missing tensors of layer {len(layers)}: config num_hidden_layers "
                               f"is {cfg.num_hidden_layers}, the tensors hold {len(layers)} layers")
-    moe = any(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
+    moe = routed and (cfg.is_moe if not layered else
+                      any(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)))
     if moe and cfg.num_experts > len(experts):
         raise CheckpointError(f"{source}: missing tensors of expert {len(experts)}: config num_experts is "
                               f"{cfg.num_experts}, the tensors hold {len(experts)} experts per layer")
@@ -179,7 +184,7 @@ def _drop_tied(tensors: dict, cfg: DecoderConfig) -> dict:
 def load_target(folder: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     cfg = target_config(folder)
     tensors, source = _drop_tied(read_safetensors(folder), cfg), f"checkpoint {folder}"
-    _check_counts(cfg, tensors, source)
+    check_counts(cfg, tensors, source)
     with torch.device("meta"):  # the config's sizes are checked against the tensors before any
         model = Qwen3ForCausalLM(cfg).to(dtype)  # allocation (num_experts 10**6: 200 GB)
     check_tensors(model.state_dict(), tensors, source)
@@ -227,6 +232,7 @@ def load_mtp(folder: str | Path, target_lm_head: torch.Tensor,
     cfg = mtp_config(folder, naming, n)
     tensors, origin = rename(raw, f"mtp.{naming}", n)
     tensors.setdefault("lm_head.weight", target_lm_head)
+    check_counts(cfg.decoder, tensors, source, layered=False)
     head = MTPHead(cfg).to(dtype)
     for name in head.state_dict():  # a missing tensor is reported by its checkpoint name
         if name not in tensors:
@@ -243,6 +249,7 @@ def load_dflash(folder: str | Path, target_lm_head: torch.Tensor,
     if "lm_head.weight" in tensors:
         raise CheckpointError(f"{source}: unexpected tensor lm_head.weight (DFlash drafters share the target's)")
     tensors["lm_head.weight"] = target_lm_head
+    check_counts(cfg.decoder, tensors, source, routed=False)
     drafter = DFlashDrafter(cfg).to(dtype)
     strict_fill(drafter, tensors, source)
     return drafter.eval()
