@@ -393,14 +393,20 @@ class BatchedMTP(BatchedFace):
         for members in _by_pool(forwards, starts).values():
             mine = [forwards[i] for i in members]
             pos, seq = _places(mine, [starts[i] for i in members])
-            embeds = torch.cat([f.embeds[0] for f in mine])
-            hidden = torch.cat([f.hidden[0] for f in mine])
+            # (one chain's link, the common call: its own rows, no copy)
+            embeds = mine[0].embeds[0] if len(mine) == 1 else torch.cat([f.embeds[0] for f in mine])
+            hidden = mine[0].hidden[0] if len(mine) == 1 else torch.cat([f.hidden[0] for f in mine])
             kv = mine[0].cache.pool.kv
-            parts = [self.package(embeds[c:c + self.max_rows], hidden[c:c + self.max_rows],
-                                  pos[c:c + self.max_rows], seq[c:c + self.max_rows], *kv)
-                     for c in range(0, embeds.shape[0], self.max_rows)]
-            logits = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
-            hs = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+            if embeds.shape[0] <= self.max_rows:
+                logits, hs = self.package(embeds, hidden, pos, seq, *kv)
+            else:
+                parts = [self.package(embeds[c:c + self.max_rows], hidden[c:c + self.max_rows],
+                                      pos[c:c + self.max_rows], seq[c:c + self.max_rows], *kv)
+                         for c in range(0, embeds.shape[0], self.max_rows)]
+                logits, hs = (torch.cat([p[j] for p in parts]) for j in (0, 1))
+            if len(mine) == 1:
+                results[members[0]] = (logits[None], hs[None])
+                continue
             offset = 0
             for i, f in zip(members, mine):
                 results[i] = (logits[offset:offset + f.rows][None], hs[offset:offset + f.rows][None])

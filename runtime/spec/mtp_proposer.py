@@ -90,12 +90,15 @@ class MTPProposer(Proposer):
                 if grammar.done:
                     break
                 logits = grammar.masked(logits)
-            prob, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-            if grammar is not None and not grammar.push(int(tok)):
+            probs = torch.softmax(logits.float(), dim=-1)
+            tok = probs.argmax()  # the first most probable, as max would pick
+            draft = int(tok)
+            prob = float(probs[draft])
+            if grammar is not None and not grammar.push(draft):
                 break  # nothing the grammar allows (the document is complete)
-            drafts.append(int(tok))
-            running *= float(prob)
-            if len(drafts) == k or not self._continues(float(prob), running):
+            drafts.append(draft)
+            running *= prob
+            if len(drafts) == k or not self._continues(prob, running):
                 break
             logits, h = yield HeadForward(self.head, self.embed(tok.view(1, 1)), h, self.cache)  # speculative entry
             logits = logits[0, -1]
