@@ -180,6 +180,25 @@ def test_packages_of_an_older_layout_are_refused_by_name(aoti_engine_dir, tmp_pa
             load_engine(copy, backend=backend)
 
 
+def test_a_drafter_package_feeds_what_its_entry_records(aoti_engine_dir, tmp_path):
+    """A drafter package's `fed_rows` is what its face feeds a call: an entry without it (an
+    engine built before it) feeds `feed` rows a sequence, and one below `feed` is refused."""
+    from metrale.runtime.backends import load_engine
+
+    copy = tmp_path / "engine"
+    shutil.copytree(aoti_engine_dir, copy)
+    manifest = json.loads((copy / "config.json").read_text())
+    (pkg,) = manifest["components"]["dflash"]["cpu"]["packages"]
+    del pkg["fed_rows"]
+    (copy / "config.json").write_text(json.dumps(manifest))
+    engine = load_engine(copy, backend="aoti")
+    assert engine.drafters["dflash"].fed_rows == 8 and engine.drafters["dflash2"].fed_rows == 512
+    pkg["fed_rows"] = 4
+    (copy / "config.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineDirError, match="feeds 4 context rows a call, fewer than its 8 a sequence"):
+        load_engine(copy, backend="aoti")
+
+
 def test_batched_head_entries_equal_each_chain_alone(aoti_engine, tiny_engine):
     """The MTP head's entries for several sequences' chains in one call (a prompt's rows, chain
     links, two pools) equal each sequence's entries run alone, and the eager head's."""
@@ -215,22 +234,24 @@ def test_batched_head_entries_equal_each_chain_alone(aoti_engine, tiny_engine):
         assert (want[0] - ref[0]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("whole", [True, False], ids=["backlogs through the package", "older rows eagerly"])
+@pytest.mark.parametrize("fed_rows, eager_rows", [(512, []), (32, [11, 11]), (8, None)],
+                         ids=["backlogs through the package", "shared when they do not fit", "older rows eagerly"])
 @pytest.mark.parametrize("name", ["dflash", "dflash2"])
-def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, name, whole, monkeypatch):
+def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, name, fed_rows, eager_rows, monkeypatch):
     """Five sequences' blocks proposed in one drafter call (contexts fed in steps of different
     sizes, backlogs longer than a package's feed, caches in two pools, γ 8 and 4) are the
     drafts each sequence gets alone, and the eager drafter's; a call that fails moves no cache.
-    The package feeds the backlogs whole, as its manifest entry's `fed_rows` lets it; on a
-    package without it (feeding `feed` rows a sequence), their older rows go through the eager
-    context projection first, with the same drafts."""
+    The package feeds the backlogs whole, as its manifest entry's `fed_rows` lets it, where
+    they fit in it together; where they do not, each sequence gets an equal share of it (at
+    least `feed`), and its older rows go through the eager context projection first, with the
+    same drafts: of the five sequences' last feeds, 33 rows, 19 are one sequence's, of which 11
+    past the share of 32 / 5 -> 8."""
     from metrale.runtime.steps import DraftForward
     from metrale.runtime.backends.aoti_dflash import BatchedDFlash
 
     drafter, eager = aoti_engine.drafters[name], tiny_engine.drafters[name]
     assert isinstance(drafter, BatchedDFlash) and drafter.fed_rows == 512
-    if not whole:
-        monkeypatch.setattr(drafter, "fed_rows", drafter.feed)
+    monkeypatch.setattr(drafter, "fed_rows", fed_rows)
     projected = []
     context_kv = drafter.eager.context_kv
     monkeypatch.setattr(drafter.eager, "context_kv", lambda rows, *a: projected.append(rows.shape[1]) or
@@ -270,8 +291,10 @@ def test_batched_proposes_equal_each_sequence_alone(aoti_engine, tiny_engine, na
                     equal, total = equal + int((got.tokens == want).sum()), total + want.numel()
                 assert [c.length for c in caches] == done and all(not c.pending for c in caches)
     assert equal >= 0.9 * total  # the eager drafter's drafts, but for a rare near-tie
-    # the backlogs of 12, 9 and 8 rows past the feed of 8: fed eagerly only without fed_rows
-    assert (projected == []) if whole else (4 in projected and 1 in projected)
+    if eager_rows is None:  # 8 a call: the first feeds of 12 and 9 rows, also alone, past the 8
+        assert 4 in projected and 1 in projected
+    else:
+        assert projected == eager_rows
 
 
 def test_leaving_cores_to_another_process_splits_steps_over_fewer_lanes(aoti_engine, tiny_engine,

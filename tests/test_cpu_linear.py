@@ -156,6 +156,8 @@ def test_a_dense_mlp_through_the_kernel_is_its_math():
 
     torch.manual_seed(0)
     mlp = MLP(64, 96)
+    with pytest.raises(ValueError, match="pack"):
+        mlp.use_linear_kernel()
     mlp.pack()
     x = torch.randn(3, 5, 64)
     with torch.no_grad():

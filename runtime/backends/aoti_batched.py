@@ -394,8 +394,8 @@ class BatchedMTP(BatchedFace):
             mine = [forwards[i] for i in members]
             pos, seq = _places(mine, [starts[i] for i in members])
             # (one chain's link, the common call: its own rows, no copy)
-            embeds = mine[0].embeds[0] if len(mine) == 1 else torch.cat([f.embeds[0] for f in mine])
-            hidden = mine[0].hidden[0] if len(mine) == 1 else torch.cat([f.hidden[0] for f in mine])
+            embeds = mine[0].embeds[0].contiguous() if len(mine) == 1 else torch.cat([f.embeds[0] for f in mine])
+            hidden = mine[0].hidden[0].contiguous() if len(mine) == 1 else torch.cat([f.hidden[0] for f in mine])
             kv = mine[0].cache.pool.kv
             if embeds.shape[0] <= self.max_rows:
                 logits, hs = self.package(embeds, hidden, pos, seq, *kv)

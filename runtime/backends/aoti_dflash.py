@@ -10,6 +10,7 @@ from metrale.runtime.artifact.entries import CpuPackage, CpuPackages
 from metrale.runtime.backends.aoti import CompiledDFlash, Package, slots_for
 from metrale.runtime.backends.aoti_batched import _by_pool, _longs
 from metrale.runtime.backends.kv_pool import KVPool, PooledCache
+from metrale.runtime.errors import EngineDirError
 from metrale.runtime.steps import BatchedFace, DraftForward
 
 
@@ -32,7 +33,11 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         # whether its package gives the blocks' logits and hidden states too, what a draft tree
         # reads (the serve refuses trees where it does not: `LoadedEngine.block_distributions`)
         face.distributions = loaded[0][0].distributions
-        face.fed_rows = loaded[0][0].fed_rows or face.feed
+        fed_rows = loaded[0][0].fed_rows or face.feed
+        if fed_rows < face.feed:
+            raise EngineDirError(f"{where}: the CPU package feeds {fed_rows} context rows a call, "
+                                 f"fewer than its {face.feed} a sequence")
+        face.fed_rows = fed_rows
         return face
 
     def __init__(self, drafter, package: Package, feed: int, max_slots: int):
@@ -57,8 +62,9 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
 
     def _backlog(self, f, most: int) -> tuple[torch.Tensor, int]:
         """A forward's pending rows [1, n, ·] (none: [1, 0, ·]), the older ones past the last
-        `most` written now by the eager projection (again, with the same values, on a retry)
-        -> (the rows the package feeds, how many were fed eagerly)."""
+        `most` written now by the eager projection (on a retry, written again, or by the
+        package: a cache's length and pending rows move only once a call succeeded) -> (the
+        rows the package feeds, how many were fed eagerly)."""
         c = self.config
         rows = f.cache.pending[0] if len(f.cache.pending) == 1 else (
             torch.cat(f.cache.pending, dim=1) if f.cache.pending else
@@ -88,7 +94,10 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         for f in forwards:
             if not 1 < f.gamma <= self.block:
                 raise ValueError(f"γ = {f.gamma}: the drafter's CPU package proposes blocks of 2..{self.block}")
-        most = max(self.feed, self.fed_rows // len(forwards))  # so a call feeds at most fed_rows
+        # every backlog whole where they fit in fed_rows together, else an equal share of it
+        # (at least `feed` a sequence)
+        waiting = sum(p.shape[1] for f in forwards for p in f.cache.pending)
+        most = waiting if waiting <= self.fed_rows else max(self.feed, self.fed_rows // len(forwards))
         fed = [self._backlog(f, most) for f in forwards]
         results: list = [None] * len(forwards)
         for members in _by_pool(forwards, [f.cache.length for f in forwards]).values():

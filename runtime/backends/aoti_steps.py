@@ -11,11 +11,12 @@ and rotary embeddings (cos and sin gathered from a table, `rotary.rope_at`), and
 gathering its top-k experts' weights (NVFP4 experts are dequantized into constants first,
 `MoE.dequantize_experts`).
 
-The target's projections are GEMMs (`linear="gemm"`: inductor's CPU micro-GEMM templates, fast,
-and row-invariant where the build's check finds them so) or reductions over the input features
-(`linear="rowwise"`, `step_caches.linears`: row-invariant by construction, slower); the build
-compiles "gemm" and falls back to "rowwise" when a multi-row package's rows differ from one-row
-steps; on x86 either way its projections are metrale's kernel (`cpu_build.uses_linear_kernel`).
+On x86 every projection whose outputs are whole panels of 16 is metrale's kernel
+(`cpu_build.uses_linear_kernel`); the target's others are GEMMs (`linear="gemm"`: inductor's CPU
+micro-GEMM templates, fast, and row-invariant where the build's check finds them so) or
+reductions over the input features (`linear="rowwise"`, `step_caches.linears`: row-invariant by
+construction, slower); the build compiles "gemm" and falls back to "rowwise" when a multi-row
+package's rows differ from one-row steps.
 Drafter packages only move drafts, never emitted tokens: their projections are that kernel, or
 where it does not build the GEMM library's.
 

@@ -278,6 +278,8 @@ class MLP(nn.Module):
         (`plugins.cpu_linear`), its weight held in the kernel's panels (after `pack`)."""
         from metrale.plugins.cpu_linear import KernelLinear
 
+        if self.gate_up_weight is None:
+            raise ValueError("the kernel computes the fused gate/up projection: pack() the MLP first")
         self.gate_up_kernel = KernelLinear(self.gate_up_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
