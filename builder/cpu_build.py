@@ -70,10 +70,9 @@ _LOOPS = {"realize_reads_threshold": 1, "assert_indirect_indexing": False}
 # wrong drafts, then crashes, for more blocks than its example has): "kernel", its projections
 # metrale's kernel (`uses_linear_kernel`) where the kernels build, else "extern", the GEMM
 # library's (not row-invariant across row counts; a drafter's package only moves drafts).
-INDUCTOR = {"gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", **_LOOPS},
-            "rowwise": {"freezing": True, **_LOOPS},
-            "kernel": {"freezing": True, **_LOOPS},
-            "extern": {"freezing": True, **_LOOPS}}
+_NO_TEMPLATES = {"freezing": True, **_LOOPS}
+INDUCTOR = {"gemm": {**_NO_TEMPLATES, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
+            "rowwise": _NO_TEMPLATES, "kernel": _NO_TEMPLATES, "extern": _NO_TEMPLATES}
 # the projections `uses_linear_kernel` swaps for the kernel where they are plain bias-free
 # linears: attention outputs, LM heads, the MTP head's and the drafters' context projections,
 # the drafters' stacked context K/V, DFlash2's conv kernels and selector query

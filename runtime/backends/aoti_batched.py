@@ -404,9 +404,6 @@ class BatchedMTP(BatchedFace):
                                       pos[c:c + self.max_rows], seq[c:c + self.max_rows], *kv)
                          for c in range(0, embeds.shape[0], self.max_rows)]
                 logits, hs = (torch.cat([p[j] for p in parts]) for j in (0, 1))
-            if len(mine) == 1:
-                results[members[0]] = (logits[None], hs[None])
-                continue
             offset = 0
             for i, f in zip(members, mine):
                 results[i] = (logits[offset:offset + f.rows][None], hs[offset:offset + f.rows][None])
