@@ -97,13 +97,16 @@ def max_slots(target_config) -> int:
 @dataclass(frozen=True)
 class Job:
     """One package: component `name` of manifest kind `kind` (`components.KINDS`), `rows`
-    (target, head) or the feed rows (drafter), written to `rel` in the engine directory."""
+    (target, head) or the feed rows (drafter), written to `rel` in the engine directory;
+    `tables`: a DFlash2 drafter's propose that also gives its selector's tables (a draft
+    tree's, which a chain's propose does not pay for)."""
 
     name: str
     kind: str
     rows: int
     rel: str
     linear: str = "gemm"
+    tables: bool = False
 
 
 def _sources_digest() -> str:
@@ -169,7 +172,8 @@ def step_and_example(job: Job, staged, taps: tuple[int, ...], slots: int, exampl
     else:
         drafter = staged.drafters[job.name]
         cfg = drafter.config
-        step = BatchedDFlashStep(drafter, target.model.embed_tokens, job.rows, positions, distributions=True)
+        step = BatchedDFlashStep(drafter, target.model.embed_tokens, job.rows, positions, distributions=True,
+                                 tables=job.tables)
         fed, blocks = 2 * job.rows, 3  # example sizes; both dynamic
         feats = torch.zeros(fed, cfg.num_context_features * cfg.target_hidden_size, dtype=dtype)
         per_block = torch.zeros(blocks, dtype=torch.long)
@@ -296,15 +300,18 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
         if role is Role.HEAD:
             jobs.append(Job(name, kinds[name].kind, MTP_ROWS, f"{name}/cpu/steps.pt2"))
         else:
-            jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose.pt2",
-                            "kernel" if cpu_kernels.available(dtype) else "extern"))
+            linear = "kernel" if cpu_kernels.available(dtype) else "extern"
+            jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose.pt2", linear))
+            if drafter_config(root, name).version == 2:
+                jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose_tree.pt2", linear,
+                                tables=True))
     compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
     progress("checking the CPU packages against one-row steps and the eager models")
     check = check_packages(root, jobs, kinds, taps, slots, dtype, FED_ROWS)
     if not check["target"]["rows_bit_identical"]:
         log.info("CPU packages (gemm projections): target rows differ from one-row steps; "
                  "compiling row-wise projections")
-        jobs = [Job(j.name, j.kind, j.rows, j.rel, "rowwise") if j.name == "target" else j for j in jobs]
+        jobs = [replace(j, linear="rowwise") if j.name == "target" else j for j in jobs]
         compiled.update(_compile_all(root, [j for j in jobs if j.name == "target"], kinds, taps, slots,
                                      fingerprint, dtype, workers, progress))
         check = check_packages(root, jobs, kinds, taps, slots, dtype, FED_ROWS)
@@ -319,6 +326,9 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
         if c.get("drafts_equal", 1.0) < 0.9:
             raise EngineDirError(f"CPU packages: {name}'s package proposes the eager drafter's "
                                  f"drafts only {c['drafts_equal']:.0%} of the time (< 90%)")
+        if c.get("tables_trees_equal", 1.0) < 0.9:
+            raise EngineDirError(f"CPU packages: {name}'s package's selector tables build the host's "
+                                 f"draft trees only {c['tables_trees_equal']:.0%} of the time (< 90%)")
         if c.get("batched_equal_alone", 1.0) < 0.9:
             raise EngineDirError(f"CPU packages: {name}'s package proposes, for sequences run "
                                  f"together, their drafts alone only {c['batched_equal_alone']:.0%} "
@@ -327,8 +337,8 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
     for name in kinds:
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel], "batched": True,
-                    **({"feed": j.rows, "fed_rows": FED_ROWS, "block": staged_block(root, name),
-                        "distributions": True}
+                    **({"feed": j.rows, "fed_rows": FED_ROWS, "block": drafter_config(root, name).block_size,
+                        "distributions": True, "selector_tables": j.tables}
                        if roles.get(name) is Role.DRAFTER
                        else {"rows": j.rows, "dynamic_rows": True, "tree_rows": name == "target"})}
                    for j in mine]
@@ -339,10 +349,11 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
     return out
 
 
-def staged_block(root: Path, name: str) -> int:
+def drafter_config(root: Path, name: str):
+    """The staged drafter `name`'s `DFlashConfig`."""
     from metrale.runtime.models.configs import DFlashConfig, read_config
 
-    return DFlashConfig.from_hf(read_config(root / name), f"{name}/config.json").block_size
+    return DFlashConfig.from_hf(read_config(root / name), f"{name}/config.json")
 
 
 def _compile_all(root: Path, jobs: list[Job], kinds, taps, slots: int, fingerprint: dict, dtype,

@@ -184,15 +184,22 @@ def _check_drafter(root, jobs, name, staged, taps, slots, gen, fed_rows: int) ->
     each sequence alone (`drafts_equal`, the share of equal draft tokens) and against the same
     package run one sequence at a time, feeding at most `feed` rows itself and the older ones
     of a longer backlog through the eager context projection (`batched_equal_alone`); `fed_rows`,
-    the most context rows a call of the package feeds, as the manifest records it."""
+    the most context rows a call of the package feeds, as the manifest records it. Where the
+    drafter has a tree's package besides (DFlash2's, with its selector's tables), every other
+    call together runs it, asking for 16-node trees: its drafts count as the chain package's,
+    and its tables must build the trees the host builds from the same call's logits and hidden
+    states (`tables_trees_equal`, the share of equal trees)."""
+    from metrale.runtime.spec.ddtree import SelectorChildren, block_tree, build_tree
     from metrale.runtime.steps import DraftForward
     from metrale.runtime.backends.aoti_dflash import BatchedDFlash
 
     drafter, target = staged.drafters[name], staged.target
-    job = next(j for j in jobs if j.name == name)
-    (package,) = _packages(root, jobs, name)
+    built = list(zip([j for j in jobs if j.name == name], _packages(root, jobs, name)))
+    job, package = next((j, p) for j, p in built if not j.tables)
     together = BatchedDFlash(drafter, package, job.rows, slots)
-    together.fed_rows = fed_rows
+    together.fed_rows, together.distributions = fed_rows, True  # as the build compiles it
+    together.tree_package = next((p for j, p in built if j.tables), None)
+    trees_equal = trees = 0
     alone = BatchedDFlash(drafter, package, job.rows, slots)
     cfg = drafter.config
     ids = torch.randint(0, target.config.vocab_size, (5, 30), generator=gen)
@@ -215,15 +222,24 @@ def _check_drafter(root, jobs, name, staged, taps, slots, gen, fed_rows: int) ->
                 rows = taps[b][:, done[b]:upto]
                 for face, cache in ((together, mine), (alone, solo), (drafter, eager)):
                     face.add_context(rows, cache)
-                needs.append(DraftForward(together, ids[b, upto - 1:upto], embed, mine, gamma))
+                nodes = 16 if together.tree_package is not None and step % 2 == 0 else 0
+                needs.append(DraftForward(together, ids[b, upto - 1:upto], embed, mine, gamma, nodes))
                 done[b] = upto
             for (_, solo, eager), need, got in zip(caches, needs, together.forward_many(needs)):
+                if need.tree_nodes:
+                    anchor = int(need.anchor[0])
+                    host = SelectorChildren(drafter.candidate_selector, got.hidden[0], got.logits[0], anchor)
+                    tree = block_tree(drafter, anchor, got, need.tree_nodes)
+                    want = build_tree(anchor, host, need.tree_nodes)
+                    trees_equal += (tree.tokens, tree.parents) == (want.tokens, want.parents)
+                    trees += 1
                 one = alone.propose(need.anchor, embed, solo, gamma).tokens
                 want = drafter.propose(need.anchor, embed, eager, gamma).tokens
                 eq_eager += int((got.tokens == want).sum())
                 eq_alone += int((got.tokens == one).sum())
                 total += want.numel()
-    return {"drafts_equal": round(eq_eager / total, 4), "batched_equal_alone": round(eq_alone / total, 4)}
+    return {"drafts_equal": round(eq_eager / total, 4), "batched_equal_alone": round(eq_alone / total, 4),
+            **({"tables_trees_equal": round(trees_equal / trees, 4)} if trees else {})}
 
 
 def load_packed(root: Path, kinds: dict, dtype: torch.dtype):

@@ -50,11 +50,17 @@ def test_manifest_records_packages_and_what_they_were_built_for(aoti_engine_dir)
         ("target/cpu/steps.pt2", 64, True, True)]
     assert [(p["file"], p["rows"], p["dynamic_rows"], p["batched"]) for p in comps["mtp"]["cpu"]["packages"]] == [
         ("mtp/cpu/steps.pt2", 64, True, True)]
-    for name in ("dflash", "dflash2"):
-        (pkg,) = comps[name]["cpu"]["packages"]
-        assert pkg["feed"] == 8 and pkg["block"] == 8 and pkg["batched"] and pkg["fed_rows"] == 8 * 64
+    # a drafter's propose; DFlash2's also as a tree's, with its selector's tables
+    for name, files in (("dflash", ["propose.pt2"]), ("dflash2", ["propose.pt2", "propose_tree.pt2"])):
+        packages = comps[name]["cpu"]["packages"]
+        assert [p["file"] for p in packages] == [f"{name}/cpu/{f}" for f in files]
+        assert [p.get("selector_tables", False) for p in packages] == [f == "propose_tree.pt2" for f in files]
+        for pkg in packages:
+            assert pkg["feed"] == 8 and pkg["block"] == 8 and pkg["batched"] and pkg["fed_rows"] == 8 * 64
         assert comps[name]["cpu"]["check"]["drafts_equal"] >= 0.9
         assert comps[name]["cpu"]["check"]["batched_equal_alone"] >= 0.9
+    assert comps["dflash2"]["cpu"]["check"]["tables_trees_equal"] >= 0.9
+    assert "tables_trees_equal" not in comps["dflash"]["cpu"]["check"]
     assert comps["mtp"]["cpu"]["check"]["max_abs_diff_vs_eager"] <= 1e-4
     for info in comps.values():
         for p in info["cpu"]["packages"]:
@@ -197,6 +203,74 @@ def test_a_drafter_package_feeds_what_its_entry_records(aoti_engine_dir, tmp_pat
     (copy / "config.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineDirError, match="feeds 4 context rows a call, fewer than its 8 a sequence"):
         load_engine(copy, backend="aoti")
+
+
+def test_dflash2_trees_take_their_childrens_tables_from_the_tree_package(aoti_engine_dir, tiny_prompts, tmp_path,
+                                                                           monkeypatch):
+    """DFlash2's propose for a draft tree runs its tree package, whose selector tables build the
+    trees the host builds from the same call's logits and hidden states; a chain's propose runs
+    the package without them. An engine without the tree package (built before it) scores the
+    children on the host, to the same trees and tokens; manifests listing more than one tree
+    package, or one for a drafter without a selector, are refused by name."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.spec import dflash_proposer
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.ddtree import SelectorChildren, build_tree
+    from metrale.runtime.spec.sampling import SamplingParams
+    from metrale.runtime.serving.service import EngineGenerator
+
+    def decode(engine, **flags):
+        face, calls, trees = engine.drafters["dflash2"], [], []
+        for name in ("package", "tree_package"):
+            run = getattr(face, name)
+            if run is not None:
+                monkeypatch.setattr(face, name, lambda *inputs, run=run, name=name: calls.append(name) or run(*inputs))
+
+        def tree(drafter, anchor, proposal, budget):
+            got = block_tree(drafter, anchor, proposal, budget)
+            host = SelectorChildren(drafter.candidate_selector, proposal.hidden[0], proposal.logits[0], anchor)
+            trees.append(((got.tokens, got.parents), proposal.tables is not None,
+                          build_tree(anchor, host, budget).tokens == got.tokens))
+            return got
+
+        block_tree = dflash_proposer.block_tree
+        monkeypatch.setattr(dflash_proposer, "block_tree", tree)
+        gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2", **flags))
+        out = [gen.decoder().generate(p, SamplingParams(temperature=0.0, max_tokens=24)).token_ids
+               for p in tiny_prompts[:3]]
+        monkeypatch.undo()
+        return out, calls, trees
+
+    engine = load_engine(aoti_engine_dir, backend="aoti")
+    assert engine.drafters["dflash2"].tree_package is not None and engine.drafters["dflash"].tree_package is None
+    chain_tokens, calls, _ = decode(engine)
+    assert calls and set(calls) == {"package"}
+    tree_tokens, calls, trees = decode(engine, dflash_tree_budget=16)
+    assert calls and set(calls) == {"tree_package"} and trees
+    assert all(tables and same for _, tables, same in trees)
+    assert tree_tokens == chain_tokens  # greedy: plain decoding's tokens either way
+
+    copy = tmp_path / "engine"
+    shutil.copytree(aoti_engine_dir, copy)
+    manifest = json.loads((copy / "config.json").read_text())
+    packages = manifest["components"]["dflash2"]["cpu"]["packages"]
+    assert [p.get("selector_tables", False) for p in packages] == [False, True]
+    manifest["components"]["dflash2"]["cpu"]["packages"] = packages[:1]
+    (copy / "config.json").write_text(json.dumps(manifest))
+    older = load_engine(copy, backend="aoti")
+    assert older.drafters["dflash2"].tree_package is None
+    tokens, calls, host_trees = decode(older, dflash_tree_budget=16)
+    assert set(calls) == {"package"} and not any(tables for _, tables, _ in host_trees)
+    assert tokens == tree_tokens and [t for t, _, _ in host_trees] == [t for t, _, _ in trees]
+    for name, listed, match in (("dflash2", packages + packages[1:], "at most one tree's propose.*1 and 2"),
+                                ("dflash", [*manifest["components"]["dflash"]["cpu"]["packages"], packages[1]],
+                                 "selector tables from a DFlash drafter of version 1")):
+        manifest["components"]["dflash2"]["cpu"]["packages"] = packages
+        manifest["components"][name]["cpu"]["packages"] = listed
+        (copy / "config.json").write_text(json.dumps(manifest))
+        with pytest.raises(EngineDirError, match=match):
+            load_engine(copy, backend="aoti")
+        manifest["components"]["dflash"]["cpu"]["packages"] = manifest["components"]["dflash"]["cpu"]["packages"][:1]
 
 
 def test_batched_head_entries_equal_each_chain_alone(aoti_engine, tiny_engine):

@@ -98,7 +98,8 @@ def test_the_ops_math_is_the_steps_masked_attention():
 
 
 @pytest.mark.parametrize("component,file,layers", [("target", "steps.pt2", 4), ("mtp", "steps.pt2", 1),
-                                                   ("dflash", "propose.pt2", 2), ("dflash2", "propose.pt2", 2)])
+                                                   ("dflash", "propose.pt2", 2), ("dflash2", "propose.pt2", 2),
+                                                   ("dflash2", "propose_tree.pt2", 2)])
 def test_the_tiny_engines_packages_call_the_kernel(aoti_engine_dir, component, file, layers):
     """Every attention layer of the built packages is the kernel's shim, none inductor's masked math."""
     with zipfile.ZipFile(aoti_engine_dir / component / "cpu" / file) as z:

@@ -140,12 +140,14 @@ def test_the_tiny_packages_project_through_the_kernel(aoti_engine_dir):
     assert _calls(aoti_engine_dir / "target" / "cpu" / "steps.pt2") == 1 + 3 * 4
     assert _calls(aoti_engine_dir / "mtp" / "cpu" / "steps.pt2") == 7
     assert _calls(aoti_engine_dir / "dflash" / "cpu" / "propose.pt2") == 2 + 4 * 2 + 1
-    assert _calls(aoti_engine_dir / "dflash2" / "cpu" / "propose.pt2") == 2 + 6 * 2 + 1 + 1
+    for package in ("propose.pt2", "propose_tree.pt2"):  # (the tree's: its selector's query once)
+        assert _calls(aoti_engine_dir / "dflash2" / "cpu" / package) == 2 + 6 * 2 + 1 + 1
     manifest = json.loads((aoti_engine_dir / "config.json").read_text())["components"]
     for name in ("dflash", "dflash2"):
         cpu = manifest[name]["cpu"]
         assert cpu["linear"] == "kernel"
-        assert cpu["check"] == {"drafts_equal": 1.0, "batched_equal_alone": 1.0}
+        assert cpu["check"] == {"drafts_equal": 1.0, "batched_equal_alone": 1.0,
+                                **({"tables_trees_equal": 1.0} if name == "dflash2" else {})}
 
 
 @NEEDS_CPU_KERNELS

@@ -314,6 +314,40 @@ def test_selector_children_follow_the_parent_token(tiny_engine, tiny_prompts):
         assert a != b  # the parent's token moves its children's scores
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_selector_tables_are_each_parents_distribution_best_first(ties):
+    """`CandidateSelector.tables`: row r of slot j is the selector's distribution over j's
+    candidates given the anchor (j = 0) or slot j−1's candidate r, sorted best first with ties
+    in candidate order (as a stable sort), for every block of a batch; and `SelectorChildren`
+    built from the tables gives the children it gives scoring on the host."""
+    from metrale.runtime.models.dflash import CandidateSelector
+
+    g = torch.Generator().manual_seed(1)
+    sel = CandidateSelector(24, 300, 8, 6).eval()
+    if not ties:  # (zero codebooks and equal logits: every row all ties)
+        for p in sel.parameters():
+            p.data.normal_(generator=g)
+    hidden, logits = torch.randn(3, 5, 24, generator=g), torch.randn(3, 5, 300, generator=g)
+    if ties:
+        logits[:, :, :40] = 2.0
+    cand_logits, cand_ids = logits.topk(6, dim=-1)
+    anchor = torch.tensor([4, 9, 250])
+    with torch.no_grad():
+        vals, ids = sel.tables(hidden, cand_logits, cand_ids, anchor)
+        for b, j, r in itertools.product(range(3), range(5), range(6)):
+            parent = anchor[b] if j == 0 else cand_ids[b, j - 1, r]
+            want = torch.log_softmax(sel.scores(hidden[b, j], cand_ids[b, j], cand_logits[b, j], parent), -1)
+            want_vals, order = want.sort(descending=True, stable=True)
+            assert torch.allclose(vals[b, j, r], want_vals, atol=1e-5)
+            assert ids[b, j, r].tolist() == cand_ids[b, j, order].tolist()
+        host = SelectorChildren(sel, hidden[1], logits[1], 9)
+        packed = SelectorChildren.from_tables(sel, hidden[1], 9, cand_logits[1], cand_ids[1], vals[1], ids[1])
+        for depth in range(1, 6):
+            for parent in [9] if depth == 1 else [*cand_ids[1, depth - 2].tolist(), 299]:  # 299: off the table
+                (hv, ht), (pv, pt) = host(depth, parent), packed(depth, parent)
+                assert ht == pt and max(abs(x - y) for x, y in zip(hv, pv)) < 1e-5
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_nodes_hidden_bits_are_the_drafts_before_it_off_its_path(seed):
     """Node i hides the drafts 1..i−1 that are not its ancestors (bit i−1−j for node j): the

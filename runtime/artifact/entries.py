@@ -92,8 +92,10 @@ class CpuPackage(_Entry):
     over `feed` context rows and a `block` of drafts (with `distributions`, also each block's
     logits and hidden states, which draft trees are built from); a batched drafter package
     feeds up to `fed_rows` context rows a call, its sequences' together (unset: `feed` per
-    sequence). A batched target package with `tree_rows` takes each row's hidden drafts
-    besides: a draft tree's rows in one call."""
+    sequence); a DFlash2 package with `selector_tables` also gives each block's candidates and
+    its candidate selector's tables given each parent, a tree's children
+    (`aoti_steps.BatchedDFlashStep`). A batched target package with `tree_rows` takes each row's
+    hidden drafts besides: a draft tree's rows in one call."""
 
     file: str
     compile_s: float
@@ -104,6 +106,7 @@ class CpuPackage(_Entry):
     fed_rows: int | None = None
     block: int | None = None
     distributions: bool = False
+    selector_tables: bool = False
     tree_rows: bool = False
 
 

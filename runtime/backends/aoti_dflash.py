@@ -23,16 +23,27 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
     together, each sequence at least `feed` (a prompt's rows at its first propose are one
     call's); a longer backlog's older rows are fed first by the eager drafter's context
     projection, as `CompiledDFlash` does (every backlog past `feed`, on a package that does not
-    record `fed_rows`)."""
+    record `fed_rows`). A DFlash2 drafter's call where a sequence builds a draft tree runs its
+    tree's package (`tree_package`), the same propose with its selector's tables besides."""
 
     @classmethod
     def from_packages(cls, drafter, loaded: list[tuple[CpuPackage, Package]], cpu: CpuPackages, where: str):
         if not loaded[0][0].batched:  # an engine built before batching: one sequence per call
             return CompiledDFlash.from_packages(drafter, loaded, cpu, where)
-        face = super().from_packages(drafter, loaded, cpu, where)  # its block and feed checked
+        chains = [e for e in loaded if not e[0].selector_tables]
+        trees = [e for e in loaded if e[0].selector_tables]
+        if len(chains) != 1 or len(trees) > 1:
+            raise EngineDirError(f"{where}: a drafter's CPU packages are one propose and at most one "
+                                 f"tree's propose with selector tables; the manifest lists "
+                                 f"{len(chains)} and {len(trees)}")
+        if trees and drafter.config.version != 2:
+            raise EngineDirError(f"{where}: selector tables from a DFlash drafter of version "
+                                 f"{drafter.config.version}, which has no candidate selector")
+        face = super().from_packages(drafter, chains, cpu, where)  # its block and feed checked
         # whether its package gives the blocks' logits and hidden states too, what a draft tree
         # reads (the serve refuses trees where it does not: `LoadedEngine.block_distributions`)
-        face.distributions = loaded[0][0].distributions
+        face.distributions = chains[0][0].distributions
+        face.tree_package = trees[0][1] if trees else None
         fed_rows = loaded[0][0].fed_rows or face.feed
         if fed_rows < face.feed:
             raise EngineDirError(f"{where}: the CPU package feeds {fed_rows} context rows a call, "
@@ -44,6 +55,10 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         super().__init__(drafter, package, feed, max_slots)
         self.pools: dict[int, KVPool] = {}
         self.fed_rows = feed  # the most context rows one call feeds (`from_packages` reads it)
+        # the same propose that also gives DFlash2's selector tables, which a call runs where one
+        # of its forwards builds a tree (`from_packages`; None: the tree's children are scored on
+        # the host, `spec.ddtree.SelectorChildren`)
+        self.tree_package: Package | None = None
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device="cpu") -> PooledCache:
         if batch != 1:
@@ -118,16 +133,19 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
                 seq.append(forwards[members[0]].cache.index)
             block = torch.full((len(members), self.block), self.config.mask_token_id, dtype=torch.long)
             block[:, 0] = torch.cat([forwards[i].anchor.reshape(-1)[:1].cpu() for i in members])
-            outs = self.package(torch.cat(feats), _longs(pos), _longs(seq), block,
-                                _longs([forwards[i].cache.index for i in members]),
-                                _longs(anchor_pos), _longs([forwards[i].gamma for i in members]),
-                                *forwards[members[0]].cache.pool.kv)
+            tables = self.tree_package is not None and any(forwards[i].distributions for i in members)
+            package = self.tree_package if tables else self.package
+            outs = package(torch.cat(feats), _longs(pos), _longs(seq), block,
+                           _longs([forwards[i].cache.index for i in members]),
+                           _longs(anchor_pos), _longs([forwards[i].gamma for i in members]),
+                           *forwards[members[0]].cache.pool.kv)
             drafts = outs[0]
             for q, i in enumerate(members):
                 n = forwards[i].gamma - 1
                 if forwards[i].distributions:  # (the package gives them: `distributions`)
                     results[i] = Proposal(tokens=drafts[q, :n][None], logits=outs[1][q:q + 1, :n],
-                                          hidden=outs[2][q:q + 1, :n])
+                                          hidden=outs[2][q:q + 1, :n],
+                                          tables=tuple(t[q:q + 1, :n] for t in outs[3:7]) if tables else None)
                 else:
                     results[i] = Proposal(tokens=drafts[q, :n][None], logits=None)
         for f, (rows, older) in zip(forwards, fed):

@@ -167,16 +167,21 @@ class BatchedDFlashStep(nn.Module):
     its sequence's slots before the anchor and the block's first `gamma` slots; `drafts` picks
     the tokens (DFlash2's convs run the dynamic conv op, which the build compiles as its math).
     With `distributions` it also gives the draft slots' logits [Q, Γ−1, V] and final hidden
-    states [Q, Γ−1, H]: what a draft tree is built from (`spec.ddtree.block_tree`). `cache` as
-    `BatchedTargetStep`'s (with `LaneKV`, every sequence proposes: Q = B, NF = B·Γ)."""
+    states [Q, Γ−1, H]: what a draft tree is built from (`spec.ddtree.block_tree`); with
+    `tables` too (DFlash2), each slot's top K candidates' logits and ids [Q, Γ−1, K] and its
+    candidate selector's tables given each parent, log-probabilities and ids [Q, Γ−1, K, K]
+    (`dflash.CandidateSelector.tables`), so a tree's children need no work on the host. `cache`
+    as `BatchedTargetStep`'s (with `LaneKV`, every sequence proposes: Q = B, NF = B·Γ)."""
 
     attention_kernel = False  # as BatchedTargetStep's
 
     def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int | None = None,
-                 distributions: bool = False, cache=PooledKV):
+                 distributions: bool = False, cache=PooledKV, tables: bool = False):
         super().__init__()
+        if tables and not (distributions and drafter.config.version == 2):
+            raise ValueError("selector tables are a DFlash2 drafter's, beside its distributions")
         self.drafter, self.embed, self.feed_rows, self.cache = drafter, embed, feed_rows, cache
-        self.distributions = distributions
+        self.distributions, self.tables = distributions, tables
         self.decoder = drafter.config.decoder
         _prepare(drafter, self.decoder, positions)
 
@@ -191,5 +196,13 @@ class BatchedDFlashStep(nn.Module):
         x = F.embedding(block.reshape(1, -1), self.embed.weight)  # [1, Q·Γ, H]
         hidden = d._blocks(x, positions, rows, None, g).view(q_n, g, -1)[:, 1:]  # the draft slots
         logits = d.lm_head(hidden)
-        drafts = d.drafts(hidden, logits, block[:, 0])
-        return (drafts, logits, hidden) if self.distributions else drafts
+        if not self.tables:
+            drafts = d.drafts(hidden, logits, block[:, 0])
+            return (drafts, logits, hidden) if self.distributions else drafts
+        # the candidates and their projection taken once, for the drafts and the tables
+        selector = d.candidate_selector
+        cand_logits, cand_ids = logits.topk(selector.num_candidates, dim=-1)
+        projected = selector.hidden_projection(hidden)
+        drafts = selector.select_projected(projected, cand_logits, cand_ids, block[:, 0])
+        return (drafts, logits, hidden, cand_logits, cand_ids,
+                *selector.projected_tables(projected, cand_logits, cand_ids, block[:, 0]))

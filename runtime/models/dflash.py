@@ -88,16 +88,47 @@ class CandidateSelector(nn.Module):
 
     def select_candidates(self, hidden, cand_logits, cand_ids, anchor):
         """hidden [B, n, H], the top candidates' logits/ids [B, n, K], anchor [B] -> [B, n]."""
-        projected = self.hidden_projection(hidden)  # [B, n, D]: every slot's in one GEMM
+        return self.select_projected(self.hidden_projection(hidden), cand_logits, cand_ids, anchor)
+
+    def select_projected(self, projected, cand_logits, cand_ids, anchor):
+        """`select_candidates` with hidden_projection(hidden) [B, n, D] given."""
         if step_kernels.use(projected):  # a GPU: the whole left-to-right pick in one launch
             return step_kernels.dflash2_select(projected, cand_logits, cand_ids, anchor,
                                                self.predecessor_codebook, self.successor_codebook)
         prev, out = anchor, []
-        for j in range(hidden.shape[1]):
+        for j in range(projected.shape[1]):
             s = self._scores(projected[:, j], cand_ids[:, j], cand_logits[:, j], prev)  # [B, K]
             prev = cand_ids[:, j].gather(-1, s.argmax(-1, keepdim=True)).squeeze(-1)
             out.append(prev)
         return torch.stack(out, dim=1)
+
+    def tables(self, hidden, cand_logits, cand_ids, anchor):
+        """Every slot's candidates under the selector given each possible parent: hidden
+        [B, n, H], the top candidates' logits/ids [B, n, K], anchor [B] -> (log-probabilities
+        [B, n, K, K], their ids [B, n, K, K]), row r of slot j the distribution over j's
+        candidates given the token before them is the anchor (j = 0, every row) or slot j−1's
+        candidate r, each row sorted best first (ties in candidate order). What a draft tree's
+        nodes take their children from (`spec.ddtree.SelectorChildren`), all of a block's in
+        one batched product."""
+        return self.projected_tables(self.hidden_projection(hidden), cand_logits, cand_ids, anchor)
+
+    def projected_tables(self, projected, cand_logits, cand_ids, anchor):
+        """`tables` with hidden_projection(hidden) given. Each row is sorted by counting, for
+        every candidate, the candidates that go before it (a greater value, or an equal one
+        earlier), then placing each where its count says: K elementwise terms over a row's K
+        (a library sort costs more, per row, than the whole table at these sizes)."""
+        b, n, k = cand_ids.shape
+        parents = torch.cat([anchor[:, None, None].expand(b, 1, k), cand_ids[:, :-1]], dim=1)
+        z = projected[:, :, None, :] + F.embedding(parents, self.predecessor_codebook)  # [B, n, K, D]
+        bonus = torch.matmul(z, F.embedding(cand_ids, self.successor_codebook).transpose(-1, -2))
+        lp = torch.log_softmax(cand_logits.float()[:, :, None, :] + bonus.float(), -1)  # [B, n, K parents, K]
+        i = torch.arange(k, device=lp.device)
+        # a candidate's place: how many of the row go before it
+        place = sum(((lp[..., j:j + 1] > lp) | ((lp[..., j:j + 1] == lp) & (i > j))).long() for j in range(k))
+        ids = cand_ids[:, :, None, :].expand(b, n, k, k)
+        vals = sum(torch.where(place[..., j:j + 1] == i, lp[..., j:j + 1], 0.0) for j in range(k))
+        ids = sum(torch.where(place[..., j:j + 1] == i, ids[..., j:j + 1], 0) for j in range(k))
+        return vals, ids
 
 
 def candidate_drafts(selector: CandidateSelector | None, num_candidates: int, hidden, vals, ids,
@@ -164,6 +195,10 @@ class Proposal:
     # under tensor parallelism, for a draft tree (`propose` with `tree_nodes`): every slot's global top
     # candidates, (log-probabilities [B, γ−1, k], ids [B, γ−1, k]) best first
     top: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a DFlash2 package's, for a draft tree: every slot's top candidates' logits and ids
+    # [B, γ−1, K] and its selector's tables given each parent, log-probabilities and ids
+    # [B, γ−1, K, K] (`CandidateSelector.tables`), on the host
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class DFlashDrafter(nn.Module):

@@ -108,14 +108,14 @@ class SelectorChildren:
     node's own token; the selector's chain is the path that takes each node's best child. The
     root's token is the anchor and every other node's a candidate of the position before its
     own, so each position's distributions given each of those tokens are scored at once, one
-    table [parents, K] per position; a token off them (a forced path's) is scored on its own.
-    `candidates` ([D, K] values, ids), when given, are each position's top K already (a
-    tensor-parallel drafter's, as log-probabilities: the selector's softmax over the K is the
-    same for logits or log-probabilities), and `logits` is not read."""
+    table [parents, K] per position (`CandidateSelector.tables`' math); a token off them (a
+    forced path's) is scored on its own. `candidates` ([D, K] values, ids), when given, are
+    each position's top K already (a tensor-parallel drafter's, as log-probabilities: the
+    selector's softmax over the K is the same for logits or log-probabilities), and `logits` is
+    not read. `from_tables` takes the tables a drafter's package computed."""
 
     def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor | None, anchor: int,
                  candidates: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.selector, self.depth = selector, hidden.shape[0]
         # the candidates and their codebook rows gathered where the model is, then a few small
         # tables on the host in numpy, whose per-op cost is a fraction of torch's (a step's tree
         # is built between the drafter's call and the verify's)
@@ -129,17 +129,30 @@ class SelectorChildren:
                                                       F.embedding(parents, selector.predecessor_codebook),
                                                       F.embedding(top, selector.successor_codebook))]
         projected, cand_logits, pred, succ = host  # [D, dim], [D, K], [D, K parents, dim], [D, K, dim]
-        cand_ids, parents = top.cpu().numpy(), parents.cpu().numpy()
+        cand_ids = top.cpu().numpy()
         z = projected[:, None, :] + pred  # [D, K parents, dim]
         scores = cand_logits[:, None, :] + np.matmul(z, succ.transpose(0, 2, 1))  # [D, K parents, K]
         scores = scores - scores.max(-1, keepdims=True)
         log_probs = scores - np.log(np.exp(scores).sum(-1, keepdims=True))
         order = np.argsort(-log_probs, axis=-1, kind="stable")
-        # each (position, parent) row as lists when a node first asks for it
-        self._vals = np.take_along_axis(log_probs, order, -1)
-        self._ids = np.take_along_axis(np.broadcast_to(cand_ids[:, None, :], order.shape), order, -1)
-        self._rows = [{t: r for r, t in enumerate(row)} for row in parents.tolist()]
-        self._projected, self._cand_ids, self._cand_logits = projected, cand_ids, cand_logits
+        self._fill(selector, hidden, anchor, cand_ids, cand_logits, np.take_along_axis(log_probs, order, -1),
+                   np.take_along_axis(np.broadcast_to(cand_ids[:, None, :], order.shape), order, -1))
+
+    @classmethod
+    def from_tables(cls, selector, hidden: torch.Tensor, anchor: int, cand_logits: torch.Tensor,
+                    cand_ids: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor) -> SelectorChildren:
+        """The children of one block from `CandidateSelector.tables` as a drafter's package gives
+        them (its candidates' logits and ids [D, K], the tables [D, K, K], on the host)."""
+        self = cls.__new__(cls)
+        self._fill(selector, hidden, anchor, cand_ids.numpy(), cand_logits.numpy(), vals.numpy(), ids.numpy())
+        return self
+
+    def _fill(self, selector, hidden, anchor: int, cand_ids, cand_logits, vals, ids) -> None:
+        """Each position's rows by parent token, the sorted tables ([D, K parents, K] values,
+        ids) read a row at a time when a node first asks for it."""
+        self.selector, self.depth, self._hidden = selector, hidden.shape[0], hidden
+        self._cand_ids, self._cand_logits, self._vals, self._ids = cand_ids, cand_logits, vals, ids
+        self._rows = [{anchor: 0}] + [{t: r for r, t in enumerate(row)} for row in cand_ids[:-1].tolist()]
         self._seen: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
 
     def __call__(self, depth: int, parent_token: int) -> tuple[list[float], list[int]]:
@@ -151,10 +164,10 @@ class SelectorChildren:
         if row is not None:
             self._seen[key] = (self._vals[d, row].tolist(), self._ids[d, row].tolist())
         else:
-            sel = self.selector
-            device = sel.predecessor_codebook.device
-            scores = sel._scores(*(torch.from_numpy(a).to(device) for a in (
-                self._projected[d], self._cand_ids[d], self._cand_logits[d])), torch.tensor(parent_token, device=device))
+            with torch.no_grad():
+                hidden = self._hidden[d]
+                scores = self.selector.scores(hidden, *(torch.from_numpy(a).to(hidden.device) for a in (
+                    self._cand_ids[d], self._cand_logits[d])), torch.tensor(parent_token, device=hidden.device))
             vals, order = torch.log_softmax(scores, -1).sort(descending=True, stable=True)
             self._seen[key] = (vals.tolist(), self._cand_ids[d][order.cpu().numpy()].tolist())
         return self._seen[key]
@@ -223,6 +236,9 @@ def block_tree(drafter, anchor: int, proposal, budget: int) -> Tree:
                                         (log_probs[:, :k], ids[:, :k]))
         else:
             children = MarginalChildren(log_probs, budget, ids)
+    elif proposal.tables is not None:  # a DFlash2 package's selector tables
+        children = SelectorChildren.from_tables(drafter.candidate_selector, proposal.hidden[0], anchor,
+                                                *(t[0] for t in proposal.tables))
     elif drafter.config.version == 2 and proposal.hidden is not None:
         children = SelectorChildren(drafter.candidate_selector, proposal.hidden[0], proposal.logits[0], anchor)
     else:
