@@ -14,6 +14,7 @@ the target's argmax at each node then says which child, if any, continues the ac
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -185,17 +186,16 @@ def build_tree(anchor: int, children, budget: int, path: tuple[int, ...] = ()) -
     depth_max = children.depth
     tokens, parents, depths, scores = [anchor], [-1], [0], [0.0]
     kids: list[dict[int, int]] = [{}]
-    # candidates: (-(path log-prob), order, parent node, depth of the child, rank of its token)
-    heap: list[tuple[float, int, int, int, int]] = []
-    order = 0
+    # candidates: (-(path log-prob), order, parent node, depth of the child, rank of its token,
+    # the parent's children (log-probabilities, tokens)); a node asks for its children once
+    heap: list[tuple] = []
+    order = itertools.count()
 
-    def push(parent: int, depth: int, rank: int) -> None:
-        nonlocal order
+    def push_first(parent: int, depth: int) -> None:  # a node's best child
         if depth <= depth_max:
-            vals, _ = children(depth, tokens[parent])
-            if rank < len(vals):
-                heapq.heappush(heap, (-(scores[parent] + vals[rank]), order, parent, depth, rank))
-                order += 1
+            vals, ids = children(depth, tokens[parent])
+            if vals:
+                heapq.heappush(heap, (-(scores[parent] + vals[0]), next(order), parent, depth, 0, vals, ids))
 
     def add(parent: int, depth: int, token: int, score: float) -> int:
         node = len(tokens)
@@ -205,7 +205,7 @@ def build_tree(anchor: int, children, budget: int, path: tuple[int, ...] = ()) -
         scores.append(score)
         kids.append({})
         kids[parent][token] = node
-        push(node, depth + 1, 0)  # its best child
+        push_first(node, depth + 1)
         return node
 
     node = 0
@@ -213,13 +213,14 @@ def build_tree(anchor: int, children, budget: int, path: tuple[int, ...] = ()) -
         vals, ids = children(depth, tokens[node])
         logp = vals[ids.index(token)] if token in ids else min(vals)
         node = add(node, depth, token, scores[node] + logp)
-    push(0, 1, 0)
+    push_first(0, 1)
     while heap and len(tokens) <= budget:
-        neg, _, parent, depth, rank = heapq.heappop(heap)
-        push(parent, depth, rank + 1)  # its next sibling
-        token = children(depth, tokens[parent])[1][rank]
-        if token not in kids[parent]:  # not a node of `path` already
-            add(parent, depth, token, -neg)
+        neg, _, parent, depth, rank, vals, ids = heapq.heappop(heap)
+        if rank + 1 < len(vals):  # its next sibling
+            heapq.heappush(heap, (-(scores[parent] + vals[rank + 1]), next(order), parent, depth, rank + 1,
+                                  vals, ids))
+        if ids[rank] not in kids[parent]:  # not a node of `path` already
+            add(parent, depth, ids[rank], -neg)
     return Tree(tuple(tokens), tuple(parents), tuple(depths), tuple(scores))
 
 
