@@ -218,6 +218,7 @@ def test_dflash2_trees_take_their_childrens_tables_from_the_tree_package(aoti_en
     from metrale.runtime.spec.ddtree import SelectorChildren, build_tree
     from metrale.runtime.spec.sampling import SamplingParams
     from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.steps import DraftForward
 
     def decode(engine, **flags):
         face, calls, trees = engine.drafters["dflash2"], [], []
@@ -249,6 +250,23 @@ def test_dflash2_trees_take_their_childrens_tables_from_the_tree_package(aoti_en
     assert calls and set(calls) == {"tree_package"} and trees
     assert all(tables and same for _, tables, same in trees)
     assert tree_tokens == chain_tokens  # greedy: plain decoding's tokens either way
+    # a call of a sequence's tree beside another's chain: the tree package for both, the same
+    # drafts as each alone on its own package, tables for the tree's only
+    face, embed = engine.drafters["dflash2"], engine.target.model.embed_tokens
+    width = face.config.num_context_features * face.config.target_hidden_size
+    context = torch.randn(2, 5, width, generator=torch.Generator().manual_seed(0))
+    proposals = []
+    with torch.inference_mode():
+        for together in (True, False):
+            caches = [face.new_cache(1, 64, torch.float32) for _ in range(2)]
+            for b, cache in enumerate(caches):
+                face.add_context(context[b:b + 1], cache)
+            needs = [DraftForward(face, torch.tensor([7 + b]), embed, cache, 8, 16 * (1 - b))
+                     for b, cache in enumerate(caches)]
+            proposals.append(face.forward_many(needs) if together else [face.forward_many([n])[0] for n in needs])
+    (tree, chain), (tree_alone, chain_alone) = proposals
+    assert tree.tables is not None and chain.tables is None and chain.logits is None
+    assert torch.equal(tree.tokens, tree_alone.tokens) and torch.equal(chain.tokens, chain_alone.tokens)
 
     copy = tmp_path / "engine"
     shutil.copytree(aoti_engine_dir, copy)
