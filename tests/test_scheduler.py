@@ -21,7 +21,8 @@ from metrale.runtime.spec.sampling import SamplingParams
 from conftest import serve_in_thread, solo_answers
 
 MODES = {"plain": {}, "mtp": dict(speculative=True, num_drafts=3),
-         "dflash": dict(dflash=True, dflash_draft_ladder="1,3,7")}
+         "dflash": dict(dflash=True, dflash_draft_ladder="1,3,7"),
+         "dflash2 tree": dict(dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16)}
 
 
 def _client(base: str) -> OpenAI:
@@ -103,7 +104,7 @@ def test_a_cancelled_stream_frees_its_place(tiny_engine):
 
 
 @pytest.mark.parametrize("mode,disable_at", [("plain", None), ("mtp", None), ("mtp", 2),
-                                             ("dflash", None), ("dflash", 2)])
+                                             ("dflash", None), ("dflash", 2), ("dflash2 tree", None)])
 def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mode, disable_at,
                                                  monkeypatch):
     """On the aoti backend the running requests' rows go through one batched forward per
@@ -141,7 +142,7 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
     if mode == "mtp" and disable_at is None:  # every drafting sequence's chain link in one head forward
         assert value("head_forwards_total") > 0
         assert value("head_rows_total") > 1.5 * value("head_forwards_total")
-    if mode == "dflash" and disable_at is None:  # every drafting sequence's block in one drafter call
+    if mode.startswith("dflash") and disable_at is None:  # every drafting sequence's block in one drafter call
         assert value("draft_forwards_total") > 0
         assert value("draft_blocks_total") > 1.5 * value("draft_forwards_total")
 
