@@ -44,7 +44,7 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         # reads (the serve refuses trees where it does not: `LoadedEngine.block_distributions`)
         face.distributions = chains[0][0].distributions
         face.tree_package = trees[0][1] if trees else None
-        fed_rows = loaded[0][0].fed_rows or face.feed
+        fed_rows = chains[0][0].fed_rows or face.feed
         if fed_rows < face.feed:
             raise EngineDirError(f"{where}: the CPU package feeds {fed_rows} context rows a call, "
                                  f"fewer than its {face.feed} a sequence")

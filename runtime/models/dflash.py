@@ -125,9 +125,9 @@ class CandidateSelector(nn.Module):
         i = torch.arange(k, device=lp.device)
         # a candidate's place: how many of the row go before it
         place = sum(((lp[..., j:j + 1] > lp) | ((lp[..., j:j + 1] == lp) & (i > j))).long() for j in range(k))
-        ids = cand_ids[:, :, None, :].expand(b, n, k, k)
+        unsorted = cand_ids[:, :, None, :].expand(b, n, k, k)
         vals = sum(torch.where(place[..., j:j + 1] == i, lp[..., j:j + 1], 0.0) for j in range(k))
-        ids = sum(torch.where(place[..., j:j + 1] == i, ids[..., j:j + 1], 0) for j in range(k))
+        ids = sum(torch.where(place[..., j:j + 1] == i, unsorted[..., j:j + 1], 0) for j in range(k))
         return vals, ids
 
 
