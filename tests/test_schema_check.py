@@ -68,6 +68,31 @@ REFUSED = [
      f"more than {MAX_PROPERTIES} properties"),
     (_nested(MAX_DEPTH + 1), f"nest {MAX_DEPTH + 1} deep; at most {MAX_DEPTH}"),
     ([1, 2], "$: a schema is a JSON object, got a list"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "$: requires a subschema `false`"),
+]
+ENDLESS = "holds this subschema again inside it"
+# schemas every document of which would hold itself again: refused, naming where the loop closes
+UNFINISHABLE = [
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "$"),
+    ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+      "$ref": "#/$defs/n"}, "$.$defs.n"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "$"),
+    ({"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#"}], "minItems": 2}, "$"),
+    ({"anyOf": [{"$ref": "#"}, {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}]}, "$"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "$.$defs.a"),
+]
+# ... and recursive ones a document can finish (an optional or nullable recursion, a base
+# case), each with a document that does
+FINISHABLE = [
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}}, '{"a": {}}'),
+    ({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, '{"a": {"a": null}}'),
+    ({"anyOf": [{"type": "string"}, {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}]},
+     '{"a": {"a": "x"}}'),
+    ({"type": "array", "items": {"$ref": "#"}}, "[[], [[]]]"),
+    ({"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#"}], "minItems": 1}, '["x"]'),
+    ({"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["v", "kids"]}}, "$ref": "#/$defs/node"},
+     '{"v": 1, "kids": [{"v": 2, "kids": []}]}'),
 ]
 
 
@@ -76,6 +101,34 @@ def test_the_shape_check_refuses_by_name_and_place(schema, words):
     with pytest.raises(ConfigError) as e:
         check_shape(schema)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("schema,place", UNFINISHABLE)
+def test_a_schema_no_document_of_which_can_end_is_refused(compiler, schema, place):
+    """Where every branch requires the schema again inside itself, the grammar takes ever deeper
+    prefixes and never the end (the greedy walk below, taking the first character allowed, is
+    never offered it), and the check refuses the schema, naming the subschema that closes the
+    loop; a recursion some document can leave is let through, and its grammar can end."""
+    with pytest.raises(ConfigError) as e:
+        check_shape(schema)
+    assert str(e.value).startswith(f"{place}: every document the schema allows {ENDLESS}")
+    try:  # (xgrammar refuses some loops itself, at compile)
+        matcher = xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+    except RuntimeError:
+        return
+    mask = xgrammar.allocate_token_bitmask(1, len(_CHARS) + 1)
+    for _ in range(300):
+        matcher.fill_next_token_bitmask(mask)
+        bits = mask[0].tolist()
+        allowed = [i for i in range(len(_CHARS) + 1) if bits[i // 32] >> (i % 32) & 1]
+        assert allowed and 0 not in allowed  # something to take, never the end
+        assert matcher.accept_token(allowed[0])
+
+
+@pytest.mark.parametrize("schema,doc", FINISHABLE)
+def test_a_recursion_a_document_can_leave_passes(compiler, schema, doc):
+    check_shape(schema)
+    assert _accepts(compiler, schema, doc)
 
 
 def test_the_shape_check_passes_what_the_grammar_enforces():
@@ -180,15 +233,18 @@ def test_xgrammars_refusals_lose_their_log_prefix():
 
 def test_a_schema_the_grammar_cannot_enforce_is_a_400_before_generation(tiny_engine):
     """Over HTTP, each kind of refusal is a 400 naming `response_format` in a few words of its
-    own (xgrammar's log prefix, source file and failed check cut away), both endpoints; a
-    grammar that lets no token start a document (a union of only a reference to itself) is
-    found by compiling it; a good schema beside them is answered."""
+    own (xgrammar's log prefix, source file and failed check cut away), both endpoints; a good
+    schema beside them is answered. Behind the shape check, a grammar that lets no token start
+    a document (a union of only a reference to itself, which the shape check refuses first) is
+    found by compiling it."""
+    from metrale.runtime.spec.grammar import Grammars
+
+    with pytest.raises(ConfigError, match="no token can start a document"):
+        Grammars(tiny_engine.tokenizer, tiny_engine.target.config.vocab_size).check('{"anyOf": [{"$ref": "#"}]}')
     gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True))
     cases = [({"type": "string", "pattern": "[a-z]{1,15000}"}, f"at most {MAX_REPEAT}"),
-             ({"$ref": "#"}, "Circular $ref chain"),
-             ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-              "Circular $ref chain"),
-             ({"anyOf": [{"$ref": "#"}]}, "no token can start a document"),
+             ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, ENDLESS),
+             ({"type": "integer", "minimum": 5, "maximum": 3}, "Invalid range"),
              ({"type": "objectx"}, 'Unsupported type "objectx"'),
              ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 is greater than maxLength 2"),
              ({"not": {"type": "string"}}, "$.not")]

@@ -4,7 +4,8 @@ xgrammar drops keywords it does not enforce (with a warning in the server's log)
 using them would be answered with documents that break it; this refuses them instead, by name
 and place. It also bounds what a grammar costs to compile (its time grows faster than the
 schema: a few thousand properties take minutes),
-refuses what says outright that no document satisfies it (`anyOf: []`, an empty `enum`), and
+refuses what says outright that no document satisfies it (`anyOf: []`, an empty `enum`, a
+property required to hold the schema itself again on every branch), and
 checks the counts xgrammar would otherwise fail on deep in its compiler. Pure Python over the
 parsed schema, without recursion and in time linear in its size, so it may run wherever the
 request is parsed. `format` is an annotation (JSON Schema's default): the formats xgrammar
@@ -24,6 +25,7 @@ MAX_PROPERTIES = 500  # object properties over the whole schema
 MAX_ENUM = 1000  # `enum` values over the whole schema
 MAX_REPEAT = 1000  # one `pattern` quantifier's count
 MAX_EXPANSION = 4096  # the patterns' size with every quantifier written out, summed
+FINITE_PASSES = 64  # passes over the subschemas that find which can be finished (`_finite`)
 
 # keywords xgrammar drops: a document breaking them passes its grammar
 # (`tests/test_schema_check.py` checks each). `then`/`else` without `if`, `uniqueItems: false`
@@ -45,7 +47,8 @@ def check_shape(schema: Any) -> None:
     """Refuse (ConfigError, naming the place: `$.properties.name.pattern`) a schema that uses a
     keyword the grammar would drop, is larger or deeper than the bounds above, holds a
     non-finite number, a negative or crossed count, a reference outside itself, a `required`
-    property it does not define, or says outright that no document satisfies it."""
+    property it does not define, or says outright that no document satisfies it, or that none
+    can end (`_finite`)."""
     if not isinstance(schema, dict):
         raise ConfigError(f"$: a schema is a JSON object, got {_kind(schema)}")
     properties = enums = expansion = 0
@@ -82,6 +85,7 @@ def check_shape(schema: Any) -> None:
         raise ConfigError("$: holds NaN or Infinity, which JSON does not allow") from None
     except RecursionError:  # nesting in values no subschema walk reaches (`default`, `const`)
         raise ConfigError("$: nests JSON too deeply") from None
+    _finite(schema)
 
 
 def _subschemas(node: dict, path: str, depth: int) -> list[tuple[Any, str, int]]:
@@ -165,6 +169,92 @@ def _check_keywords(node: dict, path: str) -> None:
         if missing:  # the grammar would drop the name and not require it
             raise ConfigError(f"{path}.required: names {_shown(missing[0])}, which `properties` "
                               "does not define; a required property must be defined there")
+
+
+def _finite(schema: dict) -> None:
+    """Refuse a schema none of whose documents can end: every branch requires the same
+    subschema again inside itself, through required properties, a minimum of items or
+    references (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`); its grammar lets a
+    document start and never finish. A subschema is finite where some document it allows is:
+    the finite ones are found by passing over every subschema (children before their holders)
+    until none changes, at most FINITE_PASSES times (a schema still changing then is let through:
+    only references chained that far apart keep it changing), and the refusal names the
+    subschema where the walk from the root through what keeps each unfinished comes back to one
+    it passed."""
+    nodes: dict[int, tuple[dict, str]] = {}  # every subschema object, by identity, at its first place
+    stack: list[tuple[Any, str]] = [(schema, "$")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict) and id(node) not in nodes:
+            nodes[id(node)] = (node, path)
+            stack.extend((sub, where) for sub, where, _ in _subschemas(node, path, 0))
+    finite: set[int] = set()
+
+    def holds(sub: Any) -> bool:  # (a reference to what is no subschema: compiling says)
+        return not (sub is False or (isinstance(sub, dict) and id(sub) in nodes and id(sub) not in finite))
+
+    def blocker(node: dict) -> Any:
+        """A subschema that keeps `node` unfinished, or None where it is finite."""
+        if "enum" in node or "const" in node:  # values: finite documents
+            return None
+        ref = _resolve(schema, node["$ref"]) if "$ref" in node else None  # (unresolved: compiling says)
+        for sub in ([ref] if ref is not None else []) + node.get("allOf", []):
+            if not holds(sub):
+                return sub
+        for key in ("anyOf", "oneOf"):
+            if key in node and not any(holds(s) for s in node[key]):
+                return node[key][0]
+        types = node.get("type")
+        first = None
+        for t in types if isinstance(types, list) else [types]:
+            if t == "object":
+                subs = [node["properties"][name] for name in node.get("required", [])]
+            elif t == "array":
+                prefix, least = node.get("prefixItems", []), node.get("minItems", 0)
+                subs = prefix[:least] + [node.get("items", True)] * (least > len(prefix))
+            else:  # a scalar, or no type given
+                return None
+            sub = next((s for s in subs if not holds(s)), None)
+            if sub is None:
+                return None
+            first = sub if first is None else first
+        return first
+
+    order = list(reversed(nodes.values()))  # the walk met each holder before what it holds
+    for _ in range(FINITE_PASSES):
+        before = len(finite)
+        for node, _ in order:
+            if id(node) not in finite and blocker(node) is None:
+                finite.add(id(node))
+        if len(finite) == before:
+            break
+    else:
+        return  # still changing
+    node, path, passed = schema, "$", set()
+    while not holds(node) and id(node) not in passed:
+        passed.add(id(node))
+        sub = blocker(node)
+        if sub is False:
+            raise ConfigError(f"{path}: requires a subschema `false`, which no document satisfies")
+        node, path = sub, nodes[id(sub)][1]
+    if not holds(node):
+        raise ConfigError(f"{path}: every document the schema allows holds this subschema again "
+                          "inside it (through required properties, a minimum of items or "
+                          "references), so none can be finished; make one of them optional")
+
+
+def _resolve(schema: dict, ref: str) -> Any:
+    """The subschema a local reference (`#`, `#/$defs/name`, any JSON pointer) names, or None."""
+    node: Any = schema
+    for part in ref[2:].split("/") if ref.startswith("#/") else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node if ref == "#" or ref.startswith("#/") else None
 
 
 def _pattern_size(pattern: str, where: str) -> int:
