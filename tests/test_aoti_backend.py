@@ -282,7 +282,9 @@ def test_dflash2_trees_take_their_childrens_tables_from_the_tree_package(aoti_en
     assert tokens == tree_tokens and [t for t, _, _ in host_trees] == [t for t, _, _ in trees]
     for name, listed, match in (("dflash2", packages + packages[1:], "at most one tree's propose.*1 and 2"),
                                 ("dflash", [*manifest["components"]["dflash"]["cpu"]["packages"], packages[1]],
-                                 "selector tables from a DFlash drafter of version 1")):
+                                 "selector tables from a DFlash drafter of version 1"),
+                                ("dflash2", [packages[0], {**packages[1], "block": 4}],
+                                 r"tree's propose package \(dflash2/cpu/propose_tree.pt2\) was built for other")):
         manifest["components"]["dflash2"]["cpu"]["packages"] = packages
         manifest["components"][name]["cpu"]["packages"] = listed
         (copy / "config.json").write_text(json.dumps(manifest))

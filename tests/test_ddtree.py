@@ -340,6 +340,11 @@ def test_selector_tables_are_each_parents_distribution_best_first(ties):
             want_vals, order = want.sort(descending=True, stable=True)
             assert torch.allclose(vals[b, j, r], want_vals, atol=1e-5)
             assert ids[b, j, r].tolist() == cand_ids[b, j, order].tolist()
+        # a NaN (a broken drafter's) leaves each row's ids its candidates, each once
+        nan_logits = cand_logits.clone()
+        nan_logits[0, 1, 2] = float("nan")
+        _, nan_ids = sel.tables(hidden, nan_logits, cand_ids, anchor)
+        assert (nan_ids.sort(-1).values == cand_ids.sort(-1).values[:, :, None, :]).all()
         host = SelectorChildren(sel, hidden[1], logits[1], 9)
         packed = SelectorChildren.from_tables(sel, hidden[1], 9, cand_logits[1], cand_ids[1], vals[1], ids[1])
         for depth in range(1, 6):

@@ -118,6 +118,11 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
     monkeypatch.setattr(PlainRun, "take", lambda self, out: taken.append(1) or take(self, out))
     gen = EngineGenerator(aoti_engine, SpeculativeConfig.from_flags(**MODES[mode]))
     assert gen.capabilities.batched
+    trees = []  # DFlash2's tree package's calls, and the blocks in each
+    face = aoti_engine.drafters["dflash2"]
+    tree_package = face.tree_package
+    monkeypatch.setattr(face, "tree_package",
+                        lambda *inputs: trees.append(inputs[3].shape[0]) or tree_package(*inputs))
     tok = aoti_engine.tokenizer
     texts = [tok.decode(p[:12]) for p in tiny_prompts]
     solo = dict(enumerate(solo_answers(gen, texts, 24)))
@@ -142,6 +147,7 @@ def test_batched_answers_equal_their_solo_answers(aoti_engine, tiny_prompts, mod
     if mode == "mtp" and disable_at is None:  # every drafting sequence's chain link in one head forward
         assert value("head_forwards_total") > 0
         assert value("head_rows_total") > 1.5 * value("head_forwards_total")
+    assert bool(trees) == (mode == "dflash2 tree") and (not trees or max(trees) > 1)  # trees' blocks together
     if mode.startswith("dflash") and disable_at is None:  # every drafting sequence's block in one drafter call
         assert value("draft_forwards_total") > 0
         assert value("draft_blocks_total") > 1.5 * value("draft_forwards_total")

@@ -80,6 +80,10 @@ UNFINISHABLE = [
     ({"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#"}], "minItems": 2}, "$"),
     ({"anyOf": [{"$ref": "#"}, {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}]}, "$"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "$.$defs.a"),
+    # without `type`, as xgrammar reads them: an object, an array
+    ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "$"),
+    ({"items": {"$ref": "#"}, "minItems": 1}, "$"),
+    ({"anyOf": [False, {"properties": {"a": {"$ref": "#"}}, "required": ["a"]}]}, "$"),
 ]
 # ... and recursive ones a document can finish (an optional or nullable recursion, a base
 # case), each with a document that does
@@ -111,7 +115,7 @@ def test_a_schema_no_document_of_which_can_end_is_refused(compiler, schema, plac
     loop; a recursion some document can leave is let through, and its grammar can end."""
     with pytest.raises(ConfigError) as e:
         check_shape(schema)
-    assert str(e.value).startswith(f"{place}: every document the schema allows {ENDLESS}")
+    assert str(e.value).startswith(f"{place}: every document the schema's grammar allows {ENDLESS}")
     try:  # (xgrammar refuses some loops itself, at compile)
         matcher = xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
     except RuntimeError:
@@ -129,6 +133,37 @@ def test_a_schema_no_document_of_which_can_end_is_refused(compiler, schema, plac
 def test_a_recursion_a_document_can_leave_passes(compiler, schema, doc):
     check_shape(schema)
     assert _accepts(compiler, schema, doc)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "required": None}, {"type": "array", "minItems": None}, {"$ref": None}, {"type": []},
+    {"$ref": "#/anyOf/²", "anyOf": [{"type": "null"}]}, {"$ref": "#/anyOf/01", "anyOf": [{"type": "null"}]},
+    {"$ref": "#/anyOf/" + "9" * 5000, "anyOf": [{"type": "null"}]}, {"$ref": "#/required"},
+    {"minItems": 1}])  # (xgrammar enforces `minItems` only on an array it knows to be one)
+def test_odd_values_reach_the_grammar_compiler_not_a_crash(schema):
+    """What the finiteness check cannot read (nulls, references to what is no subschema, odd
+    indices) it leaves to xgrammar's compile, which says what is wrong: no exception of its own."""
+    check_shape(schema)
+
+
+def test_which_subschemas_can_end_is_found_reading_each_once(monkeypatch):
+    """A chain of 20,000 references, its end last among the definitions, and the same chain
+    closed into a loop: both decided, the loop refused at its first link, each subschema's
+    needs read once (a pass over the schema per link would read them 20,000 times each)."""
+    from metrale.runtime.spec import schema_check
+
+    reads = []
+    clauses = schema_check._clauses
+    monkeypatch.setattr(schema_check, "_clauses", lambda node, schema: reads.append(1) or clauses(node, schema))
+    n = 20_000
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}, "minItems": 1} for i in range(n)}
+    defs[f"d{n}"] = {"type": "null"}
+    check_shape({"$defs": defs, "$ref": "#/$defs/d0"})
+    assert len(reads) == 2 * n + 2  # each link and its items, the end, the root
+    defs[f"d{n}"] = {"$ref": "#/$defs/d0"}
+    with pytest.raises(ConfigError, match=r"^\$\.\$defs\.d0: every document"):
+        check_shape({"$defs": defs, "$ref": "#/$defs/d0"})
+    assert len(reads) == 2 * (2 * n + 2)
 
 
 def test_the_shape_check_passes_what_the_grammar_enforces():

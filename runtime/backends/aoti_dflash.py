@@ -39,6 +39,10 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
         if trees and drafter.config.version != 2:
             raise EngineDirError(f"{where}: selector tables from a DFlash drafter of version "
                                  f"{drafter.config.version}, which has no candidate selector")
+        shape = lambda e: (e.block, e.feed, e.fed_rows, e.distributions, e.batched)  # noqa: E731
+        if trees and shape(trees[0][0]) != shape(chains[0][0]):
+            raise EngineDirError(f"{where}: the tree's propose package ({trees[0][0].file}) was built "
+                                 f"for other blocks or feeds than the propose ({chains[0][0].file})")
         face = super().from_packages(drafter, chains, cpu, where)  # its block and feed checked
         # whether its package gives the blocks' logits and hidden states too, what a draft tree
         # reads (the serve refuses trees where it does not: `LoadedEngine.block_distributions`)

@@ -122,6 +122,7 @@ class CandidateSelector(nn.Module):
         z = projected[:, :, None, :] + F.embedding(parents, self.predecessor_codebook)  # [B, n, K, D]
         bonus = torch.matmul(z, F.embedding(cand_ids, self.successor_codebook).transpose(-1, -2))
         lp = torch.log_softmax(cand_logits.float()[:, :, None, :] + bonus.float(), -1)  # [B, n, K parents, K]
+        lp = torch.where(lp.isnan(), float("-inf"), lp)  # (a NaN compares unequal: its place would be no one's)
         i = torch.arange(k, device=lp.device)
         # a candidate's place: how many of the row go before it
         place = sum(((lp[..., j:j + 1] > lp) | ((lp[..., j:j + 1] == lp) & (i > j))).long() for j in range(k))

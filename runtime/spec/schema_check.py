@@ -25,7 +25,6 @@ MAX_PROPERTIES = 500  # object properties over the whole schema
 MAX_ENUM = 1000  # `enum` values over the whole schema
 MAX_REPEAT = 1000  # one `pattern` quantifier's count
 MAX_EXPANSION = 4096  # the patterns' size with every quantifier written out, summed
-FINITE_PASSES = 64  # passes over the subschemas that find which can be finished (`_finite`)
 
 # keywords xgrammar drops: a document breaking them passes its grammar
 # (`tests/test_schema_check.py` checks each). `then`/`else` without `if`, `uniqueItems: false`
@@ -172,15 +171,14 @@ def _check_keywords(node: dict, path: str) -> None:
 
 
 def _finite(schema: dict) -> None:
-    """Refuse a schema none of whose documents can end: every branch requires the same
-    subschema again inside itself, through required properties, a minimum of items or
-    references (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`); its grammar lets a
-    document start and never finish. A subschema is finite where some document it allows is:
-    the finite ones are found by passing over every subschema (children before their holders)
-    until none changes, at most FINITE_PASSES times (a schema still changing then is let through:
-    only references chained that far apart keep it changing), and the refusal names the
-    subschema where the walk from the root through what keeps each unfinished comes back to one
-    it passed."""
+    """Refuse a schema whose grammar lets a document start and never finish: every branch
+    requires the same subschema again inside itself, through required properties, a minimum of
+    items or references (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`). It is read
+    as xgrammar compiles it (`_clauses`). A subschema is finite where some document of its
+    grammar is; the finite ones are found from those that need nothing, each telling the
+    subschemas that hold it when it becomes finite (every subschema once, so linear in the
+    schema's size), and the refusal names the subschema where the walk from the root through
+    what keeps each unfinished comes back to one it passed."""
     nodes: dict[int, tuple[dict, str]] = {}  # every subschema object, by identity, at its first place
     stack: list[tuple[Any, str]] = [(schema, "$")]
     while stack:
@@ -188,73 +186,115 @@ def _finite(schema: dict) -> None:
         if isinstance(node, dict) and id(node) not in nodes:
             nodes[id(node)] = (node, path)
             stack.extend((sub, where) for sub, where, _ in _subschemas(node, path, 0))
+    clauses = {key: _clauses(node, schema) for key, (node, _) in nodes.items()}
     finite: set[int] = set()
+    # per subschema: its clauses still open, which are met, and per clause and alternative how
+    # many subschemas it still waits for; per subschema, the (holder, clause, alternative) that
+    # wait for it
+    open_clauses: dict[int, int] = {}
+    met: dict[int, list[bool]] = {}
+    waiting: dict[int, list[list[float]]] = {}
+    holders: dict[int, list[tuple[int, int, int]]] = {}
+    ready: list[int] = []
+    for key, node_clauses in clauses.items():
+        waiting[key], met[key] = [], []
+        for c, alternatives in enumerate(node_clauses):
+            counts: list[float] = []
+            for a, subs in enumerate(alternatives):
+                pending = {id(s) for s in subs if isinstance(s, dict) and id(s) in nodes}
+                counts.append(math.inf if any(s is False for s in subs) else len(pending))
+                for sub in pending:
+                    holders.setdefault(sub, []).append((key, c, a))
+            waiting[key].append(counts)
+            met[key].append(0 in counts)
+        open_clauses[key] = met[key].count(False)
+        if not open_clauses[key]:
+            ready.append(key)
+    while ready:
+        key = ready.pop()
+        finite.add(key)
+        for holder, c, a in holders.get(key, ()):
+            waiting[holder][c][a] -= 1
+            if waiting[holder][c][a] == 0 and not met[holder][c]:
+                met[holder][c] = True
+                open_clauses[holder] -= 1
+                if not open_clauses[holder]:
+                    ready.append(holder)
 
     def holds(sub: Any) -> bool:  # (a reference to what is no subschema: compiling says)
         return not (sub is False or (isinstance(sub, dict) and id(sub) in nodes and id(sub) not in finite))
 
-    def blocker(node: dict) -> Any:
-        """A subschema that keeps `node` unfinished, or None where it is finite."""
-        if "enum" in node or "const" in node:  # values: finite documents
-            return None
-        ref = _resolve(schema, node["$ref"]) if "$ref" in node else None  # (unresolved: compiling says)
-        for sub in ([ref] if ref is not None else []) + node.get("allOf", []):
-            if not holds(sub):
-                return sub
-        for key in ("anyOf", "oneOf"):
-            if key in node and not any(holds(s) for s in node[key]):
-                return node[key][0]
-        types = node.get("type")
-        first = None
-        for t in types if isinstance(types, list) else [types]:
-            if t == "object":
-                subs = [node["properties"][name] for name in node.get("required", [])]
-            elif t == "array":
-                prefix, least = node.get("prefixItems", []), node.get("minItems", 0)
-                subs = prefix[:least] + [node.get("items", True)] * (least > len(prefix))
-            else:  # a scalar, or no type given
-                return None
-            sub = next((s for s in subs if not holds(s)), None)
-            if sub is None:
-                return None
-            first = sub if first is None else first
-        return first
-
-    order = list(reversed(nodes.values()))  # the walk met each holder before what it holds
-    for _ in range(FINITE_PASSES):
-        before = len(finite)
-        for node, _ in order:
-            if id(node) not in finite and blocker(node) is None:
-                finite.add(id(node))
-        if len(finite) == before:
-            break
-    else:
-        return  # still changing
     node, path, passed = schema, "$", set()
     while not holds(node) and id(node) not in passed:
         passed.add(id(node))
-        sub = blocker(node)
+        alternatives = next(alts for alts in clauses[id(node)] if not any(all(map(holds, subs)) for subs in alts))
+        unfinished = [s for subs in alternatives for s in subs if not holds(s)]
+        sub = next((s for s in unfinished if s is not False), False)
         if sub is False:
             raise ConfigError(f"{path}: requires a subschema `false`, which no document satisfies")
         node, path = sub, nodes[id(sub)][1]
     if not holds(node):
-        raise ConfigError(f"{path}: every document the schema allows holds this subschema again "
-                          "inside it (through required properties, a minimum of items or "
+        raise ConfigError(f"{path}: every document the schema's grammar allows holds this subschema "
+                          "again inside it (through required properties, a minimum of items or "
                           "references), so none can be finished; make one of them optional")
+
+
+# keywords that make xgrammar read a subschema without `type` as an object, or as an array
+OBJECT_KEYWORDS = ("properties", "required", "additionalProperties")
+ARRAY_KEYWORDS = ("items", "prefixItems")
+
+
+def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
+    """What `node` needs to be finite, as xgrammar compiles it: every clause met, a clause by
+    one of its alternatives, an alternative by all of its subschemas being finite. A reference
+    is its target (xgrammar drops the keywords beside it); `anyOf`/`oneOf`, one branch (beside
+    them it drops `type`); each `allOf` part; and one of its types: an object, its required
+    properties, an array, the items its `minItems` needs, anything else, nothing (values of
+    `enum` and `const` need nothing either). Without `type`, a subschema with object keywords is
+    an object and one with array keywords an array, as xgrammar reads them."""
+    if "enum" in node or "const" in node:
+        return []
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        target = _resolve(schema, ref)
+        return [[[target]]] if target is not None else []
+    clauses = [[[part]] for part in node.get("allOf") or []]
+    branches = [node[key] for key in ("anyOf", "oneOf") if isinstance(node.get(key), list)]
+    if branches:
+        return clauses + [[[b] for b in alternatives] for alternatives in branches]
+    types = node.get("type")
+    if types is None:
+        types = "object" if any(k in node for k in OBJECT_KEYWORDS) else (
+            "array" if any(k in node for k in ARRAY_KEYWORDS) else None)
+    alternatives = []
+    for t in types if isinstance(types, list) else [types]:
+        if t == "object":
+            properties, required = node.get("properties") or {}, node.get("required") or []
+            alternatives.append([properties[name] for name in required if name in properties])
+        elif t == "array":
+            prefix, least = node.get("prefixItems") or [], node.get("minItems") or 0
+            items = node.get("items", True)
+            alternatives.append(prefix[:least] + [items] * (least > len(prefix)))
+        else:  # a scalar, or anything
+            alternatives.append([])
+    return clauses + [alternatives] if alternatives else clauses
 
 
 def _resolve(schema: dict, ref: str) -> Any:
     """The subschema a local reference (`#`, `#/$defs/name`, any JSON pointer) names, or None."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
     node: Any = schema
-    for part in ref[2:].split("/") if ref.startswith("#/") else ():
+    for part in ref[2:].split("/") if ref != "#" else ():
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif (isinstance(node, list) and part.isascii() and part.isdigit() and len(part) < 10
+              and (part == "0" or part[0] != "0") and int(part) < len(node)):
             node = node[int(part)]
         else:
             return None
-    return node if ref == "#" or ref.startswith("#/") else None
+    return node
 
 
 def _pattern_size(pattern: str, where: str) -> int:
