@@ -174,7 +174,8 @@ def _finite(schema: dict) -> None:
     """Refuse a schema whose grammar lets a document start and never finish: every branch
     requires the same subschema again inside itself, through required properties, a minimum of
     items or references (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`). It is read
-    as xgrammar compiles it (`_clauses`). A subschema is finite where some document of its
+    as xgrammar compiles it (`_clauses`), where that reading is plain (`_plain`: any other
+    subschema counts as finite, so what is refused is a loop of plain subschemas). A subschema is finite where some document of its
     grammar is; the finite ones are found from those that need nothing, each telling the
     subschemas that hold it when it becomes finite (every subschema once, so linear in the
     schema's size), and the refusal names the subschema where the walk from the root through
@@ -242,6 +243,13 @@ def _finite(schema: dict) -> None:
 # keywords that make xgrammar read a subschema without `type` as an object, or as an array
 OBJECT_KEYWORDS = ("properties", "required", "additionalProperties")
 ARRAY_KEYWORDS = ("items", "prefixItems")
+# what else says what a subschema's documents are: beside a reference, a union or `allOf`, or
+# on another type than its own, xgrammar reads these its own way (it drops some, keeps
+# others), so such a subschema is taken to be finite, and only plain recursions are refused
+SHAPING = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "minItems", "maxItems",
+           "additionalItems", "patternProperties", "minProperties", "maxProperties", *OBJECT_KEYWORDS,
+           *ARRAY_KEYWORDS)
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
 def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
@@ -252,7 +260,7 @@ def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
     properties, an array, the items its `minItems` needs, anything else, nothing (values of
     `enum` and `const` need nothing either). Without `type`, a subschema with object keywords is
     an object and one with array keywords an array, as xgrammar reads them."""
-    if "enum" in node or "const" in node:
+    if "enum" in node or "const" in node or not _plain(node):
         return []
     ref = node.get("$ref")
     if isinstance(ref, str):
@@ -278,6 +286,25 @@ def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
         else:  # a scalar, or anything
             alternatives.append([])
     return clauses + [alternatives] if alternatives else clauses
+
+
+def _plain(node: dict) -> bool:
+    """Whether `node` is read here as xgrammar compiles it: a reference, a union or an `allOf`
+    with nothing else that shapes its documents, or types of JSON's with only their own
+    keywords (object keywords on an object, array keywords on an array)."""
+    shaping = {k for k in node if k in SHAPING}
+    for alone in ("$ref", "anyOf", "oneOf", "allOf"):
+        if alone in shaping:
+            return shaping == {alone}
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types] if types is not None else []
+    if not all(isinstance(t, str) and t in JSON_TYPES for t in types):
+        return False
+    objects = shaping & {*OBJECT_KEYWORDS, "patternProperties", "minProperties", "maxProperties"}
+    arrays = shaping & {*ARRAY_KEYWORDS, "minItems", "maxItems", "additionalItems"}
+    if not types:  # untyped: read as an object or an array by its keywords, not both
+        return not (objects and arrays)
+    return (not objects or "object" in types) and (not arrays or "array" in types)
 
 
 def _resolve(schema: dict, ref: str) -> Any:
