@@ -137,8 +137,9 @@ def test_a_recursion_a_document_can_leave_passes(compiler, schema, doc):
 
 @pytest.mark.parametrize("schema", [
     {"type": "object", "required": None}, {"type": "array", "minItems": None}, {"$ref": None}, {"type": []},
-    {"$ref": "#/anyOf/²", "anyOf": [{"type": "null"}]}, {"$ref": "#/anyOf/01", "anyOf": [{"type": "null"}]},
-    {"$ref": "#/anyOf/" + "9" * 5000, "anyOf": [{"type": "null"}]}, {"$ref": "#/required"},
+    {"$ref": "#/$defs/u/anyOf/²", "$defs": {"u": {"anyOf": [{"type": "null"}]}}},
+    {"$ref": "#/$defs/u/anyOf/01", "$defs": {"u": {"anyOf": [{"type": "null"}]}}},
+    {"$ref": "#/$defs/u/anyOf/" + "9" * 5000, "$defs": {"u": {"anyOf": [{"type": "null"}]}}}, {"$ref": "#/required"},
     {"minItems": 1}])  # (xgrammar enforces `minItems` only on an array it knows to be one)
 def test_odd_values_reach_the_grammar_compiler_not_a_crash(schema):
     """What the finiteness check cannot read (nulls, references to what is no subschema, odd
@@ -223,6 +224,52 @@ BROKEN_FORMS = [
     ({"type": "string", "format": "date", "pattern": "^1"}, '"2020-01-01"', True),
     ({"type": "number", "multipleOf": 0.5}, "0.3", True),
 ]
+
+
+# beside a reference, a union, an allOf or values the grammar keeps that keyword alone: per
+# combination, a schema, a document that breaks the keyword beside it but not the kept one, and
+# the refusal's place
+_DEFS = {"$defs": {"s": {"type": "string"}, "o": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+BROKEN_BESIDE = [
+    ({"$ref": "#/$defs/s", "type": "integer", **_DEFS}, '"x"', "$.type", "$ref"),
+    ({"$ref": "#/$defs/s", "maxLength": 1, **_DEFS}, '"xyz"', "$.maxLength", "$ref"),
+    ({"$ref": "#/$defs/o", "properties": {"a": {"type": "string"}}, "required": ["a"], **_DEFS}, "{}",
+     "$.properties", "$ref"),
+    ({"anyOf": [{"type": "string"}, {"type": "integer"}], "type": "integer"}, '"x"', "$.type", "anyOf"),
+    ({"oneOf": [{"type": "string"}, {"type": "integer"}], "type": "integer"}, '"x"', "$.type", "oneOf"),
+    ({"anyOf": [{"type": "object"}], "properties": {"a": {"type": "string"}}, "required": ["a"]}, "{}",
+     "$.properties", "anyOf"),
+    ({"allOf": [{"type": "string"}], "maxLength": 1}, '"xyz"', "$.maxLength", "allOf"),
+    ({"allOf": [{"type": "string"}], "oneOf": [{"type": "integer"}, {"type": "string"}]}, "1", "$.allOf", "oneOf"),
+    ({"enum": ["a", 1], "type": "string"}, "1", "$.type", "enum"),
+    ({"const": 1, "type": "string"}, "1", "$.type", "const"),
+    ({"enum": ["abc"], "maxLength": 1}, '"abc"', "$.maxLength", "enum"),
+]
+
+
+@pytest.mark.parametrize("schema,doc,place,kept", BROKEN_BESIDE)
+def test_what_the_grammar_drops_beside_a_kept_keyword_is_refused(compiler, schema, doc, place, kept):
+    """The document breaking the keyword passes the grammar (if xgrammar starts enforcing the
+    pair, this fails and the pair can be let through), and the check refuses the keyword."""
+    assert _accepts(compiler, schema, doc)
+    with pytest.raises(ConfigError) as e:
+        check_shape(schema)
+    assert str(e.value).startswith(f"{place}: not enforced beside `{kept}`")
+
+
+def test_annotations_and_values_own_types_pass_beside_a_kept_keyword():
+    """What pydantic and OpenAI's structured outputs write beside a reference, a union or values:
+    annotations (keywords JSON Schema does not know among them), and a `type` every listed value
+    has."""
+    check_shape({"type": "object", "properties": {
+        "m": {"$ref": "#/$defs/m", "description": "a model", "default": {"a": 1}, "title": "M"},
+        "o": {"anyOf": [{"$ref": "#/$defs/m"}, {"type": "null"}], "default": None, "title": "O"},
+        "d": {"oneOf": [{"$ref": "#/$defs/m"}], "discriminator": {"propertyName": "a"}, "x-order": 2},
+        "e": {"enum": ["a", "b"], "type": "string", "title": "E", "description": "an enum"},
+        "n": {"enum": [1, 2.0, None], "type": ["integer", "null"]},
+        "c": {"const": "x", "type": "string"},
+        "w": {"allOf": [{"$ref": "#/$defs/m"}], "description": "wrapped", "format": "int64"}},
+        "$defs": {"m": {"type": "object", "properties": {"a": {"type": "integer"}}}}})
 
 
 @pytest.mark.parametrize("keyword", IGNORED)

@@ -35,6 +35,17 @@ IGNORED = ("not", "if", "dependentSchemas", "dependentRequired", "dependencies",
 # it drops a string's length bounds and pattern
 FORMATS = ("date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
            "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer")
+# keywords beside which xgrammar keeps that keyword alone and drops every other one (checked in
+# this order: beside `$ref`, an `enum` is dropped too, and beside `enum`, an `anyOf`)
+ALONE = ("$ref", "enum", "const", "anyOf", "oneOf", "allOf")
+# JSON Schema's keywords that narrow the documents a subschema allows (the others, and keywords
+# it does not know, `discriminator` or `x-...`, annotate: dropping them loses nothing)
+CONSTRAINTS = ("type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+               "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
+               "uniqueItems", "maxProperties", "minProperties", "required", "properties",
+               "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems",
+               "additionalItems", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+               "$ref", "nullable", *IGNORED)
 # keywords whose values are subschemas: one, a list of them, or a name -> subschema map
 ONE = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -168,6 +179,7 @@ def _check_keywords(node: dict, path: str) -> None:
         if missing:  # the grammar would drop the name and not require it
             raise ConfigError(f"{path}.required: names {_shown(missing[0])}, which `properties` "
                               "does not define; a required property must be defined there")
+    _check_alone(node, path)
 
 
 def _finite(schema: dict) -> None:
@@ -322,6 +334,43 @@ def _resolve(schema: dict, ref: str) -> Any:
         else:
             return None
     return node
+
+
+def _check_alone(node: dict, path: str) -> None:
+    """Beside a reference, a union, an `allOf` or values (`enum`, `const`), xgrammar enforces
+    that keyword alone (`ALONE`): refuse, by name, any other keyword that narrows the documents
+    (`CONSTRAINTS`; a `type` that every listed value already has says nothing more, nor do an
+    annotation `format`, `nullable: false` or `uniqueItems: false`)."""
+    kept = next((k for k in ALONE if k in node), None)
+    if kept is None:
+        return
+    values = node["enum"] if kept == "enum" else [node["const"]] if kept == "const" else None
+    for key in node:
+        if (key == kept or key not in CONSTRAINTS or (key == "format" and node[key] not in FORMATS)
+                or (key in ("nullable", "uniqueItems") and node[key] is False)
+                or (key == "type" and values is not None and _all_typed(values, node["type"]))):
+            continue
+        where = {"$ref": "the subschema it names", "anyOf": "each branch", "oneOf": "each branch",
+                 "allOf": "its subschema"}.get(kept)
+        raise ConfigError(f"{path}.{key}: not enforced beside `{kept}`, which the grammar keeps alone; "
+                          + (f"move it into {where}" if where else "list only values that satisfy it, "
+                             "and drop it"))
+
+
+def _all_typed(values: list, types: Any) -> bool:
+    """Whether every value is of one of JSON Schema's `types` (a name or a list of names)."""
+    kinds = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+             "null": (type(None),), "object": (dict,), "array": (list,)}
+    names = types if isinstance(types, list) else [types]
+
+    def typed(v: Any, name: Any) -> bool:
+        if not isinstance(name, str) or name not in kinds:
+            return False
+        if isinstance(v, bool) and name != "boolean":
+            return False
+        return isinstance(v, kinds[name]) or (name == "integer" and isinstance(v, float) and v.is_integer())
+
+    return isinstance(values, list) and all(any(typed(v, n) for n in names) for v in values)
 
 
 def _pattern_size(pattern: str, where: str) -> int:
