@@ -300,6 +300,13 @@ def test_what_passes_is_enforced(compiler):
     assert not _accepts(compiler, {"type": "string", "format": "password", "maxLength": 2}, '"abc"')
     assert not _accepts(compiler, {"allOf": [{"type": "string", "minLength": 3}]}, '"a"')
     assert not _accepts(compiler, {"type": "string", "pattern": f"^a{{{MAX_REPEAT}}}$"}, '"a"')
+    # as OpenAI's strict mode: listed properties or items, and no others unless the schema says so
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert not _accepts(compiler, listed, '{"a": 1, "b": 1}')
+    assert _accepts(compiler, {**listed, "additionalProperties": True}, '{"a": 1, "b": 1}')
+    assert _accepts(compiler, {"type": "object"}, '{"b": 1}')
+    assert not _accepts(compiler, {"type": "array", "prefixItems": [{"type": "integer"}]}, "[1, 2]")
+    assert _accepts(compiler, {"type": "array", "prefixItems": [{"type": "integer"}], "items": True}, "[1, 2]")
     assert _accepts(compiler, {"type": "string", "pattern": f"^a{{{MAX_REPEAT}}}$"}, '"' + "a" * MAX_REPEAT + '"')
 
 
