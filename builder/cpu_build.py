@@ -296,13 +296,14 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
     slots = max_slots(staged.target.config)
     t0 = time.time()
     jobs = [Job("target", "target", TARGET_ROWS, "target/cpu/steps.pt2")]
+    drafters = {name: drafter_config(root, name) for name, role in roles.items() if role is Role.DRAFTER}
     for name, role in roles.items():
         if role is Role.HEAD:
             jobs.append(Job(name, kinds[name].kind, MTP_ROWS, f"{name}/cpu/steps.pt2"))
         else:
             linear = "kernel" if cpu_kernels.available(dtype) else "extern"
             jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose.pt2", linear))
-            if drafter_config(root, name).version == 2:
+            if drafters[name].version == 2:
                 jobs.append(Job(name, kinds[name].kind, FEED_ROWS, f"{name}/cpu/propose_tree.pt2", linear,
                                 tables=True))
     compiled = _compile_all(root, jobs, kinds, taps, slots, fingerprint, dtype, workers, progress)
@@ -337,7 +338,7 @@ def build_cpu_packages(w, components: dict[str, ComponentEntry], taps: tuple[int
     for name in kinds:
         mine = [j for j in jobs if j.name == name]
         entries = [{"file": j.rel, "compile_s": compiled[j.rel], "batched": True,
-                    **({"feed": j.rows, "fed_rows": FED_ROWS, "block": drafter_config(root, name).block_size,
+                    **({"feed": j.rows, "fed_rows": FED_ROWS, "block": drafters[name].block_size,
                         "distributions": True, "selector_tables": j.tables}
                        if roles.get(name) is Role.DRAFTER
                        else {"rows": j.rows, "dynamic_rows": True, "tree_rows": name == "target"})}

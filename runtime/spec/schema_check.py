@@ -62,6 +62,7 @@ def check_shape(schema: Any) -> None:
     if not isinstance(schema, dict):
         raise ConfigError(f"$: a schema is a JSON object, got {_kind(schema)}")
     properties = enums = expansion = 0
+    nodes: dict[int, tuple[dict, str]] = {}  # every subschema object, by identity, and its place
     stack: list[tuple[Any, str, int]] = [(schema, "$", 0)]
     while stack:
         node, path, depth = stack.pop()
@@ -73,6 +74,7 @@ def check_shape(schema: Any) -> None:
             raise ConfigError(f"{path}: subschemas nest {depth} deep; at most {MAX_DEPTH} levels are allowed")
         subs = _subschemas(node, path, depth)
         _check_keywords(node, path)
+        nodes.setdefault(id(node), (node, path))
         properties += len(node["properties"]) if "properties" in node else 0
         if properties > MAX_PROPERTIES:
             raise ConfigError(f"{path}.properties: the schema defines more than {MAX_PROPERTIES} "
@@ -95,7 +97,7 @@ def check_shape(schema: Any) -> None:
         raise ConfigError("$: holds NaN or Infinity, which JSON does not allow") from None
     except RecursionError:  # nesting in values no subschema walk reaches (`default`, `const`)
         raise ConfigError("$: nests JSON too deeply") from None
-    _finite(schema)
+    _finite(schema, nodes)
 
 
 def _subschemas(node: dict, path: str, depth: int) -> list[tuple[Any, str, int]]:
@@ -182,23 +184,18 @@ def _check_keywords(node: dict, path: str) -> None:
     _check_alone(node, path)
 
 
-def _finite(schema: dict) -> None:
+def _finite(schema: dict, nodes: dict[int, tuple[dict, str]]) -> None:
     """Refuse a schema whose grammar lets a document start and never finish: every branch
     requires the same subschema again inside itself, through required properties, a minimum of
     items or references (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`). It is read
     as xgrammar compiles it (`_clauses`), where that reading is plain (`_plain`: any other
-    subschema counts as finite, so what is refused is a loop of plain subschemas). A subschema is finite where some document of its
-    grammar is; the finite ones are found from those that need nothing, each telling the
-    subschemas that hold it when it becomes finite (every subschema once, so linear in the
-    schema's size), and the refusal names the subschema where the walk from the root through
-    what keeps each unfinished comes back to one it passed."""
-    nodes: dict[int, tuple[dict, str]] = {}  # every subschema object, by identity, at its first place
-    stack: list[tuple[Any, str]] = [(schema, "$")]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, dict) and id(node) not in nodes:
-            nodes[id(node)] = (node, path)
-            stack.extend((sub, where) for sub, where, _ in _subschemas(node, path, 0))
+    subschema counts as finite, so what is refused is a loop of plain subschemas). A subschema
+    is finite where some document of its grammar is; the finite ones are found from those that
+    need nothing, each telling the subschemas that hold it when it becomes finite (every
+    subschema once, so linear in the schema's size), and the refusal names the subschema where
+    the walk from the root through what keeps each unfinished comes back to one it passed.
+    `nodes`: every subschema object of `schema`, by identity, and its place (`check_shape`'s
+    walk)."""
     clauses = {key: _clauses(node, schema) for key, (node, _) in nodes.items()}
     finite: set[int] = set()
     # per subschema: its clauses still open, which are met, and per clause and alternative how
@@ -255,12 +252,10 @@ def _finite(schema: dict) -> None:
 # keywords that make xgrammar read a subschema without `type` as an object, or as an array
 OBJECT_KEYWORDS = ("properties", "required", "additionalProperties")
 ARRAY_KEYWORDS = ("items", "prefixItems")
-# what else says what a subschema's documents are: beside a reference, a union or `allOf`, or
-# on another type than its own, xgrammar reads these its own way (it drops some, keeps
-# others), so such a subschema is taken to be finite, and only plain recursions are refused
-SHAPING = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "minItems", "maxItems",
-           "additionalItems", "patternProperties", "minProperties", "maxProperties", *OBJECT_KEYWORDS,
-           *ARRAY_KEYWORDS)
+# on another type than its own (or untyped, beside the other kind's), xgrammar reads these its
+# own way, so such a subschema is taken to be finite and only plain recursions are refused
+OBJECT_SHAPING = (*OBJECT_KEYWORDS, "patternProperties", "minProperties", "maxProperties")
+ARRAY_SHAPING = (*ARRAY_KEYWORDS, "minItems", "maxItems", "additionalItems")
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -271,17 +266,18 @@ def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
     them it drops `type`); each `allOf` part; and one of its types: an object, its required
     properties, an array, the items its `minItems` needs, anything else, nothing (values of
     `enum` and `const` need nothing either). Without `type`, a subschema with object keywords is
-    an object and one with array keywords an array, as xgrammar reads them."""
+    an object and one with array keywords an array, as xgrammar reads them. (Beside a
+    reference, a union or an `allOf`, `_check_alone` has let nothing else that narrows the
+    documents through, and an `allOf` holds one part.)"""
     if "enum" in node or "const" in node or not _plain(node):
         return []
     ref = node.get("$ref")
     if isinstance(ref, str):
         target = _resolve(schema, ref)
         return [[[target]]] if target is not None else []
-    clauses = [[[part]] for part in node.get("allOf") or []]
-    branches = [node[key] for key in ("anyOf", "oneOf") if isinstance(node.get(key), list)]
-    if branches:
-        return clauses + [[[b] for b in alternatives] for alternatives in branches]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(node.get(key), list):
+            return [[[b] for b in node[key]]]
     types = node.get("type")
     if types is None:
         types = "object" if any(k in node for k in OBJECT_KEYWORDS) else (
@@ -297,23 +293,17 @@ def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
             alternatives.append(prefix[:least] + [items] * (least > len(prefix)))
         else:  # a scalar, or anything
             alternatives.append([])
-    return clauses + [alternatives] if alternatives else clauses
+    return [alternatives] if alternatives else []
 
 
 def _plain(node: dict) -> bool:
-    """Whether `node` is read here as xgrammar compiles it: a reference, a union or an `allOf`
-    with nothing else that shapes its documents, or types of JSON's with only their own
-    keywords (object keywords on an object, array keywords on an array)."""
-    shaping = {k for k in node if k in SHAPING}
-    for alone in ("$ref", "anyOf", "oneOf", "allOf"):
-        if alone in shaping:
-            return shaping == {alone}
+    """Whether `node`'s types are JSON's, with only their own keywords (object keywords on an
+    object, array keywords on an array; untyped, one kind of them)."""
     types = node.get("type")
     types = types if isinstance(types, list) else [types] if types is not None else []
     if not all(isinstance(t, str) and t in JSON_TYPES for t in types):
         return False
-    objects = shaping & {*OBJECT_KEYWORDS, "patternProperties", "minProperties", "maxProperties"}
-    arrays = shaping & {*ARRAY_KEYWORDS, "minItems", "maxItems", "additionalItems"}
+    objects, arrays = any(k in node for k in OBJECT_SHAPING), any(k in node for k in ARRAY_SHAPING)
     if not types:  # untyped: read as an object or an array by its keywords, not both
         return not (objects and arrays)
     return (not objects or "object" in types) and (not arrays or "array" in types)
