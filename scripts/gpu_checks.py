@@ -13,7 +13,8 @@
 
 The run, in order, each step a subprocess under its own time cap and the whole under
 $METRALE_GPU_BUDGET_S (default 450 s; a step that would start with under 20 s left is skipped):
-  wheels        $METRALE_WHEELS=DIR: its wheels installed offline into a scratch folder
+  wheels        $METRALE_WHEELS=DIR: its wheels installed offline into a scratch folder (what
+                this Python lacks, as scripts/offline_wheels.py downloads them elsewhere)
   env           env.json (whatever happens: torch missing, no CUDA, metrale not importing)
   install       only when metrale does not import: `pip install --no-deps -e .`, else (no pip,
                 no setuptools) the package assembled from symlinks on PYTHONPATH

@@ -8,7 +8,7 @@
 # with one, it is 1 when any step failed.
 # Python: $PYTHON, else the first of .venv/bin/python and python3 whose torch sees a GPU, else
 # the first whose torch imports. $METRALE_WHEELS=DIR installs the wheels in DIR first, offline
-# (e.g. typer and rich where the CLI lacks them); $METRALE_GPU_ENGINES=DIR uses a tiny engine
+# (what that Python lacks: scripts/offline_wheels.py); $METRALE_GPU_ENGINES=DIR uses a tiny engine
 # directory built elsewhere instead of building one (a GPU machine may lack ModelOpt);
 # $METRALE_GPU_BUDGET_S (default 450) caps the run; $METRALE_GPU_WORK holds the scratch.
 set -uo pipefail
