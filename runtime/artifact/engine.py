@@ -38,6 +38,7 @@ from metrale.runtime.artifact.entries import ComponentEntry
 from metrale.runtime.errors import CheckpointError, EngineDirError
 from metrale.runtime.models.layers import Attention, MoE, pack_for_inference
 from metrale.runtime.models.loader import check_counts, strict_fill
+from metrale.runtime.models.row_probe import rows_invariant
 from metrale.runtime.artifact.tokenizer import Tokenizer
 from metrale.runtime.models.tp import (TensorParallel, check_drafter_split, cut_tensor, drafter_cut,
                                 merge_drafter_state)
@@ -151,6 +152,7 @@ class LoadedEngine:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     packed: bool = False
+    eager_invariant: bool | None = None  # measured by `pack` (`eager_rows_invariant`)
     backend: BackendEntry = BACKENDS["torch"]  # what runs its steps (`backend_registry`)
     backend_note: str = ""  # why auto runs eager torch where it would have run something else
     requantized: dict[str, str] = field(default_factory=dict)  # component -> its weights' source
@@ -189,19 +191,31 @@ class LoadedEngine:
             for model in self.models().values():
                 if isinstance(model, nn.Module):  # engine-backed faces hold their own weights
                     pack_for_inference(model)
-            if self.backend.eager and self.eager_rows_invariant:
-                for module in self.target.modules():
-                    if isinstance(module, (Attention, MoE)):
-                        module.row_invariant = True
+            if self.backend.eager and self.dtype == torch.bfloat16 and self.device.type == "cpu":
+                self._row_invariant_modules(True)
+                self.eager_invariant = rows_invariant(self.target)
+                if not self.eager_invariant:
+                    self._row_invariant_modules(False)
+                    log.warning("%s: this process's bfloat16 GEMMs give a row other bits in a "
+                                "forward of several rows (torch %s), so chunkwise verify is not "
+                                "plain decoding's bits here (--exact-verify is)", self.path.name,
+                                torch.__version__)
             self.packed = True
         return self
 
+    def _row_invariant_modules(self, on: bool) -> None:
+        for module in self.target.modules():
+            if isinstance(module, (Attention, MoE)):
+                module.row_invariant = on
+
     @property
     def eager_rows_invariant(self) -> bool:
-        """bfloat16 on a CPU: torch's GEMMs give each row the bits a one-row GEMM gives it (in
-        float32 they do not: MKL picks other kernels below four rows), so with attention over
-        whole caches every row of a verify forward equals the one-row step at its position."""
-        return self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        """Does every row of the eager target's verify forward equal the one-row step at its
+        position, bit for bit? Where torch's GEMMs give each row the bits a one-row GEMM gives it
+        and attention runs over whole caches: measured by `pack` (`row_probe`), and only asked
+        of bfloat16 on a CPU (in float32 MKL picks other kernels below four rows); False
+        before `pack`."""
+        return self.eager_invariant is True
 
     def block_distributions(self, drafter: str) -> bool:
         """Does drafter `drafter`'s face give its blocks' distributions (what a draft tree is
