@@ -9,8 +9,9 @@ dependencies and `openai`, each with what it requires under that machine's Pytho
 PyTorch and the GPU stack (the image's), ModelOpt (engines are built elsewhere,
 `$METRALE_GPU_ENGINES`) and every distribution named in `--have` (a file with one name per line,
 or `name==version` as `pip freeze` writes it: what that machine already has; what they require is
-left out with them, unless `name==version` there does not meet a requirement). It then downloads each one's wheel at the version installed here for that
-Python on manylinux x86-64 into DIR, with no dependency resolution (`pip download --no-deps`).
+left out with them, unless the version there does not meet a requirement). It then downloads
+each one's wheel at the version installed here for that Python on manylinux x86-64 into DIR,
+with no dependency resolution (`pip download --no-deps`).
 `scripts/gpu_checks.sh` installs them offline when `$METRALE_WHEELS=DIR`. `--plan` prints the
 list without downloading.
 """
