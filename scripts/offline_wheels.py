@@ -8,7 +8,7 @@ with), what metrale's runtime, its server and `scripts/load.py`'s client need: m
 dependencies and `openai`, each with what it requires under that machine's Python, leaving out
 PyTorch and the GPU stack (the image's), ModelOpt (engines are built elsewhere,
 `$METRALE_GPU_ENGINES`) and every distribution named in `--have` (a file with one name per line,
-or `name==version` as `pip freeze` writes it: what that machine already has; what they require is
+as `pip freeze --all` writes it: what that machine already has; what they require is
 left out with them, unless the version there does not meet a requirement). It then downloads
 each one's wheel at the version installed here for that Python on manylinux x86-64 into DIR,
 with no dependency resolution (`pip download --no-deps`).
@@ -25,7 +25,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 
 # the GPU machine's own: PyTorch and what its CUDA builds bring, and the engine builder's
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|nvidia-modelopt.*|tensorrt.*)$")
@@ -39,45 +39,65 @@ def canonical(name: str) -> str:
 
 
 def plan(python_version: str, have: dict[str, str | None], roots=ROOTS) -> dict[str, str]:
-    """{distribution: `==` the installed version} that metrale and `roots` need under `python_version`
-    on Linux x86-64, from the installed distributions' metadata: their non-optional requirements
-    whose markers hold there, transitively, less NEVER, `have` ({name: version, or None when
-    unknown}: what that machine has, taken as it is unless its known version misses a
-    requirement's) and what only those require. A requirement not installed here (its marker
-    holds only on that Python) gets its specifier instead, and pip's choice of version; what it
-    requires is not followed. metrale itself is left out (the machine runs it from the source
-    tree)."""
+    """{distribution: `==` the installed version} that `roots` (metrale and the load test's
+    client) need under `python_version` on Linux x86-64, from the installed distributions'
+    metadata: their requirements whose markers hold there (with the extras asked for),
+    transitively, less NEVER, `have` ({name: version, or None when unknown}: what that machine
+    has, taken as it is unless its known version misses a requirement's) and what only those
+    require; metrale's own are followed whatever `have` says of it. A requirement not installed
+    here (its marker holds only on that Python) gets its specifier instead, and pip's choice of
+    version; what it requires is not followed. metrale itself is left out (the machine runs it
+    from the source tree)."""
     env = {"python_version": python_version, "python_full_version": f"{python_version}.0",
            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
            "os_name": "posix", "implementation_name": "cpython", "extra": ""}
     have = {canonical(n): v for n, v in have.items()}
-    need, todo = {}, [Requirement(r) for r in roots]
+    roots = [Requirement(r) for r in roots]
+    root_names = {canonical(r.name) for r in roots}
+    need: dict[str, str] = {}
+    read: dict[str, set[str]] = {}  # a distribution's extras whose requirements were followed
+    todo = list(roots)
     while todo:
         req = todo.pop()
         name = canonical(req.name)
-        if name in need or NEVER.match(name):
+        if NEVER.match(name) or name != "metrale" and name in have and (
+                have[name] is None or req.specifier.contains(have[name], prereleases=True)):
             continue
-        if name in have and (have[name] is None or req.specifier.contains(have[name], prereleases=True)):
+        extras = {""} | set(req.extras)
+        if name in read and extras <= read[name]:
             continue
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:  # (another Python's marker): pip picks its version
-            if name in ROOTS:
+            if name in root_names:
                 raise SystemExit(f"{name}: not installed here; install metrale with its test "
                                  "extra (`make .venv/.installed-extras`) first") from None
-            need[name] = str(req.specifier)
+            need.setdefault(name, str(req.specifier))
             continue
+        if not req.specifier.contains(dist.version, prereleases=True):
+            raise SystemExit(f"{name} {dist.version} is installed here, but {req} is required: "
+                             "this environment is not the one the tests ran in")
         need[name] = f"=={dist.version}"
-        for text in dist.requires or ():
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate(env):
-                todo.append(req)
+        for extra in extras - read.setdefault(name, set()):
+            for text in dist.requires or ():
+                sub = Requirement(text)
+                if (sub.marker.evaluate(env | {"extra": extra}) if sub.marker is not None else extra == ""):
+                    todo.append(sub)
+        read[name] |= extras
     need.pop("metrale", None)
     return dict(sorted(need.items()))
 
 
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def read_have(path: Path | None) -> dict[str, str | None]:
-    """--have's file: a distribution a line, `name` or `name==version`."""
+    """--have's file, as `pip freeze --all` writes it: `name==version`, `name @ url` (version
+    unknown) or `name`, a line each; options (`-e ...`, `--...`) and comments are skipped."""
     if path is None:
         return {}
     try:
@@ -86,12 +106,15 @@ def read_have(path: Path | None) -> dict[str, str | None]:
         raise SystemExit(f"--have {path}: cannot be read ({e.strerror})") from None
     have = {}
     for line in (s.strip() for s in lines):
-        if line and not line.startswith("#"):
-            name, _, version = line.partition("==")
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name.strip()):
-                raise SystemExit(f"--have {path}: {line!r} is not a distribution name, or "
-                                 "name==version as pip freeze writes it")
-            have[name.strip()] = version.strip() or None
+        if not line or line.startswith(("#", "-")):
+            continue
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            raise SystemExit(f"--have {path}: {line!r} is not a line of pip freeze (name==version, "
+                             "name @ url or a name)") from None
+        pinned = [s.version for s in req.specifier if s.operator in ("==", "===")]
+        have[req.name] = pinned[0] if pinned and req.url is None else None
     return have
 
 
@@ -105,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     if not re.fullmatch(r"3\.\d{1,2}", args.python_version):
         ap.error(f"--python-version {args.python_version!r}: a CPython version as 3.12")
     need = plan(args.python_version, read_have(args.have))
+    installed = {n for n in need if need[n] == f"=={_version(n)}"}
     for name, spec in need.items():
-        print(f"{name}{spec}" + ("" if spec.startswith("==") else "  (not installed here: pip "
-                                                                 "picks it, without what it needs)"))
+        print(f"{name}{spec}" + ("" if name in installed else "  (not installed here: pip picks "
+                                                               "it, without what it needs)"))
     if args.plan:
+        return 0
+    if not need:
+        print("nothing to download: that machine has everything")
         return 0
     args.dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",

@@ -47,11 +47,23 @@ def test_markers_are_read_for_that_python():
 
 def test_have_reads_pip_freeze_and_names_a_bad_line(tmp_path):
     f = tmp_path / "freeze.txt"
-    f.write_text("# the image\nTyping_Extensions==4.16.0\nfastapi\n\n")
-    assert offline_wheels.read_have(f) == {"Typing_Extensions": "4.16.0", "fastapi": None}
-    f.write_text("-e git+https://example/x\n")
-    with pytest.raises(SystemExit, match=r"freeze\.txt: '-e git\+https://example/x' is not a distribution"):
+    f.write_text("# the image\nTyping_Extensions==4.16.0\nfastapi\ntorch @ file:///wheels/torch.whl\n"
+                 "-e git+https://example/x#egg=x\n--index-url https://example\n\n")
+    assert offline_wheels.read_have(f) == {"Typing_Extensions": "4.16.0", "fastapi": None, "torch": None}
+    f.write_text("pydantic 2.0\n")
+    with pytest.raises(SystemExit, match=r"freeze\.txt: 'pydantic 2\.0' is not a line of pip freeze"):
         offline_wheels.read_have(f)
+
+
+def test_extras_asked_for_bring_their_requirements():
+    plain = offline_wheels.plan("3.12", {}, roots=("uvicorn",))
+    assert "uvicorn" in plain and "websockets" not in plain
+    standard = offline_wheels.plan("3.12", {}, roots=("uvicorn[standard]",))
+    assert {"websockets", "httptools", "uvloop"} <= set(standard)
+
+
+def test_a_root_is_followed_whatever_the_machine_has():
+    assert "pydantic" in offline_wheels.plan("3.12", {"metrale": "0.1.0"})
 
 
 def test_the_command_refuses_a_bad_python_version_and_plans_without_downloading(tmp_path):

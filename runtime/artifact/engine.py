@@ -38,7 +38,7 @@ from metrale.runtime.artifact.entries import ComponentEntry
 from metrale.runtime.errors import CheckpointError, EngineDirError
 from metrale.runtime.models.layers import Attention, MoE, pack_for_inference
 from metrale.runtime.models.loader import check_counts, strict_fill
-from metrale.runtime.models.row_probe import rows_invariant
+from metrale.runtime.models.row_probe import PROBE_MOST, probe_rows, rows_invariant as probe_invariant
 from metrale.runtime.artifact.tokenizer import Tokenizer
 from metrale.runtime.models.tp import (TensorParallel, check_drafter_split, cut_tensor, drafter_cut,
                                 merge_drafter_state)
@@ -192,14 +192,20 @@ class LoadedEngine:
                 if isinstance(model, nn.Module):  # engine-backed faces hold their own weights
                     pack_for_inference(model)
             if self.backend.eager and self.dtype == torch.bfloat16 and self.device.type == "cpu":
+                # every row count a verify, a tree or a catch-up runs, a drafter's whole block too
+                most = max(PROBE_MOST, *(getattr(getattr(d, "config", None), "block_size", 0)
+                                         for d in self.drafters.values()))
                 self._row_invariant_modules(True)
-                self.eager_invariant = rows_invariant(self.target)
+                try:
+                    self.eager_invariant = probe_invariant(self.target, probe_rows(most))
+                finally:
+                    if not self.eager_invariant:
+                        self._row_invariant_modules(False)
                 if not self.eager_invariant:
-                    self._row_invariant_modules(False)
-                    log.warning("%s: this process's bfloat16 GEMMs give a row other bits in a "
-                                "forward of several rows (torch %s), so chunkwise verify is not "
-                                "plain decoding's bits here (--exact-verify is)", self.path.name,
-                                torch.__version__)
+                    log.warning("%s: in bfloat16 on this CPU (torch %s) a forward of several rows "
+                                "does not give each row its one-row step's bits, so chunkwise "
+                                "verify is not plain decoding's bits here (--exact-verify is)",
+                                self.path.name, torch.__version__)
             self.packed = True
         return self
 
