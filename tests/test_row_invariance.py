@@ -43,7 +43,6 @@ def test_the_claim_is_what_the_rows_do(tiny_engine_dir):
     with attention over whole caches, some forward the probe covers does give a row other bits
     than its one-row step on other random prompts."""
     from metrale.runtime.backends import load_engine
-    from metrale.runtime.models.layers import Attention, MoE
     from metrale.runtime.models.row_probe import PROBE_MOST
 
     engine = load_engine(tiny_engine_dir, backend="torch", dtype=torch.bfloat16).pack()
@@ -51,9 +50,7 @@ def test_the_claim_is_what_the_rows_do(tiny_engine_dir):
         for k in range(17):
             assert_verify_rows_are_one_row_steps(engine.target, k, seed=300 + k)
         return
-    for m in engine.target.modules():
-        if isinstance(m, (Attention, MoE)):
-            m.row_invariant = True
+    engine._row_invariant_modules(True)
     for k in range(PROBE_MOST):
         try:
             assert_verify_rows_are_one_row_steps(engine.target, k, seed=300 + k)

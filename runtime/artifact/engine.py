@@ -193,14 +193,12 @@ class LoadedEngine:
                     pack_for_inference(model)
             if self.backend.eager and self.dtype == torch.bfloat16 and self.device.type == "cpu":
                 # every row count a verify, a tree or a catch-up runs, a drafter's whole block too
-                most = max(PROBE_MOST, *(getattr(getattr(d, "config", None), "block_size", 0)
-                                         for d in self.drafters.values()))
+                most = max(PROBE_MOST, *(d.config.block_size for d in self.drafters.values()))
                 self._row_invariant_modules(True)
                 try:
                     self.eager_invariant = probe_invariant(self.target, probe_rows(most))
-                finally:
-                    if not self.eager_invariant:
-                        self._row_invariant_modules(False)
+                finally:  # (off again where the probe failed or raised)
+                    self._row_invariant_modules(self.eager_invariant is True)
                 if not self.eager_invariant:
                     log.warning("%s: in bfloat16 on this CPU (torch %s) a forward of several rows "
                                 "does not give each row its one-row step's bits, so chunkwise "
