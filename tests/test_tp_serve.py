@@ -6,7 +6,9 @@
   (the other ranks load no drafter), adaptive k's retirement included;
 - KV heads split unevenly (4 over 3 ranks: 2, 1, 1), drafts equal to one rank's;
 - draft trees over the sharded drafter, with the eager target or the captured one (the capture
-  stand-in, as auto loads a target on CUDA), the one rank's trees node for node.
+  stand-in, as auto loads a target on CUDA), the one rank's trees node for node;
+- a bfloat16 world's row claim (`LoadedEngine.pack`'s probe) withdrawn on every rank where one
+  rank's probe withdrew it.
 
 Run as a script (`python tests/test_tp_serve.py SCENARIO RANK WORLD PORT ARGS_JSON OUT`) this
 file is one rank of a scenario; the fixtures below start every rank and compare with one rank.
@@ -109,6 +111,16 @@ def _worker(scenario: str, rank: int, world_size: int, port: int, args: dict, ou
     if scenario == "uneven":
         tp = TensorParallel(world.rank, world.size)
         res["proposals"] = {v: propose_with(*uneven_job(v), tp) for v in (1, 2)}
+    elif scenario == "claims":  # each rank's probe says what `claims` gives it
+        from metrale.runtime.artifact import engine as engine_mod
+        from metrale.runtime.models.layers import Attention
+
+        for label, claims in args["claims"].items():
+            engine_mod.probe_invariant = lambda *a, claim=claims[rank]: claim
+            gen = load_generator(args["engine_dir"], SpeculativeConfig.from_flags(dflash=True),
+                                 dtype=torch.bfloat16, backend="torch")
+            modules = {m.row_invariant for m in gen.engine.target.modules() if isinstance(m, Attention)}
+            res[label] = (gen.engine.eager_invariant, gen.engine.rows_invariant, modules)
     else:  # decode through load_generator: the startup path of generate and serve
         for label, run in args["runs"].items():
             flags, backend = spec_flags(run)
@@ -224,6 +236,19 @@ def spec_flags(run: dict) -> tuple[dict, str]:
     """A run's speculative flags and its backend (the torch backend unless it names one)."""
     flags = dict(run)
     return flags, flags.pop("backend", "torch")
+
+
+# -- the row claim, the same on every rank -------------------------------------------------------
+
+def test_a_row_claim_one_rank_withdrew_is_withdrawn_on_every_rank(tiny_engine_dir, tmp_path):
+    """Ranks decode in lockstep, so a bfloat16 world holds `pack`'s row claim only where every
+    rank's probe made it (here each rank's verdict is given, as CPUs that differ would give)."""
+    claims = {"all": [True, True], "one": [True, False], "none": [False, False]}
+    ranks = run_ranks("claims", 2, {"engine_dir": str(tiny_engine_dir), "claims": claims}, tmp_path)
+    for rank, res in enumerate(ranks):
+        assert res["all"] == (True, True, {True}), rank
+        assert res["one"] == (False, False, {False}), rank
+        assert res["none"] == (False, False, {False}), rank
 
 
 @pytest.fixture(scope="module")

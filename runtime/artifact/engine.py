@@ -193,7 +193,7 @@ class LoadedEngine:
                     pack_for_inference(model)
             if self.backend.eager and self.dtype == torch.bfloat16 and self.device.type == "cpu":
                 # every row count a verify, a tree or a catch-up runs, a drafter's whole block too
-                most = max(PROBE_MOST, *(d.config.block_size for d in self.drafters.values()))
+                most = max([PROBE_MOST, *(d.config.block_size for d in self.drafters.values())])
                 self._row_invariant_modules(True)
                 try:
                     self.eager_invariant = probe_invariant(self.target, probe_rows(most))
@@ -206,6 +206,15 @@ class LoadedEngine:
                                 self.path.name, torch.__version__)
             self.packed = True
         return self
+
+    def withdraw_rows_invariance(self, why: str) -> None:
+        """Take back `pack`'s measured claim (`eager_rows_invariant`), and the whole-cache
+        attention and dense experts that went with it, for the reason `why` gives."""
+        if self.eager_invariant:
+            self.eager_invariant = False
+            self._row_invariant_modules(False)
+            log.warning("%s: chunkwise verify is not taken as plain decoding's bits here "
+                        "(--exact-verify is): %s", self.path.name, why)
 
     def _row_invariant_modules(self, on: bool) -> None:
         for module in self.target.modules():

@@ -287,17 +287,23 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value: object) -> list:
+        """Every rank's `value`, by rank."""
+        if self.size == 1:
+            return [value]
+        values: list = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
     def agree(self, value: str, flag: str) -> None:
         """Refuse, on every rank, a flag whose value differs between ranks."""
         if self.size == 1:
             return
-        values: list = [None] * self.size
-        dist.all_gather_object(values, value)
+        values = self.gather(value)
         if any(v != values[0] for v in values):
             shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise ConfigError(f"{flag}: the ranks disagree ({shown}); set the same value on "
                               "every rank")
-
 
     def close(self) -> None:
         """Leave the process group together with the other ranks (a rank that exits while

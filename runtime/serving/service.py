@@ -90,6 +90,13 @@ class EngineGenerator:
         self.spec = spec or SpeculativeConfig()
         self.world = world or World()
         self.relay = relay and self.world.size > 1 and self.spec.mode is SpecMode.DFLASH
+        # a world's ranks decode in lockstep, so they take the same steps only where they hold
+        # the same row claim: where one rank's probe withdrew it, every rank withdraws it
+        verdicts = self.world.gather(engine.eager_invariant)
+        if engine.eager_invariant and not all(verdicts):
+            others = [str(r) for r, v in enumerate(verdicts) if not v]
+            engine.withdraw_rows_invariance(f"rank{'s' * (len(others) > 1)} {', '.join(others)} of "
+                                            f"{self.world.size} measured rows that differ")
         follower_relay = self.relay and not self.world.leader
         self.dflash = None if follower_relay else check_engine_supports(engine, self.spec)
         tree = self.spec.dflash_tree_budget or 0

@@ -71,7 +71,8 @@ HELP: dict[str, str] = {
         "fewer verify rows; confident ones run to full depth. It changes which drafts are "
         "verified, never the emitted tokens. 0 < TAU < 1. Requires `--speculative`; not with "
         "`--dflash`. (metrale: the emitted tokens stay put wherever verify rows are "
-        "batch-invariant — the aoti backend, and torch in bfloat16 on a CPU — and everywhere "
+        "batch-invariant — the aoti backend, and torch in bfloat16 on a CPU where loading "
+        "measures them so — and everywhere "
         "under --exact-verify.)"
     ),
     "--dflash": (
