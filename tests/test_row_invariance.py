@@ -185,3 +185,17 @@ def test_the_probe_reads_every_row_count_the_decode_loop_runs():
     for skew in range(2, PROBE_MOST + 1):
         assert not rows_invariant(_Rowwise(skew)), skew
     assert not rows_invariant(_Rowwise(7, "kv"))  # the K/V a forward leaves counts too
+
+
+def test_an_engine_without_drafters_is_probed_too(tiny_engine_dir):
+    """A target (and MTP head) without DFlash drafters, as a `--draft-tp-size 1` follower rank
+    loads it: the probe reads the decode loop's own row counts."""
+    from metrale.runtime.artifact.engine_dir import load_manifest
+    from metrale.runtime.components import Role, names_with_role
+    from metrale.runtime.backends import load_engine
+
+    components = load_manifest(tiny_engine_dir, verify=False).components
+    kept = tuple(n for n in components if n not in names_with_role(components, Role.DRAFTER))
+    engine = load_engine(tiny_engine_dir, backend="torch", dtype=torch.bfloat16, components=kept)
+    assert not engine.drafters and engine.mtp is not None
+    assert engine.pack().eager_invariant in (True, False)
