@@ -61,7 +61,17 @@ REFUSED = [
     ({"type": "object", "properties": {"a": {"type": "string", "if": {"const": "x"}}}},
      "$.properties.a.if: this keyword is not enforced"),
     ({"type": "number", "multipleOf": 0.1}, "$.multipleOf: enforced for integers only"),
-    ({"$ref": "http://example.com/s.json"}, "$.$ref: only references inside the schema"),
+    ({"$ref": "http://example.com/s.json"}, "$.$ref: only JSON pointers inside the schema"),
+    ({"$defs": {"a": {"$anchor": "d", "type": "integer"}}, "$ref": "#d"}, "$.$ref: only JSON pointers"),
+    ({"type": []}, "$.type: one of object, array, string, number, integer, boolean, null, or a non-empty"),
+    ({"type": ["string", "text"]}, "$.type: one of object"),
+    ({"type": "string", "format": 5}, "$.format: a format's name as a string, got 5"),
+    ({"type": "integer", "minimum": 10 ** 400}, "$.minimum: a finite number"),
+    ({"type": "integer", "maximum": 2 ** 63}, "$.maximum: at most 9223372036854775807 in magnitude on an integer"),
+    ({"type": ["integer", "string"], "minimum": -1e19}, "$.minimum: at most 9223372036854775807"),
+    ({"type": "integer", "minimum": 1.5}, "$.minimum: a whole number on an integer, got 1.5"),
+    ({"type": "integer", "multipleOf": 0}, "$.multipleOf: a number greater than 0, got 0"),
+    ({"minItems": 1}, "$.minItems: not enforced in a subschema without `type`"),
     ({"type": "object", "properties": {}, "required": ["zz"]}, "$.required: names 'zz'"),
     ({"type": "object", "properties": ["a"], "required": ["a"]}, "$.properties: an object of subschemas, got a list"),
     ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_PROPERTIES + 1)}},
@@ -84,6 +94,10 @@ UNFINISHABLE = [
     ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "$"),
     ({"items": {"$ref": "#"}, "minItems": 1}, "$"),
     ({"anyOf": [False, {"properties": {"a": {"$ref": "#"}}, "required": ["a"]}]}, "$"),
+    # a minimum of properties that only the schema itself can give
+    ({"type": "object", "additionalProperties": {"$ref": "#"}, "minProperties": 1}, "$"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "minProperties": 1}, "$"),
+    ({"type": "object", "patternProperties": {"^a": {"$ref": "#"}}, "minProperties": 1}, "$"),
 ]
 # ... and recursive ones a document can finish (an optional or nullable recursion, a base
 # case), each with a document that does
@@ -94,6 +108,10 @@ FINISHABLE = [
      '{"a": {"a": "x"}}'),
     ({"type": "array", "items": {"$ref": "#"}}, "[[], [[]]]"),
     ({"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#"}], "minItems": 1}, '["x"]'),
+    ({"type": "object", "additionalProperties": {"$ref": "#"}}, '{"a": {}}'),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}, "b": {"type": "null"}}, "minProperties": 1},
+     '{"b": null}'),
+    ({"type": ["object", "null"], "additionalProperties": {"$ref": "#"}, "minProperties": 1}, '{"a": null}'),
     ({"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
         "type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["v", "kids"]}}, "$ref": "#/$defs/node"},
      '{"v": 1, "kids": [{"v": 2, "kids": []}]}'),
@@ -136,11 +154,10 @@ def test_a_recursion_a_document_can_leave_passes(compiler, schema, doc):
 
 
 @pytest.mark.parametrize("schema", [
-    {"type": "object", "required": None}, {"type": "array", "minItems": None}, {"$ref": None}, {"type": []},
+    {"type": "object", "required": None}, {"type": "array", "minItems": None}, {"$ref": None},
     {"$ref": "#/$defs/u/anyOf/²", "$defs": {"u": {"anyOf": [{"type": "null"}]}}},
     {"$ref": "#/$defs/u/anyOf/01", "$defs": {"u": {"anyOf": [{"type": "null"}]}}},
-    {"$ref": "#/$defs/u/anyOf/" + "9" * 5000, "$defs": {"u": {"anyOf": [{"type": "null"}]}}}, {"$ref": "#/required"},
-    {"minItems": 1}])  # (xgrammar enforces `minItems` only on an array it knows to be one)
+    {"$ref": "#/$defs/u/anyOf/" + "9" * 5000, "$defs": {"u": {"anyOf": [{"type": "null"}]}}}, {"$ref": "#/required"}])
 def test_odd_values_reach_the_grammar_compiler_not_a_crash(schema):
     """What the finiteness check cannot read (nulls, references to what is no subschema, odd
     indices) it leaves to xgrammar's compile, which says what is wrong: no exception of its own."""
@@ -175,7 +192,9 @@ def test_the_shape_check_passes_what_the_grammar_enforces():
         "code": {"type": "string", "pattern": "^\\{1,999\\}[{1,999}]$"},  # literal braces, a class
         "when": {"type": "string", "format": "date"},
         "secret": {"type": "string", "format": "password", "maxLength": 64, "then": {"minLength": 3}},
-        "n": {"type": ["integer", "null"], "multipleOf": 3, "minimum": 10 ** 400, "format": "int64"},
+        "n": {"type": ["integer", "null"], "multipleOf": 3, "minimum": -2 ** 63 + 1, "format": "int64"},
+        "x": {"type": "number", "minimum": 1e300, "maximum": 10 ** 300},
+        "any": {"description": "no keyword of one type: any value"},
         "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "maxItems": 3, "uniqueItems": False},
         "pick": {"anyOf": [{"type": "null"}, {"allOf": [{"enum": ["a", "b"]}]}], "nullable": False}},
         "required": ["name"], "additionalProperties": False,
@@ -245,6 +264,43 @@ BROKEN_BESIDE = [
     ({"const": 1, "type": "string"}, "1", "$.type", "const"),
     ({"enum": ["abc"], "maxLength": 1}, '"abc"', "$.maxLength", "enum"),
 ]
+
+
+# per keyword of one type (`TYPED`): a subschema without `type` using it, a document breaking
+# it, and the type under which the grammar enforces it
+BROKEN_UNTYPED = {
+    "minLength": ({"minLength": 3}, '"a"', "string"), "maxLength": ({"maxLength": 1}, '"ab"', "string"),
+    "pattern": ({"pattern": "^a$"}, '"b"', "string"), "minimum": ({"minimum": 5}, "1", "integer"),
+    "maximum": ({"maximum": 1}, "5", "integer"), "exclusiveMinimum": ({"exclusiveMinimum": 1}, "1", "integer"),
+    "exclusiveMaximum": ({"exclusiveMaximum": 1}, "1", "integer"),
+    "multipleOf": ({"multipleOf": 3}, "4", "integer"), "minItems": ({"minItems": 1}, "[]", "array"),  # (with `items`: see below)
+    "maxItems": ({"maxItems": 0}, "[1]", "array"), "minProperties": ({"minProperties": 1}, "{}", None),
+    "maxProperties": ({"maxProperties": 0}, '{"a": 1}', "object"),
+    "patternProperties": ({"patternProperties": {"^a": {"type": "integer"}}}, '{"a": "x"}', "object"),
+    "propertyNames": ({"propertyNames": {"type": "string", "maxLength": 1}}, '{"ab": 1}', "object"),
+}
+
+
+def test_every_keyword_of_one_type_is_listed():
+    from metrale.runtime.spec.schema_check import TYPED
+
+    assert sorted(BROKEN_UNTYPED) == sorted(TYPED)
+
+
+@pytest.mark.parametrize("key", list(BROKEN_UNTYPED))
+def test_a_keyword_of_one_type_without_type_is_refused(compiler, key):
+    """Without `type` (and without object or array keywords, or one the grammar keeps alone),
+    xgrammar reads a subschema as any value and drops such a keyword: the document breaking it
+    passes, so the check refuses it. With its type (where xgrammar compiles it) it is enforced."""
+    schema, doc, kind = BROKEN_UNTYPED[key]
+    assert _accepts(compiler, schema, doc)
+    with pytest.raises(ConfigError) as e:
+        check_shape({"type": "object", "properties": {"v": schema}})
+    assert str(e.value).startswith(f"$.properties.v.{key}: not enforced in a subschema without `type`")
+    if kind is not None:  # (xgrammar's strict arrays take items only where `items` allows them)
+        typed = {**schema, "type": kind} | ({"items": True} if kind == "array" else {})
+        check_shape(typed)
+        assert not _accepts(compiler, typed, doc)
 
 
 @pytest.mark.parametrize("schema,doc,place,kept", BROKEN_BESIDE)
@@ -334,9 +390,12 @@ def test_a_schema_the_grammar_cannot_enforce_is_a_400_before_generation(tiny_eng
     cases = [({"type": "string", "pattern": "[a-z]{1,15000}"}, f"at most {MAX_REPEAT}"),
              ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, ENDLESS),
              ({"type": "integer", "minimum": 5, "maximum": 3}, "Invalid range"),
-             ({"type": "objectx"}, 'Unsupported type "objectx"'),
+             ({"type": "objectx"}, "$.type: one of object, array"),
              ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 is greater than maxLength 2"),
-             ({"not": {"type": "string"}}, "$.not")]
+             ({"not": {"type": "string"}}, "$.not"),
+             ({"type": "object", "properties": {"name": {"maxLength": 2}}}, "$.properties.name.maxLength"),
+             ({"type": "string", "format": 5}, "$.format: a format's name"),
+             ({"type": "integer", "minimum": 10 ** 400}, "$.minimum: a finite number")]
     with serve_in_thread(create_app(gen, ServerLimits())) as base:
         for chat in (False, True):
             for schema, words in cases:

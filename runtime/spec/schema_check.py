@@ -1,8 +1,8 @@
 """What a request's JSON schema may hold before it is compiled into a grammar.
 
-xgrammar drops keywords it does not enforce (with a warning in the server's log), so a schema
-using them would be answered with documents that break it; this refuses them instead, by name
-and place. It also bounds what a grammar costs to compile (its time grows faster than the
+xgrammar drops keywords it does not enforce (with a warning in the server's log, or none: a
+keyword of one type in a subschema without `type`), so a schema using them would be answered
+with documents that break it; this refuses them instead, by name and place. It also bounds what a grammar costs to compile (its time grows faster than the
 schema: a few thousand properties take minutes),
 refuses what says outright that no document satisfies it (`anyOf: []`, an empty `enum`, a
 property required to hold the schema itself again on every branch), and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 from metrale.runtime.errors import ConfigError
@@ -51,6 +52,12 @@ ONE = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedIte
 LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 MAPS = ("properties", "$defs", "definitions", "patternProperties")
 COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
+MAX_BOUND = 2**63 - 1  # the largest magnitude of an integer's bounds
+# keywords of one type, which xgrammar drops in a subschema it reads as any value (one without
+# `type`, object keywords, array keywords or a keyword it keeps alone)
+TYPED = ("minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
+         "exclusiveMaximum", "multipleOf", "minItems", "maxItems", "minProperties", "maxProperties",
+         "patternProperties", "propertyNames")
 
 
 def check_shape(schema: Any) -> None:
@@ -140,6 +147,16 @@ def _check_keywords(node: dict, path: str) -> None:
                           f"{_shown(node['uniqueItems'])}")
     types = node.get("type")
     types = types if isinstance(types, list) else [types]
+    if "type" in node and not (types and all(isinstance(t, str) and t in JSON_TYPES for t in types)):
+        raise ConfigError(f"{path}.type: one of {', '.join(JSON_TYPES)}, or a non-empty list of "
+                          f"them, got {_shown(node['type'])}")
+    if "type" not in node and not any(k in node for k in (*ALONE, *OBJECT_KEYWORDS, *ARRAY_KEYWORDS)):
+        key = next((k for k in TYPED if k in node), None)
+        if key is not None:  # xgrammar reads such a subschema as any value and drops the keyword
+            raise ConfigError(f"{path}.{key}: not enforced in a subschema without `type`; give "
+                              "the subschema its `type`")
+    if "format" in node and not isinstance(node["format"], str):
+        raise ConfigError(f"{path}.format: a format's name as a string, got {_shown(node['format'])}")
     if "multipleOf" in node and ("integer" not in types or "number" in types):
         raise ConfigError(f"{path}.multipleOf: enforced for integers only (`\"type\": \"integer\"`)")
     # beside a pattern or a format it enforces, xgrammar drops a string's length bounds; beside
@@ -154,9 +171,9 @@ def _check_keywords(node: dict, path: str) -> None:
     if shaped == ["pattern", "format"]:
         raise ConfigError(f"{path}.pattern: not enforced beside `format`; give one of the two")
     ref = node.get("$ref")
-    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
-        raise ConfigError(f"{path}.$ref: only references inside the schema (\"#...\") are "
-                          f"resolved, got {_shown(ref)}")
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        raise ConfigError(f"{path}.$ref: only JSON pointers inside the schema (\"#\", \"#/...\") "
+                          f"are resolved, not anchors or other documents, got {_shown(ref)}")
     for low, high in COUNTS:
         for key in (low, high):
             v = node.get(key)
@@ -164,11 +181,18 @@ def _check_keywords(node: dict, path: str) -> None:
                 raise ConfigError(f"{path}.{key}: a whole number of at least 0, got {_shown(v)}")
         if isinstance(node.get(low), int) and isinstance(node.get(high), int) and node[low] > node[high]:
             raise ConfigError(f"{path}: {low} {node[low]} is greater than {high} {node[high]}")
-    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
         v = node.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or (isinstance(v, float) and not math.isfinite(v))):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= sys.float_info.max:
             raise ConfigError(f"{path}.{key}: a finite number, got {_shown(v)}")
+        if "integer" in types and abs(v) > MAX_BOUND:  # (xgrammar holds integer bounds in 64 bits)
+            raise ConfigError(f"{path}.{key}: at most {MAX_BOUND} in magnitude on an integer, got {_shown(v)}")
+        if key == "multipleOf" and v <= 0:
+            raise ConfigError(f"{path}.multipleOf: a number greater than 0, got {_shown(v)}")
+        if "integer" in types and "number" not in types and not float(v).is_integer():
+            raise ConfigError(f"{path}.{key}: a whole number on an integer, got {_shown(v)}")
     if "enum" in node and not (isinstance(node["enum"], list) and node["enum"]):
         raise ConfigError(f"{path}.enum: a non-empty list of values, got {_shown(node['enum'])}")
     if "pattern" in node and not isinstance(node["pattern"], str):
@@ -187,7 +211,7 @@ def _check_keywords(node: dict, path: str) -> None:
 def _finite(schema: dict, nodes: dict[int, tuple[dict, str]]) -> None:
     """Refuse a schema whose grammar lets a document start and never finish: every branch
     requires the same subschema again inside itself, through required properties, a minimum of
-    items or references (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`). It is read
+    items or of properties, or references (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`). It is read
     as xgrammar compiles it (`_clauses`), where that reading is plain (`_plain`: any other
     subschema counts as finite, so what is refused is a loop of plain subschemas). A subschema
     is finite where some document of its grammar is; the finite ones are found from those that
@@ -246,7 +270,7 @@ def _finite(schema: dict, nodes: dict[int, tuple[dict, str]]) -> None:
     if not holds(node):
         raise ConfigError(f"{path}: every document the schema's grammar allows holds this subschema "
                           "again inside it (through required properties, a minimum of items or "
-                          "references), so none can be finished; make one of them optional")
+                          "properties, or references), so none can be finished; make one of them optional")
 
 
 # keywords that make xgrammar read a subschema without `type` as an object, or as an array
@@ -264,7 +288,7 @@ def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
     one of its alternatives, an alternative by all of its subschemas being finite. A reference
     is its target (xgrammar drops the keywords beside it); `anyOf`/`oneOf`, one branch (beside
     them it drops `type`); each `allOf` part; and one of its types: an object, its required
-    properties, an array, the items its `minItems` needs, anything else, nothing (values of
+    properties (and one property more where `minProperties` asks for more), an array, the items its `minItems` needs, anything else, nothing (values of
     `enum` and `const` need nothing either). Without `type`, a subschema with object keywords is
     an object and one with array keywords an array, as xgrammar reads them. (Beside a
     reference, a union or an `allOf`, `_check_alone` has let nothing else that narrows the
@@ -286,7 +310,15 @@ def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
     for t in types if isinstance(types, list) else [types]:
         if t == "object":
             properties, required = node.get("properties") or {}, node.get("required") or []
-            alternatives.append([properties[name] for name in required if name in properties])
+            needs = [properties[name] for name in required if name in properties]
+            # `minProperties` past the required ones: one more property besides them, any
+            # optional one's or one of `additionalProperties` / `patternProperties` (with none,
+            # xgrammar refuses the schema itself)
+            extra = [p for name, p in properties.items() if name not in required]
+            extra += list((node.get("patternProperties") or {}).values())
+            extra += [node["additionalProperties"]] if node.get("additionalProperties", False) is not False else []
+            more = isinstance(node.get("minProperties"), int) and node["minProperties"] > len(needs)
+            alternatives += [needs + [p] for p in extra] if more and extra else [needs]
         elif t == "array":
             prefix, least = node.get("prefixItems") or [], node.get("minItems") or 0
             items = node.get("items", True)
