@@ -142,10 +142,11 @@ def test_connection_without_a_request_head_is_closed(guarded):
 def test_api_key_is_required_on_v1_only(guarded, gen):
     assert requests.get(guarded + "/health", timeout=5).status_code == 200
     assert requests.get(guarded + "/metrics", timeout=5).status_code == 200
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        resp = requests.get(guarded + "/v1/models", headers=headers, timeout=5)
-        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
-    assert requests.get(guarded + "/v1/models", headers=AUTH, timeout=5).status_code == 200
+    for auth in (None, "Bearer wrong", KEY, f"Basic {KEY}", f"Bearer{KEY}", "Bearer", f"Bearer {KEY}x"):
+        resp = requests.get(guarded + "/v1/models", headers={"Authorization": auth} if auth else {}, timeout=5)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", auth
+    for auth in (AUTH["Authorization"], f"bearer {KEY}", f"BEARER {KEY}"):  # the scheme in any case
+        assert requests.get(guarded + "/v1/models", headers={"Authorization": auth}, timeout=5).status_code == 200
     resp = requests.post(guarded + "/v1/completions", json={"prompt": ONCE}, headers=AUTH, timeout=5)
     assert resp.json()["choices"][0]["text"] == ONCE_REPLY
 

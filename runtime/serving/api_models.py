@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from pydantic import (BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo,
-                      field_validator)
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from metrale.runtime.errors import ConfigError, MetraleError
@@ -34,7 +34,9 @@ MAX_STOPS = 16
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
     "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "tools": ([],), "tool_choice": ("none", "auto"),
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False), "prediction": (), "modalities": (["text"],), "audio": (),
+    "reasoning_effort": (), "web_search_options": (),
     # vLLM's and SGLang's sampling extensions, which clients of those servers send
     "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
     "ignore_eos": (False,), "stop_token_ids": ([],), "use_beam_search": (False,), "bad_words": ([],),
@@ -52,6 +54,7 @@ def _neutral_value(v: Any, neutral: tuple[Any, ...]) -> bool:
     return any(v == n and (isinstance(v, bool) == isinstance(n, bool)) for n in neutral)
 
 
+ROLES = ("system", "developer", "user", "assistant")  # a chat message's (no tool calls here)
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 RESPONSE_FORMAT = ('an object: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
                    '"json_schema": {"name": ..., "schema": {...}}}')
@@ -148,6 +151,14 @@ class Message(BaseModel):
     ALLOWED: ClassVar[str] = "an object with a string `role` and `content`"
 
     role: str = Field(description="a string")
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise _invalid("invalid_value", f"must be one of {', '.join(ROLES)}, got {shown(v)}"
+                           + ("; tool calls are not supported" if v in ("tool", "function") else ""))
+        return v
     content: Any = Field(description="a string or a list of text parts")
 
     @field_validator("content")
@@ -189,6 +200,8 @@ class _GenerationBody(BaseModel):
     model: str | None = Field(None, description="a string")
     n: Annotated[int, Strict()] | None = Field(None, description="1")
     max_tokens: MaxTokens | None = Field(None, description=ALLOWED["max_tokens"])
+    # OpenAI's newer name for the same cap; both given, they must agree
+    max_completion_tokens: MaxTokens | None = Field(None, description=ALLOWED["max_tokens"])
     temperature: Temperature | None = Field(None, description=ALLOWED["temperature"])
     top_p: TopP | None = Field(None, description=ALLOWED["top_p"])
     seed: Seed | None = Field(None, description=ALLOWED["seed"])
@@ -206,6 +219,14 @@ class _GenerationBody(BaseModel):
     logit_bias: Any = None
     tools: Any = None
     tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    modalities: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
     top_k: Any = None
     min_p: Any = None
     repetition_penalty: Any = None
@@ -308,11 +329,19 @@ class _GenerationBody(BaseModel):
         raise NotImplementedError
 
     def completion_budget(self) -> int | None:
-        return self.max_tokens
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def budget_field(self) -> str:
         """The field `completion_budget` comes from."""
-        return "max_tokens"
+        return "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "_GenerationBody":
+        both = (self.max_tokens, self.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            raise APIError(400, f"`max_tokens` {both[0]} and `max_completion_tokens` {both[1]} "
+                           "disagree; give one of them", "max_completion_tokens", "invalid_value")
+        return self
 
     def to_generation(self, gen) -> GenerationRequest:
         """The request against the served model: its prompt encoded (no tokens: refused), its
@@ -331,7 +360,7 @@ class _GenerationBody(BaseModel):
             max_tokens = min(DEFAULT_MAX_TOKENS, room)
         if max_tokens > room:
             raise APIError(400, f"{held}, leaving {room} for completion, but {self.budget_field()} "
-                           f"is {max_tokens}", where, "context_length_exceeded")
+                           f"is {max_tokens}", self.budget_field(), "context_length_exceeded")
         # any integer is a seed, taken modulo 2**64 (`sampling.generator_for`), and a draft cap
         # past NO_CAP caps nothing: both as the same values within 64 bits, as the engine
         # process's messages carry integers
@@ -390,7 +419,6 @@ class ChatRequest(_GenerationBody):
     """A `/v1/chat/completions` body: `messages` rendered by the tokenizer's chat template."""
 
     messages: list[Message] = Field(description="a list of messages, non-empty")
-    max_completion_tokens: MaxTokens | None = Field(None, description=ALLOWED["max_tokens"])
 
     PROMPT: ClassVar[str] = "messages"
 
@@ -400,12 +428,6 @@ class ChatRequest(_GenerationBody):
         if not v:
             raise _invalid("invalid_value", "must be a non-empty list of messages, got []")
         return v
-
-    def completion_budget(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
-
-    def budget_field(self) -> str:
-        return "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
 
     def prompt_ids(self, gen) -> list[int]:
         tok = gen.tokenizer

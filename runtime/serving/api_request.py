@@ -1,7 +1,7 @@
 """What the server serves, and how a request body becomes a `GenerationRequest`.
 
 Contract: `decode_body` turns raw bytes into JSON or an `APIError` (400) — invalid JSON, nesting
-too deep for the parser, integers too long to convert, text that is not valid Unicode (a lone
+too deep for the parser, integers too long to convert, a key given twice in an object, text that is not valid Unicode (a lone
 surrogate escaped in the JSON) — and `parse_request` checks the JSON with the endpoint's request
 model (`api_models`, the one definition of every field's rule) and encodes its prompt against
 the served model, or raises an `APIError` with OpenAI's error object. Both are plain functions
@@ -12,6 +12,7 @@ blocks the event loop.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from typing import Any, Iterator, Protocol
 
@@ -61,17 +62,35 @@ def parse_request(gen: TextGenerator, body: Any, chat: bool) -> GenerationReques
     return request.to_generation(gen)
 
 
+class _Repeated(Exception):
+    """A JSON object holds a key twice (which one counts, parsers disagree)."""
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set[str] = set()
+        raise _Repeated(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def decode_body(raw: bytes) -> Any:
     """The request's JSON; every way bytes can fail to be a JSON document is a 400."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=_once)
+    except _Repeated as e:
+        raise APIError(400, f"request body repeats the key {e.args[0]!r} in an object; give each "
+                       "key once", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "request body nests JSON too deeply", code="invalid_json") from None
     except UnicodeDecodeError as e:
         raise APIError(400, f"request body is not UTF-8 ({e.reason} at byte {e.start})",
                        code="invalid_json") from None
-    except ValueError as e:  # JSONDecodeError, and int() refusing thousands of digits
+    except json.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except ValueError:  # int() refusing a number of thousands of digits
+        raise APIError(400, f"request body holds a number of more than {sys.get_int_max_str_digits()} "
+                       "digits", code="invalid_json") from None
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

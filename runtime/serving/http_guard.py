@@ -116,15 +116,16 @@ class Guard:
     def __init__(self, app: Callable, limits: ServerLimits, max_bytes: int) -> None:
         self.app, self.limits, self.max_bytes = app, limits, max_bytes
         key = limits.api_key
-        self._expected = f"Bearer {key}".encode() if key else None
+        self._key = key.encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self._expected is not None and scope["path"].startswith("/v1/"):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+        if self._key is not None and scope["path"].startswith("/v1/"):
+            # the scheme's name in any case (RFC 9110 section 11.1), then the key
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if not (hmac.compare_digest(given.strip(b" "), self._key) and scheme.lower() == b"bearer"):
                 return await send_error(send, 401, "invalid or missing API key: send the header "
                                         "`Authorization: Bearer <key>`", "invalid_api_key",
                                         ((b"www-authenticate", b"Bearer"),))
