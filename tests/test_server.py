@@ -7,7 +7,6 @@ so every expected output below follows from the corpus.
 """
 
 import json
-import socket
 import threading
 import time
 
