@@ -11,31 +11,33 @@
                                                        BACKEND (default cuda-graphs); plain eager
                                                        (--backend torch) recorded beside them
 
-The run, in order, each step a subprocess under its own time cap and the whole under
-$METRALE_GPU_BUDGET_S (default 450 s; a step that would start with under 20 s left is skipped):
+The run, in order (the issue's figures first, so a run cut short keeps them), each step a
+subprocess under its own time cap and the whole under $METRALE_GPU_BUDGET_S (default 540 s; a
+step that would start with under 20 s left is "not run", which fails the run):
   wheels        $METRALE_WHEELS=DIR: its wheels installed offline into a scratch folder (what
                 this Python lacks, as scripts/offline_wheels.py downloads them elsewhere)
   env           env.json (whatever happens: torch missing, no CUDA, metrale not importing)
   install       only when metrale does not import: `pip install --no-deps -e .`, else (no pip,
                 no setuptools) the package assembled from symlinks on PYTHONPATH
-  kernels       kernels.json: the Triton kernels JIT-compiled for this GPU vs their references
-  cubins        cubins.json: the AOT cubins for this SM launched through the driver API
   build         the tiny engine directory (torch weights; no TensorRT), or the one built
                 elsewhere that $METRALE_GPU_ENGINES names (this machine may lack ModelOpt)
-  torch-cuda    torch-cuda.json: every speculative mode on CUDA graphs, exact verify == plain,
-                and the backend that ran (a fall-back to eager torch fails the step, with why)
   bench-torch-cuda  bench-torch-cuda.json: `metrale bench --device cuda` (CUDA graphs)
-  bench-unfused bench-torch-cuda-unfused.json: its chain modes with METRALE_STEP_KERNELS=0 (the
-                decode step's fused kernels off): their before/after on this GPU
   targets       DFlash2 >= 2.0x, DFlash >= 1.5x, best MTP >= 1.6x plain, plain >= 1.3 x 1,690 tok/s,
-                adaptive k >= its best fixed mode - 2%, exact modes == plain
+                adaptive k >= its best fixed mode - 2%, exact modes == plain, and no graph that
+                fell back to the decode loop (the engine's note says where one did)
   serve-cuda    serve-cuda.json: scripts/load.py, `metrale serve --device cuda` for plain, MTP and
                 DFlash at 32 concurrent requests over HTTP (the requests in an iteration's lanes)
   serve-targets every speculative mode >= 1.0x plain's tokens/s at C = 32, no request lost
+  torch-cuda    torch-cuda.json: every speculative mode on CUDA graphs, exact verify == plain,
+                and the backend that ran (a fall-back to eager torch fails the step, with why)
+  kernels       kernels.json: the Triton kernels JIT-compiled for this GPU vs their references
   lane-costs    lane-costs.json: scripts/lane_costs.py, ms per replayed iteration of serving's
                 lanes per mode at 1 and 32 lanes, in slot buckets 256 and the context's
+  bench-unfused bench-torch-cuda-unfused.json: its chain modes with METRALE_STEP_KERNELS=0 (the
+                decode step's fused kernels off): their before/after on this GPU
+  cubins        cubins.json: the AOT cubins for this SM launched through the driver API
   trt-build, pytest-trt, bench-tensorrt   only where a TensorRT flavour builds this SM
-Each step's outcome (ok, failed, skipped) goes to summary.json the moment it ends, with why a
+Each step's outcome (ok, failed, skipped, not run) goes to summary.json the moment it ends, with why a
 step was skipped; result files are written as their cases finish. Without a GPU every GPU step
 is recorded as skipped (naming why) within seconds and the run exits 0; otherwise the exit
 status is 1 when any step failed. Scratch (engines, wheels) goes to $METRALE_GPU_WORK (default: a
@@ -62,6 +64,7 @@ TARGETS = (("dflash2", 2.0), ("dflash", 1.5), ("mtp", 1.6))  # mode family -> le
 PLAIN_TOK_S = 1.3 * 1690  # plain decoding on the tiny default: 1.3x the decode loop's 1,690 tok/s
 # (each step its own CUDA graph), the gain whole-iteration graphs are there for
 ADAPTIVE_SLACK = 0.02  # adaptive k within 2% of its drafter's best fixed mode
+CAPTURE_FAILED = "the decode loop runs"  # what an engine's note says where a capture failed
 
 
 def _version(module: str) -> str | None:
@@ -257,6 +260,9 @@ def speedup_targets(bench: dict, prompts: int) -> tuple[bool, str]:
     rows = bench.get("modes") or []
     if not rows or any("speedup" not in r for r in rows):
         return False, "the bench JSON has no per-mode speedup"
+    note = bench.get("backend_note") or ""
+    if CAPTURE_FAILED in note:  # modes that ran the decode loop instead of their graphs
+        return False, f"some graphs were not captured: {note}"
     parts, ok = [f"backend {bench.get('backend', '?')}"], True
     for family, least in TARGETS:
         best = max((r["speedup"] for r in rows if r["mode"].split()[0] == family), default=None)
@@ -342,7 +348,7 @@ def cmd_run(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     given = os.environ.get("METRALE_GPU_WORK")
     work = Path(given) if given else Path(tempfile.gettempdir()) / f"metrale-gpu.{os.getpid()}"
-    rec = Recorder(out, float(os.environ.get("METRALE_GPU_BUDGET_S", "450")))
+    rec = Recorder(out, float(os.environ.get("METRALE_GPU_BUDGET_S", "540")))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_DEFAULT_FP_FUSION="0", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "4"))
@@ -388,18 +394,28 @@ def cmd_run(out: Path) -> int:
     bench_json, load_json = out / "bench-torch-cuda.json", out / "serve-cuda.json"
     bench = ["--num-prompts", "4", "--max-tokens", "48", "--repeats", "2"]
     trt_dir = work / f"tiny-trt-{info.get('sm')}"
+    # most telling first (the figures: bench, then serving at 32 clients, then exactness),
+    # so a run cut short by its budget still answers the questions that matter most
     steps = [
-        ("kernels", 150, ("cuda", "metrale", "triton"), (),
-         [py, KERNELS, "kernels", out / "kernels.json"]),
-        ("cubins", 120, ("cuda", "metrale", "triton", "cuda.bindings"), (),
-         [py, KERNELS, "cubins", out / "cubins.json"]),
         ("build", 120, ("cuda", "builder"), (),
          [py, "-m", "metrale", "build", "--engine-dir", tiny, "--trt-flavor", "none"]),
+        ("bench-torch-cuda", 150, ("cuda", "cli"), ("build",),
+         [py, "-m", "metrale", "bench", "--engine-dir", tiny, "--device", "cuda", "--no-transformers",
+          "--json", bench_json, *bench]),
+        ("targets", 0, ("cuda", "cli"), ("bench-torch-cuda",), None),
+        ("serve-cuda", 120, ("cuda", "cli"), ("build",),
+         [py, ROOT / "scripts" / "load.py", "--engine-dir", tiny, "--serve-flags=--device cuda",
+          "--concurrency", "32", "--requests", "2", "--rounds", "2", "--max-tokens", "32", "--no-tail",
+          "--json", load_json]),
+        ("serve-targets", 0, ("cuda", "cli"), ("serve-cuda",), None),
         ("torch-cuda", 150, ("cuda", "cli"), ("build",),
          [py, HERE, "spec", tiny, out / "torch-cuda.json"]),
-        ("bench-torch-cuda", 150, ("cuda", "cli"), ("build",),
-         [py, "-m", "metrale", "bench", "--engine-dir", tiny, "--device", "cuda",
-          "--json", bench_json, *bench]),
+        ("kernels", 120, ("cuda", "metrale", "triton"), (),
+         [py, KERNELS, "kernels", out / "kernels.json"]),
+        # one iteration of the lanes, per mode, 1 and 32 lanes, slot buckets 256 and the context's
+        ("lane-costs", 90, ("cuda", "metrale"), ("build",),
+         [py, ROOT / "scripts" / "lane_costs.py", tiny, out / "lane-costs.json", "--device", "cuda",
+          "--replays", "20"]),
         # the same bench with the decode step's fused kernels off (`plugins.step_kernels`): their
         # before/after on this GPU, kernels per step and tok/s, in the chain modes
         ("bench-unfused", 120, ("cuda", "cli"), ("build",),
@@ -407,16 +423,8 @@ def cmd_run(out: Path) -> int:
           "--device", "cuda", "--modes", "γ=8,k=3", "--no-transformers", "--json",
           out / "bench-torch-cuda-unfused.json",
           *bench]),
-        ("targets", 0, ("cuda", "cli"), ("bench-torch-cuda",), None),
-        ("serve-cuda", 150, ("cuda", "cli"), ("build",),
-         [py, ROOT / "scripts" / "load.py", "--engine-dir", tiny, "--serve-flags=--device cuda",
-          "--concurrency", "32", "--requests", "2", "--rounds", "2", "--max-tokens", "32",
-          "--json", load_json]),
-        ("serve-targets", 0, ("cuda", "cli"), ("serve-cuda",), None),
-        # one iteration of the lanes, per mode, 1 and 32 lanes, slot buckets 256 and the context's
-        ("lane-costs", 90, ("cuda", "metrale"), ("build",),
-         [py, ROOT / "scripts" / "lane_costs.py", tiny, out / "lane-costs.json", "--device", "cuda",
-          "--replays", "20"]),
+        ("cubins", 120, ("cuda", "metrale", "triton", "cuda.bindings"), (),
+         [py, KERNELS, "cubins", out / "cubins.json"]),
         ("trt-build", 150, ("cuda", "builder", "flavor"), (),
          [py, "-m", "metrale", "build", "--engine-dir", trt_dir, "--draft-weight-quantization",
           "nvfp4", "--mtp-experts-nvfp4", "--trt-flavor", info.get("build_flavor") or "-",
@@ -437,8 +445,8 @@ def cmd_run(out: Path) -> int:
         if reason is None:
             failed = [a for a in after if rec.status(a) != "ok"]
             if failed:
-                said = {"failed": "failed", "skipped": "was skipped"}.get(rec.status(failed[0]),
-                                                                         "did not run")
+                said = {"failed": "failed", "skipped": "was skipped",
+                        "not run": "ran out of time"}.get(rec.status(failed[0]), "did not run")
                 reason = f"needs step {failed[0]}, which {said}"
         if reason is not None:
             rec.record(name, "skipped", note=reason)
@@ -455,7 +463,7 @@ def cmd_run(out: Path) -> int:
             step_env = dict(env, METRALE_TRT_ENGINES=f"nvfp4={trt_dir}")
             rec.run(name, cap, cmd, step_env)
     rec.write()
-    failed = [r["step"] for r in rec.steps if r["status"] == "failed"]
+    failed = [r["step"] for r in rec.steps if r["status"] in ("failed", "not run")]
     print(f"=== gpu checks done in {time.monotonic() - rec.t0:.0f}s: "
           f"{'all ok' if not failed else 'failed: ' + ', '.join(failed)}; "
           f"{len(rec.steps) - len(failed)} ok or skipped; summary: {out / 'summary.json'}",

@@ -71,8 +71,8 @@ class Recorder:
     def run(self, name: str, cap_s: float, cmd: list[str], env: dict, cwd: Path = ROOT) -> bool:
         """Run `cmd` under the smaller of its cap and the time left; record the outcome."""
         limit = min(cap_s, self.left())
-        if limit < self.min_step_s:
-            self.record(name, "skipped", note=f"out of time ({self.left():.0f} s of the "
+        if limit < self.min_step_s:  # (not a pass: what it checks went unchecked)
+            self.record(name, "not run", note=f"out of time ({self.left():.0f} s of the "
                                               f"{self.budget_s:.0f} s budget left)")
             return False
         print(f"=== {name} (limit {limit:.0f}s): {' '.join(map(str, cmd))}", flush=True)

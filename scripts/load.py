@@ -403,6 +403,8 @@ def main() -> int:
     ap.add_argument("--serial", action="store_true", help="each mode also on a server with "
                     "--max-num-seqs 1, as serial-MODE (see above)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-tail", dest="tail", action="store_false",
+                    help="skip the short-request-behind-long-streams latency of each mode")
     args = ap.parse_args()
     prompts = json.loads((ROOT / "recipes" / "tiny" / "prompts.json").read_text())[:8]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -457,16 +459,30 @@ def main() -> int:
                     row.update(_paired(rows[mode][c], rows[f"serial-{mode}"][c], "vs_serial"))
             for row in out["modes"][mode]["levels"]:
                 print(mode, row, flush=True)
+        save(args.json, out)  # the levels first: a run cut short during the tails keeps them
+        for mode in modes_run if args.tail else ():
             if mode in servers:
                 out["modes"][mode]["short_behind_long"] = tail = short_behind_long(servers[mode][1])
                 print(mode, tail, flush=True)
+                save(args.json, out)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
-            proc.wait(10)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        for proc, _ in servers.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:  # (its results are in; it must not outlive them)
+                proc.kill()
+                proc.wait()
+    save(args.json, out)
     return 0
+
+
+def save(path: Path | None, out: dict) -> None:
+    if path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -192,6 +192,9 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
 
     b = Backend.parse(backend) if isinstance(backend, str) else backend
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        # events, current-stream syncs and Triton launches follow the current device
+        torch.cuda.set_device(dev)
     if b.runs_graphs:
         if states or (tp is not None and b is not Backend.TENSORRT):
             raise ConfigError(f"--backend {b.value} runs the graphs of the built weights on one rank")
