@@ -120,3 +120,39 @@ def test_stale_leftovers_of_live_writers_are_kept(tmp_path):
         assert remove_stale(tmp_path) == []
         assert any(n.startswith(".staging-busy-") for n in leftovers(tmp_path))
     assert leftovers(tmp_path) == []
+
+
+def test_a_signal_between_the_swaps_renames_waits_for_both(tmp_path, monkeypatch):
+    """SIGTERM right after the old directory is set aside (before the new one is in its place)
+    is held until both renames are done: the directory is never missing, and the build still
+    ends as interrupted."""
+    from metrale.runtime.artifact import engine_dir
+
+    out = tmp_path / "engine"
+    small_build(out, "old")
+    rename = os.rename
+
+    def renaming(src, dst):
+        rename(src, dst)
+        if Path(dst).name.startswith(".replaced-"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)  # the signal arrives here, between the two renames
+
+    monkeypatch.setattr(engine_dir.os, "rename", renaming)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        small_build(out, "new")
+    assert (out / "target" / "a.bin").read_text() == "new"
+    monkeypatch.setattr(engine_dir.os, "rename", rename)
+    small_build(tmp_path / "other")  # the next build clears what was set aside
+    assert leftovers(tmp_path) == [] and load_manifest(out).files
+
+
+def test_a_directory_set_aside_by_a_killed_swap_is_put_back(tmp_path):
+    """A writer killed (SIGKILL) between its two renames left the old directory only as
+    `.replaced-<name>-*`: the next build in that parent restores it instead of deleting it."""
+    out = tmp_path / "engine"
+    small_build(out, "old")
+    os.rename(out, tmp_path / ".replaced-engine-abcd1234")
+    small_build(tmp_path / "other")
+    assert (out / "target" / "a.bin").read_text() == "old" and load_manifest(out).files
+    assert leftovers(tmp_path) == []

@@ -267,11 +267,59 @@ def test_manifest_json_round_trip():
                                    "dynamic_rows": True, "batched": True}],
                      "torch": "2.13.0", "isa": "AVX512", "machine": "x86_64", "dtype": "float32",
                      "threads": 1, "max_slots": 4096, "linear": "gemm"}}
-    m = Manifest.from_json(json.dumps(_manifest_dict(components={"target": entry})))
+    listed = {f: {"sha256": SHA_A, "size": 3} for f in ("target/rank0.safetensors", "target/cpu/steps.pt2")}
+    entry["files"].append("target/cpu/steps.pt2")
+    m = Manifest.from_json(json.dumps(_manifest_dict(components={"target": entry}, files=listed)))
     target = m.components["target"]
     assert target.taps == [1, 3] and target.cpu.packages[0].batched and target.cpu.max_slots == 4096
     assert target.cpu.packages[0].compile_s == 1.0 and target.tp_size == 1 and target.cpu.check == {}
     assert Manifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("cpu", "../outside/evil.pt2", r"\.cpu\.packages '\.\./outside/evil\.pt2' is not a normalised path"),
+    ("cpu", "/tmp/evil.pt2", "is not a normalised path"),
+    ("cpu", "dflash2/cpu/propose.pt2", r"\.cpu\.packages 'dflash2/cpu/propose\.pt2' is not in the component's folder dflash/"),
+    ("cpu", "dflash/cpu/other.pt2", "is not a checksummed file of the directory"),
+    ("cpu", "dflash/rank0.onnx", None),  # the component's own, but not a package: its load says so
+    ("onnx", "dflash/cpu/propose.pt2", None),
+    ("onnx", "target/rank0.onnx", r"\.onnx 'target/rank0\.onnx' is not in the component's folder"),
+    ("declared", "dflash/spare.safetensors", r"\.declared 'dflash/spare\.safetensors' is not one of the component's files"),
+    ("engines", "dflash/../target/rank0.sm89.engine", "is not a normalised path"),
+    ("files", "target/rank0.safetensors", r"\.files 'target/rank0\.safetensors' is not in the component's folder"),
+])
+def test_every_file_a_component_names_is_its_own_checksummed_file(field, value, match):
+    """A component's packages, graphs, plans and weights are files of its own folder that the
+    manifest checksums; one that points out of the directory, at another component's file or
+    at a file nobody checksums is refused when the manifest is read (`inspect` and every load)."""
+    own = ["dflash/rank0.safetensors", "dflash/rank0.onnx", "dflash/cpu/propose.pt2"]
+    listed = {f: {"sha256": SHA_A, "size": 3} for f in [*own, "dflash/config.json", "dflash/spare.safetensors",
+                                                        "dflash2/cpu/propose.pt2", "target/rank0.onnx",
+                                                        "target/rank0.safetensors"]}
+    entry = {"kind": "dflash", "files": list(own), "config": "dflash/config.json", "onnx": "dflash/rank0.onnx",
+             "cpu": {"packages": [{"file": "dflash/cpu/propose.pt2", "compile_s": 1}], "torch": "2.13.0",
+                     "isa": "AVX512", "machine": "x86_64", "dtype": "float32", "threads": 1,
+                     "max_slots": 64, "linear": "gemm"}}
+    Manifest.from_json(json.dumps(_manifest_dict(components={"dflash": entry}, files=listed)))  # as built
+    if field == "cpu":
+        entry["cpu"]["packages"][0]["file"] = value
+    elif field == "engines":
+        entry["engines"] = {"89": {"file": value}}
+    elif field == "files":
+        entry["files"].append(value)
+    else:
+        entry[field] = value
+    text = json.dumps(_manifest_dict(components={"dflash": entry}, files=listed))
+    if match is None:
+        Manifest.from_json(text)
+        return
+    with pytest.raises(EngineDirError, match=r"config\.json: components\['dflash'\].*" + match):
+        Manifest.from_json(text)
+
+
+def test_a_manifest_nested_too_deeply_is_refused_in_words():
+    with pytest.raises(EngineDirError, match="nests JSON too deeply for a manifest"):
+        Manifest.from_json("[" * 100_000 + "]" * 100_000)
 
 
 @pytest.mark.parametrize("entry, match", [

@@ -11,7 +11,10 @@ Contract:
   the lock files in `parent` whose directory `<name>` has no live writer: what a killed build
   left behind.
 - `signals_as_interrupts()` turns SIGTERM and SIGHUP into `KeyboardInterrupt` for the block it
-  guards (main thread only), so they unwind and clean up exactly as Ctrl-C does.
+  guards (main thread only), so they unwind and clean up exactly as Ctrl-C does;
+  `signals_deferred()` holds them, and Ctrl-C, back for a block that must not be cut in two.
+- A `.replaced-<name>-*` folder whose `<name>` is gone is what a writer killed mid-swap left:
+  `remove_stale` puts it back instead of deleting it.
 """
 
 from __future__ import annotations
@@ -108,20 +111,43 @@ def remove_stale(parent: Path, own: str | None = None) -> list[Path]:
         m = _LEFTOVER.fullmatch(entry.name)
         if not m or not entry.is_dir() or entry.is_symlink():
             continue
-        if m["name"] == own:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-            continue
-        lock = DirLock(parent / m["name"], m["name"])
-        if not lock.try_acquire():
+        lock = None if m["name"] == own else DirLock(parent / m["name"], m["name"])
+        if lock is not None and not lock.try_acquire():
             continue  # its writer is alive
         try:
+            final = parent / m["name"]
+            if entry.name.startswith(".replaced-") and not (final.exists() or final.is_symlink()):
+                # a writer killed between setting the old directory aside and putting the new
+                # one in its place: the old one goes back
+                os.rename(entry, final)
+                log.warning("restored %s from %s, left by a build killed while replacing it", final, entry)
+                continue
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
             log.info("removed %s, left by a build that did not finish", entry)
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
     return removed
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP wait until the block ends (main thread only), then act as they
+    would have: for steps that must happen together, as the renames that replace a directory."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: got.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, Mapping
 
 from metrale.runtime import __version__
-from metrale.runtime.artifact.build_lock import DirLock, remove_stale, signals_as_interrupts
+from metrale.runtime.artifact.build_lock import DirLock, remove_stale, signals_as_interrupts, signals_deferred
 from metrale.runtime.artifact.digests import files_under, sha256_file
 from metrale.runtime.artifact.entries import ComponentEntry, EntryInvalid, parse_entry
 from metrale.runtime.errors import EngineDirError
@@ -168,7 +168,29 @@ class Manifest:
                 entries[name] = parse_entry(info, f"components[{name!r}]")
             except EntryInvalid as e:
                 raise _ManifestInvalid(str(e)) from None
+            self._check_component_paths(name, entries[name])
         object.__setattr__(self, "components", entries)
+
+    def _check_component_paths(self, name: str, entry: ComponentEntry) -> None:
+        """Every file a component names (weights, graphs, plans, CPU packages) is one of its own
+        `files`, in its own folder, and every one of those is checksummed in `files`: a path
+        that left the directory or named another component's file would load unchecked or
+        the wrong model."""
+        named = [("config", entry.config), ("declared", entry.declared), ("onnx", entry.onnx),
+                 *(("onnx_ranks", f) for f in entry.onnx_ranks or ()),
+                 *((f"engines[{sm!r}]", f) for sm, plan in entry.engines.items() for f in plan.plan_files()),
+                 *(("cpu.packages", p.file) for p in (entry.cpu.packages if entry.cpu is not None else ()))]
+        for field_name, rel in [*(("files", f) for f in entry.files), *named]:
+            if rel is None:
+                continue
+            where = f"components[{name!r}].{field_name}"
+            _check_rel(rel, where)
+            if not rel.startswith(f"{name}/"):
+                raise _ManifestInvalid(f"{where} {rel!r} is not in the component's folder {name}/")
+            if rel not in self.files:
+                raise _ManifestInvalid(f"{where} {rel!r} is not a checksummed file of the directory")
+            if field_name not in ("files", "config") and rel not in entry.files:
+                raise _ManifestInvalid(f"{where} {rel!r} is not one of the component's files")
 
     def _check_files(self) -> None:
         for rel, entry in self.files.items():
@@ -193,6 +215,8 @@ class Manifest:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise EngineDirError(f"{where} is not valid JSON ({e}); {_REBUILD}") from None
+        except RecursionError:
+            raise EngineDirError(f"{where} nests JSON too deeply for a manifest; {_REBUILD}") from None
         if not isinstance(data, dict):
             raise EngineDirError(f"{where} must hold a JSON object; {_REBUILD}")
         known = [f.name for f in fields(cls)]
@@ -444,12 +468,13 @@ class EngineDirWriter:
         self._check_replaceable()  # again: the directory may have appeared while building
         aside = Path(tempfile.mkdtemp(prefix=f".replaced-{final.name}-", dir=final.parent))
         aside.rmdir()
-        os.rename(final, aside)
-        try:
-            os.rename(staging, final)
-        except BaseException:
-            os.rename(aside, final)
-            raise
+        with signals_deferred():  # (a signal between the renames would leave no directory)
+            os.rename(final, aside)
+            try:
+                os.rename(staging, final)
+            except BaseException:
+                os.rename(aside, final)
+                raise
         shutil.rmtree(aside, ignore_errors=True)
 
 
