@@ -380,16 +380,21 @@ def serve(
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     with user_errors():
+        from metrale.runtime.errors import ConfigError
         from metrale.runtime.serving.http_guard import ServerLimits
-        from metrale.runtime.serving.server import serve as run_server
+        from metrale.runtime.serving.server import check_bindable, serve as run_server
 
         checks.host(host)
         checks.port(port)
+        if os.environ.get("METRALE_API_KEY") == "" and api_key is None:  # (read as unset)
+            raise ConfigError("METRALE_API_KEY is set but empty; unset it to serve without a key, "
+                              "or give the key")
         checks.int_range("--prefix-cache-tokens", prefix_cache_tokens, 0)
         limits = ServerLimits(max_request_bytes=max_request_bytes, max_queue=max_queue,
                               max_connections=max_connections, max_num_seqs=max_num_seqs,
                               speculative_disable_by_batch_size=speculative_disable_by_batch_size,
                               api_key=api_key)
+        check_bindable(host, port)
         if api_key is None and not checks.is_loopback(host):
             say_warning(f"--host {host} accepts connections from other machines and no --api-key "
                         "(or METRALE_API_KEY) is set: anyone who can reach it can use the model")

@@ -416,3 +416,23 @@ def test_inspect_rows(tmp_path):
     assert comps[0] == ("dflash", "dflash", "FP8, 2 modules", "1 file, 10 B")
     assert comps[1][1:3] == ("target", "-")  # the target is not quantized
     assert comps[1][3].startswith("2 files, ")
+
+
+def test_a_full_disk_while_saving_weights_is_an_os_error_naming_the_file(tmp_path, monkeypatch):
+    """safetensors reports a failed write as its own error with the OS error's number: it
+    becomes that OSError, naming the file (the CLI's one line, exit 1), not an internal error."""
+    import errno
+
+    import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError) as e:
+        with EngineDirWriter(tmp_path / "e") as w:
+            w.save_safetensors("target/rank0.safetensors", {"w": torch.zeros(2)})
+    assert e.value.errno == errno.ENOSPC and e.value.filename.endswith("target/rank0.safetensors")
+    assert e.value.strerror == "No space left on device" and list(tmp_path.iterdir()) == []

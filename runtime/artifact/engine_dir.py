@@ -176,13 +176,7 @@ class Manifest:
         `files`, in its own folder, and every one of those is checksummed in `files`: a path
         that left the directory or named another component's file would load unchecked or
         the wrong model."""
-        named = [("config", entry.config), ("declared", entry.declared), ("onnx", entry.onnx),
-                 *(("onnx_ranks", f) for f in entry.onnx_ranks or ()),
-                 *((f"engines[{sm!r}]", f) for sm, plan in entry.engines.items() for f in plan.plan_files()),
-                 *(("cpu.packages", p.file) for p in (entry.cpu.packages if entry.cpu is not None else ()))]
-        for field_name, rel in [*(("files", f) for f in entry.files), *named]:
-            if rel is None:
-                continue
+        for field_name, rel in [*(("files", f) for f in entry.files), *entry.named_files()]:
             where = f"components[{name!r}].{field_name}"
             _check_rel(rel, where)
             if not rel.startswith(f"{name}/"):
@@ -400,7 +394,13 @@ class EngineDirWriter:
         from safetensors.torch import save_file  # lazy: keeps torch out of manifest-only use
 
         out = self._target(rel)
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(out), metadata=metadata)
+        try:
+            save_file({k: t.contiguous() for k, t in tensors.items()}, str(out), metadata=metadata)
+        except Exception as e:  # safetensors' own error type: an OS error (a full disk) named as one
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code[1]), os.strerror(int(code[1])), str(out)) from None
         return out
 
     def copy_file(self, src: str | os.PathLike[str], rel: str | PurePath) -> Path:

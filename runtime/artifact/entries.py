@@ -168,6 +168,14 @@ class ComponentEntry(_Entry):
         """The quantization section's algorithm part (None: not quantized by the build)."""
         return self.quantization.quantization if self.quantization is not None else None
 
+    def named_files(self) -> list[tuple[str, str]]:
+        """(field, path) of each file the entry names besides its `files` list."""
+        named = [("config", self.config), ("declared", self.declared), ("onnx", self.onnx),
+                 *(("onnx_ranks", f) for f in self.onnx_ranks or ()),
+                 *((f"engines[{sm!r}]", f) for sm, plan in self.engines.items() for f in plan.plan_files()),
+                 *(("cpu.packages", p.file) for p in (self.cpu.packages if self.cpu is not None else ()))]
+        return [(field, rel) for field, rel in named if rel is not None]
+
     def merged(self, **changes: Any) -> ComponentEntry:
         """This entry with `changes` (JSON values or entries), validated again."""
         data = self.to_json()

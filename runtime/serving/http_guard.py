@@ -81,8 +81,8 @@ class ServerLimits:
                 raise ConfigError(f"{name} {v!r}: expected seconds in (0, 3600)")
         if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
                                          or any(c.isspace() for c in self.api_key)):
-            raise ConfigError("--api-key: expected a non-empty key of printable characters "
-                              "without spaces")
+            raise ConfigError("--api-key (or METRALE_API_KEY): expected a non-empty key of printable "
+                              "characters without spaces")
 
     def request_bytes(self, context: int) -> int:
         if self.max_request_bytes is not None:
