@@ -86,9 +86,16 @@ def test_dflash2_trees_take_their_childrens_tables_from_the_tree_package(aoti_en
     tokens, calls, host_trees = decode(older, dflash_tree_budget=16)
     assert set(calls) == {"package"} and not any(tables for _, tables, _ in host_trees)
     assert tokens == tree_tokens and [t for t, _, _ in host_trees] == [t for t, _, _ in trees]
+    # DFlash (version 1) listing a tree package of its own (DFlash2's copied into its folder)
+    shutil.copy(copy / packages[1]["file"], copy / "dflash" / "cpu" / "propose_tree.pt2")
+    manifest["files"]["dflash/cpu/propose_tree.pt2"] = manifest["files"][packages[1]["file"]]
+    manifest["components"]["dflash"]["files"].append("dflash/cpu/propose_tree.pt2")
+    own_tree = {**packages[1], "file": "dflash/cpu/propose_tree.pt2"}
     for name, listed, match in (("dflash2", packages + packages[1:], "at most one tree's propose.*1 and 2"),
-                                ("dflash", [*manifest["components"]["dflash"]["cpu"]["packages"], packages[1]],
+                                ("dflash", [*manifest["components"]["dflash"]["cpu"]["packages"], own_tree],
                                  "selector tables from a DFlash drafter of version 1"),
+                                ("dflash", [*manifest["components"]["dflash"]["cpu"]["packages"], packages[1]],
+                                 "'dflash2/cpu/propose_tree.pt2' is not in the component's folder dflash/"),
                                 ("dflash2", [packages[0], {**packages[1], "block": 4}],
                                  r"tree's propose package \(dflash2/cpu/propose_tree.pt2\) was built for other")):
         manifest["components"]["dflash2"]["cpu"]["packages"] = packages
