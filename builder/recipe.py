@@ -57,10 +57,7 @@ def parse_draft_tp_size(text: str, name: str = "draft_tp_size") -> int | str:
     what errors call the value (the flag, when it came from one)."""
     if text == "auto":
         return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
+    n = int(text) if text.isascii() and text.isdigit() and len(text) < 10 else 0  # not "1_0", " 2"
     if n < 1:
         raise ConfigError(f"{name}: expected `auto` or a rank count of at least 1, got {text!r}")
     return n

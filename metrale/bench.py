@@ -155,9 +155,10 @@ def _wanted_modes(modes: str | None) -> list[str] | None:
     return wanted
 
 
-def _mode_names(engine_dir: Path) -> list[str]:
-    """The names `mode_table` gives an engine directory, read from its manifest and component
-    configs without loading a model; [] when they cannot be read (loading then says why)."""
+def _engine_modes(engine_dir: Path) -> list[tuple[str, dict]]:
+    """The (name, flags) `mode_table` gives an engine directory, read from its manifest and
+    component configs without loading a model; [] when they cannot be read (loading then says
+    why)."""
     from metrale.runtime.artifact.entries import parse_entry
     from metrale.runtime.components import KINDS
     from metrale.runtime.errors import MetraleError
@@ -177,7 +178,36 @@ def _mode_names(engine_dir: Path) -> list[str]:
     from metrale.runtime.spec.shapes import TREE_BUDGETS
 
     priced = CostModel(first=0, ms=(1.0,) * (TREE_BUDGETS[0] + 1))  # a stand-in: the names only
-    return [name for name, _ in _modes(comps, {n: priced for n in comps})]
+    return _modes(comps, {n: priced for n in comps})
+
+
+def _mode_names(engine_dir: Path) -> list[str]:
+    """The names of `_engine_modes`."""
+    return [name for name, _ in _engine_modes(engine_dir)]
+
+
+def _check_tier_flags(engine_dir: Path, all_modes: list[tuple[str, dict]], wanted: list[str] | None,
+                      modes: str | None, draft_tier: str | None, mtp_nvfp4: bool | None) -> None:
+    """Refuse a weight-tier flag that no mode of this run reads. Bench has no --speculative or
+    --dflash: `--mtp-experts-nvfp4` applies to every MTP mode it runs, `--draft-weight-quantization`
+    to every drafter (its cost model is measured whatever --modes selects)."""
+    from metrale.runtime.errors import ConfigError
+
+    if not all_modes:  # the engine directory cannot be read: loading says why
+        return
+    if draft_tier is not None and not any(f.get("dflash") for _, f in all_modes):
+        raise ConfigError(f"--draft-weight-quantization {draft_tier}: engine directory {engine_dir} "
+                          "has no DFlash drafter for it to set; leave it out")
+    if mtp_nvfp4 is None:
+        return
+    given = "--mtp-experts-nvfp4" if mtp_nvfp4 else "--no-mtp-experts-nvfp4"
+    mtp = [n for n, f in all_modes if f.get("speculative")]
+    if not mtp:
+        raise ConfigError(f"{given}: engine directory {engine_dir} has no MTP head, so no mode "
+                          "reads it; leave it out")
+    if wanted and not any(w in n for w in wanted for n in mtp):
+        raise ConfigError(f"{given} with --modes {modes!r}: it sets the MTP modes' head, and "
+                          f"--modes selects none of them ({', '.join(mtp)}); add one or leave it out")
 
 
 def torch_threads() -> int:
@@ -217,7 +247,7 @@ def bench(
     reference: Annotated[bool, typer.Option("--transformers/--no-transformers", help="Add a row for transformers' eager greedy generate on the same target weights (when transformers is installed).")] = True,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
-    draft_weight_quantization: o.DraftTier = None, mtp_experts_nvfp4: o.MtpNvfp4 = None,
+    draft_weight_quantization: o.BenchDraftTier = None, mtp_experts_nvfp4: o.BenchMtpNvfp4 = None,
 ):
     """Benchmark plain decoding against every speculative mode on held-out prompts."""
     with user_errors():
@@ -239,11 +269,16 @@ def bench(
         checks.device(device)
         o.torch_dtype(dtype)
         backend_kind, device = resolve_backend(backend, device, dtype)
-        texts = checks.prompt_texts("--prompts", prompts_file or DEFAULT_PROMPTS)[:num_prompts]
-        names = _mode_names(engine_dir)
+        path = prompts_file or DEFAULT_PROMPTS
+        texts = checks.first_prompts("--num-prompts", num_prompts, checks.prompt_texts("--prompts", path),
+                                     path)
+        all_modes = _engine_modes(engine_dir)
+        names = [name for name, _ in all_modes]
         if wanted and names and not any(w in name for w in wanted for name in names):
             raise ConfigError(f"--modes {modes!r}: no mode of this engine directory matches; "
                               f"its modes: {', '.join(names)}")
+        _check_tier_flags(engine_dir, all_modes, wanted, modes, draft_weight_quantization,
+                          mtp_experts_nvfp4)
         checks.max_tokens_fit(max_tokens, checks.context_length(engine_dir))
         if threads is not None:
             import torch
@@ -252,12 +287,7 @@ def bench(
         engine = _load_engine(engine_dir, device, dtype, backend_kind, draft_weight_quantization,
                               mtp_experts_nvfp4)
         prompts = [engine.tokenizer.encode(t) for t in texts]
-        context = engine.target.config.max_position_embeddings
-        for i, ids in enumerate(prompts):
-            if not ids or len(ids) + max_tokens > context:
-                raise ConfigError(f"--prompts: prompt {i} takes {len(ids)} tokens; with --max-tokens "
-                                  f"{max_tokens} it must take 1 to {context - max_tokens} (the "
-                                  f"context holds {context})")
+        checks.prompts_fit(prompts, max_tokens, engine.target.config.max_position_embeddings)
         t0 = time.time()
         from metrale.runtime.spec.shapes import TREE_BUDGETS
 

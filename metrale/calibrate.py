@@ -12,7 +12,6 @@ manifest; an entry for the same setting is replaced.
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from metrale import checks
 from metrale import options as o
 from metrale.runtime.steps import MAX_TREE_NODES
 from metrale.console import app, out, user_errors
@@ -56,10 +56,11 @@ def calibrate(
             raise ConfigError(f"--backend {kind.value}: calibrate measures the torch models' backends "
                               "(auto, torch, aoti)")
         path = prompts_file or DEFAULT_PROMPTS
-        try:
-            texts = json.loads(Path(path).read_text())[:num_prompts]
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--prompts {path}: not a readable JSON list of strings ({exc})") from None
+        texts = checks.first_prompts("--num-prompts", num_prompts, checks.prompt_texts("--prompts", path),
+                                     path)
+        checks.max_tokens_fit(max_tokens, checks.context_length(engine_dir))
+        # the table is stored in the engine directory: refused before minutes of measuring
+        checks.updatable_dir("--engine-dir", engine_dir, f"calibrate stores {calibration.FILE} in it")
         torch.set_num_threads(threads)
         engine = load_engine(engine_dir, dtype=o.torch_dtype(dtype, device), device=device, backend=kind.value)
         if not engine.drafters:
@@ -74,6 +75,7 @@ def calibrate(
                 raise ConfigError(f"--tree-budget {tree_budget}: {engine.no_distributions(name)}: "
                                   "expected 0, or build the engine again")
         prompts = [engine.tokenizer.encode(t) for t in texts]
+        checks.prompts_fit(prompts, max_tokens, engine.target.config.max_position_embeddings)
         dtype_name = str(engine.dtype).removeprefix("torch.")
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         entries = []

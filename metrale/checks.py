@@ -156,13 +156,53 @@ def prompt_texts(flag: str, path: Path) -> list[str]:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ConfigError(f"{flag} {os.fspath(path)!r}: not a readable JSON list of strings "
                           f"({reason})") from None
-    if not (isinstance(data, list) and data and all(isinstance(t, str) and t for t in data)):
-        kind = type(data).__name__
-        raise ConfigError(f"{flag} {os.fspath(path)!r}: expected a non-empty JSON list of "
-                          f"non-empty strings, got a {kind}")
+    expected = f"{flag} {os.fspath(path)!r}: expected a non-empty JSON list of non-empty strings"
+    if not isinstance(data, list):
+        raise ConfigError(f"{expected}, got a {type(data).__name__}")
+    if not data:
+        raise ConfigError(f"{expected}, got an empty list")
+    for i, t in enumerate(data):
+        if not (isinstance(t, str) and t):
+            shown = json.dumps(t)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise ConfigError(f"{expected}, got a list whose item {i} is {shown}")
     for t in data:
         text(flag, t)
     return data
+
+
+def first_prompts(flag: str, count: int, texts: list[str], path: Path) -> list[str]:
+    """The first `count` of the prompts read from `path`; a count above how many it holds is
+    refused rather than cut to what there is (the run would not measure what was asked)."""
+    int_range(flag, count, 1)
+    if count > len(texts):
+        raise ConfigError(f"{flag} {count}: {os.fspath(path)!r} holds {len(texts)} prompts; "
+                          f"expected 1 to {len(texts)}")
+    return texts[:count]
+
+
+def prompts_fit(prompts: list[list[int]], max_tokens: int, context: int) -> None:
+    """Each tokenized prompt of `--prompts` with `--max-tokens` after it in the context window."""
+    for i, ids in enumerate(prompts):
+        if not ids or len(ids) + max_tokens > context:
+            raise ConfigError(f"--prompts: prompt {i} takes {len(ids)} tokens; with --max-tokens "
+                              f"{max_tokens} it must take 1 to {context - max_tokens} (the "
+                              f"context holds {context})")
+
+
+def updatable_dir(flag: str, folder: Path, why: str) -> None:
+    """An existing directory that a command rewrites in place: the new copy, its lock and the
+    swap go beside it, so its parent must be writable, and it must be writable itself (a
+    read-only one is not replaced behind the user's back). `why` says what is written. A
+    directory that does not exist is left to the loader, which names it."""
+    shown = os.fspath(folder)
+    final = Path(os.path.abspath(shown))
+    if not final.is_dir():
+        return
+    for where in (final.parent, final):
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise ConfigError(f"{flag} {shown!r}: {why}, and {where} is not writable; make it "
+                              "writable or copy the engine directory somewhere that is")
 
 
 def context_length(engine_dir: Path) -> int | None:

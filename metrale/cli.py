@@ -186,7 +186,7 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
     """Replace this process with torchrun running the same command line when --nproc asks for
     more than one process; refuse a count that contradicts a torchrun launch."""
     from metrale.runtime.errors import ConfigError
-    from metrale.runtime.models.tp import torchrun_argv
+    from metrale.runtime.models.tp import env_count, torchrun_argv
 
     if nproc is None:
         return
@@ -198,7 +198,7 @@ def _relaunch(nproc: Optional[int], command: str) -> None:
                           f"this machine), got {nproc}")
     world = os.environ.get("WORLD_SIZE")
     if world is not None:
-        if int(world) != nproc:
+        if env_count("WORLD_SIZE", 1) != nproc:
             raise ConfigError(f"--nproc {nproc}: this process is one of {world} launched by torchrun; "
                               f"expected --nproc {world} or none")
         return

@@ -14,6 +14,7 @@ import typer
 
 from metrale.plugins.formats import DRAFT_TIERS
 from metrale.runtime.spec.config import HELP
+from metrale.runtime.spec.help import BENCH_HELP
 
 EngineDir = Annotated[Path, typer.Option("--engine-dir", help="An engine directory written by `metrale build`.")]
 Device = Annotated[Optional[str], typer.Option(
@@ -64,6 +65,13 @@ DraftTier = Annotated[Optional[str], typer.Option(
     help=HELP["--draft-weight-quantization"])]
 MtpNvfp4 = Annotated[Optional[bool], typer.Option(
     "--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=HELP["--mtp-experts-nvfp4"], show_default=False)]
+# bench runs every mode, each with its own speculative flags: the tier flags' own texts
+BenchDraftTier = Annotated[Optional[str], typer.Option(
+    "--draft-weight-quantization", metavar="|".join(DRAFT_TIERS),
+    help=BENCH_HELP["--draft-weight-quantization"])]
+BenchMtpNvfp4 = Annotated[Optional[bool], typer.Option(
+    "--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=BENCH_HELP["--mtp-experts-nvfp4"],
+    show_default=False)]
 
 DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
           "bf16": "bfloat16"}

@@ -102,6 +102,7 @@ def test_build_output_dir_checked_first(engine_dir, needle):
     (["--mtp-experts-nvfp4", "--mtp-quantization", "fp8"],
      "--mtp-experts-nvfp4 needs --mtp-quantization bf16"),
     (["--draft-tp-size", "0"], "--draft-tp-size: expected `auto` or a rank count"),
+    (["--draft-tp-size", "1_0"], "--draft-tp-size: expected `auto` or a rank count of at least 1, got '1_0'"),
     (["--target-sm", "50"], "--target-sm 50"),
     (["--target-sm", "89,x"], "--target-sm: expected comma-separated"),
     (["--trt-flavor", "vulkan"], "--trt-flavor 'vulkan'"),

@@ -75,6 +75,17 @@ def test_help_covers_every_flag_without_dates_or_foreign_names():
             assert sentence in HELP[flag], (flag, sentence)
 
 
+def test_help_states_the_bounds_parsing_enforces():
+    from metrale.runtime.spec.config import MAX_NUM_DRAFTS
+
+    assert f"At least 1. Requires --speculative. (metrale: at most {MAX_NUM_DRAFTS}.)" in HELP["--num-drafts"]
+    refused(f"at most {MAX_NUM_DRAFTS}", speculative=True, num_drafts=MAX_NUM_DRAFTS + 1)
+    assert SpeculativeConfig.from_flags(speculative=True, num_drafts=MAX_NUM_DRAFTS).num_drafts == 32
+    # each tier flag says which mode reads it (generate and serve; bench has its own texts)
+    assert HELP["--mtp-experts-nvfp4"].endswith("Requires --speculative.")
+    assert HELP["--draft-weight-quantization"].endswith("Requires --dflash.")
+
+
 def test_confidence_stop_help_keeps_every_point_of_the_seed():
     text = HELP["--draft-confidence-stop"]
     for point in ["top-1 probability is at least TAU", "still verified", "cum:TAU", "product",
@@ -258,6 +269,10 @@ AK = dict(dflash=True, dflash_adaptive_k="0:1,1:2")
         (dict(num_drafts=2), '--num-drafts "2" requires --speculative'),
         (dict(DFLASH, num_drafts=2), "--num-drafts.*requires --speculative"),
         (dict(exact_verify=True), "--exact-verify requires --speculative or --dflash"),
+        (dict(mtp_experts_nvfp4=True), r"--mtp-experts-nvfp4 requires --speculative \("),
+        (dict(mtp_experts_nvfp4=False), r"--no-mtp-experts-nvfp4 requires --speculative \("),
+        (dict(DFLASH, mtp_experts_nvfp4=True), "--mtp-experts-nvfp4 requires --speculative.*; not "
+                                               "with --dflash"),
         (dict(dflash_gamma=4), '--dflash-gamma "4" requires --dflash'),
         (dict(MTP, dflash_draft_ladder="1,3"), '--dflash-draft-ladder "1,3" requires --dflash'),
         (dict(dflash_adaptive_k="0:1,1:2"), "--dflash-adaptive-k .* requires --dflash"),

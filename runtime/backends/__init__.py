@@ -170,7 +170,7 @@ def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
         cuda_available = torch.cuda.is_available()
     if not cuda_available:
         raise ConfigError("--backend tensorrt runs TensorRT engines on an NVIDIA GPU, and CUDA is "
-                          "not available here; use --backend torch (the default)")
+                          "not available here; use --backend auto (the default) or torch")
     device = device or "cuda"
     if torch.device(device).type != "cuda":
         raise ConfigError(f"--backend tensorrt needs --device cuda or cuda:N, got --device {device}")

@@ -248,6 +248,27 @@ class TensorParallel:
         return (*top, total)
 
 
+_LAUNCH = "as a torchrun launch (or --nproc) sets it; unset WORLD_SIZE to run one process"
+
+
+def env_count(name: str, lowest: int, highest: int | None = None, default: int | None = None) -> int:
+    """Environment variable `name` (a torchrun launch's) as a whole number from `lowest` to
+    `highest`, `default` where it is unset; refused naming it otherwise, or where it is unset
+    without a default."""
+    text = os.environ.get(name)
+    allowed = f"from {lowest} to {highest}" if highest is not None else f"of at least {lowest}"
+    if text is None:
+        if default is None:
+            raise ConfigError(f"{name} is not set: expected an integer {allowed} in the "
+                              f"environment, {_LAUNCH}")
+        return default
+    # ASCII digits only: int() would also take "1_0", " 2" and other scripts' digits
+    value = int(text) if text.isascii() and text.isdigit() and len(text) < 10 else -1
+    if value < lowest or (highest is not None and value > highest):
+        raise ConfigError(f"{name}={text!r}: expected an integer {allowed}, {_LAUNCH}")
+    return value
+
+
 @dataclass(frozen=True)
 class World:
     """The processes of one launch: `size` 1 (a plain process) or a `torchrun` world."""
@@ -263,11 +284,19 @@ class World:
     @classmethod
     def from_env(cls, device: str | torch.device = "cpu") -> World:
         """The world `torchrun` describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK),
-        joined with gloo on CPU and NCCL on CUDA; a plain process when WORLD_SIZE is unset or 1."""
-        size = int(os.environ.get("WORLD_SIZE", "1"))
-        if size <= 1:
+        joined with gloo on CPU and NCCL on CUDA; a plain process when WORLD_SIZE is unset or 1.
+        A variable that is not a count in range, or one the rendezvous needs that is missing, is
+        refused naming it, before any process group is joined."""
+        size = env_count("WORLD_SIZE", 1, default=1)
+        if size == 1:
             return cls()
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = env_count("LOCAL_RANK", 0, default=0)
+        if not dist.is_initialized():
+            env_count("RANK", 0, size - 1)  # the env:// rendezvous reads these three
+            if not os.environ.get("MASTER_ADDR"):
+                raise ConfigError(f"WORLD_SIZE={size} without MASTER_ADDR: expected the rendezvous "
+                                  f"address in the environment, {_LAUNCH}")
+            env_count("MASTER_PORT", 1, 65535)
         cuda = torch.device(device).type == "cuda"
         if not dist.is_initialized():
             if cuda:

@@ -35,7 +35,7 @@ from metrale.runtime.backends import Backend, load_engine, run_forwards
 from metrale.runtime.components import KINDS, Role, names_with_role
 from metrale.runtime.errors import ConfigError, MetraleError
 from metrale.runtime.models.configs import DFlashConfig
-from metrale.runtime.models.tp import TensorParallel, World
+from metrale.runtime.models.tp import TensorParallel, World, env_count
 from metrale.runtime.serving.eager_rows import on_eager_target
 from metrale.runtime.serving.scheduler import Capabilities
 from metrale.runtime.serving.stats import GeneratorStats, PrefixCacheStats
@@ -360,7 +360,11 @@ def drafter_kv_heads(engine_dir: Path, name: str) -> int | None:
     path = Path(engine_dir) / name / "config.json"
     if not path.is_file():
         return None
-    cfg = DFlashConfig.from_hf(json.loads(path.read_text()), f"{name}/config.json")
+    try:
+        cfg = DFlashConfig.from_hf(json.loads(path.read_text()), f"{name}/config.json")
+    except MetraleError as exc:  # (another component's config: the MTP head's, the target's)
+        raise ConfigError(f"--dflash-drafter {name!r}: not a DFlash drafter of engine directory "
+                          f"{engine_dir} ({exc})") from None
     return cfg.decoder.num_key_value_heads
 
 
@@ -375,9 +379,7 @@ def load_generator(engine_dir: str | Path, spec: SpeculativeConfig, *,
     """
     kind = Backend.parse(backend)
     if kind is Backend.ONNXRUNTIME:  # one process, one rank: the graphs are the one-rank build's
-        import os
-
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = env_count("WORLD_SIZE", 1, default=1)
         if world_size > 1:
             raise ConfigError(f"--backend {kind.value} runs in one process, not {world_size} torchrun ranks")
         tp_ranks = spec.draft_tp_size.ranks if spec.mode is SpecMode.DFLASH else None

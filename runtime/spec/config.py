@@ -200,6 +200,10 @@ class SpeculativeConfig:
         check_draft_tier(self.draft_weight_quantization)
         if self.mtp_experts_nvfp4 not in (None, True, False):
             raise ConfigError(f"--mtp-experts-nvfp4: expected on or off, got {_q(self.mtp_experts_nvfp4)}")
+        if self.mtp_experts_nvfp4 is not None and not mtp:  # only the MTP head's drafts read it
+            given = "--mtp-experts-nvfp4" if self.mtp_experts_nvfp4 else "--no-mtp-experts-nvfp4"
+            extra = "; not with --dflash" if dflash else ""
+            raise ConfigError(f"{given} requires --speculative (it sets the MTP head's experts){extra}")
         if not dflash:
             for flag, value in dflash_only.items():
                 if value is not None:

@@ -51,6 +51,31 @@ BUILD_HELP: dict[str, str] = {
         " (metrale build: quantized with ModelOpt into the engine directory, which keeps the "
         "head's BF16 weights too.) [default: off]"),
 }
+# The two weight-tier flags at load (`generate`, `serve`, `bench`): the seeds' definition, then
+# how loading takes a value other than the built one. Which mode reads them differs per command.
+DRAFT_TIER_LOAD_TEXT = DRAFT_TIER_TEXT + (
+    " Default: the tier the engine directory was built with (metrale build's default is "
+    "fp8). Another tier is quantized at load with ModelOpt from the declared weights the "
+    "engine directory keeps, to the bytes a build at that tier writes; a drafter with CPU "
+    "packages then runs in eager PyTorch, and TensorRT plans refuse it, naming both tiers."
+)
+MTP_NVFP4_LOAD_TEXT = MTP_NVFP4_TEXT.replace(
+    "experts are requantized from BF16 to NVFP4", "experts are requantized from BF16 to NVFP4 at load") + (
+    " Default: as the engine directory was built (metrale build's default is off). The "
+    "engine directory keeps the head's BF16 weights for this, quantized with ModelOpt as "
+    "metrale build does; --no-mtp-experts-nvfp4 runs the BF16 experts. TensorRT plans hold "
+    "their build's experts: there another value is refused."
+)
+# `metrale bench` has no --speculative or --dflash: it runs every mode, each with its own flags,
+# so a tier flag applies to every mode that reads it and is refused where none of them runs.
+BENCH_HELP: dict[str, str] = {
+    "--draft-weight-quantization": DRAFT_TIER_LOAD_TEXT + (
+        " (metrale bench: every DFlash mode, and the drafters' cost models measured first, run at "
+        "this tier; refused on an engine directory without a DFlash drafter.)"),
+    "--mtp-experts-nvfp4": MTP_NVFP4_LOAD_TEXT + (
+        " (metrale bench: every MTP mode drafts with it; refused where no MTP mode runs: an "
+        "engine directory without an MTP head, or --modes selecting none.)"),
+}
 
 HELP: dict[str, str] = {
     "--speculative": (
@@ -60,7 +85,8 @@ HELP: dict[str, str] = {
         "sampled output the target's distribution. Not with --dflash."
     ),
     "--num-drafts": (
-        "Longest MTP draft chain per step (default: 3). At least 1. Requires --speculative."
+        "Longest MTP draft chain per step (default: 3). At least 1. Requires --speculative. "
+"(metrale: at most 32.)"
     ),
     "--draft-confidence-stop": (
         "Confidence stop for MTP draft chains (default: off). With TAU, the drafter extends a "
@@ -166,20 +192,8 @@ HELP: dict[str, str] = {
         "an engine directory built with that many ranks, or cut at load from a one-rank one.) "
         "Requires --dflash."
     ),
-    "--draft-weight-quantization": DRAFT_TIER_TEXT + (
-        " Default: the tier the engine directory was built with (metrale build's default is "
-        "fp8). Another tier is quantized at load with ModelOpt from the declared weights the "
-        "engine directory keeps, to the bytes a build at that tier writes; a drafter with CPU "
-        "packages then runs in eager PyTorch, and TensorRT plans refuse it, naming both tiers. "
-        "Requires --dflash."
-    ),
-    "--mtp-experts-nvfp4": MTP_NVFP4_TEXT.replace(
-        "experts are requantized from BF16 to NVFP4", "experts are requantized from BF16 to NVFP4 at load") + (
-        " Default: as the engine directory was built (metrale build's default is off). The "
-        "engine directory keeps the head's BF16 weights for this, quantized with ModelOpt as "
-        "metrale build does; --no-mtp-experts-nvfp4 runs the BF16 experts. TensorRT plans hold "
-        "their build's experts: there another value is refused."
-    ),
+    "--draft-weight-quantization": DRAFT_TIER_LOAD_TEXT + " Requires --dflash.",
+    "--mtp-experts-nvfp4": MTP_NVFP4_LOAD_TEXT + " Requires --speculative.",
     "--dflash-drafter": (
         "Which DFlash drafter component of the engine directory to run, by name, e.g. dflash "
         "or dflash2 (default: dflash). Requires --dflash."
