@@ -212,6 +212,11 @@ def test_nproc_refusals(monkeypatch):
                         "-m", "metrale", "generate", "--dflash"]
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert World.from_env() == World(0, 1, 0)  # a plain process joins no group
+    # each rank of a world on its own GPU: `cuda` is the rank's; an index would stack every rank
+    assert World(1, 2, 1).device("cuda") == "cuda:1" and World(0, 1, 0).device("cuda:3") == "cuda:3"
+    assert World(1, 2, 1).device("cpu") == "cpu"
+    with pytest.raises(ConfigError, match="--device cuda:0: each of the 2 ranks runs on its own GPU"):
+        World(1, 2, 1).device("cuda:0")
 
 
 # -- builds ----------------------------------------------------------------------------------------

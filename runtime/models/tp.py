@@ -305,8 +305,14 @@ class World:
         return cls(dist.get_rank(), dist.get_world_size(), local)
 
     def device(self, device: str) -> str:
-        """`cuda` without an index means this rank's local GPU under a multi-process launch."""
-        return f"cuda:{self.local_rank}" if device == "cuda" and self.size > 1 else device
+        """`cuda` without an index means this rank's local GPU under a multi-process launch; an
+        index there is refused on every rank alike (it would put every rank on one GPU)."""
+        if self.size == 1 or not device.startswith("cuda"):
+            return device
+        if device != "cuda":
+            raise ConfigError(f"--device {device}: each of the {self.size} ranks runs on its own GPU "
+                              "(its LOCAL_RANK's); use --device cuda")
+        return f"cuda:{self.local_rank}"
 
     def broadcast(self, obj: object = None) -> object:
         """The leader's `obj` on every rank (others pass anything)."""
