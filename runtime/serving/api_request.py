@@ -62,25 +62,48 @@ def parse_request(gen: TextGenerator, body: Any, chat: bool) -> GenerationReques
     return request.to_generation(gen)
 
 
-class _Repeated(Exception):
-    """A JSON object holds a key twice (which one counts, parsers disagree)."""
+class _Repeats(dict):
+    """A JSON object that held key `repeated` twice (which one counts, parsers disagree)."""
+
+    repeated = ""
 
 
 def _once(pairs: list[tuple[str, Any]]) -> dict:
     out = dict(pairs)
     if len(out) < len(pairs):
         seen: set[str] = set()
-        raise _Repeated(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        out = _Repeats(pairs)
+        out.repeated = next(k for k, _ in pairs if k in seen or seen.add(k))
     return out
+
+
+def _repeated(body: Any) -> tuple[str, str | None] | None:
+    """The first key given twice in one object of `body`, and the request field that holds it;
+    None where every key is given once. Walks the body only where a repeat was seen."""
+    stack, found = [(body, None)], None
+    while stack and found is None:
+        node, field = stack.pop()
+        if isinstance(node, _Repeats):
+            found = (node.repeated, field or node.repeated)
+        if isinstance(node, dict):
+            stack.extend((v, field or k) for k, v in node.items() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, field) for v in node if isinstance(v, (dict, list)))
+    return found
 
 
 def decode_body(raw: bytes) -> Any:
     """The request's JSON; every way bytes can fail to be a JSON document is a 400."""
+    repeats: list[bool] = []
+
+    def once(pairs: list[tuple[str, Any]]) -> dict:
+        out = _once(pairs)
+        if isinstance(out, _Repeats):
+            repeats.append(True)
+        return out
+
     try:
-        body = json.loads(raw, object_pairs_hook=_once)
-    except _Repeated as e:
-        raise APIError(400, f"request body repeats the key {e.args[0]!r} in an object; give each "
-                       "key once", code="invalid_json") from None
+        body = json.loads(raw, object_pairs_hook=once)
     except RecursionError:
         raise APIError(400, "request body nests JSON too deeply", code="invalid_json") from None
     except UnicodeDecodeError as e:
@@ -91,6 +114,10 @@ def decode_body(raw: bytes) -> Any:
     except ValueError:  # int() refusing a number of thousands of digits
         raise APIError(400, f"request body holds a number of more than {sys.get_int_max_str_digits()} "
                        "digits", code="invalid_json") from None
+    found = _repeated(body) if repeats else None
+    if found is not None:
+        raise APIError(400, f"request body repeats the key {found[0]!r} in an object; give each "
+                       "key once", found[1], "invalid_json")
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
