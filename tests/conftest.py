@@ -213,3 +213,26 @@ def serve_in_thread(app, limits=None):
         server.should_exit = True
         thread.join(5)
         sock.close()
+
+
+def cli_run(*args: str, env: dict | None = None):
+    """`metrale ARGS` through typer's runner: it ends with SystemExit (0 or the error's code) and
+    prints no traceback and no internal error, whatever the input."""
+    from typer.testing import CliRunner
+
+    from metrale.cli import app
+
+    r = CliRunner().invoke(app, list(args), env=env)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output and "internal error" not in r.output, r.output
+    return r
+
+
+def cli_refused(r, *needles: str) -> str:
+    """A refusal: exit 2 and one line, `error: ...`, holding every needle."""
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]

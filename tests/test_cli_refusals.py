@@ -11,27 +11,9 @@ from pathlib import Path
 
 import pytest
 import typer
-from typer.testing import CliRunner
 
+from conftest import cli_refused as refused, cli_run as run
 from metrale.cli import app
-
-runner = CliRunner()
-
-
-def run(*args: str, env: dict | None = None):
-    r = runner.invoke(app, list(args), env=env)
-    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
-    assert "Traceback" not in r.output and "internal error" not in r.output, r.output
-    return r
-
-
-def refused(r, *needles: str) -> str:
-    assert r.exit_code == 2, r.output
-    lines = [line for line in r.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 @pytest.fixture

@@ -9,29 +9,10 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
-from metrale.cli import app
+from conftest import cli_refused as refused, cli_run as run
 
-runner = CliRunner()
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def run(*args: str):
-    r = runner.invoke(app, list(args))
-    # typer ends every command with SystemExit (0 or the error's code); anything else escaped
-    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
-    assert "Traceback" not in r.output and "internal error" not in r.output
-    return r
-
-
-def refused(r, *needles: str) -> str:
-    assert r.exit_code == 2, r.output
-    lines = [line for line in r.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 @pytest.mark.parametrize("args, needles", [
