@@ -164,7 +164,7 @@ def spec_modes(engine_dir: Path) -> list[tuple[str, list[str]]]:
     return modes
 
 
-def cmd_spec(engine_dir: Path, out: Path, max_tokens: int = 32, prompts: int = 3,
+def cmd_spec(engine_dir: Path, out: Path, max_tokens: int = 32, prompts: int = 2,
              expect_backend: str = "cuda-graphs") -> int:
     from typer.testing import CliRunner
 
