@@ -240,7 +240,7 @@ def bench(
     engine_dir: o.EngineDir,
     json_file: Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON to FILE.")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSON list of prompt strings. Default: the tiny recipe's held-out prompts.")] = None,
-    num_prompts: Annotated[int, typer.Option(help="How many prompts to use.")] = 8,
+    num_prompts: Annotated[Optional[int], typer.Option(help="How many prompts to use (default: 8, or all of a shorter --prompts file).", show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 48,
     modes: Annotated[Optional[str], typer.Option(help="Comma-separated substrings: run only modes whose name contains one.")] = None,
     repeats: Annotated[int, typer.Option(help="Runs per prompt and mode, in rounds over all modes; the median counts (stalls of a shared machine move it little and land on every mode alike).")] = 3,
@@ -257,7 +257,6 @@ def bench(
         from metrale.runtime.errors import ConfigError
         from metrale.runtime.backends import resolve_backend
 
-        checks.int_range("--num-prompts", num_prompts, 1)
         checks.int_range("--max-tokens", max_tokens, 1)
         checks.int_range("--repeats", repeats, 1)
         if threads is not None:
@@ -271,7 +270,7 @@ def bench(
         backend_kind, device = resolve_backend(backend, device, dtype)
         path = prompts_file or DEFAULT_PROMPTS
         texts = checks.first_prompts("--num-prompts", num_prompts, checks.prompt_texts("--prompts", path),
-                                     path)
+                                     path, default=8)
         all_modes = _engine_modes(engine_dir)
         names = [name for name, _ in all_modes]
         if wanted and names and not any(w in name for w in wanted for name in names):

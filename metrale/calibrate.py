@@ -29,7 +29,7 @@ from metrale.console import app, out, user_errors
 def calibrate(
     engine_dir: o.EngineDir,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSON list of prompt strings. Default: the tiny recipe's held-out prompts.")] = None,
-    num_prompts: Annotated[int, typer.Option(min=1, help="How many prompts to decode per measurement.")] = 4,
+    num_prompts: Annotated[Optional[int], typer.Option(help="How many prompts to decode per measurement (default: 4, or all of a shorter --prompts file).", show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option(min=2, help="Tokens generated per prompt.")] = 48,
     repeats: Annotated[int, typer.Option(min=1, help="Measurements per draft count; the median is stored.")] = 5,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads, as the serve will run.")] = 1,
@@ -57,7 +57,7 @@ def calibrate(
                               "(auto, torch, aoti)")
         path = prompts_file or DEFAULT_PROMPTS
         texts = checks.first_prompts("--num-prompts", num_prompts, checks.prompt_texts("--prompts", path),
-                                     path)
+                                     path, default=4)
         checks.max_tokens_fit(max_tokens, checks.context_length(engine_dir))
         # the table is stored in the engine directory: refused before minutes of measuring
         checks.updatable_dir("--engine-dir", engine_dir, f"calibrate stores {calibration.FILE} in it")

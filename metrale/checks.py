@@ -171,9 +171,12 @@ def prompt_texts(flag: str, path: Path) -> list[str]:
     return data
 
 
-def first_prompts(flag: str, count: int, texts: list[str], path: Path) -> list[str]:
-    """The first `count` of the prompts read from `path`; a count above how many it holds is
-    refused rather than cut to what there is (the run would not measure what was asked)."""
+def first_prompts(flag: str, count: int | None, texts: list[str], path: Path, default: int) -> list[str]:
+    """The first `count` of the prompts read from `path`; a count given above how many it holds
+    is refused rather than cut to what there is (the run would not measure what was asked).
+    Not given (None): the first `default`, or all of them where there are fewer."""
+    if count is None:
+        return texts[:default]
     int_range(flag, count, 1)
     if count > len(texts):
         raise ConfigError(f"{flag} {count}: {os.fspath(path)!r} holds {len(texts)} prompts; "

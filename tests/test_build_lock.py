@@ -153,6 +153,13 @@ def test_a_directory_set_aside_by_a_killed_swap_is_put_back(tmp_path):
     out = tmp_path / "engine"
     small_build(out, "old")
     os.rename(out, tmp_path / ".replaced-engine-abcd1234")
+    (tmp_path / ".staging-engine-efgh5678" / "target").mkdir(parents=True)  # the new, not yet in place
     small_build(tmp_path / "other")
     assert (out / "target" / "a.bin").read_text() == "old" and load_manifest(out).files
     assert leftovers(tmp_path) == []
+    # without a staging folder the swap was done: a set-aside folder left by a cleanup cut short
+    # is deleted, even where the directory was removed since
+    small_build(out, "new")
+    os.rename(out, tmp_path / ".replaced-engine-ijkl9012")
+    small_build(tmp_path / "other")
+    assert not out.exists() and leftovers(tmp_path) == []

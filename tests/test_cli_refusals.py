@@ -108,6 +108,22 @@ def test_num_prompts_above_the_prompts_is_refused(tmp_path, command, no_loading)
             "--num-prompts 3", "holds 2 prompts", "1 to 2")
 
 
+@pytest.mark.parametrize("command", ["calibrate", "bench"])
+def test_a_short_prompts_file_without_num_prompts_runs_all_of_it(tiny_engine_dir, tmp_path, command,
+                                                                  monkeypatch):
+    """Without --num-prompts, a --prompts file shorter than the default count is read whole."""
+    from metrale import checks
+    from metrale.runtime.errors import ConfigError
+
+    def stop(prompts, max_tokens, context):  # the prompts as tokenized, after loading
+        raise ConfigError(f"stop: {len(prompts)} prompts")
+
+    monkeypatch.setattr(checks, "prompts_fit", stop)
+    f = prompts_file(tmp_path, '["one", "two"]')
+    refused(run(command, "--engine-dir", str(tiny_engine_dir), "--prompts", str(f), "--max-tokens", "4"),
+            "stop: 2 prompts")
+
+
 def test_calibrate_max_tokens_beyond_the_context_is_refused(tiny_engine_dir, no_loading):
     refused(run("calibrate", "--engine-dir", str(tiny_engine_dir), "--max-tokens", "5000"),
             "--max-tokens 5000", "1024 tokens")

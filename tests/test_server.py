@@ -245,6 +245,8 @@ def error_of(resp, status):
          "speculative", "repeats the key 'enabled'"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a", "role": "system"}]}', 400,
          "messages", "repeats the key 'role'"),
+        ("/v1/completions", b'{"x": {"y": {"z": 1, "z": 2}}, "w": {"q": 1, "q": 2}, "prompt": "a"}', 400,
+         "x", "repeats the key 'z'"),  # the first repeat in the document's order
         ("/v1/completions", {"model": MODEL}, 400, "prompt", "`prompt` is required"),
         ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "`n` must be 1"),
         ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", ">= 0"),
@@ -456,3 +458,18 @@ def test_metrics_histograms_time_streamed_requests(base, client):
     le = ("le", "+Inf")
     assert after["metrale_server_time_to_first_token_seconds_bucket", (le,)] == after[
         "metrale_server_time_to_first_token_seconds_count", ()]
+
+
+def test_a_developer_message_is_rendered_as_a_system_one(tiny_engine):
+    """OpenAI's `developer` role is the chat template's `system` (a template that does not know
+    the role would otherwise drop the instruction or render an unknown one)."""
+    from metrale.runtime.serving.api_models import ChatRequest
+
+    class Served:
+        tokenizer = tiny_engine.tokenizer
+
+    def ids(role: str) -> list[int]:
+        body = {"messages": [{"role": role, "content": "Be kind."}, {"role": "user", "content": "hi"}]}
+        return ChatRequest.model_validate(body).prompt_ids(Served)
+
+    assert ids("developer") == ids("system") != ids("user")

@@ -13,8 +13,8 @@ Contract:
 - `signals_as_interrupts()` turns SIGTERM and SIGHUP into `KeyboardInterrupt` for the block it
   guards (main thread only), so they unwind and clean up exactly as Ctrl-C does;
   `signals_deferred()` holds them, and Ctrl-C, back for a block that must not be cut in two.
-- A `.replaced-<name>-*` folder whose `<name>` is gone is what a writer killed mid-swap left:
-  `remove_stale` puts it back instead of deleting it.
+- A `.replaced-<name>-*` folder whose `<name>` is gone, beside a `.staging-<name>-*` one, is
+  what a writer killed mid-swap left: `remove_stale` puts it back instead of deleting it.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def remove_stale(parent: Path, own: str | None = None) -> list[Path]:
         entries = list(parent.iterdir())
     except OSError:
         return removed
+    # a writer killed between its two renames leaves its staging folder beside the set-aside one
+    staged = {m["name"] for e in entries if (m := _LEFTOVER.fullmatch(e.name)) and e.name.startswith(".staging-")}
     for entry in entries:
         m = _LOCK.fullmatch(entry.name)
         if m and m["name"] != own and entry.is_file():  # a dead writer's lock file
@@ -116,9 +118,11 @@ def remove_stale(parent: Path, own: str | None = None) -> list[Path]:
             continue  # its writer is alive
         try:
             final = parent / m["name"]
-            if entry.name.startswith(".replaced-") and not (final.exists() or final.is_symlink()):
+            if (entry.name.startswith(".replaced-") and m["name"] in staged
+                    and not (final.exists() or final.is_symlink())):
                 # a writer killed between setting the old directory aside and putting the new
-                # one in its place: the old one goes back
+                # one in its place: the old one goes back (without a staging folder beside it,
+                # the swap was done and the old one is what was being deleted)
                 os.rename(entry, final)
                 log.warning("restored %s from %s, left by a build killed while replacing it", final, entry)
                 continue
@@ -145,7 +149,7 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # (None: set outside Python)
         if got:
             signal.raise_signal(got[0])
 

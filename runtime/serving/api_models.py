@@ -432,7 +432,9 @@ class ChatRequest(_GenerationBody):
     def prompt_ids(self, gen) -> list[int]:
         tok = gen.tokenizer
         try:
-            text = tok.apply_chat_template([m.model_dump() for m in self.messages])
+            # OpenAI's `developer` messages are what chat templates know as `system`
+            text = tok.apply_chat_template([m.model_dump() | ({"role": "system"} if m.role == "developer" else {})
+                                            for m in self.messages])
         except MetraleError as e:
             raise APIError(400, str(e), "messages", "invalid_value") from e
         return tok.encode(text)

@@ -85,10 +85,11 @@ def _repeated(body: Any) -> tuple[str, str | None] | None:
         node, field = stack.pop()
         if isinstance(node, _Repeats):
             found = (node.repeated, field or node.repeated)
+        # pushed in reverse, so the first repeat in the document's order is found first
         if isinstance(node, dict):
-            stack.extend((v, field or k) for k, v in node.items() if isinstance(v, (dict, list)))
+            stack.extend((v, field or k) for k, v in reversed(node.items()) if isinstance(v, (dict, list)))
         elif isinstance(node, list):
-            stack.extend((v, field) for v in node if isinstance(v, (dict, list)))
+            stack.extend((v, field) for v in reversed(node) if isinstance(v, (dict, list)))
     return found
 
 

@@ -52,7 +52,7 @@ ONE = ("additionalProperties", "items", "unevaluatedProperties", "unevaluatedIte
 LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 MAPS = ("properties", "$defs", "definitions", "patternProperties")
 COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
-MAX_BOUND = 2**63 - 1  # the largest magnitude of an integer's bounds
+MAX_BOUND = 2**63 - 1  # an integer's bounds lie in [-MAX_BOUND - 1, MAX_BOUND]
 # keywords of one type, which xgrammar drops in a subschema it reads as any value (one without
 # `type`, object keywords, array keywords or a keyword it keeps alone)
 TYPED = ("minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
@@ -187,8 +187,8 @@ def _check_keywords(node: dict, path: str) -> None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= sys.float_info.max:
             raise ConfigError(f"{path}.{key}: a finite number, got {_shown(v)}")
-        if "integer" in types and abs(v) > MAX_BOUND:  # (xgrammar holds integer bounds in 64 bits)
-            raise ConfigError(f"{path}.{key}: at most {MAX_BOUND} in magnitude on an integer, got {_shown(v)}")
+        if "integer" in types and not -MAX_BOUND - 1 <= v <= MAX_BOUND:  # (xgrammar: 64 bits)
+            raise ConfigError(f"{path}.{key}: from {-MAX_BOUND - 1} to {MAX_BOUND} on an integer, got {_shown(v)}")
         if key == "multipleOf" and v <= 0:
             raise ConfigError(f"{path}.multipleOf: a number greater than 0, got {_shown(v)}")
         if "integer" in types and "number" not in types and not float(v).is_integer():
@@ -312,11 +312,12 @@ def _clauses(node: dict, schema: dict) -> list[list[list[Any]]]:
             properties, required = node.get("properties") or {}, node.get("required") or []
             needs = [properties[name] for name in required if name in properties]
             # `minProperties` past the required ones: one more property besides them, any
-            # optional one's or one of `additionalProperties` / `patternProperties` (with none,
-            # xgrammar refuses the schema itself)
+            # optional one's or one of `additionalProperties`, `unevaluatedProperties` or
+            # `patternProperties` (with none, xgrammar refuses the schema itself)
             extra = [p for name, p in properties.items() if name not in required]
             extra += list((node.get("patternProperties") or {}).values())
-            extra += [node["additionalProperties"]] if node.get("additionalProperties", False) is not False else []
+            extra += [node[k] for k in ("additionalProperties", "unevaluatedProperties")
+                      if node.get(k, False) is not False]
             more = isinstance(node.get("minProperties"), int) and node["minProperties"] > len(needs)
             alternatives += [needs + [p] for p in extra] if more and extra else [needs]
         elif t == "array":
