@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from metrale.builder import quantize as q
+from metrale.plugins.formats import DRAFT_TIER_FORMATS, FORMATS
 from metrale.runtime.models.configs import DecoderConfig, read_config
 from metrale.runtime.artifact.engine_dir import Manifest
 from metrale.runtime.components import Role, names_with_role
@@ -32,9 +33,24 @@ State = dict[str, torch.Tensor]
 
 
 def built_tiers(manifest: Manifest) -> tuple[str, bool]:
-    """(drafter tier, MTP experts in NVFP4) the engine directory was built with."""
+    """(drafter tier, MTP experts in NVFP4) the engine directory was built with: its build
+    record, checked against what each drafter's weights are (a record that says otherwise would
+    skip the requantization a tier asks for)."""
     b = manifest.build
-    return b.get("draft_weight_quantization", "fp8"), bool(b.get("mtp_experts_nvfp4", False))
+    tier = b.get("draft_weight_quantization", "fp8")
+    if tier not in DRAFT_TIER_FORMATS:
+        raise EngineDirError(f"config.json: build.draft_weight_quantization {tier!r} is not one of "
+                             f"{', '.join(DRAFT_TIER_FORMATS)}; rebuild it with metrale build")
+    fmt = DRAFT_TIER_FORMATS[tier]
+    want = FORMATS[fmt].quant_algo if fmt is not None else None
+    for name in names_with_role(manifest.components, Role.DRAFTER):
+        algo = manifest.components[name].quant_algo
+        got = algo.quant_algo if algo is not None else None
+        if got != want:
+            raise EngineDirError(f"config.json: build.draft_weight_quantization is {tier}, but drafter "
+                                 f"{name}'s weights are {got or 'not quantized'}; rebuild it with "
+                                 "metrale build")
+    return tier, bool(b.get("mtp_experts_nvfp4", False))
 
 
 def _mtp_name(manifest: Manifest) -> str | None:

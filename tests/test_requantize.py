@@ -97,6 +97,20 @@ def test_refusals_at_load(tiny_engine_dir, engine_factory):
         check_plans(tiny_engine_dir, bf16, dtype="float32")
 
 
+def test_a_build_record_that_contradicts_the_drafters_is_refused(tiny_engine_dir):
+    """The build record says which tier a flag at load would requantize from; one that names
+    another tier than the drafters' weights are in (a hand-edited manifest) would skip that
+    requantization, so it is refused, naming the drafter and both."""
+    m = load_manifest(tiny_engine_dir)
+    for tier in ("nvfp4", "declared"):
+        edited = replace(m, build={**m.build, "draft_weight_quantization": tier})
+        with pytest.raises(EngineDirError, match=rf"build.draft_weight_quantization is {tier}, but "
+                                                 r"drafter dflash's weights are FP8"):
+            requantized_states(tiny_engine_dir, edited, draft_tier="nvfp4", drafters=("dflash",))
+    with pytest.raises(EngineDirError, match=r"'int4' is not one of declared, fp8, fp8-aux, nvfp4"):
+        check_plans(tiny_engine_dir, replace(m, build={**m.build, "draft_weight_quantization": "int4"}))
+
+
 def test_flags_need_their_mode():
     with pytest.raises(ConfigError, match='--draft-weight-quantization "nvfp4" requires --dflash'):
         SpeculativeConfig.from_flags(draft_weight_quantization="nvfp4")
