@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from typing import Any
 
 from metrale.runtime.errors import ConfigError
+from metrale.runtime.spec.schema_patterns import MAX_REPEAT, pattern_size  # noqa: F401 (the bounds, in one place)
 
 MAX_DEPTH = 32  # subschemas within subschemas (each `properties`, `items`, `anyOf` entry: one)
 MAX_PROPERTIES = 500  # object properties over the whole schema
 MAX_ENUM = 1000  # `enum` values over the whole schema
-MAX_REPEAT = 1000  # one `pattern` quantifier's count
 MAX_EXPANSION = 4096  # the patterns' size with every quantifier written out, summed
 
 # keywords xgrammar drops: a document breaking them passes its grammar
@@ -93,7 +94,7 @@ def check_shape(schema: Any) -> None:
         patterns = [(f"{path}.pattern", node["pattern"])] if "pattern" in node else []
         patterns += [(f"{path}.patternProperties", key) for key in node.get("patternProperties", ())]
         for where, pattern in patterns:
-            expansion += _pattern_size(pattern, where)
+            expansion += pattern_size(pattern, where)
             if expansion > MAX_EXPANSION:
                 raise ConfigError(f"{where}: the schema's patterns, their quantifiers written out, "
                                   f"come to more than {MAX_EXPANSION} items in all, the most allowed")
@@ -159,6 +160,18 @@ def _check_keywords(node: dict, path: str) -> None:
         raise ConfigError(f"{path}.format: a format's name as a string, got {_shown(node['format'])}")
     if "multipleOf" in node and ("integer" not in types or "number" in types):
         raise ConfigError(f"{path}.multipleOf: enforced for integers only (`\"type\": \"integer\"`)")
+    lower, upper = ({k for k in node if k.endswith(side)} for side in ("inimum", "aximum"))
+    if "multipleOf" in node and bool(lower) != bool(upper):
+        raise ConfigError(f"{path}.multipleOf: not enforced beside a bound on one side only; give "
+                          "a lower and an upper bound, or neither")
+    # what xgrammar writes its own way: property names and big integers in values
+    names = [*(node.get("properties") or ()), *(r for r in node.get("required") or () if isinstance(r, str))]
+    if any(isinstance(k, str) and any(c in '"\\' or c < " " for c in k) for k in names):
+        raise ConfigError(f"{path}.properties: a name holding `\"`, `\\` or a control character "
+                          "is not enforced")
+    if _big_int(node.get("enum")) or _big_int(node.get("const")):
+        raise ConfigError(f"{path}: an integer past 2^53 in `enum` or `const` is not enforced "
+                          "(it is matched as a double)")
     # beside a pattern or a format it enforces, xgrammar drops a string's length bounds; beside
     # such a format, the pattern
     stringy = types == [None] or "string" in types
@@ -197,6 +210,20 @@ def _check_keywords(node: dict, path: str) -> None:
         raise ConfigError(f"{path}.enum: a non-empty list of values, got {_shown(node['enum'])}")
     if "pattern" in node and not isinstance(node["pattern"], str):
         raise ConfigError(f"{path}.pattern: a regular expression as a string, got {_kind(node['pattern'])}")
+    free = any(node.get(k, False) is not False for k in ("additionalProperties", "unevaluatedProperties",
+                                                          "patternProperties"))
+    if "propertyNames" in node and ("properties" in node or any(
+            node.get(k) is False for k in ("additionalProperties", "unevaluatedProperties"))):
+        raise ConfigError(f"{path}.propertyNames: not enforced beside `properties` or beside "
+                          "additional properties set to false")
+    if free and isinstance(node.get("minProperties"), int) and node["minProperties"] > len(node.get("required") or ()):
+        raise ConfigError(f"{path}.minProperties: not enforced past the required properties where "
+                          "others are allowed (the grammar may repeat a key); require them instead")
+    both = [(n, k) for n in node.get("properties") or {} for k in node.get("patternProperties") or {}
+            if isinstance(k, str) and _matches(k, n)]
+    if both:
+        raise ConfigError(f"{path}.patternProperties: {both[0][1]!r} matches property "
+                          f"{both[0][0]!r}, and the grammar applies only one of the two")
     required = node.get("required")
     if required is not None:
         if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
@@ -396,66 +423,22 @@ def _all_typed(values: list, types: Any) -> bool:
     return isinstance(values, list) and all(any(typed(v, n) for n in names) for v in values)
 
 
-def _pattern_size(pattern: str, where: str) -> int:
-    """The number of items (characters, classes) in regular expression `pattern` with every
-    quantifier written out (`(ab){3}` is 6, `[a-z]{1,8}` 8), refusing a quantifier past
-    MAX_REPEAT and lookaround, which xgrammar does not enforce."""
-    groups = [0]  # the size of each open group so far; the outermost is the pattern
-    last = 0  # the size of the item a quantifier would repeat
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":  # an escape: one item
-            i, last = i + 2, 1
-            groups[-1] += 1
-            continue
-        if c == "[":  # a class, up to its unescaped closing bracket: one item
-            j = i + 1 + (pattern[i + 1:i + 2] == "^")
-            j += pattern[j:j + 1] == "]"
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            i, last = j + 1, 1
-            groups[-1] += 1
-            continue
-        if c == "(":
-            if pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
-                raise ConfigError(f"{where}: lookahead and lookbehind are not enforced, so they "
-                                  "are refused rather than ignored")
-            groups.append(0)
-            i += 1
-            continue
-        if c == ")" and len(groups) > 1:
-            last = groups.pop()
-            groups[-1] += last
-            i += 1
-            continue
-        if c == "{":
-            count = _braces(pattern, i)
-            if count is not None:
-                times, i = count
-                if times > MAX_REPEAT:
-                    raise ConfigError(f"{where}: a quantifier repeats {times} times; at most "
-                                      f"{MAX_REPEAT} are allowed")
-                groups[-1] += last * (times - 1)
-                last *= times
-                continue
-        if c not in "*+?|^$":
-            last = 1
-            groups[-1] += 1
-        i += 1
-    return sum(groups)
+def _big_int(value: Any) -> bool:
+    """Whether JSON value `value` holds an integer past 2^53 anywhere."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2**53:
+            return True
+        stack.extend(v.values() if isinstance(v, dict) else v if isinstance(v, list) else ())
+    return False
 
 
-def _braces(pattern: str, i: int) -> tuple[int, int] | None:
-    """The count of the quantifier `{m}`, `{m,}` or `{m,n}` at `i` (its larger bound) and the
-    index after it; None where the brace is a literal."""
-    j = pattern.find("}", i)
-    if j < 0:
-        return None
-    body = pattern[i + 1:j].split(",")
-    if len(body) > 2 or not body[0].isdigit() or not all(b.isdigit() for b in body[1:] if b):
-        return None
-    return max(int(b) for b in body if b), j + 1
+def _matches(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:  # (xgrammar's compile says what is wrong with it)
+        return False
 
 
 def _kind(v: Any) -> str:
