@@ -82,6 +82,25 @@ def host(value: str) -> str:
     return value
 
 
+def bindable(host: str, port: int) -> None:
+    """Refuse (ConfigError naming --host/--port) an address this process cannot listen on: one
+    in use, not this machine's, or a privileged port; checked before the models load, so a
+    server that cannot serve says so at once rather than after loading them."""
+    import contextlib
+
+    try:
+        infos = set(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
+        with contextlib.ExitStack() as held:  # every address at once, as asyncio's server binds them
+            for family, kind, proto, _, address in sorted(infos, key=str):
+                sock = held.enter_context(socket.socket(family, kind, proto))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+
+
 def is_loopback(address: str) -> bool:
     """Whether every address `address` resolves to is a loopback address."""
     import ipaddress

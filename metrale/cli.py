@@ -382,7 +382,7 @@ def serve(
     with user_errors():
         from metrale.runtime.errors import ConfigError
         from metrale.runtime.serving.http_guard import ServerLimits
-        from metrale.runtime.serving.server import check_bindable, serve as run_server
+        from metrale.runtime.serving.server import serve as run_server
 
         checks.host(host)
         checks.port(port)
@@ -394,7 +394,7 @@ def serve(
                               max_connections=max_connections, max_num_seqs=max_num_seqs,
                               speculative_disable_by_batch_size=speculative_disable_by_batch_size,
                               api_key=api_key)
-        check_bindable(host, port)
+        checks.bindable(host, port)
         if api_key is None and not checks.is_loopback(host):
             say_warning(f"--host {host} accepts connections from other machines and no --api-key "
                         "(or METRALE_API_KEY) is set: anyone who can reach it can use the model")

@@ -18,7 +18,8 @@ from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
 from metrale.runtime.spec.config import SpeculativeConfig
 from metrale.runtime.spec.schema_check import (FORMATS, IGNORED, MAX_DEPTH, MAX_ENUM, MAX_EXPANSION, MAX_PROPERTIES,
-                                                MAX_REPEAT, check_shape)
+                                                check_shape)
+from metrale.runtime.spec.schema_patterns import MAX_REPEAT
 
 def _nested(levels: int) -> dict:
     schema: dict = {}

@@ -47,7 +47,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from metrale.runtime.serving.api_answers import (ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion,
                                                  ChatMessage, Completion, CompletionChoice, Delta,
                                                  ModelCard, ModelList, Usage)
-from metrale.runtime.errors import ConfigError
 from metrale.runtime.serving.api_models import APIError, GenerationRequest
 from metrale.runtime.serving.api_request import Schemas, TextGenerator, decode_body, parse_request
 from metrale.runtime.serving.channels import LocalEngine, Wakes, events
@@ -339,26 +338,6 @@ def uvicorn_config(app: Callable, host: str, port: int, limits: ServerLimits, **
     return uvicorn.Config(app, host=host, port=port, http=protocol_class(limits),
                           limit_concurrency=limits.max_connections,
                           timeout_keep_alive=limits.keep_alive_s, **kw)
-
-
-def check_bindable(host: str, port: int) -> None:
-    """Refuse (ConfigError naming --host/--port) an address this process cannot listen on: one
-    in use, not this machine's, or a privileged port; checked before the models load, so a
-    server that cannot serve says so at once rather than after loading them."""
-    import contextlib
-    import socket
-
-    try:
-        infos = set(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
-        with contextlib.ExitStack() as held:  # every address at once, as asyncio's server binds them
-            for family, kind, proto, _, address in sorted(infos, key=str):
-                sock = held.enter_context(socket.socket(family, kind, proto))
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(address)
-    except OSError as exc:
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
 
 
 def serve(generator: TextGenerator, host: str = "127.0.0.1", port: int = 8000,

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.spec.schema_patterns import MAX_REPEAT, pattern_size  # noqa: F401 (the bounds, in one place)
+from metrale.runtime.spec.schema_patterns import pattern_size
 
 MAX_DEPTH = 32  # subschemas within subschemas (each `properties`, `items`, `anyOf` entry: one)
 MAX_PROPERTIES = 500  # object properties over the whole schema
