@@ -27,6 +27,7 @@ import re
 import torch
 
 from metrale.runtime.errors import ConfigError
+from metrale.runtime.spec.pattern_grammar import schema_grammar
 
 # xgrammar is imported where a grammar is first made: its import loads its compiler's runtime,
 # and most processes never constrain a request
@@ -50,6 +51,19 @@ def refusal(e: Exception) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def compile_schema(compiler, schema: str):
+    """JSON schema `schema` (text) compiled by xgrammar `compiler` without free whitespace, its
+    patterns through xgrammar's regex converter (`pattern_grammar`); ConfigError, in xgrammar's
+    words, where it cannot be."""
+    try:
+        grammar = schema_grammar(schema)
+        if grammar is not None:
+            return compiler.compile_grammar(grammar)
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ConfigError(refusal(e)) from None
+
+
 class Grammars:
     """The compiler of one tokenizer's grammars, for a model whose logits have `vocab_size` ids."""
 
@@ -69,11 +83,9 @@ class Grammars:
 
     def compile(self, schema: str):
         """JSON schema `schema` (text, `schema_check.check_shape` passed) compiled for this
-        tokenizer (cached by text); ConfigError, in xgrammar's words, where it cannot be."""
-        try:
-            return self.compiler.compile_json_schema(schema, any_whitespace=False)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise ConfigError(refusal(e)) from None
+        tokenizer (cached by text), its patterns through xgrammar's regex converter
+        (`pattern_grammar`); ConfigError, in xgrammar's words, where it cannot be."""
+        return compile_schema(self.compiler, schema)
 
     def check(self, schema: str) -> None:
         """`compile`'s refusals, and a schema whose grammar lets no token start a document (a

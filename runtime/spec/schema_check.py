@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.spec.schema_patterns import pattern_size
+from metrale.runtime.spec.schema_patterns import for_grammar, pattern_size
 
 MAX_DEPTH = 32  # subschemas within subschemas (each `properties`, `items`, `anyOf` entry: one)
 MAX_PROPERTIES = 500  # object properties over the whole schema
@@ -95,6 +95,7 @@ def check_shape(schema: Any) -> None:
         patterns += [(f"{path}.patternProperties", key) for key in node.get("patternProperties", ())]
         for where, pattern in patterns:
             expansion += pattern_size(pattern, where)
+            for_grammar(pattern, where)
             if expansion > MAX_EXPANSION:
                 raise ConfigError(f"{where}: the schema's patterns, their quantifiers written out, "
                                   f"come to more than {MAX_EXPANSION} items in all, the most allowed")

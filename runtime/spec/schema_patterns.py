@@ -1,8 +1,21 @@
 """The regular expressions of a request's JSON schema (`pattern`, `patternProperties`) as
 xgrammar enforces them: what one costs written out, and what it matches that the grammar reads
-its own way (`schema_check` calls `pattern_size` on each)."""
+its own way (`schema_check` calls `pattern_size` and `for_grammar` on each).
+
+`for_grammar` writes a pattern for xgrammar's regex converter (`pattern_grammar`): every class,
+`.` and class escape (`\\d`, `\\W`, ...) as an explicit class of the characters that a JSON
+string holds unescaped (not `"`, `\\`, controls or surrogates) and that the class matches in both
+dialects a validator may read it in, ECMA-262's (JSON Schema's) and Python's (`jsonschema`'s):
+`\\d` is [0-9] in one and every decimal digit in the other, so `\\d` is [0-9] and `\\D` is every
+character but the decimal digits. What either matches, a grammar-accepted string then matches in
+both."""
 
 from __future__ import annotations
+
+import array
+import functools
+import re
+import sys
 
 from metrale.runtime.errors import ConfigError
 
@@ -76,3 +89,188 @@ def _braces(pattern: str, i: int) -> tuple[int, int] | None:
     if len(body) > 2 or not body[0].isdigit() or not all(b.isdigit() for b in body[1:] if b):
         return None
     return max(int(b) for b in body if b), j + 1
+
+
+
+MAX_CODEPOINT = 0x10FFFF
+# the characters a JSON string holds unescaped: not controls, `"`, `\`, or surrogates
+JSON_TEXT = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0xD7FF), (0xE000, MAX_CODEPOINT))
+ECMA_SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+              (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))
+ECMA_SETS = {"d": ((0x30, 0x39),), "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
+             "s": ECMA_SPACE}
+LINE_ENDS = {"ecma": ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)), "python": ((0x0A, 0x0A),)}
+Ranges = tuple[tuple[int, int], ...]
+
+
+def for_grammar(pattern: str, where: str) -> str:
+    """`pattern` with its classes written out for xgrammar's regex converter (the module
+    docstring); groups are made plain (the converter knows no names, and no backreference is
+    allowed). Refuses, naming `where`: an anchor inside the pattern (the converter ignores it), a
+    possessive quantifier, an escape of a letter or digit other than a class escape (a
+    backreference, a word boundary, `\\p{...}`), a control character, a class opening with `]`,
+    a range from or to a class escape, and a class no character of a JSON string matches."""
+    out: list[str] = []
+    i, n, depth, start = 0, len(pattern), 0, True  # start: nothing matched since the pattern began
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            e = pattern[i + 1:i + 2]
+            if e.lower() in ECMA_SETS:
+                out.append(_written(_class_set(e, positive=True), where))
+            elif e.isalnum() or not e:
+                raise ConfigError(f"{where}: `\\{e}` is not enforced in a pattern here (a "
+                                  "backreference, a word boundary or a property escape)")
+            else:
+                out.append(pattern[i:i + 2])
+            i, start = i + 2, False
+        elif c == "[":
+            j, chars = _class(pattern, i, where)
+            out.append(_written(chars, where))
+            i, start = j, False
+        elif c == ".":
+            out.append(_written(_dot(), where))
+            i, start = i + 1, False
+        elif c == "(":
+            j = i + 1
+            if pattern.startswith("(?P<", i) or (pattern.startswith("(?<", i) and pattern[i + 3:i + 4] not in "=!"):
+                j = pattern.find(">", i) + 1 or n
+            elif pattern.startswith("(?:", i):
+                j = i + 3
+            out.append("(" if j > i + 1 else pattern[i:j])
+            i, depth = j, depth + 1
+        elif c in "^$":
+            ends = i + 1 == n or (pattern[i + 1] == "|" and depth == 0)
+            if not (start and depth == 0) if c == "^" else not ends:
+                raise ConfigError(f"{where}: an anchor (`{c}`) inside the pattern is not enforced; "
+                                  "anchor at its start and end only")
+            out.append(c)
+            i += 1
+        else:
+            if c < " ":
+                raise ConfigError(f"{where}: a control character (U+{ord(c):04X}) is written "
+                                  "escaped in a JSON string, so the pattern cannot be enforced")
+            if c in "*+?}" and pattern[i + 1:i + 2] == "+":
+                raise ConfigError(f"{where}: a possessive quantifier (`{c}+`) is not a JSON Schema "
+                                  "regular expression")
+            depth -= c == ")"
+            start = c == "|" and depth == 0 or (start and c in "(")
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _class(pattern: str, i: int, where: str) -> tuple[int, Ranges]:
+    """The class at `i` (`[...]`): the index after it and the characters it matches in both
+    dialects (a negated class: those neither reads in it)."""
+    negated = pattern[i + 1:i + 2] == "^"
+    j = i + 1 + negated
+    if pattern[j:j + 1] == "]":
+        raise ConfigError(f"{where}: a class opening with `]` is read differently by JSON Schema's "
+                          "regular expressions and Python's; write `\\]`")
+    items: list[tuple[int, int]] = []
+    sets: list[Ranges] = []
+    while j < len(pattern) and pattern[j] != "]":
+        if pattern[j] == "\\" and pattern[j + 1:j + 2].lower() in ECMA_SETS:
+            sets.append(_class_set(pattern[j + 1], positive=not negated))
+            if pattern[j + 2:j + 3] == "-" and pattern[j + 3:j + 4] not in ("]", ""):
+                raise ConfigError(f"{where}: a range from a class escape (`{pattern[j:j + 4]}`)")
+            j += 2
+            continue
+        lo, j = _class_char(pattern, j, where)
+        hi = lo
+        if pattern[j:j + 1] == "-" and pattern[j + 1:j + 2] not in ("]", ""):
+            if pattern[j + 1] == "\\" and pattern[j + 2:j + 3].lower() in ECMA_SETS:
+                raise ConfigError(f"{where}: a range to a class escape (`{pattern[j - 1:j + 3]}`)")
+            hi, j = _class_char(pattern, j + 1, where)
+            if hi < lo:
+                raise ConfigError(f"{where}: a range out of order (`{chr(lo)}-{chr(hi)}`)")
+        items.append((lo, hi))
+    if j >= len(pattern):
+        raise ConfigError(f"{where}: a class that is not closed")
+    chars = _union(_merged(items), *sets)
+    return j + 1, _complement(chars) if negated else chars
+
+
+def _class_char(pattern: str, j: int, where: str) -> tuple[int, int]:
+    """The code point of the class member at `j` (a character or an escaped one; `\\b` is a
+    backspace there) and the index after it."""
+    if pattern[j] != "\\":
+        return ord(pattern[j]), j + 1
+    e = pattern[j + 1:j + 2]
+    if e == "b":
+        return 0x08, j + 2
+    if not e or e.isalnum():
+        raise ConfigError(f"{where}: `\\{e}` is not enforced in a class here")
+    return ord(e), j + 2
+
+
+def _class_set(letter: str, positive: bool) -> Ranges:
+    """What `\\<letter>` matches in both dialects (`positive`), or in either (a member of a
+    negated class, which then matches only what neither dialect reads in it)."""
+    base = letter.lower()
+    python, ecma = _python_set(base), _merged(ECMA_SETS[base])
+    agreed, either = _intersect(python, ecma), _union(python, ecma)
+    if letter.islower():
+        return agreed if positive else either
+    return _complement(either if positive else agreed)  # \D, \W, \S
+
+
+def _dot() -> Ranges:
+    """`.`: every character but a line end, in both dialects."""
+    return _complement(_union(_merged(LINE_ENDS["ecma"]), _merged(LINE_ENDS["python"])))
+
+
+@functools.lru_cache(maxsize=None)
+def _python_set(base: str) -> Ranges:
+    """What Python's `\\d`, `\\w` or `\\s` matches, as ranges of code points."""
+    return tuple((m.start(), m.end() - 1) for m in re.finditer(f"\\{base}+", _every_character()))
+
+
+@functools.lru_cache(maxsize=1)
+def _every_character() -> str:
+    """Every code point in order, surrogates included (the index of each is its code point)."""
+    codes = array.array("I", range(MAX_CODEPOINT + 1))  # 4-byte words in this machine's order
+    return codes.tobytes().decode(f"utf-32-{sys.byteorder[0]}e", "surrogatepass")
+
+
+def _written(chars: Ranges, where: str) -> str:
+    """`chars` narrowed to a JSON string's unescaped characters, as a class of `\\u`/`\\U`
+    ranges."""
+    chars = _intersect(chars, JSON_TEXT)
+    if not chars:
+        raise ConfigError(f"{where}: a class no character of a JSON string matches unescaped")
+    return "[" + "".join(_u(lo) if lo == hi else f"{_u(lo)}-{_u(hi)}" for lo, hi in chars) + "]"
+
+
+def _u(c: int) -> str:
+    return f"\\u{c:04x}" if c <= 0xFFFF else f"\\U{c:08x}"
+
+
+def _merged(ranges) -> Ranges:
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+def _union(*sets: Ranges) -> Ranges:
+    return _merged(r for s in sets for r in s)
+
+
+def _complement(chars: Ranges) -> Ranges:
+    out, nxt = [], 0
+    for lo, hi in chars:
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = hi + 1
+    if nxt <= MAX_CODEPOINT:
+        out.append((nxt, MAX_CODEPOINT))
+    return tuple(out)
+
+
+def _intersect(a: Ranges, b: Ranges) -> Ranges:
+    return _complement(_union(_complement(a), _complement(b)))

@@ -1,0 +1,124 @@
+"""A JSON schema's grammar with its patterns compiled by xgrammar's regex converter.
+
+xgrammar writes a schema as a grammar in its EBNF, and a string `pattern` (or a
+`patternProperties` key) there as a `Regex("...", json_string=true)` rule, which its compiler
+builds into an automaton. That builder mistranslates quantifiers and alternatives over groups:
+`(ab*)?` accepts `"b"`, `(0|[1-9][0-9]*)(\\.[0-9]+)?` accepts `"01"`, `(ab{0,2}|a)` accepts
+`"abbb"`, so the grammar lets a model write strings the schema refuses. Its regex converter
+(`Grammar.from_regex`, which writes a pattern as EBNF rules) reads the same patterns right.
+`schema_grammar` therefore writes the schema's grammar with each such rule replaced by the
+converter's rules for its pattern, written first with `schema_patterns.for_grammar` so that its
+classes hold only what a JSON string holds unescaped (the automaton's `json_string` did that).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+from metrale.runtime.errors import ConfigError
+from metrale.runtime.spec.schema_patterns import for_grammar
+
+# a rule xgrammar writes for a pattern: `name ::= Regex("<pattern, EBNF-escaped>", json_string=true)`
+REGEX_RULE = re.compile(r'(?P<name>[A-Za-z_][A-Za-z0-9_]*) ::= Regex\("(?P<text>(?:[^"\\]|\\.)*)", '
+                        r'json_string=true\)')
+ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "b": "\b", "0": "\0", "a": "\a", "e": "\x1b"}
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@functools.lru_cache(maxsize=256)
+def schema_grammar(schema: str) -> str | None:
+    """The EBNF grammar of JSON schema `schema` (text, `schema_check.check_shape` passed) as
+    xgrammar writes it without free whitespace, each pattern's rule replaced by the regex
+    converter's (the module docstring); None where the schema has no such rule (it compiles as
+    it is). ConfigError where a pattern cannot be written so."""
+    import xgrammar
+
+    text = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+    if not REGEX_RULE.search(text):
+        return None
+    patterns = _patterns(json.loads(schema))
+    names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", text, re.M))
+    lines = []
+    for line in text.splitlines():
+        m = REGEX_RULE.fullmatch(line)
+        if m is None:
+            lines.append(line)
+            continue
+        pattern = _unescaped(m["text"])
+        if pattern not in patterns:  # the rule's text read back wrong: never enforce another pattern
+            raise ConfigError(f"pattern {pattern!r}: could not be compiled")
+        lines.extend(_pattern_rules(m["name"], pattern, names))
+    return "\n".join(lines) + "\n"
+
+
+def _pattern_rules(name: str, pattern: str, taken: set[str]) -> list[str]:
+    """Rule `name` (and the rules it refers to) matching `pattern` in a JSON string's text: the
+    regex converter's grammar for it, its rules renamed into `name`'s own."""
+    import xgrammar
+
+    try:
+        rules = str(xgrammar.Grammar.from_regex(for_grammar(pattern, "pattern"))).strip().splitlines()
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"pattern {pattern!r}: {str(e).splitlines()[-1][:200]}") from None
+    prefix = f"{name}_re"
+    while any(t.startswith(prefix) for t in taken):
+        prefix += "_"
+    return [_renamed(rule, name, prefix) for rule in rules]
+
+
+def _renamed(rule: str, root: str, prefix: str) -> str:
+    """EBNF `rule` with the regex converter's rule names (`root`, `root_1`, ...) made `root` and
+    `prefix_1`, ...: every name outside its strings and classes."""
+    out, i = [], 0
+    while i < len(rule):
+        c = rule[i]
+        if c in '"[':  # a string or a class, up to its unescaped end
+            end = '"' if c == '"' else "]"
+            j = i + 1
+            while j < len(rule) and rule[j] != end:
+                j += 2 if rule[j] == "\\" else 1
+            out.append(rule[i:j + 1])
+            i = j + 1
+            continue
+        m = NAME.match(rule, i)
+        if m is None:
+            out.append(c)
+            i += 1
+            continue
+        word = m.group()
+        if word == "root":
+            word = root
+        elif re.fullmatch(r"root(_\d+)+", word):
+            word = prefix + word[4:]
+        out.append(word)
+        i = m.end()
+    return "".join(out)
+
+
+def _unescaped(text: str) -> str:
+    """An EBNF string's text as the characters it stands for."""
+    def one(m: re.Match) -> str:
+        e = m.group(1)
+        if e[0] in "xuU":
+            return chr(int(e[1:], 16))
+        return ESCAPES.get(e, e)
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", one, text)
+
+
+def _patterns(schema) -> set[str]:
+    """Every string under a `pattern` key, and every `patternProperties` key, in `schema`."""
+    out: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                out.add(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                out.update(node["patternProperties"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
