@@ -142,6 +142,7 @@ def test_classes_hold_what_a_json_string_holds_in_both_dialects(compiler, patter
     (r"[^\S\s]", "a class no character of a JSON string matches"),
     (r"[\b]", "a class no character of a JSON string matches"),
     ("a\tb", "a control character (U+0009)"),
+    ("(?<name", "a group's name is not closed"),
 ])
 def test_patterns_the_grammar_cannot_enforce_are_refused_by_place(pattern, words):
     with pytest.raises(ConfigError, match=re.escape(f"$.properties.p.pattern: {words}")):

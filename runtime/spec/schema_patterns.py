@@ -134,7 +134,9 @@ def for_grammar(pattern: str, where: str) -> str:
         elif c == "(":
             j = i + 1
             if pattern.startswith("(?P<", i) or (pattern.startswith("(?<", i) and pattern[i + 3:i + 4] not in "=!"):
-                j = pattern.find(">", i) + 1 or n
+                j = pattern.find(">", i) + 1
+                if not j:
+                    raise ConfigError(f"{where}: a group's name is not closed with `>`")
             elif pattern.startswith("(?:", i):
                 j = i + 3
             out.append("(" if j > i + 1 else pattern[i:j])
@@ -154,7 +156,7 @@ def for_grammar(pattern: str, where: str) -> str:
                 raise ConfigError(f"{where}: a possessive quantifier (`{c}+`) is not a JSON Schema "
                                   "regular expression")
             depth -= c == ")"
-            start = c == "|" and depth == 0 or (start and c in "(")
+            start = c == "|" and depth == 0
             out.append(c)
             i += 1
     return "".join(out)
