@@ -94,11 +94,19 @@ def test_random_patterns_accept_exactly_their_matches(compiler):
     as a whole-string match, which implies JSON Schema's search)."""
     r = random.Random(0)
     strings = ["".join(t) for n in range(4) for t in itertools.product("ab0z", repeat=n)]
-    for _ in range(120):
+    checked = 0
+    for _ in range(200):
         pattern = _random_pattern(r, 2)
-        grammar = _ours(compiler, {"type": "object", "properties": {"k": _string(pattern)}, "required": ["k"]})
+        schema = {"type": "object", "properties": {"k": _string(pattern)}, "required": ["k"]}
+        try:
+            grammar = _ours(compiler, schema)
+        except ConfigError as e:  # a repeated group that can match nothing (`(a*)*`), only
+            assert "can match the empty string" in str(e), (pattern, e)
+            continue
         accepted = {s for s in strings if _accepts(grammar, '{"k": ' + json.dumps(s) + "}")}
         assert accepted == {s for s in strings if re.fullmatch(pattern, s)}, pattern
+        checked += 1
+    assert checked >= 100
 
 
 # a pattern, strings its grammar accepts, and JSON texts of strings it refuses
@@ -114,6 +122,17 @@ CLASSES = [
     (r"^\S$", ["x", "é"], ['"\ufeff"', '"\x85"', '" "']),
     (r"^[^\d\s]$", ["x", "é"], ['"٣"', '"\x85"', '"5"', '" "']),
     (r"^[\w-]+$", ["a-b"], ['"a b"', '"é"']),
+]
+
+
+CLASSES += [
+    ("^é.$", ["éx"], ['"é\\""', '"é٣x"']),  # characters past ASCII in the pattern
+    (r"^é\D$", ["éx"], ['"é٣"']),
+    (r"^[\^]$", ["^"], ['"\\""', '"a"']),  # a class whose first character is `^`
+    (r"^[a-z^_]+$", ["a^_"], ['"A"']),
+    (r"^[\u00e0-\u00ff]+$", ["é"], ['"a"']),  # code escapes, in a class and out of it
+    (r"^\x41\u00e9$", ["Aé"], ['"a\u00e9"']),
+    (r'^[^\n"]*$', ["a b"], ['"\\n"', '"\\""']),  # a negated class naming what JSON escapes anyway
 ]
 
 
@@ -141,8 +160,14 @@ def test_classes_hold_what_a_json_string_holds_in_both_dialects(compiler, patter
     ("[ab", "a class that is not closed"),
     (r"[^\S\s]", "a class no character of a JSON string matches"),
     (r"[\b]", "a class no character of a JSON string matches"),
-    ("a\tb", "a control character (U+0009)"),
+    ("a\tb", "a pattern matching `\"`, `\\` or a control character (here U+0009)"),
     ("(?<name", "a group's name is not closed"),
+    ("a\\\tb", "a pattern matching `\"`, `\\` or a control character (here U+0009)"),  # an escaped TAB
+    ("^(a*)*$", "a group that can match the empty string is repeated"),
+    ("^(a|b?)+$", "a group that can match the empty string is repeated"),
+    ("^(?:x[a-f]*|)*$", "a group that can match the empty string is repeated"),
+    (r"^a\nb$", "a pattern matching `\"`, `\\` or a control character (here U+000A)"),
+    (r'^a"$', "a pattern matching `\"`, `\\` or a control character (here U+0022)"),
 ])
 def test_patterns_the_grammar_cannot_enforce_are_refused_by_place(pattern, words):
     with pytest.raises(ConfigError, match=re.escape(f"$.properties.p.pattern: {words}")):
@@ -166,3 +191,33 @@ def test_the_server_compiles_patterns_through_the_converter(tiny_engine):
     for text, whole in [('{"v": "01"}', False), ('{"v": "10.5"}', True)]:
         ids = tok.encode(text) + [end]
         assert (state.valid_drafts(ids) == len(ids)) == whole, text
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}, "^x": {"type": "boolean"}}},
+     "$.patternProperties: patterns with different subschemas are not enforced"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"(?<n>a)": {"type": "string"}}},
+     "$.patternProperties: '(?<n>a)' matches property 'a'"),
+    ({"type": "object", "properties": {"b": {"type": "boolean"}}, "patternProperties": {"^a": {"type": "integer"}},
+      "additionalProperties": {"type": "string"}}, "$.patternProperties: not enforced beside `properties` where"),
+    ({"type": "object", "properties": {"b": {"type": "boolean"}}, "patternProperties": {"^a": {"type": "integer"}},
+      "additionalProperties": True}, "$.patternProperties: not enforced beside `properties` where"),
+])
+def test_pattern_properties_the_grammar_applies_its_own_way_are_refused(compiler, schema, words):
+    """Each of these schemas' grammar accepts a document that breaks it (one pattern's subschema
+    for a key several match; a listed property given a pattern's; a matching key given the
+    additional properties' subschema)."""
+    doc = '{"xy": 1}' if "different" in words else '{"a": 1}' if "(?<n>" in words else '{"a": "x"}'
+    theirs = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _accepts(theirs, doc)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        check_shape(schema)
+
+
+def test_pattern_properties_the_grammar_applies_as_written_pass(compiler):
+    same = {"type": "object", "patternProperties": {"^a": {"type": "integer"}, "^b": {"type": "integer"}}}
+    assert _accepts(_ours(compiler, same), '{"a": 1, "b": 2}')
+    closed = {"type": "object", "properties": {"b": {"type": "boolean"}}, "patternProperties": {"^a": {"type": "integer"}},
+              "additionalProperties": False}
+    assert _accepts(_ours(compiler, closed), '{"b": true, "a": 1}')
+    assert not _accepts(_ours(compiler, closed), '{"a": "x"}')

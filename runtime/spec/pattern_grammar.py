@@ -6,9 +6,10 @@ builds into an automaton. That builder mistranslates quantifiers and alternative
 `(ab*)?` accepts `"b"`, `(0|[1-9][0-9]*)(\\.[0-9]+)?` accepts `"01"`, `(ab{0,2}|a)` accepts
 `"abbb"`, so the grammar lets a model write strings the schema refuses. Its regex converter
 (`Grammar.from_regex`, which writes a pattern as EBNF rules) reads the same patterns right.
-`schema_grammar` therefore writes the schema's grammar with each such rule replaced by the
-converter's rules for its pattern, written first with `schema_patterns.for_grammar` so that its
-classes hold only what a JSON string holds unescaped (the automaton's `json_string` did that).
+`schema_grammar` therefore writes every pattern with `schema_patterns.for_grammar` first (its
+classes hold only what a JSON string holds unescaped, as the automaton's `json_string` made
+them; the converter's rules do not), then replaces each such rule with the converter's rules for
+its pattern.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import re
 
 from metrale.runtime.errors import ConfigError
+from metrale.runtime.spec.schema_check import subschema_objects
 from metrale.runtime.spec.schema_patterns import for_grammar
 
 # a rule xgrammar writes for a pattern: `name ::= Regex("<pattern, EBNF-escaped>", json_string=true)`
@@ -30,15 +32,25 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 @functools.lru_cache(maxsize=256)
 def schema_grammar(schema: str) -> str | None:
     """The EBNF grammar of JSON schema `schema` (text, `schema_check.check_shape` passed) as
-    xgrammar writes it without free whitespace, each pattern's rule replaced by the regex
-    converter's (the module docstring); None where the schema has no such rule (it compiles as
-    it is). ConfigError where a pattern cannot be written so."""
+    xgrammar writes it without free whitespace, with every pattern written by
+    `schema_patterns.for_grammar` first and each pattern's automaton rule replaced by the regex
+    converter's rules (the module docstring); None where the schema has no pattern (it compiles
+    as it is). ConfigError where a pattern cannot be written so."""
     import xgrammar
 
-    text = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
-    if not REGEX_RULE.search(text):
+    tree = json.loads(schema)
+    patterns: set[str] = set()
+    for node in subschema_objects(tree):
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = for_grammar(node["pattern"], "pattern")
+            patterns.add(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            keyed = {for_grammar(k, "patternProperties"): v for k, v in node["patternProperties"].items()}
+            node["patternProperties"] = keyed
+            patterns.update(keyed)
+    if not patterns:
         return None
-    patterns = _patterns(json.loads(schema))
+    text = str(xgrammar.Grammar.from_json_schema(json.dumps(tree), any_whitespace=False))
     names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", text, re.M))
     lines = []
     for line in text.splitlines():
@@ -54,12 +66,12 @@ def schema_grammar(schema: str) -> str | None:
 
 
 def _pattern_rules(name: str, pattern: str, taken: set[str]) -> list[str]:
-    """Rule `name` (and the rules it refers to) matching `pattern` in a JSON string's text: the
-    regex converter's grammar for it, its rules renamed into `name`'s own."""
+    """Rule `name` (and the rules it refers to) matching `pattern` (`for_grammar`'s) in a JSON
+    string's text: the regex converter's grammar for it, its rules renamed into `name`'s own."""
     import xgrammar
 
     try:
-        rules = str(xgrammar.Grammar.from_regex(for_grammar(pattern, "pattern"))).strip().splitlines()
+        rules = str(xgrammar.Grammar.from_regex(pattern)).strip().splitlines()
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"pattern {pattern!r}: {str(e).splitlines()[-1][:200]}") from None
     prefix = f"{name}_re"
@@ -105,20 +117,3 @@ def _unescaped(text: str) -> str:
             return chr(int(e[1:], 16))
         return ESCAPES.get(e, e)
     return re.sub(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", one, text)
-
-
-def _patterns(schema) -> set[str]:
-    """Every string under a `pattern` key, and every `patternProperties` key, in `schema`."""
-    out: set[str] = set()
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                out.add(node["pattern"])
-            if isinstance(node.get("patternProperties"), dict):
-                out.update(node["patternProperties"])
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return out

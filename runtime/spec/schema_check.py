@@ -109,6 +109,17 @@ def check_shape(schema: Any) -> None:
     _finite(schema, nodes)
 
 
+def subschema_objects(schema: dict) -> list[dict]:
+    """Every subschema object of `schema` (one `check_shape` passed), definitions included."""
+    out, stack = [], [(schema, "$", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, dict):
+            out.append(node)
+            stack.extend(_subschemas(node, path, depth))
+    return out
+
+
 def _subschemas(node: dict, path: str, depth: int) -> list[tuple[Any, str, int]]:
     """The subschemas in `node` (after checking each holder's type), one level deeper;
     definitions are reached through references, so their depth starts again."""
@@ -225,6 +236,14 @@ def _check_keywords(node: dict, path: str) -> None:
     if both:
         raise ConfigError(f"{path}.patternProperties: {both[0][1]!r} matches property "
                           f"{both[0][0]!r}, and the grammar applies only one of the two")
+    patterns = node.get("patternProperties") or {}
+    if isinstance(patterns, dict) and len({json.dumps(v, sort_keys=True) for v in patterns.values()}) > 1:
+        raise ConfigError(f"{path}.patternProperties: patterns with different subschemas are not "
+                          "enforced (the grammar applies one of them to a key that several match)")
+    if patterns and "properties" in node and any(node.get(k, False) is not False for k in
+                                                 ("additionalProperties", "unevaluatedProperties")):
+        raise ConfigError(f"{path}.patternProperties: not enforced beside `properties` where other "
+                          "properties are allowed (the grammar gives a matching key their subschema)")
     required = node.get("required")
     if required is not None:
         if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
@@ -436,10 +455,12 @@ def _big_int(value: Any) -> bool:
 
 
 def _matches(pattern: str, name: str) -> bool:
+    """Whether `pattern` finds a match in `name` (ECMA-262's named groups read as Python's); a
+    pattern Python cannot read counts as matching, so its overlap is refused rather than missed."""
     try:
-        return re.search(pattern, name) is not None
-    except re.error:  # (xgrammar's compile says what is wrong with it)
-        return False
+        return re.search(re.sub(r"\(\?<(?![=!])", "(?P<", pattern), name) is not None
+    except re.error:
+        return True
 
 
 def _kind(v: Any) -> str:

@@ -26,13 +26,6 @@ def pattern_size(pattern: str, where: str) -> int:
     """The number of items (characters, classes) in regular expression `pattern` with every
     quantifier written out (`(ab){3}` is 6, `[a-z]{1,8}` 8), refusing a quantifier past
     MAX_REPEAT and lookaround, which xgrammar does not enforce."""
-    k = 0
-    while k < len(pattern):  # the escapes, a pair of characters each
-        escaped = pattern[k + 1:k + 2] if pattern[k] == "\\" else ""
-        if pattern[k] == '"' or (escaped and escaped in '\\"nrtfv0xuc'):
-            raise ConfigError(f"{where}: a pattern matching `\"`, `\\` or a control character is not "
-                              "enforced (the grammar matches it against the JSON text, escapes included)")
-        k += 2 if escaped else 1
     groups = [0]  # the size of each open group so far; the outermost is the pattern
     last = 0  # the size of the item a quantifier would repeat
     i, n = 0, len(pattern)
@@ -109,21 +102,20 @@ def for_grammar(pattern: str, where: str) -> str:
     allowed). Refuses, naming `where`: an anchor inside the pattern (the converter ignores it), a
     possessive quantifier, an escape of a letter or digit other than a class escape (a
     backreference, a word boundary, `\\p{...}`), a control character, a class opening with `]`,
-    a range from or to a class escape, and a class no character of a JSON string matches."""
+    a range from or to a class escape, a class no character of a JSON string matches, and a
+    group repeated more than once that can match the empty string (`_no_empty_repeats`)."""
+    _no_empty_repeats(pattern, where)
     out: list[str] = []
     i, n, depth, start = 0, len(pattern), 0, True  # start: nothing matched since the pattern began
     while i < n:
         c = pattern[i]
-        if c == "\\":
-            e = pattern[i + 1:i + 2]
-            if e.lower() in ECMA_SETS:
-                out.append(_written(_class_set(e, positive=True), where))
-            elif e.isalnum() or not e:
-                raise ConfigError(f"{where}: `\\{e}` is not enforced in a pattern here (a "
-                                  "backreference, a word boundary or a property escape)")
-            else:
-                out.append(pattern[i:i + 2])
+        if c == "\\" and pattern[i + 1:i + 2].lower() in ECMA_SETS:
+            out.append(_written(_class_set(pattern[i + 1], positive=True), where))
             i, start = i + 2, False
+        elif c == "\\":
+            code, i = _escaped(pattern, i, where)
+            out.append(_literal(code, where))
+            start = False
         elif c == "[":
             j, chars = _class(pattern, i, where)
             out.append(_written(chars, where))
@@ -148,10 +140,10 @@ def for_grammar(pattern: str, where: str) -> str:
                                   "anchor at its start and end only")
             out.append(c)
             i += 1
+        elif not c.isascii() or c < " " or c == '"':
+            out.append(_literal(ord(c), where))
+            i, start = i + 1, False
         else:
-            if c < " ":
-                raise ConfigError(f"{where}: a control character (U+{ord(c):04X}) is written "
-                                  "escaped in a JSON string, so the pattern cannot be enforced")
             if c in "*+?}" and pattern[i + 1:i + 2] == "+":
                 raise ConfigError(f"{where}: a possessive quantifier (`{c}+`) is not a JSON Schema "
                                   "regular expression")
@@ -160,6 +152,52 @@ def for_grammar(pattern: str, where: str) -> str:
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def _no_empty_repeats(pattern: str, where: str) -> None:
+    """Refuse a group that can match the empty string under a quantifier that repeats it (`*`,
+    `+`, `{m,}`, `{m,n}` past 1), as `(a*)*` or `(a|)+`: its repetitions can split a string in
+    ever more ways, which the grammar's parser tracks at every character (tens of milliseconds a
+    token by 200 characters), and it matches what the group without its empty match repeated
+    would."""
+    stack: list[tuple[list[int], int]] = []  # each open group's enclosing alternatives and width
+    alts: list[int] = []  # the fewest characters each finished alternative of this group matches
+    cur = last = 0  # this alternative's fewest characters so far; the last item's
+    group = False  # whether the last item is a group
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        repeats = c in "*+" or (c == "{" and _bounds(pattern, i) is not None and _bounds(pattern, i)[1] != 1)
+        if repeats and group and last == 0:
+            raise ConfigError(f"{where}: a group that can match the empty string is repeated (as in "
+                              "`(a*)*`); repeat one that cannot")
+        if c == "\\":
+            j = i + 2 if pattern[i + 1:i + 2].lower() in ECMA_SETS else _escaped(pattern, i, where)[1]
+            cur, last, group, i = cur + 1, 1, False, j
+        elif c == "[":
+            cur, last, group, i = cur + 1, 1, False, _class_end(pattern, i)
+        elif c == "(":
+            j = pattern.find(">", i) + 1 if pattern.startswith(("(?P<", "(?<"), i) else i + 1 + 2 * pattern.startswith("(?:", i)
+            stack.append((alts, cur))
+            alts, cur, last, group, i = [], 0, 0, False, max(j, i + 1)
+        elif c == ")" and stack:
+            width = min([*alts, cur])
+            alts, cur = stack.pop()
+            cur, last, group, i = cur + width, width, True, i + 1
+        elif c == "|":
+            alts.append(cur)
+            cur = last = 0
+            group, i = False, i + 1
+        elif c in "*?":
+            cur, last, i = cur - last, 0, i + 1 + (pattern[i + 1:i + 2] == "?")
+        elif c == "+":
+            i += 1 + (pattern[i + 1:i + 2] == "?")
+        elif c == "{" and _bounds(pattern, i) is not None:
+            lo, _, j = _bounds(pattern, i)
+            cur, last, i = cur + last * (lo - 1), last * lo, j + (pattern[j:j + 1] == "?")
+        else:  # a character (an anchor matches none)
+            width = 0 if c in "^$" else 1
+            cur, last, group, i = cur + width, width, False, i + 1
 
 
 def _class(pattern: str, i: int, where: str) -> tuple[int, Ranges]:
@@ -176,7 +214,8 @@ def _class(pattern: str, i: int, where: str) -> tuple[int, Ranges]:
         if pattern[j] == "\\" and pattern[j + 1:j + 2].lower() in ECMA_SETS:
             sets.append(_class_set(pattern[j + 1], positive=not negated))
             if pattern[j + 2:j + 3] == "-" and pattern[j + 3:j + 4] not in ("]", ""):
-                raise ConfigError(f"{where}: a range from a class escape (`{pattern[j:j + 4]}`)")
+                raise ConfigError(f"{where}: a range from a class escape (`{pattern[j:j + 4]}`); "
+                                  "a dash written first or last is itself")
             j += 2
             continue
         lo, j = _class_char(pattern, j, where)
@@ -195,16 +234,46 @@ def _class(pattern: str, i: int, where: str) -> tuple[int, Ranges]:
 
 
 def _class_char(pattern: str, j: int, where: str) -> tuple[int, int]:
-    """The code point of the class member at `j` (a character or an escaped one; `\\b` is a
+    """The code point of the class member at `j` (a character or an escape; `\\b` is a
     backspace there) and the index after it."""
     if pattern[j] != "\\":
         return ord(pattern[j]), j + 1
-    e = pattern[j + 1:j + 2]
-    if e == "b":
+    if pattern[j + 1:j + 2] == "b":
         return 0x08, j + 2
+    return _escaped(pattern, j, where)
+
+
+CODE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
+
+
+def _escaped(pattern: str, i: int, where: str) -> tuple[int, int]:
+    """The code point of the escape at `i` (`\\n`, `\\x41`, `\\u00e9`, `\\cJ`, an escaped
+    punctuation character) and the index after it; refuses a letter or digit escape that stands
+    for no character (a backreference, a word boundary, a property escape)."""
+    e = pattern[i + 1:i + 2]
+    digits = {"x": 2, "u": 4}.get(e, 0)
+    hexa = pattern[i + 2:i + 2 + digits]
+    if digits and len(hexa) == digits and all(h in "0123456789abcdefABCDEF" for h in hexa):
+        return int(hexa, 16), i + 2 + digits
+    if e == "c" and pattern[i + 2:i + 3].isascii() and pattern[i + 2:i + 3].isalpha():
+        return ord(pattern[i + 2]) % 32, i + 3
+    if e in CODE_ESCAPES and pattern[i + 2:i + 3] not in "0123456789":
+        return CODE_ESCAPES[e], i + 2
     if not e or e.isalnum():
-        raise ConfigError(f"{where}: `\\{e}` is not enforced in a class here")
-    return ord(e), j + 2
+        raise ConfigError(f"{where}: `\\{e}` is not enforced in a pattern here (a backreference, "
+                          "a word boundary or a property escape)")
+    return ord(e), i + 2
+
+
+def _literal(code: int, where: str) -> str:
+    """Character `code` as the converter reads it (`\\u` written), if a JSON string holds it
+    unescaped."""
+    if not _intersect(((code, code),), JSON_TEXT):
+        raise ConfigError(f"{where}: a pattern matching `\"`, `\\` or a control character (here "
+                          f"U+{code:04X}) is not enforced (a JSON string holds them escaped)")
+    if code < 0x80:  # an ASCII letter or digit as itself, other characters escaped
+        return chr(code) if chr(code).isalnum() else "\\" + chr(code)
+    return _u(code)
 
 
 def _class_set(letter: str, positive: bool) -> Ranges:
@@ -242,6 +311,11 @@ def _written(chars: Ranges, where: str) -> str:
     chars = _intersect(chars, JSON_TEXT)
     if not chars:
         raise ConfigError(f"{where}: a class no character of a JSON string matches unescaped")
+    if chars[0][0] == ord("^"):  # the converter reads a class opening with `^`, escaped or not, as negated
+        lo, hi = chars[0]
+        chars = (*chars[1:], *([(lo + 1, hi)] if hi > lo else []), (lo, lo))
+        if len(chars) == 1:
+            return "\\^"
     return "[" + "".join(_u(lo) if lo == hi else f"{_u(lo)}-{_u(hi)}" for lo, hi in chars) + "]"
 
 
@@ -276,3 +350,23 @@ def _complement(chars: Ranges) -> Ranges:
 
 def _intersect(a: Ranges, b: Ranges) -> Ranges:
     return _complement(_union(_complement(a), _complement(b)))
+
+
+def _bounds(pattern: str, i: int) -> tuple[int, int | None, int] | None:
+    """The quantifier `{m}`, `{m,}` or `{m,n}` at `i`: (m, n or None, the index after it); None
+    where the brace is a literal."""
+    j = pattern.find("}", i)
+    body = pattern[i + 1:j].split(",") if j > 0 else []
+    if not (1 <= len(body) <= 2 and body[0].isdigit() and all(b.isdigit() for b in body[1:] if b)):
+        return None
+    lo = int(body[0])
+    return lo, (lo if len(body) == 1 else int(body[1]) if body[1] else None), j + 1
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index after the class that opens at `i`."""
+    j = i + 1 + (pattern[i + 1:i + 2] == "^")
+    j += pattern[j:j + 1] == "]"
+    while j < len(pattern) and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return j + 1
