@@ -36,11 +36,7 @@ def pattern_size(pattern: str, where: str) -> int:
             groups[-1] += 1
             continue
         if c == "[":  # a class, up to its unescaped closing bracket: one item
-            j = i + 1 + (pattern[i + 1:i + 2] == "^")
-            j += pattern[j:j + 1] == "]"
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            i, last = j + 1, 1
+            i, last = _class_end(pattern, i), 1
             groups[-1] += 1
             continue
         if c == "(":
@@ -56,9 +52,10 @@ def pattern_size(pattern: str, where: str) -> int:
             i += 1
             continue
         if c == "{":
-            count = _braces(pattern, i)
-            if count is not None:
-                times, i = count
+            bounds = _bounds(pattern, i)
+            if bounds is not None:
+                lo, hi, i = bounds
+                times = lo if hi is None else max(lo, hi)
                 if times > MAX_REPEAT:
                     raise ConfigError(f"{where}: a quantifier repeats {times} times; at most "
                                       f"{MAX_REPEAT} are allowed")
@@ -70,19 +67,6 @@ def pattern_size(pattern: str, where: str) -> int:
             groups[-1] += 1
         i += 1
     return sum(groups)
-
-
-def _braces(pattern: str, i: int) -> tuple[int, int] | None:
-    """The count of the quantifier `{m}`, `{m,}` or `{m,n}` at `i` (its larger bound) and the
-    index after it; None where the brace is a literal."""
-    j = pattern.find("}", i)
-    if j < 0:
-        return None
-    body = pattern[i + 1:j].split(",")
-    if len(body) > 2 or not body[0].isdigit() or not all(b.isdigit() for b in body[1:] if b):
-        return None
-    return max(int(b) for b in body if b), j + 1
-
 
 
 MAX_CODEPOINT = 0x10FFFF
@@ -167,7 +151,8 @@ def _no_empty_repeats(pattern: str, where: str) -> None:
     i, n = 0, len(pattern)
     while i < n:
         c = pattern[i]
-        repeats = c in "*+" or (c == "{" and _bounds(pattern, i) is not None and _bounds(pattern, i)[1] != 1)
+        bounds = _bounds(pattern, i) if c == "{" else None
+        repeats = c in "*+" or (bounds is not None and (bounds[1] is None or bounds[1] > 1))
         if repeats and group and last == 0:
             raise ConfigError(f"{where}: a group that can match the empty string is repeated (as in "
                               "`(a*)*`); repeat one that cannot")
@@ -192,8 +177,8 @@ def _no_empty_repeats(pattern: str, where: str) -> None:
             cur, last, i = cur - last, 0, i + 1 + (pattern[i + 1:i + 2] == "?")
         elif c == "+":
             i += 1 + (pattern[i + 1:i + 2] == "?")
-        elif c == "{" and _bounds(pattern, i) is not None:
-            lo, _, j = _bounds(pattern, i)
+        elif bounds is not None:
+            lo, _, j = bounds
             cur, last, i = cur + last * (lo - 1), last * lo, j + (pattern[j:j + 1] == "?")
         else:  # a character (an anchor matches none)
             width = 0 if c in "^$" else 1
