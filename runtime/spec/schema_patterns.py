@@ -78,6 +78,7 @@ ECMA_SETS = {"d": ((0x30, 0x39),), "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F
              "s": ECMA_SPACE}
 LINE_ENDS = {"ecma": ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)), "python": ((0x0A, 0x0A),)}
 Ranges = tuple[tuple[int, int], ...]
+MAX_CLASS_RANGES = 32
 
 
 def for_grammar(pattern: str, where: str) -> str:
@@ -108,15 +109,11 @@ def for_grammar(pattern: str, where: str) -> str:
             out.append(_written(_dot(), where))
             i, start = i + 1, False
         elif c == "(":
-            j = i + 1
-            if pattern.startswith("(?P<", i) or (pattern.startswith("(?<", i) and pattern[i + 3:i + 4] not in "=!"):
-                j = pattern.find(">", i) + 1
-                if not j:
-                    raise ConfigError(f"{where}: a group's name is not closed with `>`")
-            elif pattern.startswith("(?:", i):
-                j = i + 3
-            out.append("(" if j > i + 1 else pattern[i:j])
-            i, depth = j, depth + 1
+            if pattern.startswith("(?", i) and not pattern.startswith("(?:", i):
+                raise ConfigError(f"{where}: `{pattern[i:i + 3]}` is not enforced: a group is `(...)` or "
+                                  "`(?:...)` (a named group is read by only one of ECMA-262 and Python)")
+            out.append("(")
+            i, depth = i + 1 + 2 * pattern.startswith("(?:", i), depth + 1
         elif c in "^$":
             ends = i + 1 == n or (pattern[i + 1] == "|" and depth == 0)
             if not (start and depth == 0) if c == "^" else not ends:
@@ -127,8 +124,17 @@ def for_grammar(pattern: str, where: str) -> str:
         elif not c.isascii() or c < " " or c == '"':
             out.append(_literal(ord(c), where))
             i, start = i + 1, False
+        elif c == "{" and _bounds(pattern, i) is not None:  # a quantifier
+            j = _bounds(pattern, i)[2]
+            if pattern[j:j + 1] == "+":
+                raise ConfigError(f"{where}: a possessive quantifier (`}}+`) is not a JSON Schema "
+                                  "regular expression")
+            out.append(pattern[i:j])
+            i = j
+        elif c in "{}]" or (c == ")" and depth == 0):
+            raise ConfigError(f"{where}: a lone `{c}` is not enforced; write `\\{c}` for the character")
         else:
-            if c in "*+?}" and pattern[i + 1:i + 2] == "+":
+            if c in "*+?" and pattern[i + 1:i + 2] == "+":
                 raise ConfigError(f"{where}: a possessive quantifier (`{c}+`) is not a JSON Schema "
                                   "regular expression")
             depth -= c == ")"
@@ -139,36 +145,43 @@ def for_grammar(pattern: str, where: str) -> str:
 
 
 def _no_empty_repeats(pattern: str, where: str) -> None:
-    """Refuse a group that can match the empty string under a quantifier that repeats it (`*`,
-    `+`, `{m,}`, `{m,n}` past 1), as `(a*)*` or `(a|)+`: its repetitions can split a string in
-    ever more ways, which the grammar's parser tracks at every character (tens of milliseconds a
-    token by 200 characters), and it matches what the group without its empty match repeated
-    would."""
-    stack: list[tuple[list[int], int]] = []  # each open group's enclosing alternatives and width
+    """Refuse what makes the converter's rules ambiguous, so that the grammar's parser tracks ever
+    more ways to split a string at every character (tens of milliseconds a token by 200
+    characters): a group that can match the empty string under a quantifier that repeats it
+    (`*`, `+`, `{m,}`, `{m,n}` past 1), as `(a*)*` or `(a|)+`, which matches what the group
+    without its empty match would, repeated; and a group repeated without bound (`*`, `+`,
+    `{m,}`) that holds another group repeated without bound, as `((ab)+c)*`."""
+    stack: list[tuple[list[int], int, bool]] = []  # each enclosing group's alternatives, width, loops
     alts: list[int] = []  # the fewest characters each finished alternative of this group matches
     cur = last = 0  # this alternative's fewest characters so far; the last item's
-    group = False  # whether the last item is a group
+    loops = False  # whether this group holds a group repeated without bound
+    group = inner = False  # whether the last item is a group; whether that group holds one
     i, n = 0, len(pattern)
     while i < n:
         c = pattern[i]
         bounds = _bounds(pattern, i) if c == "{" else None
-        repeats = c in "*+" or (bounds is not None and (bounds[1] is None or bounds[1] > 1))
-        if repeats and group and last == 0:
+        endless = c in "*+" or (bounds is not None and bounds[1] is None)
+        if group and last == 0 and (endless or (bounds is not None and bounds[1] > 1)):
             raise ConfigError(f"{where}: a group that can match the empty string is repeated (as in "
                               "`(a*)*`); repeat one that cannot")
+        if group and endless:
+            if inner:
+                raise ConfigError(f"{where}: a group repeated without bound inside another (as in "
+                                  "`((ab)+c)*`) is not enforced; bound one of the two")
+            loops = True
         if c == "\\":
             j = i + 2 if pattern[i + 1:i + 2].lower() in ECMA_SETS else _escaped(pattern, i, where)[1]
             cur, last, group, i = cur + 1, 1, False, j
         elif c == "[":
             cur, last, group, i = cur + 1, 1, False, _class_end(pattern, i)
         elif c == "(":
-            j = pattern.find(">", i) + 1 if pattern.startswith(("(?P<", "(?<"), i) else i + 1 + 2 * pattern.startswith("(?:", i)
-            stack.append((alts, cur))
-            alts, cur, last, group, i = [], 0, 0, False, max(j, i + 1)
+            stack.append((alts, cur, loops))
+            alts, cur, last, loops, group = [], 0, 0, False, False
+            i += 1 + 2 * pattern.startswith("(?:", i)
         elif c == ")" and stack:
-            width = min([*alts, cur])
-            alts, cur = stack.pop()
-            cur, last, group, i = cur + width, width, True, i + 1
+            width, inner = min([*alts, cur]), loops
+            alts, cur, loops = stack.pop()
+            cur, last, loops, group, i = cur + width, width, loops or inner, True, i + 1
         elif c == "|":
             alts.append(cur)
             cur = last = 0
@@ -232,17 +245,16 @@ CODE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00
 
 
 def _escaped(pattern: str, i: int, where: str) -> tuple[int, int]:
-    """The code point of the escape at `i` (`\\n`, `\\x41`, `\\u00e9`, `\\cJ`, an escaped
-    punctuation character) and the index after it; refuses a letter or digit escape that stands
-    for no character (a backreference, a word boundary, a property escape)."""
+    """The code point of the escape at `i` (`\\n`, `\\x41`, `\\u00e9`, an escaped punctuation
+    character) and the index after it; refuses a letter or digit escape that stands for no
+    character (a backreference, a word boundary, a property escape) or that one dialect lacks
+    (`\\cJ`)."""
     e = pattern[i + 1:i + 2]
     digits = {"x": 2, "u": 4}.get(e, 0)
     hexa = pattern[i + 2:i + 2 + digits]
     if digits and len(hexa) == digits and all(h in "0123456789abcdefABCDEF" for h in hexa):
         return int(hexa, 16), i + 2 + digits
-    if e == "c" and pattern[i + 2:i + 3].isascii() and pattern[i + 2:i + 3].isalpha():
-        return ord(pattern[i + 2]) % 32, i + 3
-    if e in CODE_ESCAPES and pattern[i + 2:i + 3] not in "0123456789":
+    if e in CODE_ESCAPES and not (e == "0" and pattern[i + 2:i + 3].isdigit()):
         return CODE_ESCAPES[e], i + 2
     if not e or e.isalnum():
         raise ConfigError(f"{where}: `\\{e}` is not enforced in a pattern here (a backreference, "
@@ -292,10 +304,17 @@ def _every_character() -> str:
 
 def _written(chars: Ranges, where: str) -> str:
     """`chars` narrowed to a JSON string's unescaped characters, as a class of `\\u`/`\\U`
-    ranges."""
+    ranges; a class of more than MAX_CLASS_RANGES ranges (`\\W` is some 700, one per gap between
+    the scripts' letters) keeps those below U+0100 and the widest others, since the grammar's
+    compile time grows with the ranges times the class's repetitions (a string it allows still
+    matches the class)."""
     chars = _intersect(chars, JSON_TEXT)
     if not chars:
         raise ConfigError(f"{where}: a class no character of a JSON string matches unescaped")
+    if len(chars) > MAX_CLASS_RANGES:  # the ranges below U+0100 and the widest others
+        low = [r for r in chars if r[0] < 0x100]
+        wide = sorted((r for r in chars if r[0] >= 0x100), key=lambda r: r[0] - r[1])
+        chars = tuple(sorted(low + wide[:max(0, MAX_CLASS_RANGES - len(low))]))
     if chars[0][0] == ord("^"):  # the converter reads a class opening with `^`, escaped or not, as negated
         lo, hi = chars[0]
         chars = (*chars[1:], *([(lo + 1, hi)] if hi > lo else []), (lo, lo))
