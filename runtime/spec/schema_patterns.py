@@ -5,10 +5,10 @@ its own way (`schema_check` calls `pattern_size` and `for_grammar` on each).
 `for_grammar` writes a pattern for xgrammar's regex converter (`pattern_grammar`): every class,
 `.` and class escape (`\\d`, `\\W`, ...) as an explicit class of the characters that a JSON
 string holds unescaped (not `"`, `\\`, controls or surrogates) and that the class matches in both
-dialects a validator may read it in, ECMA-262's (JSON Schema's) and Python's (`jsonschema`'s):
-`\\d` is [0-9] in one and every decimal digit in the other, so `\\d` is [0-9] and `\\D` is every
-character but the decimal digits. What either matches, a grammar-accepted string then matches in
-both."""
+dialects a validator may read it in, ECMA-262's with the `u` flag (JSON Schema's) and Python's
+(`jsonschema`'s): `\\d` is [0-9] in one and every decimal digit in the other, so `\\d` is [0-9]
+and `\\D` is every character but the decimal digits. What either matches, a grammar-accepted
+string then matches in both."""
 
 from __future__ import annotations
 
@@ -268,8 +268,8 @@ def _literal(code: int, where: str) -> str:
     if not _intersect(((code, code),), JSON_TEXT):
         raise ConfigError(f"{where}: a pattern matching `\"`, `\\` or a control character (here "
                           f"U+{code:04X}) is not enforced (a JSON string holds them escaped)")
-    if code < 0x80:  # an ASCII letter or digit as itself, other characters escaped
-        return chr(code) if chr(code).isalnum() else "\\" + chr(code)
+    if code < 0x80:  # an ASCII character as itself, a regex's own characters escaped
+        return "\\" + chr(code) if chr(code) in "^$\\.|?*+()[]{}" else chr(code)
     return _u(code)
 
 
