@@ -284,22 +284,24 @@ def _class_set(letter: str, positive: bool) -> Ranges:
     return _complement(either if positive else agreed)  # \D, \W, \S
 
 
+@functools.lru_cache(maxsize=1)
 def _dot() -> Ranges:
     """`.`: every character but a line end, in both dialects."""
     return _complement(_union(_merged(LINE_ENDS["ecma"]), _merged(LINE_ENDS["python"])))
 
 
-@functools.lru_cache(maxsize=None)
 def _python_set(base: str) -> Ranges:
     """What Python's `\\d`, `\\w` or `\\s` matches, as ranges of code points."""
-    return tuple((m.start(), m.end() - 1) for m in re.finditer(f"\\{base}+", _every_character()))
+    return _python_sets()[base]
 
 
 @functools.lru_cache(maxsize=1)
-def _every_character() -> str:
-    """Every code point in order, surrogates included (the index of each is its code point)."""
+def _python_sets() -> dict[str, Ranges]:
+    """Python's `\\d`, `\\w` and `\\s`, read once over every code point (the text of all of them,
+    4 MB, is let go after)."""
     codes = array.array("I", range(MAX_CODEPOINT + 1))  # 4-byte words in this machine's order
-    return codes.tobytes().decode(f"utf-32-{sys.byteorder[0]}e", "surrogatepass")
+    text = codes.tobytes().decode(f"utf-32-{sys.byteorder[0]}e", "surrogatepass")  # index = code point
+    return {base: tuple((m.start(), m.end() - 1) for m in re.finditer(f"\\{base}+", text)) for base in ECMA_SETS}
 
 
 def _written(chars: Ranges, where: str) -> str:
