@@ -15,8 +15,9 @@ MAX_TOKENS = PLAIN_TOKENS
 
 
 @pytest.mark.parametrize("flags", [{}, dict(dflash=True), dict(speculative=True, num_drafts=3),
-                                   dict(dflash=True, dflash_drafter="dflash2", dflash_draft_ladder="1,3,7")],
-                         ids=["plain", "dflash", "mtp", "dflash2 ladder"])
+                                   dict(dflash=True, dflash_drafter="dflash2", dflash_draft_ladder="1,3,7"),
+                                   dict(dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16)],
+                         ids=["plain", "dflash", "mtp", "dflash2 ladder", "dflash2 tree"])
 def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_prompts, flags):
     """`serve` on a target run as graphs: concurrent requests over HTTP (the official client)
     run in the lanes of one iteration graph per bucket, each accepting its own drafts, each
@@ -58,7 +59,8 @@ def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_
     assert 2 <= peak <= 8
 
 
-@pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3)], ids=["dflash", "mtp"])
+@pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3),
+                                   dict(dflash=True, dflash_tree_budget=16)], ids=["dflash", "mtp", "dflash tree"])
 def test_lanes_step_plainly_while_the_batch_may_not_draft(tiny_engine_dir, tiny_prompts, plain_tokens, flags):
     """Three requests in lanes, their iterations alternating between drafting and the plain
     variant (`--speculative-disable-by-batch-size` under load): each lane's tokens are plain
@@ -94,7 +96,8 @@ def test_lanes_step_plainly_while_the_batch_may_not_draft(tiny_engine_dir, tiny_
     assert sum(drafted) / len(drafted) > 1.3
 
 
-@pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3)], ids=["dflash", "mtp"])
+@pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3),
+                                   dict(dflash=True, dflash_tree_budget=16)], ids=["dflash", "mtp", "dflash tree"])
 def test_each_lane_accepts_at_most_its_requests_cap(tiny_engine_dir, tiny_prompts, plain_tokens, flags):
     """Three requests in the lanes of one iteration: one uncapped, one capped at 2 drafts, one
     with speculation off. Each lane's tokens are plain decoding's; the capped lane emits at

@@ -119,6 +119,14 @@ class BatchedTargetStep(TargetStep):
                 *kv: torch.Tensor):
         return tuple(o[0] for o in self._run(ids[None], self.cache(kv, seq, pos, kernel=self.attention_kernel), want))
 
+    def forward_tree(self, ids: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, want: torch.Tensor,
+                     slots: torch.Tensor, hidden: torch.Tensor, *kv: torch.Tensor):
+        """`forward` over `LaneKV` for draft trees' rows (`spec.tree_iteration`): row t sits at
+        position pos[t], is written at slot slots[t] and sees what `hidden` [B, 1, R, S] leaves
+        it."""
+        cache = self.cache(kv, seq, pos, slots=slots, hidden=hidden)
+        return tuple(o[0] for o in self._run(ids[None], cache, want))
+
 
 class BatchedTreeTargetStep(BatchedTargetStep):
     """`BatchedTargetStep` whose inputs carry `hide` [N] int64 after `want`: row t hides the

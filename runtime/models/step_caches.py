@@ -120,21 +120,26 @@ class LaneKV:
     sequence attend as one matrix product with its keys (scores [nkv, g·R, S]) and one with its
     values, both read in place, so the cache is read once per sequence, not once per row as
     `PooledKV` reads it; a row's bits then depend on R and S (the GEMMs' shapes), so two runs
-    agree bit for bit where they run the same B, R and S."""
+    agree bit for bit where they run the same B, R and S. A draft tree's rows
+    (`spec.tree_iteration`) are written at their `slots` instead of their positions and see
+    what the given `hidden` [B, 1, R, S] leaves them."""
 
     length = 0
 
     def __init__(self, kv, seq: torch.Tensor, positions: torch.Tensor, last_visible: torch.Tensor | None = None,
-                 kernel: bool = False, hide: torch.Tensor | None = None):
+                 kernel: bool = False, hide: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                 hidden: torch.Tensor | None = None):
         if kernel or hide is not None:
-            raise ValueError("LaneKV attends with matrix products: no CPU kernel, no draft tree's rows")
+            raise ValueError("LaneKV attends with matrix products: no CPU kernel, no hidden-draft bits "
+                             "(a draft tree's rows give `slots` and `hidden`)")
         self.kv, self.seq, self.positions = kv, seq, positions
+        self.slots = positions if slots is None else slots  # where each row's K/V goes
         self.lanes = kv[0].shape[0]
         if positions.shape[0] % self.lanes:
             raise ValueError(f"{positions.shape[0]} rows are not R rows of each of {self.lanes} sequences")
         self.rows = positions.shape[0] // self.lanes
         self.last_visible = positions if last_visible is None else last_visible
-        self._hidden: torch.Tensor | None = None  # [B, 1, R, S]: the slots a row may not see
+        self._hidden: torch.Tensor | None = hidden  # [B, 1, R, S]: the slots a row may not see
 
     def _masked(self) -> torch.Tensor:
         """Which slots each row may not see, worked out at the first layer's attention (rows
@@ -147,8 +152,8 @@ class LaneKV:
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [1, nkv, B·R, hd] -> each row's slot of its sequence's cache."""
-        self.kv[2 * layer][self.seq, :, :, self.positions] = _rows(k)  # keys slot-minor
-        self.kv[2 * layer + 1][self.seq, :, self.positions] = _rows(v)
+        self.kv[2 * layer][self.seq, :, :, self.slots] = _rows(k)  # keys slot-minor
+        self.kv[2 * layer + 1][self.seq, :, self.slots] = _rows(v)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [1, nh, B·R, hd] -> [1, B·R, nh·hd]."""

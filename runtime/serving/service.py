@@ -43,7 +43,7 @@ from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resol
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
 from metrale.runtime.spec.grammar import Grammars
 from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
-                                                 lanes_for, loop_for, request_budget)
+                                                 lanes_for, loop_for, request_budget, tree_graphs)
 from metrale.runtime.spec.metrics import SpecMetrics, SpecMetricsAggregate
 from metrale.runtime.spec.relay import LeaderDrafts, RelayedDrafts
 from metrale.runtime.spec.sampling import SamplingParams
@@ -121,7 +121,7 @@ class EngineGenerator:
         # requests run them one at a time (`decoder`), or many in lanes (`steps`, a
         # scheduler's); each kind captured at its first use
         self._graphs = None
-        if engine.backend.iteration_graphs and self.world.size == 1 and not tree:  # (they run chains)
+        if engine.backend.iteration_graphs and self.world.size == 1 and tree_graphs(self.spec, self.dflash):
             self._graphs = engine.target.runner.graphs
         self._iterations: IterationLoop | bool | None = None  # False: its capture failed
         self._lanes: IterationLanes | bool | None = None

@@ -167,8 +167,8 @@ class _Verifying:
         self.slots, self.vocab_size, self.lanes = slots, c.vocab_size, lanes
         # the slot buckets a request's iterations attend over: the caches' first S slots
         self.slot_buckets = buckets_to(slots)
-        if ring < 4 * (self.k + 1):  # unread: up to two iterations' tokens, and the next's rows
-            raise ValueError(f"a ring of {ring} tokens is too small for {self.k + 1} rows an iteration")
+        if ring < 4 * self.emitted_rows():  # unread: up to two iterations' tokens, and the next's rows
+            raise ValueError(f"a ring of {ring} tokens is too small for {self.emitted_rows()} tokens an iteration")
         self.kv = _pooled_kv(c.num_hidden_layers, lanes, slots, c.num_key_value_heads, c.head_dim,
                              self.dtype, self.device)
         self.state = IterationState(self.device, lanes, ring)
@@ -193,6 +193,10 @@ class _Verifying:
 
     def keys(self) -> tuple:
         return (self.k,)
+
+    def emitted_rows(self) -> int:
+        """The most tokens an iteration emits (its verified rows)."""
+        return self.k + 1
 
     @property
     def proposed(self) -> int:
@@ -320,18 +324,21 @@ class DFlashIteration(_Verifying):
 
     def __init__(self, model, drafter, counts: int | tuple[int, ...], *, gamma: int | None = None,
                  exact: bool = False, settled: bool = False, slots: int, lanes: int = 1, ring: int = 64,
-                 linear: str = "gemm"):
+                 linear: str = "gemm", distributions: bool = False):
         cfg = drafter.config
         gamma = gamma or cfg.block_size
         counts = (counts,) if isinstance(counts, int) else tuple(sorted(set(counts)))
-        if not counts or not all(0 <= k <= gamma - 1 for k in counts) or counts == (0,):
-            raise ValueError(f"counts {counts}: a block of {gamma} verifies 0 to {gamma - 1} drafts, "
-                             "and some count drafts")
+        if not counts or not all(0 <= k <= self.most_drafts(gamma) for k in counts) or counts == (0,):
+            raise ValueError(f"counts {counts}: a block of {gamma} verifies 0 to {self.most_drafts(gamma)} "
+                             "drafts, and some count drafts")
         self.counts, self.settled = counts, settled
         self.k, self.gamma, self.exact = max(counts), gamma, exact
         super().__init__(model, tuple(cfg.target_layer_ids), slots, ring, linear, lanes)
         d = cfg.decoder
-        self.draft = BatchedDFlashStep(capturable(drafter), self.embed, gamma, cache=LaneKV).to(self.device).eval()
+        # with `distributions`, the block's slots' distributions too (a draft tree's, and DFlash2's
+        # selector tables: `spec.tree_iteration`)
+        self.draft = BatchedDFlashStep(capturable(drafter), self.embed, gamma, cache=LaneKV, distributions=distributions,
+                                       tables=distributions and cfg.version == 2).to(self.device).eval()
         self.draft_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,
                                    self.dtype, self.device)
         device, width = self.device, cfg.num_context_features * cfg.target_hidden_size
@@ -344,6 +351,10 @@ class DFlashIteration(_Verifying):
     @property
     def proposed(self) -> int:
         return self.gamma - 1
+
+    def most_drafts(self, gamma: int) -> int:
+        """The most drafts an iteration of a block of `gamma` verifies."""
+        return gamma - 1
 
     def vacate(self, lane: int) -> None:
         super().vacate(lane)

@@ -11,7 +11,8 @@ and no read inside one.
 
 Which requests (`loop_for`): plain decoding, MTP chains (with the confidence stop),
 DFlash / DFlash2, chunkwise or exact, greedy or sampled (temperature, top-p and the rejection
-sampling of `verify`, on the device: each variant is captured greedy and sampled). A DFlash
+sampling of `verify`, on the device: each variant is captured greedy and sampled), and DFlash
+draft trees of a fixed budget verified in one forward (`tree_iteration`, `tree_graphs`). A DFlash
 draft ladder or adaptive k picks, before each iteration, one of the graphs captured per count
 (`CountPolicy`).
 
@@ -34,6 +35,7 @@ from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeCon
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
 from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration, room
 from metrale.runtime.spec.sampling import NO_CAP, SamplingParams
+from metrale.runtime.spec.tree_iteration import DFlashTreeIteration
 from metrale.runtime.steps import BatchedFace, ModelStep
 
 log = logging.getLogger(__name__)
@@ -219,9 +221,21 @@ def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None
         return MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact, plain=plain,
                             slots=context + room(k), lanes=lanes)
     gamma = dflash.gamma
+    if dflash.tree_budget:  # (`tree_graphs`: one budget, chunkwise)
+        budget = dflash.tree_budget
+        return DFlashTreeIteration(model, engine.drafters[dflash.drafter], budget, gamma=gamma, plain=plain,
+                                   slots=context + room(budget, gamma), lanes=lanes)
     counts = (counts or (dflash.max_drafts,)) + ((0,) if plain else ())
     return DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma,
                            exact=exact, settled=settled, slots=context + room(gamma - 1, gamma), lanes=lanes)
+
+
+def tree_graphs(spec: SpeculativeConfig, dflash: ResolvedDFlash | None) -> bool:
+    """Whether `spec`'s draft trees (where it has them) run as whole iterations: a fixed budget
+    verified in one forward (`tree_iteration`); exact verify, adaptive k over budgets and
+    `--dflash-tree-verify paths` run the decode loop."""
+    return (dflash is None or not dflash.tree_budget
+            or (not spec.exact_verify and dflash.adaptive_k is None and dflash.tree_verify != "paths"))
 
 
 def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs) -> IterationLoop:

@@ -1,0 +1,229 @@
+"""Draft trees (DDTree) inside the whole-iteration graph: the tree is built, verified and
+accepted on the device, so a tree mode's iteration, like a chain's, is one replay with no read
+from the host (`iteration.DFlashIteration` is the chain's; this module holds what differs).
+
+Per lane, one iteration:
+
+- propose: the drafter's block as `DFlashIteration` runs it, with each draft slot's
+  distribution (DFlash: its own top N tokens; DFlash2: its top K candidates under the candidate
+  selector given each possible parent, `CandidateSelector.tables`);
+- build (`device_tree`): the N nodes of highest path probability, as `ddtree.build_tree` takes
+  them best first, found with fixed shapes: every depth keeps the N best of its nodes' children
+  (a node among the N best overall is among the N best of its depth, and its parent among the N
+  best of the one above), then one stable sort of those D·N candidates by path probability
+  takes the N best, a tie going to the shallower node, so a parent always comes before its
+  children and the nodes form a tree;
+- verify: the root (the pending token) and the N nodes as one forward of N+1 rows, node i
+  written at slot pos+i, at position pos+depth_i, seeing the context and its own ancestors
+  (`LaneKV`'s `slots` and `hidden`);
+- accept (`walk`): from the root, the child whose token is the row's target token (the argmax,
+  or a sampled lane's draw from the row's distribution), D times over; the emitted tokens are
+  the target tokens of the path's rows. A sampled lane's walk is lossless: every emitted token
+  is a draw from the target's distribution given the tokens before it, and a child is accepted
+  exactly when the draw is its token, with the probability the multi-candidate rejection scheme
+  accepts it (`ddtree.choose_child`: its drafts are one-hot);
+- keep: the path's K/V moved from slots pos+p_i to pos+i (`compact`), its rows' taps fed to the
+  drafter at the next iteration, as a chain's kept rows are.
+
+Greedy lanes emit plain decoding's tokens wherever the verify's rows are plain decoding's
+(the target's argmax at a node is its continuation of the node's path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.runtime.spec.iteration import DFlashIteration, lanes_of
+from metrale.runtime.spec.sampling import probs_on_device, sample_from_probs
+from metrale.runtime.steps import MAX_TREE_NODES
+
+
+def marginal_children(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DFlash's children: logits [B, D, V] of the draft slots -> (log-probabilities, tokens,
+    rows) [B, D, 1, C]: at depth d every parent's children are position d's top C = min(budget,
+    V) tokens (one row: whatever the parent), best first, as `ddtree.MarginalChildren` takes
+    them."""
+    vals, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(budget, logits.shape[-1]), dim=-1)
+    return vals[:, :, None], ids[:, :, None], torch.zeros_like(ids)[:, :, None]
+
+
+def selector_children(cand_ids: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor):
+    """DFlash2's children from its selector's tables (`CandidateSelector.tables`: vals/ids
+    [B, D, K, K], row r of depth d the children of slot d−1's candidate r, depth 0's every row
+    the anchor's) and the slots' candidates cand_ids [B, D, K] -> (log-probabilities, tokens,
+    rows) [B, D, K, K], a child's row being its place among its own slot's candidates (the row
+    its children are read from)."""
+    rows = (ids[..., None] == cand_ids[:, :, None, None, :]).long().argmax(-1)
+    return vals.float(), ids, rows
+
+
+def device_tree(anchor: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best-first tree of `budget` nodes per sequence (see the module docstring): anchor
+    [B]; a node at depth d+1 whose parent reads row r has the children vals/ids [:, d, r]
+    (log-probabilities and tokens, best first) whose own rows are rows [:, d, r]
+    (`marginal_children`, `selector_children`) -> tokens, parents, depths, valid [B, N+1]:
+    node 0 the root (the anchor, its parent itself), a parent before its children; a node of
+    path log-probability −inf (fewer than N nodes can be had) is not valid."""
+    b, depth, _, c = vals.shape
+    n = budget
+    device = vals.device
+    lanes = torch.arange(b, device=device)[:, None]
+    score = torch.zeros(b, 1, device=device)  # the beam above: the root alone
+    row = torch.zeros(b, 1, dtype=torch.long, device=device)
+    index = torch.full((b, 1), -1, dtype=torch.long, device=device)  # its candidates' numbers (root: −1)
+    scores, tokens, parents = [], [], []
+    for d in range(depth):
+        w = score.shape[1]
+        total = (score[:, :, None] + vals[:, d][lanes, row]).reshape(b, w * c)  # [B, w·C]
+        if total.shape[1] < n:  # fewer children than the budget: the rest cannot be had
+            total = torch.cat([total, total.new_full((b, n - total.shape[1]), float("-inf"))], dim=1)
+        score, pick = total.topk(n, dim=1)  # the depth's N best, by path log-probability
+        src, child = (pick // c).clamp(max=w - 1), pick % c
+        parent_row = row.gather(1, src)
+        scores.append(score)
+        tokens.append(ids[:, d][lanes, parent_row, child])
+        parents.append(index.gather(1, src))
+        row = rows[:, d][lanes, parent_row, child]
+        index = d * n + torch.arange(n, device=device).expand(b, n)
+    scores, tokens, parents = (torch.cat(t, dim=1) for t in (scores, tokens, parents))  # [B, D·N]
+    depths = torch.arange(1, depth + 1, device=device).repeat_interleave(n).expand(b, -1)
+    # the N best of all depths; the candidates lie shallowest first, so a stable sort gives a
+    # tie to the shallower (a child's log-probability is at most its parent's)
+    order = scores.sort(dim=1, descending=True, stable=True).indices[:, :n]
+    node = torch.zeros_like(scores, dtype=torch.long).scatter_(
+        1, order, torch.arange(1, n + 1, device=device).expand(b, n))  # candidate -> node (0: not taken)
+    parent = parents.gather(1, order)
+    parent = torch.where(parent < 0, 0, node.gather(1, parent.clamp(min=0)))
+    zero = torch.zeros(b, 1, dtype=torch.long, device=device)
+    return (torch.cat([anchor[:, None], tokens.gather(1, order)], dim=1),
+            torch.cat([zero, parent], dim=1),
+            torch.cat([zero, depths.gather(1, order)], dim=1),
+            torch.cat([torch.ones(b, 1, dtype=torch.bool, device=device), scores.gather(1, order) > float("-inf")], dim=1))
+
+
+def ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """parents [B, N+1] (the root its own) -> [B, N+1, N+1] bool: row i holds i and its
+    ancestors."""
+    b, r = parents.shape
+    anc = torch.eye(r, dtype=torch.bool, device=parents.device).expand(b, r, r).clone()
+    up = torch.arange(r, device=parents.device).expand(b, r)
+    for _ in range(depth):
+        up = parents.gather(1, up)
+        anc.scatter_(2, up[:, :, None], True)
+    return anc
+
+
+def hidden_slots(anc: torch.Tensor, pos: torch.Tensor, slots: int) -> torch.Tensor:
+    """The slots each tree row may not see: node i of the lane at `pos` [B] is written at slot
+    pos+i and sees the slots before pos and its ancestors' -> [B, 1, N+1, slots] bool."""
+    b, r, _ = anc.shape
+    offset = torch.arange(slots, device=pos.device)[None, :] - pos[:, None]  # [B, S]
+    seen = anc.gather(2, offset.clamp(0, r - 1)[:, None, :].expand(b, r, slots))  # [B, N+1, S]
+    seen = (offset < 0)[:, None, :] | (seen & (offset < r)[:, None, :])
+    return ~seen[:, None]
+
+
+def walk(target_ids: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+         depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accepted path: from the root, the child whose token is the node's target token
+    (`target_ids` [B, N+1]), `depth` times -> (path [B, depth+1] nodes, the root first, the last
+    node repeated past the path's end; n [B] its accepted drafts)."""
+    b = tokens.shape[0]
+    node = torch.zeros(b, dtype=torch.long, device=tokens.device)
+    going = torch.ones(b, dtype=torch.bool, device=tokens.device)
+    is_child = valid.clone()
+    is_child[:, 0] = False  # the root is its own parent, no one's child
+    path, n = [node], torch.zeros_like(node)
+    for _ in range(depth):
+        want = target_ids.gather(1, node[:, None])  # [B, 1]
+        match = is_child & (parents == node[:, None]) & (tokens == want)  # at most one: siblings differ
+        going = going & match.any(1)
+        node = torch.where(going, match.long().argmax(1), node)
+        n = n + going.long()
+        path.append(node)
+    return torch.stack(path, dim=1), n
+
+
+def compact(kv: list[torch.Tensor], pos: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
+    """Move each lane's accepted path's K/V into place: node path[i] was written at slot
+    pos+path[i] and belongs at pos+i (i = 1..n); `kv` per layer K [B, nkv, hd, S] then V
+    [B, nkv, S, hd] (a pool's lanes, in place)."""
+    depth = path.shape[1] - 1
+    i = torch.arange(1, depth + 1, device=pos.device)
+    src = pos[:, None] + torch.where(i <= n[:, None], path[:, 1:], i)  # [B, D]: past the path, in place
+    dst = pos[:, None] + i
+    for j, t in enumerate(kv):
+        dim = 3 if j % 2 == 0 else 2
+        shape = list(t.shape)
+        shape[dim] = depth
+        at = (src[:, None, None, :] if dim == 3 else src[:, None, :, None]).expand(shape)
+        to = (dst[:, None, None, :] if dim == 3 else dst[:, None, :, None]).expand(shape)
+        t.scatter_(dim, to, t.gather(dim, at))
+
+
+class DFlashTreeIteration(DFlashIteration):
+    """A DFlash / DFlash2 drafter's block as a draft tree of `budget` nodes, built, verified and
+    accepted on the device (see the module docstring); with `plain`, also a plain variant
+    (count 0) that keeps its row for the drafter. Its count is the tree's nodes: what it
+    verifies."""
+
+    def __init__(self, model, drafter, budget: int, *, gamma: int | None = None, plain: bool = False,
+                 slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
+        if not 1 <= budget <= MAX_TREE_NODES:
+            raise ValueError(f"a tree of {budget} nodes: 1 to {MAX_TREE_NODES}")
+        self.budget = budget
+        super().__init__(model, drafter, ((0,) if plain else ()) + (budget,), gamma=gamma, slots=slots,
+                         lanes=lanes, ring=ring, linear=linear, distributions=True)
+        self.version = drafter.config.version
+        self._tree_rows = torch.arange(budget + 1, device=self.device)
+
+    def most_drafts(self, gamma: int) -> int:
+        return MAX_TREE_NODES
+
+    def emitted_rows(self) -> int:
+        return self.gamma  # the path's drafts and its bonus: the block's γ at most
+
+    @property
+    def proposed(self) -> int:
+        return self.budget
+
+    def step(self, b: int, k, sampled: bool, slots: int) -> tuple:
+        if k != self.budget:
+            return super().step(b, k, sampled, slots)
+        s = self.state
+        pending, pos = s.pending[:b], s.pos[:b]
+        seq, offset = self.index(b, self.gamma)
+        feed_pos = (pos[:, None] - self.kept[:b, None] + offset).reshape(-1)
+        feats = self.feats[:b].reshape(b * self.gamma, -1)
+        block = torch.cat([pending[:, None], self._masks[:b]], dim=1)  # [B, γ]
+        out = self.draft(feats, feed_pos, seq, block, self.index(b, 1)[0], pos, self._gamma[:b],
+                         *lanes_of(self.draft_kv, 0, b, slots))
+        if self.version == 2:  # (drafts, logits, hidden, cand_logits, cand_ids, vals, ids)
+            children = selector_children(out[4], out[5], out[6])
+        else:  # (drafts, logits, hidden)
+            children = marginal_children(out[1], self.budget)
+        depth = self.gamma - 1
+        tokens, parents, depths, valid = device_tree(pending, *children, self.budget)
+        rows = self.budget + 1
+        lane_seq, _ = self.index(b, rows)
+        kv = lanes_of(self.kv, 0, b, slots)
+        hidden = hidden_slots(ancestors(parents, depth), pos, slots)
+        logits, _, taps = (o.view(b, rows, -1) for o in self.target.forward_tree(
+            tokens.reshape(-1), (pos[:, None] + depths).reshape(-1), lane_seq, self.index(1, b * rows)[1],
+            (pos[:, None] + self._tree_rows).reshape(-1), hidden, *kv))
+        target_ids = logits.argmax(-1)  # [B, N+1]
+        if sampled:  # a sampled lane draws at every node; the walk keeps what the path needs
+            probs = probs_on_device(logits.reshape(b * rows, -1), s.temperature[:b].repeat_interleave(rows)[:, None],
+                                    s.top_p[:b].repeat_interleave(rows)[:, None])
+            drawn = sample_from_probs(probs, self.generator).view(b, rows)
+            target_ids = torch.where(s.sampled[:b, None], drawn, target_ids)
+        path, n = walk(target_ids, tokens, parents, valid, depth)
+        n = torch.minimum(n, s.cap[:b])
+        compact(kv, pos, path, n)
+        active = s.active[:b].bool()
+        kept = taps.gather(1, path[:, :, None].expand(b, self.gamma, taps.shape[-1]))  # [B, γ, n·Ht]
+        self.feats[:b].copy_(torch.where(active[:, None, None], kept, self.feats[:b]))
+        self.kept[:b].copy_(torch.where(active, n + 1, self.kept[:b]))
+        s.emit(target_ids.gather(1, path), n)
+        return ()
