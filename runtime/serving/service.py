@@ -99,7 +99,6 @@ class EngineGenerator:
                                             f"{self.world.size} measured rows that differ")
         follower_relay = self.relay and not self.world.leader
         self.dflash = None if follower_relay else check_engine_supports(engine, self.spec)
-        tree = self.spec.dflash_tree_budget or 0
         if self.spec.dflash_tree_verify == "forward" and not engine.tree_attention:
             raise ConfigError(f"--dflash-tree-verify forward: the {engine.backend} target runs no draft "
                               "tree's rows in one forward (no tree attention mask: CPU packages or "
@@ -207,8 +206,8 @@ class EngineGenerator:
         together (`steps`, `run_forwards`); a tensor-parallel world decodes one request at a
         time (its ranks decode in lockstep). On a graph backend it runs at most its lanes at
         once (captured here, at the scheduler's construction), or 1 where there are none (a
-        draft tree's mode, whose decode loop verifies on the target's graphs) or they could not
-        be captured: the decode loop then runs one request at a time on the target's graphs,
+        draft tree's mode the iterations do not run, `iteration_loop.tree_graphs`, whose decode
+        loop verifies on the target's graphs) or they could not be captured: the decode loop then runs one request at a time on the target's graphs,
         whose one decode cache serves one sequence."""
         most = None
         if self.engine.backend.iteration_graphs:

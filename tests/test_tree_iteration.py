@@ -1,0 +1,195 @@
+"""Draft trees inside the whole-iteration graph (`runtime/spec/tree_iteration.py`): the device's
+tree is `ddtree.build_tree`'s, its walk `ddtree.accepted_path`, its sampled walk plain
+sampling (χ²), its K/V compaction moves the path into place; and on the capture stand-in a
+tree iteration emits plain decoding's tokens, accepts what the decode loop's trees accept,
+beats its chain, and reads nothing from the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PLAIN_TOKENS
+from test_ddtree import CRITICAL_DF4_P001, ROWS, SAMPLED, _chi_square, _paths
+
+from metrale.runtime.backends.cuda_graphs import EagerGraphs
+from metrale.runtime.backends.host_reads import forbid_host_reads
+from metrale.runtime.spec.ddtree import SelectorChildren, Tree, accepted_path, build_tree, marginal_tree
+from metrale.runtime.spec.iteration import DFlashIteration
+from metrale.runtime.spec.iteration_loop import IterationLoop
+from metrale.runtime.spec.sampling import SamplingParams, sample_from_probs
+from metrale.runtime.spec.tree_iteration import (DFlashTreeIteration, ancestors, compact, device_tree, hidden_slots,
+                                                 marginal_children, selector_children, walk)
+
+SLOTS = 256
+
+
+def _tree(tokens, parents, depths, valid, b: int) -> Tree:
+    """Lane b's valid nodes as a `Tree` (the device's root has itself as parent)."""
+    keep = [i for i in range(tokens.shape[1]) if valid[b, i]]
+    assert keep == list(range(len(keep)))  # the invalid nodes come last
+    par = parents[b].tolist()
+    return Tree(tuple(tokens[b, :len(keep)].tolist()), (-1, *par[1:len(keep)]), tuple(depths[b, :len(keep)].tolist()))
+
+
+def _selector_tables(g, lanes: int, depth: int, k: int, vocab: int):
+    """Random DFlash2 tables as `CandidateSelector.tables` gives them: each slot's K candidates,
+    row r of slot d the children of slot d−1's candidate r, best first."""
+    cand = torch.stack([torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(depth)])
+                        for _ in range(lanes)])  # [B, D, K]
+    vals, order = torch.log_softmax(torch.randn(lanes, depth, k, k, generator=g) * 2, -1).sort(-1, descending=True)
+    return cand, vals, cand[:, :, None, :].expand(lanes, depth, k, k).gather(-1, order)
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16, 40])
+def test_the_device_tree_is_the_best_first_tree_of_dflash(budget):
+    g = torch.Generator().manual_seed(budget)
+    logits = torch.randn(3, 7, 60, generator=g) * 2
+    anchor = torch.tensor([4, 5, 6])
+    tokens, parents, depths, valid = device_tree(anchor, *marginal_children(logits, budget), budget)
+    assert tokens.shape == (3, budget + 1) and bool(valid.all())
+    for b in range(3):
+        tree = _tree(tokens, parents, depths, valid, b)
+        assert tree.tokens[0] == int(anchor[b]) and all(tree.parents[i] < i for i in range(1, budget + 1))
+        assert all(tree.depths[i] == tree.depths[tree.parents[i]] + 1 for i in range(1, budget + 1))
+        assert _paths(tree) == _paths(marginal_tree(int(anchor[b]), logits[b], budget))
+
+
+def test_a_block_with_fewer_paths_than_the_budget_leaves_the_rest_invalid():
+    logits = torch.randn(2, 2, 3)  # 3 + 9 paths
+    tokens, parents, depths, valid = device_tree(torch.tensor([0, 1]), *marginal_children(logits, 16), 16)
+    assert valid.sum(1).tolist() == [13, 13]
+    for b in range(2):
+        assert _paths(_tree(tokens, parents, depths, valid, b)) == _paths(marginal_tree(b, logits[b], 16))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_device_tree_is_the_best_first_tree_of_dflash2(seed):
+    g = torch.Generator().manual_seed(seed)
+    cand, vals, ids = _selector_tables(g, 2, 6, 8, 40)
+    budget = 16
+    tokens, parents, depths, valid = device_tree(torch.tensor([1, 2]), *selector_children(cand, vals, ids), budget)
+    for b in range(2):
+        children = SelectorChildren.from_tables(None, torch.zeros(6, 1), b + 1, torch.zeros(6, 8), cand[b],
+                                                vals[b], ids[b])
+        host = build_tree(b + 1, children, budget)
+        assert _paths(_tree(tokens, parents, depths, valid, b)) == _paths(host)
+
+
+def test_the_walk_is_greedy_acceptance_and_the_mask_a_trees():
+    g = torch.Generator().manual_seed(7)
+    cand, vals, ids = _selector_tables(g, 64, 5, 6, 30)
+    tokens, parents, depths, valid = device_tree(torch.zeros(64, dtype=torch.long), *selector_children(cand, vals, ids), 12)
+    # each lane's target tokens follow one of its nodes' paths, then leave the tree
+    target = torch.randint(30, (64, 13), generator=g)
+    for b in range(64):
+        node = int(torch.randint(13, (), generator=g))
+        while node > 0:
+            target[b, int(parents[b, node])] = tokens[b, node]
+            node = int(parents[b, node])
+    path, n = walk(target, tokens, parents, valid, 5)
+    anc = ancestors(parents, 5)
+    pos = torch.arange(64) % 5 + 3
+    hidden = hidden_slots(anc, pos, 24)[:, 0]  # [B, 13, 24]
+    for b in range(64):
+        tree = _tree(tokens, parents, depths, valid, b)
+        want = accepted_path(tree, target[b].tolist())
+        assert int(n[b]) == len(want) and path[b, 1:1 + len(want)].tolist() == want
+        assert path[b, 0] == 0 and (path[b, 1 + len(want):] == path[b, len(want)]).all()
+        assert torch.equal(anc[b], tree.mask())
+        p = int(pos[b])
+        seen = ~hidden[b]
+        assert seen[:, :p].all() and not seen[:, p + 13:].any() and torch.equal(seen[:, p:p + 13], tree.mask())
+
+
+def test_a_sampled_walk_emits_what_plain_sampling_would():
+    """Every node draws from its own row, the walk follows the draws: the first token follows
+    the root's row, the second the accepted child's (`test_ddtree`'s tree and rows)."""
+    lanes = 20000
+    tokens = torch.tensor(SAMPLED.tokens).expand(lanes, -1)
+    parents = torch.tensor((0, *SAMPLED.parents[1:])).expand(lanes, -1)
+    draws = sample_from_probs(ROWS.expand(lanes, -1, -1), torch.Generator().manual_seed(5))  # [B, 5]
+    path, n = walk(draws, tokens, parents, torch.ones(lanes, 5, dtype=torch.bool), 2)
+    emitted = draws.gather(1, path)
+    first = torch.bincount(emitted[:, 0], minlength=5).float()
+    assert _chi_square(first, ROWS[0]) < CRITICAL_DF4_P001, first.tolist()
+    assert torch.equal(n >= 1, (emitted[:, 0] == 2) | (emitted[:, 0] == 0))
+    for token, row in ((2, ROWS[1]), (0, ROWS[2])):
+        second = torch.bincount(emitted[emitted[:, 0] == token, 1], minlength=5).float()
+        assert _chi_square(second, row) < CRITICAL_DF4_P001, second.tolist()
+
+
+def test_compaction_moves_the_accepted_path_into_place():
+    b, slots = 3, 20
+    pool = [torch.arange(slots).float().expand(b, 2, 4, slots).clone(),  # K: slot-minor
+            torch.arange(slots).float()[:, None].expand(b, 2, slots, 4).clone()]
+    pos = torch.tensor([2, 5, 9])
+    path = torch.tensor([[0, 3, 7, 8], [0, 1, 2, 2], [0, 4, 4, 4]])
+    n = torch.tensor([3, 2, 1])
+    compact(pool, pos, path, n)
+    for lane, (p, want) in enumerate(zip(pos.tolist(), ([3, 7, 8], [1, 2, 3], [4, 2, 3]))):
+        got = pool[0][lane, 0, 0].tolist()
+        assert got[p + 1:p + 4] == [p + w for w in want] and got[:p + 1] == list(range(p + 1))
+        assert pool[1][lane, 0, :, 0].tolist() == got
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_dir):
+    from metrale.runtime.backends import load_engine
+
+    return load_engine(tiny_engine_dir).pack()
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_a_tree_iteration_decodes_plain_decodings_tokens_and_beats_its_chain(engine, tiny_engine_dir, tiny_prompts,
+                                                                           plain_tokens, drafter):
+    """On the stand-in: plain decoding's tokens; each iteration accepts what the eager decode
+    loop's tree of the same budget accepts (the loop's request runs longer: near its end a
+    step's tree holds only as many nodes as tokens remain); more tokens an iteration than the
+    chain's; no host read in any variant."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
+
+    it = DFlashTreeIteration(engine.target, engine.drafters[drafter], 16, plain=True, slots=SLOTS, linear="rowwise")
+    loop = IterationLoop(it, EagerGraphs())
+    chain = IterationLoop(DFlashIteration(engine.target, engine.drafters[drafter], 7, slots=SLOTS, linear="rowwise"),
+                          EagerGraphs())
+    eager = EngineGenerator(load_engine(tiny_engine_dir, backend="torch"), SpeculativeConfig.from_flags(
+        dflash=True, dflash_drafter=drafter, dflash_tree_budget=16, exact_verify=True))
+    tree_tokens = chain_tokens = 0
+    for ids, want in zip(tiny_prompts, plain_tokens):
+        res = loop.generate(ids, PLAIN_TOKENS, engine.tokenizer.eos_token_ids)
+        assert res.token_ids == want
+        ref = eager.generate(ids, SamplingParams(temperature=0.0, max_tokens=PLAIN_TOKENS + 32))
+        assert res.emitted[:-1] == [s.emitted for s in ref.steps[:len(res.emitted) - 1]]
+        assert max(res.emitted) <= it.gamma and set(res.verified) == {16}
+        tree_tokens += len(res.token_ids) / len(res.emitted)
+        chain_tokens += len(want) / len(chain.generate(ids, PLAIN_TOKENS, engine.tokenizer.eos_token_ids).emitted)
+    assert tree_tokens > 1.1 * chain_tokens
+    with torch.inference_mode():
+        params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
+        it.seed(params)
+        it.prefill(0, tiny_prompts[0], params)
+        with forbid_host_reads(drafter):
+            for fn in it.variants().values():  # greedy and sampled, the tree and the plain step
+                fn()
+                fn()
+
+
+def test_a_sampled_tree_iteration_draws_reproducibly(engine, tiny_prompts):
+    loop = IterationLoop(DFlashTreeIteration(engine.target, engine.drafters["dflash2"], 8, slots=SLOTS,
+                                             linear="rowwise"), EagerGraphs())
+    greedy = loop.generate(tiny_prompts[1], PLAIN_TOKENS).token_ids
+    cold = SamplingParams(temperature=0.001, max_tokens=PLAIN_TOKENS)
+    assert loop.generate(tiny_prompts[1], PLAIN_TOKENS, params=cold).token_ids == greedy
+    warm = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24)
+    a = loop.generate(tiny_prompts[0], 24, params=warm)
+    assert loop.generate(tiny_prompts[0], 24, params=warm).token_ids == a.token_ids
+    other = SamplingParams(temperature=0.8, top_p=0.95, seed=12, max_tokens=24)
+    assert loop.generate(tiny_prompts[0], 24, params=other).token_ids != a.token_ids
+    assert max(a.emitted) > 1  # draws that land on the tree's nodes are accepted
+
+
+def test_a_tree_needs_a_budget_the_steps_allow(engine):
+    with pytest.raises(ValueError, match="1 to 64"):
+        DFlashTreeIteration(engine.target, engine.drafters["dflash"], 65, slots=SLOTS)
