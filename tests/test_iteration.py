@@ -202,8 +202,9 @@ def test_the_decode_loop_reads_the_host_where_an_iteration_does_not(engine, tiny
 def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny_prompts, plain_tokens):
     """Through the engine as `--device cuda` loads it (the stand-in's graphs here): greedy
     requests of plain decoding, MTP and DFlash (fixed, laddered, adaptive, a draft tree verified
-    in one forward) run whole iterations (a tree verified along its paths runs the decode loop), with plain decoding's tokens and no host read inside a step (bench's counts);
-    so does a sampled request, reproducible under its seed."""
+    in one forward) run whole iterations (a tree verified along its paths runs the decode
+    loop), with plain decoding's tokens and no host read inside a step (bench's counts); so
+    does a sampled request, reproducible under its seed."""
     from metrale.bench_costs import step_counts
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
