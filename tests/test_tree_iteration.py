@@ -32,12 +32,15 @@ def _tree(tokens, parents, depths, valid, b: int) -> Tree:
 
 
 def _selector_tables(g, lanes: int, depth: int, k: int, vocab: int):
-    """Random DFlash2 tables as `CandidateSelector.tables` gives them: each slot's K candidates,
-    row r of slot d the children of slot d−1's candidate r, best first."""
+    """Random DFlash2 children: each slot's K candidates [B, D, K], and row r of slot d the
+    children of slot d−1's candidate r, as `selector_children` gives them (candidate order) and
+    as `CandidateSelector.tables` does (best first)."""
     cand = torch.stack([torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(depth)])
                         for _ in range(lanes)])  # [B, D, K]
-    vals, order = torch.log_softmax(torch.randn(lanes, depth, k, k, generator=g) * 2, -1).sort(-1, descending=True)
-    return cand, vals, cand[:, :, None, :].expand(lanes, depth, k, k).gather(-1, order)
+    lp = torch.log_softmax(torch.randn(lanes, depth, k, k, generator=g) * 2, -1)
+    ids = cand[:, :, None, :].expand(lanes, depth, k, k)
+    vals, order = lp.sort(dim=-1, descending=True, stable=True)
+    return cand, (lp, ids, torch.arange(k).expand(lanes, depth, k, k)), (vals, ids.gather(-1, order))
 
 
 @pytest.mark.parametrize("budget", [1, 5, 16, 40])
@@ -65,9 +68,9 @@ def test_a_block_with_fewer_paths_than_the_budget_leaves_the_rest_invalid():
 @pytest.mark.parametrize("seed", range(4))
 def test_the_device_tree_is_the_best_first_tree_of_dflash2(seed):
     g = torch.Generator().manual_seed(seed)
-    cand, vals, ids = _selector_tables(g, 2, 6, 8, 40)
+    cand, children, (vals, ids) = _selector_tables(g, 2, 6, 8, 40)
     budget = 16
-    tokens, parents, depths, valid = device_tree(torch.tensor([1, 2]), *selector_children(cand, vals, ids), budget)
+    tokens, parents, depths, valid = device_tree(torch.tensor([1, 2]), *children, budget)
     for b in range(2):
         children = SelectorChildren.from_tables(None, torch.zeros(6, 1), b + 1, torch.zeros(6, 8), cand[b],
                                                 vals[b], ids[b])
@@ -75,10 +78,25 @@ def test_the_device_tree_is_the_best_first_tree_of_dflash2(seed):
         assert _paths(_tree(tokens, parents, depths, valid, b)) == _paths(host)
 
 
+def test_selector_children_are_the_selectors_tables_unsorted(engine):
+    selector = engine.drafters["dflash2"].candidate_selector
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 7, selector.hidden_projection.in_features, generator=g)
+    logits = torch.randn(2, 7, 300, generator=g) * 3
+    anchor = torch.tensor([5, 9])
+    vals, ids, rows = selector_children(selector, hidden, logits, anchor)
+    cand_logits, cand_ids = logits.topk(selector.num_candidates, dim=-1)
+    want_vals, want_ids = selector.tables(hidden, cand_logits, cand_ids, anchor)
+    got_vals, order = vals.sort(dim=-1, descending=True, stable=True)
+    torch.testing.assert_close(got_vals, want_vals)
+    assert torch.equal(ids.gather(-1, order), want_ids)
+    assert torch.equal(ids, cand_ids[:, :, None, :].expand_as(rows).gather(-1, rows))  # a child's row: its place among its slot's candidates
+
+
 def test_the_walk_is_greedy_acceptance_and_the_mask_a_trees():
     g = torch.Generator().manual_seed(7)
-    cand, vals, ids = _selector_tables(g, 64, 5, 6, 30)
-    tokens, parents, depths, valid = device_tree(torch.zeros(64, dtype=torch.long), *selector_children(cand, vals, ids), 12)
+    _, children, _ = _selector_tables(g, 64, 5, 6, 30)
+    tokens, parents, depths, valid = device_tree(torch.zeros(64, dtype=torch.long), *children, 12)
     # each lane's target tokens follow one of its nodes' paths, then leave the tree
     target = torch.randint(30, (64, 13), generator=g)
     for b in range(64):
@@ -86,15 +104,15 @@ def test_the_walk_is_greedy_acceptance_and_the_mask_a_trees():
         while node > 0:
             target[b, int(parents[b, node])] = tokens[b, node]
             node = int(parents[b, node])
-    path, n = walk(target, tokens, parents, valid, 5)
     anc = ancestors(parents, 5)
+    path, n = walk(target, tokens, parents, depths, valid, anc, 5)
     pos = torch.arange(64) % 5 + 3
     hidden = hidden_slots(anc, pos, 24)[:, 0]  # [B, 13, 24]
     for b in range(64):
         tree = _tree(tokens, parents, depths, valid, b)
         want = accepted_path(tree, target[b].tolist())
         assert int(n[b]) == len(want) and path[b, 1:1 + len(want)].tolist() == want
-        assert path[b, 0] == 0 and (path[b, 1 + len(want):] == path[b, len(want)]).all()
+        assert path[b, 0] == 0 and (path[b, 1 + len(want):] == 0).all()
         assert torch.equal(anc[b], tree.mask())
         p = int(pos[b])
         seen = ~hidden[b]
@@ -108,8 +126,9 @@ def test_a_sampled_walk_emits_what_plain_sampling_would():
     tokens = torch.tensor(SAMPLED.tokens).expand(lanes, -1)
     parents = torch.tensor((0, *SAMPLED.parents[1:])).expand(lanes, -1)
     draws = sample_from_probs(ROWS.expand(lanes, -1, -1), torch.Generator().manual_seed(5))  # [B, 5]
-    path, n = walk(draws, tokens, parents, torch.ones(lanes, 5, dtype=torch.bool), 2)
-    emitted = draws.gather(1, path)
+    depths = torch.tensor(SAMPLED.depths).expand(lanes, -1)
+    path, n = walk(draws, tokens, parents, depths, torch.ones(lanes, 5, dtype=torch.bool), ancestors(parents, 2), 2)
+    emitted = draws.gather(1, path)[:, :2]
     first = torch.bincount(emitted[:, 0], minlength=5).float()
     assert _chi_square(first, ROWS[0]) < CRITICAL_DF4_P001, first.tolist()
     assert torch.equal(n >= 1, (emitted[:, 0] == 2) | (emitted[:, 0] == 0))

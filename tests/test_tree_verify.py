@@ -263,13 +263,16 @@ def test_a_graph_without_a_tree_mask_walks_paths(engine_factory, tiny_prompts):
 
 
 def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tiny_prompts, monkeypatch):
-    """On a target whose steps are CUDA graphs (the capture stand-in here) a tree is verified in
-    one forward, its rows replaying the same graphs with their hidden drafts (chunked by the
-    graphs' rows), or along its paths, each chain replaying the graphs (`--dflash-tree-verify`;
-    under auto its cost decides, on a GPU without a table the forward). Both emit plain
-    decoding's tokens."""
+    """On a target whose steps are CUDA graphs (the capture stand-in here) the decode loop
+    verifies a tree in one forward, its rows replaying the same graphs with their hidden drafts
+    (chunked by the graphs' rows), or along its paths, each chain replaying the graphs
+    (`--dflash-tree-verify`; under auto its cost decides, on a GPU without a table the forward).
+    Both emit plain decoding's tokens. (A chunkwise tree of one budget verified in one forward
+    runs as whole iterations, `tree_iteration`, unless they are switched off as here.)"""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
+    from metrale.runtime.serving import service
+    from metrale.runtime.spec.iteration_loop import IterationDecoder
     from metrale.runtime.steps import Forward
 
     engine = load_engine(tiny_engine_dir, backend="torch")
@@ -285,6 +288,9 @@ def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tin
             trees.append(self.rows)
 
     monkeypatch.setattr(Forward, "__init__", counting)
+    spec = SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16)
+    assert isinstance(EngineGenerator(engine, spec).decoder(), IterationDecoder)
+    monkeypatch.setattr(service, "tree_graphs", lambda *a: False)
     for drafter in ("dflash", "dflash2"):
         for exact in (True, False):
             for route in ("paths", "forward"):
@@ -301,15 +307,17 @@ def test_trees_on_the_cuda_graph_target_emit_plain_decoding(tiny_engine_dir, tin
 
 
 def test_a_tree_server_on_the_cuda_graph_target_runs_one_request_at_a_time(tiny_engine_dir, tiny_engine):
-    """Draft trees run the decode loop on the target's graphs (no iteration lanes), whose one
-    decode cache serves one sequence: concurrent requests over HTTP queue for it, each with its
-    solo greedy answer (several at once used to retire each other's cache)."""
+    """Draft trees the iterations do not run (here: verified along their paths) run the decode
+    loop on the target's graphs (no iteration lanes), whose one decode cache serves one
+    sequence: concurrent requests over HTTP queue for it, each with its solo greedy answer
+    (several at once used to retire each other's cache)."""
     from metrale.runtime.backends import load_engine
     from metrale.runtime.backends.cuda_graphs import EagerGraphs, use_cuda_graphs
 
     engine = load_engine(tiny_engine_dir, backend="torch")
     use_cuda_graphs(engine, graphs=EagerGraphs())
-    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16))
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=16,
+                                                               dflash_tree_verify="paths"))
     assert gen.capabilities.max_running == 1
     tok = tiny_engine.tokenizer
     texts = [f"def f{i}(" for i in range(4)]

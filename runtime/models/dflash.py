@@ -112,17 +112,24 @@ class CandidateSelector(nn.Module):
         one batched product."""
         return self.projected_tables(self.hidden_projection(hidden), cand_logits, cand_ids, anchor)
 
+    def parent_log_probs(self, projected, cand_logits, cand_ids, anchor):
+        """`tables`' log-probabilities in candidate order, unsorted: hidden_projection(hidden)
+        [B, n, D], the top candidates' logits/ids [B, n, K], anchor [B] -> [B, n, K parents,
+        K] (a NaN as −inf)."""
+        b, n, k = cand_ids.shape
+        parents = torch.cat([anchor[:, None, None].expand(b, 1, k), cand_ids[:, :-1]], dim=1)
+        z = projected[:, :, None, :] + F.embedding(parents, self.predecessor_codebook)  # [B, n, K, D]
+        bonus = torch.matmul(z, F.embedding(cand_ids, self.successor_codebook).transpose(-1, -2))
+        lp = torch.log_softmax(cand_logits.float()[:, :, None, :] + bonus.float(), -1)  # [B, n, K parents, K]
+        return torch.where(lp.isnan(), float("-inf"), lp)  # (a NaN compares unequal: its place would be no one's)
+
     def projected_tables(self, projected, cand_logits, cand_ids, anchor):
         """`tables` with hidden_projection(hidden) given. Each row is sorted by counting, for
         every candidate, the candidates that go before it (a greater value, or an equal one
         earlier), then placing each where its count says: K elementwise terms over a row's K
         (a library sort costs more, per row, than the whole table at these sizes)."""
         b, n, k = cand_ids.shape
-        parents = torch.cat([anchor[:, None, None].expand(b, 1, k), cand_ids[:, :-1]], dim=1)
-        z = projected[:, :, None, :] + F.embedding(parents, self.predecessor_codebook)  # [B, n, K, D]
-        bonus = torch.matmul(z, F.embedding(cand_ids, self.successor_codebook).transpose(-1, -2))
-        lp = torch.log_softmax(cand_logits.float()[:, :, None, :] + bonus.float(), -1)  # [B, n, K parents, K]
-        lp = torch.where(lp.isnan(), float("-inf"), lp)  # (a NaN compares unequal: its place would be no one's)
+        lp = self.parent_log_probs(projected, cand_logits, cand_ids, anchor)
         i = torch.arange(k, device=lp.device)
         # a candidate's place: how many of the row go before it
         place = sum(((lp[..., j:j + 1] > lp) | ((lp[..., j:j + 1] == lp) & (i > j))).long() for j in range(k))

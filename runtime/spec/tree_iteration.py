@@ -6,7 +6,7 @@ Per lane, one iteration:
 
 - propose: the drafter's block as `DFlashIteration` runs it, with each draft slot's
   distribution (DFlash: its own top N tokens; DFlash2: its top K candidates under the candidate
-  selector given each possible parent, `CandidateSelector.tables`);
+  selector given each possible parent, `CandidateSelector.parent_log_probs`);
 - build (`device_tree`): the N nodes of highest path probability, as `ddtree.build_tree` takes
   them best first, found with fixed shapes: every depth keeps the N best of its nodes' children
   (a node among the N best overall is among the N best of its depth, and its parent among the N
@@ -17,8 +17,8 @@ Per lane, one iteration:
   written at slot pos+i, at position pos+depth_i, seeing the context and its own ancestors
   (`LaneKV`'s `slots` and `hidden`);
 - accept (`walk`): from the root, the child whose token is the row's target token (the argmax,
-  or a sampled lane's draw from the row's distribution), D times over; the emitted tokens are
-  the target tokens of the path's rows. A sampled lane's walk is lossless: every emitted token
+  or a sampled lane's draw from the row's distribution) while there is one, found for all
+  depths at once; the emitted tokens are the target tokens of the path's rows. A sampled lane's walk is lossless: every emitted token
   is a draw from the target's distribution given the tokens before it, and a child is accepted
   exactly when the draw is its token, with the probability the multi-candidate rejection scheme
   accepts it (`ddtree.choose_child`: its drafts are one-hot);
@@ -47,21 +47,24 @@ def marginal_children(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, 
     return vals[:, :, None], ids[:, :, None], torch.zeros_like(ids)[:, :, None]
 
 
-def selector_children(cand_ids: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor):
-    """DFlash2's children from its selector's tables (`CandidateSelector.tables`: vals/ids
-    [B, D, K, K], row r of depth d the children of slot d−1's candidate r, depth 0's every row
-    the anchor's) and the slots' candidates cand_ids [B, D, K] -> (log-probabilities, tokens,
-    rows) [B, D, K, K], a child's row being its place among its own slot's candidates (the row
-    its children are read from)."""
-    rows = (ids[..., None] == cand_ids[:, :, None, None, :]).long().argmax(-1)
-    return vals.float(), ids, rows
+def selector_children(selector, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor):
+    """DFlash2's children: the draft slots' final hidden states [B, D, H] and logits [B, D, V]
+    -> (log-probabilities, tokens, rows) [B, D, K, K]: row r of depth d the slot's K candidates
+    under the candidate selector given slot d−1's candidate r (depth 0's every row: given the
+    anchor [B]), in candidate order (`CandidateSelector.parent_log_probs`), a child's row being
+    its own place among its slot's candidates."""
+    cand_logits, cand_ids = logits.topk(selector.num_candidates, dim=-1)  # [B, D, K]
+    vals = selector.parent_log_probs(selector.hidden_projection(hidden), cand_logits, cand_ids, anchor)
+    b, d, k = cand_ids.shape
+    rows = torch.arange(k, device=cand_ids.device).expand(b, d, k, k)
+    return vals, cand_ids[:, :, None, :].expand(b, d, k, k), rows
 
 
 def device_tree(anchor: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                 budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The best-first tree of `budget` nodes per sequence (see the module docstring): anchor
     [B]; a node at depth d+1 whose parent reads row r has the children vals/ids [:, d, r]
-    (log-probabilities and tokens, best first) whose own rows are rows [:, d, r]
+    (log-probabilities and tokens, in any order) whose own rows are rows [:, d, r]
     (`marginal_children`, `selector_children`) -> tokens, parents, depths, valid [B, N+1]:
     node 0 the root (the anchor, its parent itself), a parent before its children; a node of
     path log-probability −inf (fewer than N nodes can be had) is not valid."""
@@ -87,7 +90,7 @@ def device_tree(anchor: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, row
         row = rows[:, d][lanes, parent_row, child]
         index = d * n + torch.arange(n, device=device).expand(b, n)
     scores, tokens, parents = (torch.cat(t, dim=1) for t in (scores, tokens, parents))  # [B, D·N]
-    depths = torch.arange(1, depth + 1, device=device).repeat_interleave(n).expand(b, -1)
+    depths = torch.arange(1, depth + 1, device=device)[:, None].expand(depth, n).reshape(1, -1).expand(b, -1)
     # the N best of all depths; the candidates lie shallowest first, so a stable sort gives a
     # tie to the shallower (a child's log-probability is at most its parent's)
     order = scores.sort(dim=1, descending=True, stable=True).indices[:, :n]
@@ -124,25 +127,20 @@ def hidden_slots(anc: torch.Tensor, pos: torch.Tensor, slots: int) -> torch.Tens
     return ~seen[:, None]
 
 
-def walk(target_ids: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
-         depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+def walk(target_ids: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+         valid: torch.Tensor, anc: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The accepted path: from the root, the child whose token is the node's target token
-    (`target_ids` [B, N+1]), `depth` times -> (path [B, depth+1] nodes, the root first, the last
-    node repeated past the path's end; n [B] its accepted drafts)."""
-    b = tokens.shape[0]
-    node = torch.zeros(b, dtype=torch.long, device=tokens.device)
-    going = torch.ones(b, dtype=torch.bool, device=tokens.device)
-    is_child = valid.clone()
-    is_child[:, 0] = False  # the root is its own parent, no one's child
-    path, n = [node], torch.zeros_like(node)
-    for _ in range(depth):
-        want = target_ids.gather(1, node[:, None])  # [B, 1]
-        match = is_child & (parents == node[:, None]) & (tokens == want)  # at most one: siblings differ
-        going = going & match.any(1)
-        node = torch.where(going, match.long().argmax(1), node)
-        n = n + going.long()
-        path.append(node)
-    return torch.stack(path, dim=1), n
+    (`target_ids` [B, N+1]) while there is one. A node continues the path when its token is its
+    parent's target token and so does every node above it (`anc`, `ancestors`); siblings'
+    tokens differ, so at most one node of each depth does -> (path [B, D+1]: the root, then the
+    path's node at each depth up to `depth`, the root past its end; n [B] its accepted
+    drafts)."""
+    match = valid & (tokens == target_ids.gather(1, parents))
+    match[:, 0] = True  # the root
+    on_path = ~(anc & ~match[:, None, :]).any(2)  # [B, N+1]
+    levels = torch.arange(depth + 1, device=tokens.device)
+    at = on_path[:, None, :] & (depths[:, None, :] == levels[None, :, None])  # [B, D+1, N+1]
+    return at.long().argmax(2), on_path.sum(1) - 1
 
 
 def compact(kv: list[torch.Tensor], pos: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
@@ -153,13 +151,16 @@ def compact(kv: list[torch.Tensor], pos: torch.Tensor, path: torch.Tensor, n: to
     i = torch.arange(1, depth + 1, device=pos.device)
     src = pos[:, None] + torch.where(i <= n[:, None], path[:, 1:], i)  # [B, D]: past the path, in place
     dst = pos[:, None] + i
+    # the slots as each kind of pool indexes them (every layer's K alike, every V alike)
+    k_shape, v_shape = list(kv[0].shape), list(kv[1].shape)
+    k_shape[3] = v_shape[2] = depth
+    k_at, k_to = (x[:, None, None, :].expand(k_shape) for x in (src, dst))
+    v_at, v_to = (x[:, None, :, None].expand(v_shape) for x in (src, dst))
     for j, t in enumerate(kv):
-        dim = 3 if j % 2 == 0 else 2
-        shape = list(t.shape)
-        shape[dim] = depth
-        at = (src[:, None, None, :] if dim == 3 else src[:, None, :, None]).expand(shape)
-        to = (dst[:, None, None, :] if dim == 3 else dst[:, None, :, None]).expand(shape)
-        t.scatter_(dim, to, t.gather(dim, at))
+        if j % 2 == 0:
+            t.scatter_(3, k_to, t.gather(3, k_at))
+        else:
+            t.scatter_(2, v_to, t.gather(2, v_at))
 
 
 class DFlashTreeIteration(DFlashIteration):
@@ -175,7 +176,7 @@ class DFlashTreeIteration(DFlashIteration):
         self.budget = budget
         super().__init__(model, drafter, ((0,) if plain else ()) + (budget,), gamma=gamma, slots=slots,
                          lanes=lanes, ring=ring, linear=linear, distributions=True)
-        self.version = drafter.config.version
+        self.selector = drafter.candidate_selector if drafter.config.version == 2 else None
         self._tree_rows = torch.arange(budget + 1, device=self.device)
 
     def most_drafts(self, gamma: int) -> int:
@@ -199,26 +200,28 @@ class DFlashTreeIteration(DFlashIteration):
         block = torch.cat([pending[:, None], self._masks[:b]], dim=1)  # [B, γ]
         out = self.draft(feats, feed_pos, seq, block, self.index(b, 1)[0], pos, self._gamma[:b],
                          *lanes_of(self.draft_kv, 0, b, slots))
-        if self.version == 2:  # (drafts, logits, hidden, cand_logits, cand_ids, vals, ids)
-            children = selector_children(out[4], out[5], out[6])
-        else:  # (drafts, logits, hidden)
-            children = marginal_children(out[1], self.budget)
+        _, logits, hidden = out
+        if self.selector is not None:
+            children = selector_children(self.selector, hidden, logits, pending)
+        else:
+            children = marginal_children(logits, self.budget)
         depth = self.gamma - 1
         tokens, parents, depths, valid = device_tree(pending, *children, self.budget)
+        anc = ancestors(parents, depth)
         rows = self.budget + 1
         lane_seq, _ = self.index(b, rows)
         kv = lanes_of(self.kv, 0, b, slots)
-        hidden = hidden_slots(ancestors(parents, depth), pos, slots)
+        hidden = hidden_slots(anc, pos, slots)
         logits, _, taps = (o.view(b, rows, -1) for o in self.target.forward_tree(
             tokens.reshape(-1), (pos[:, None] + depths).reshape(-1), lane_seq, self.index(1, b * rows)[1],
             (pos[:, None] + self._tree_rows).reshape(-1), hidden, *kv))
         target_ids = logits.argmax(-1)  # [B, N+1]
         if sampled:  # a sampled lane draws at every node; the walk keeps what the path needs
-            probs = probs_on_device(logits.reshape(b * rows, -1), s.temperature[:b].repeat_interleave(rows)[:, None],
-                                    s.top_p[:b].repeat_interleave(rows)[:, None])
+            per_row = lambda t: t[:b, None].expand(b, rows).reshape(-1, 1)  # noqa: E731 - [B] -> [B·(N+1), 1]
+            probs = probs_on_device(logits.reshape(b * rows, -1), per_row(s.temperature), per_row(s.top_p))
             drawn = sample_from_probs(probs, self.generator).view(b, rows)
             target_ids = torch.where(s.sampled[:b, None], drawn, target_ids)
-        path, n = walk(target_ids, tokens, parents, valid, depth)
+        path, n = walk(target_ids, tokens, parents, depths, valid, anc, depth)
         n = torch.minimum(n, s.cap[:b])
         compact(kv, pos, path, n)
         active = s.active[:b].bool()
