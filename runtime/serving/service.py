@@ -206,9 +206,9 @@ class EngineGenerator:
         together (`steps`, `run_forwards`); a tensor-parallel world decodes one request at a
         time (its ranks decode in lockstep). On a graph backend it runs at most its lanes at
         once (captured here, at the scheduler's construction), or 1 where there are none (a
-        draft tree's mode the iterations do not run, `iteration_loop.tree_graphs`, whose decode
-        loop verifies on the target's graphs) or they could not be captured: the decode loop then runs one request at a time on the target's graphs,
-        whose one decode cache serves one sequence."""
+        draft tree's mode the iterations do not run, `iteration_loop.tree_graphs`) or they could
+        not be captured: the decode loop then runs one request at a time on the target's
+        graphs, whose one decode cache serves one sequence."""
         most = None
         if self.engine.backend.iteration_graphs:
             most = LANES if self._graphs is not None and self._serving_lanes() else 1

@@ -46,6 +46,9 @@ Modes:
   over by the next chain before any entry reads them), its entry at the last kept row seeding
   the next chain.
 
+A DFlash draft tree's iteration (`tree_iteration.DFlashTreeIteration`) is a `DFlashIteration`
+whose count is the tree's nodes, built, verified and accepted on the device.
+
 `iteration_loop.IterationLoop` drives one lane over a request; `iteration_loop.IterationLanes` many
 requests' lanes at once (serving).
 """
