@@ -69,7 +69,7 @@ def test_lane_attention_refuses_what_it_cannot_run():
     _, own = _pools(2, 8)
     with pytest.raises(ValueError, match="not R rows of each of 2 sequences"):
         LaneKV(own, torch.zeros(3, dtype=torch.long), torch.arange(3))
-    with pytest.raises(ValueError, match="no draft tree's rows"):
+    with pytest.raises(ValueError, match="no hidden-draft bits"):
         LaneKV(own, torch.zeros(2, dtype=torch.long), torch.arange(2), hide=torch.zeros(2, dtype=torch.long))
 
 
