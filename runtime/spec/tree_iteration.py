@@ -198,23 +198,22 @@ class DFlashTreeIteration(DFlashIteration):
         feed_pos = (pos[:, None] - self.kept[:b, None] + offset).reshape(-1)
         feats = self.feats[:b].reshape(b * self.gamma, -1)
         block = torch.cat([pending[:, None], self._masks[:b]], dim=1)  # [B, γ]
-        out = self.draft(feats, feed_pos, seq, block, self.index(b, 1)[0], pos, self._gamma[:b],
-                         *lanes_of(self.draft_kv, 0, b, slots))
-        _, logits, hidden = out
+        _, block_logits, block_hidden = self.draft(feats, feed_pos, seq, block, self.index(b, 1)[0], pos,
+                                                   self._gamma[:b], *lanes_of(self.draft_kv, 0, b, slots))
         if self.selector is not None:
-            children = selector_children(self.selector, hidden, logits, pending)
+            children = selector_children(self.selector, block_hidden, block_logits, pending)
         else:
-            children = marginal_children(logits, self.budget)
+            children = marginal_children(block_logits, self.budget)
         depth = self.gamma - 1
         tokens, parents, depths, valid = device_tree(pending, *children, self.budget)
         anc = ancestors(parents, depth)
         rows = self.budget + 1
         lane_seq, _ = self.index(b, rows)
         kv = lanes_of(self.kv, 0, b, slots)
-        hidden = hidden_slots(anc, pos, slots)
+        unseen = hidden_slots(anc, pos, slots)
         logits, _, taps = (o.view(b, rows, -1) for o in self.target.forward_tree(
             tokens.reshape(-1), (pos[:, None] + depths).reshape(-1), lane_seq, self.index(1, b * rows)[1],
-            (pos[:, None] + self._tree_rows).reshape(-1), hidden, *kv))
+            (pos[:, None] + self._tree_rows).reshape(-1), unseen, *kv))
         target_ids = logits.argmax(-1)  # [B, N+1]
         if sampled:  # a sampled lane draws at every node; the walk keeps what the path needs
             per_row = lambda t: t[:b, None].expand(b, rows).reshape(-1, 1)  # noqa: E731 - [B] -> [B·(N+1), 1]
