@@ -244,6 +244,7 @@ def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny
     res = sampled.generate(tiny_prompts[1], capped)
     assert res.token_ids == plain_tokens[1]
     assert max(t.drafted for t in res.steps) == 2 and max(t.emitted for t in res.steps) == 3
+    assert res.metrics.verify_rows == 8 * res.metrics.steps  # each ran the block's 7 drafts' rows
     off = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, speculate=False)
     assert not isinstance(sampled.decoder(off), IterationDecoder)
     assert sampled.generate(tiny_prompts[1], off).token_ids == plain_tokens[1]

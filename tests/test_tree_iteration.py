@@ -58,7 +58,7 @@ def test_the_device_tree_is_the_best_first_tree_of_dflash(budget):
 
 
 def test_a_block_with_fewer_paths_than_the_budget_leaves_the_rest_invalid():
-    logits = torch.randn(2, 2, 3)  # 3 + 9 paths
+    logits = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(0))  # 3 + 9 paths
     tokens, parents, depths, valid = device_tree(torch.tensor([0, 1]), *marginal_children(logits, 16), 16)
     assert valid.sum(1).tolist() == [13, 13]
     for b in range(2):
@@ -117,6 +117,26 @@ def test_the_walk_is_greedy_acceptance_and_the_mask_a_trees():
         p = int(pos[b])
         seen = ~hidden[b]
         assert seen[:, :p].all() and not seen[:, p + 13:].any() and torch.equal(seen[:, p:p + 13], tree.mask())
+
+
+def test_the_walk_never_takes_an_invalid_node():
+    """Node 3 (invalid: its path could not be had) holds the token node 1's target row picks;
+    the walk stops at node 1, and an invalid child of the root is no match either."""
+    tokens = torch.tensor([[9, 4, 5, 7, 2]])
+    parents = torch.tensor([[0, 0, 0, 1, 0]])
+    depths = torch.tensor([[0, 1, 1, 2, 1]])
+    valid = torch.tensor([[True, True, True, False, False]])
+    anc = ancestors(parents, 2)
+    path, n = walk(torch.tensor([[4, 7, 0, 0, 0]]), tokens, parents, depths, valid, anc, 2)
+    assert path.tolist() == [[0, 1, 0]] and n.tolist() == [1]
+    path, n = walk(torch.tensor([[2, 0, 0, 0, 0]]), tokens, parents, depths, valid, anc, 2)
+    assert path.tolist() == [[0, 0, 0]] and n.tolist() == [0]
+
+
+def test_a_trees_room_holds_the_iteration_discarded_after_the_last():
+    from metrale.runtime.spec.tree_iteration import tree_room
+
+    assert tree_room(16, 8) == 64 and tree_room(64, 16) == 2 * 16 + 65
 
 
 def test_a_sampled_walk_emits_what_plain_sampling_would():
@@ -199,7 +219,7 @@ def test_a_sampled_tree_iteration_draws_reproducibly(engine, tiny_prompts):
     loop = IterationLoop(DFlashTreeIteration(engine.target, engine.drafters["dflash2"], 8, slots=SLOTS,
                                              linear="rowwise"), EagerGraphs())
     greedy = loop.generate(tiny_prompts[1], PLAIN_TOKENS).token_ids
-    cold = SamplingParams(temperature=0.001, max_tokens=PLAIN_TOKENS)
+    cold = SamplingParams(temperature=0.001, max_tokens=PLAIN_TOKENS, seed=5)
     assert loop.generate(tiny_prompts[1], PLAIN_TOKENS, params=cold).token_ids == greedy
     warm = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24)
     a = loop.generate(tiny_prompts[0], 24, params=warm)

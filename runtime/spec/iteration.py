@@ -201,6 +201,10 @@ class _Verifying:
         """The most tokens an iteration emits (its verified rows)."""
         return self.k + 1
 
+    def room(self) -> int:
+        """The slots a request needs past its last position (`room`)."""
+        return room(self.k, self.gamma)
+
     @property
     def proposed(self) -> int:
         """The drafts a drafting step proposes (a chain's k; a block's γ−1)."""
@@ -250,7 +254,7 @@ class _Verifying:
     def check_room(self, prompt_len: int, max_tokens: int) -> int:
         """A request's slot bucket: the smallest that holds its positions and `room` past them
         (refused where none does)."""
-        need = prompt_len + max_tokens + room(self.k, self.gamma)
+        need = prompt_len + max_tokens + self.room()
         fits = [s for s in self.slot_buckets if s >= need]
         if not fits:
             raise ValueError(f"a prompt of {prompt_len} tokens and {max_tokens} more need {need} "

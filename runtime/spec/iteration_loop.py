@@ -35,7 +35,7 @@ from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeCon
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
 from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration, room
 from metrale.runtime.spec.sampling import NO_CAP, SamplingParams
-from metrale.runtime.spec.tree_iteration import DFlashTreeIteration
+from metrale.runtime.spec.tree_iteration import DFlashTreeIteration, tree_room
 from metrale.runtime.steps import BatchedFace, ModelStep
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ class IterationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS) or "length"
     emitted: list[int] = field(default_factory=list)  # tokens each iteration emitted
-    verified: list[int] = field(default_factory=list)  # drafts each iteration verified
+    verified: list[int] = field(default_factory=list)  # drafts each iteration verified (counted, capped)
+    rows: list[int] = field(default_factory=list)  # target rows each iteration ran
     seconds: float = 0.0
     prefill_s: float = 0.0
 
@@ -182,6 +183,7 @@ class IterationLoop:
                 tokens, n = tokens[0].tolist(), int(count[0])
                 result.emitted.append(n - read)
                 result.verified.append(min(drafts_of(key), cap))
+                result.rows.append(drafts_of(key) + 1)
                 if self.policy is not None and cap == NO_CAP:
                     self.policy.observe(key, n - read)
                 for j in range(read, n):
@@ -224,7 +226,7 @@ def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None
     if dflash.tree_budget:  # (`tree_graphs`: one budget, chunkwise)
         budget = dflash.tree_budget
         return DFlashTreeIteration(model, engine.drafters[dflash.drafter], budget, gamma=gamma, plain=plain,
-                                   slots=context + room(budget, gamma), lanes=lanes)
+                                   slots=context + tree_room(budget, gamma), lanes=lanes)
     counts = (counts or (dflash.max_drafts,)) + ((0,) if plain else ())
     return DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma,
                            exact=exact, settled=settled, slots=context + room(gamma - 1, gamma), lanes=lanes)
@@ -328,7 +330,7 @@ class IterationLanes(BatchedFace):
         self._read = [0] * n  # per lane, the tokens of its ring read so far
         self._slots = [0] * n  # per lane, its request's slot bucket (0: free)
         self._prompt = [0] * n  # per lane, its request's prompt length
-        self._room = room(iteration.k, iteration.gamma)
+        self._room = iteration.room()
         self._sampled: set[int] = set()
         self._cap = [NO_CAP] * n  # per lane, its request's cap on its drafts
         self._plain = 0 in iteration.keys() and iteration.k > 0
@@ -445,9 +447,9 @@ class IterationDecoder:
     def _result(self, res: IterationResult) -> DecodeResult:
         out = DecodeResult(list(res.token_ids), res.seconds, res.prefill_s, res.finish_reason)
         per = (res.seconds - res.prefill_s) / max(1, len(res.emitted))
-        for n, k in zip(res.emitted, res.verified):
+        for n, k, rows in zip(res.emitted, res.verified, res.rows):
             out.metrics.record_step(proposed=self.proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
-                                    verify_rows=k + 1, draft_s=0.0, verify_s=per)
+                                    verify_rows=rows, draft_s=0.0, verify_s=per)
             out.steps.append(StepTrace(drafted=k, accepted=n - 1, emitted=n))
         return out
 

@@ -33,9 +33,16 @@ from __future__ import annotations
 
 import torch
 
-from metrale.runtime.spec.iteration import DFlashIteration, lanes_of
+from metrale.runtime.spec.iteration import ROOM, DFlashIteration, lanes_of
 from metrale.runtime.spec.sampling import probs_on_device, sample_from_probs
 from metrale.runtime.steps import MAX_TREE_NODES
+
+
+def tree_room(budget: int, gamma: int) -> int:
+    """The slots a request needs past its last position in iterations of trees of `budget`
+    nodes over blocks of `gamma`, at least `ROOM`: the last iteration's advance (γ at most),
+    then the rows of the one discarded after it (N+1 and its block of γ)."""
+    return max(ROOM, 2 * gamma + budget + 1)
 
 
 def marginal_children(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,6 +191,9 @@ class DFlashTreeIteration(DFlashIteration):
 
     def emitted_rows(self) -> int:
         return self.gamma  # the path's drafts and its bonus: the block's γ at most
+
+    def room(self) -> int:
+        return tree_room(self.budget, self.gamma)
 
     @property
     def proposed(self) -> int:
