@@ -1,7 +1,7 @@
 """Load `metrale serve` over loopback with the official openai client and report what users see.
 
     python scripts/load.py --engine-dir engines/tiny [--concurrency 1,4,8,32] [--requests 8]
-                           [--max-tokens 32] [--modes plain,mtp,dflash] [--rounds 5]
+                           [--max-tokens 32] [--modes plain,mtp,dflash,dflash2-tree] [--rounds 5]
                            [--max-num-seqs 64] [--server-threads N] [--serve-flags '...']
                            [--temperature T] [--client openai|http] [--engine-only]
                            [--serial] [--json FILE]
@@ -66,7 +66,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {"plain": [], "mtp": ["--speculative", "--num-drafts", "3", "--draft-confidence-stop", "cum:0.5"],
-         "dflash": ["--dflash"]}
+         "dflash": ["--dflash"],
+         "dflash2-tree": ["--dflash", "--dflash-drafter", "dflash2", "--dflash-tree-budget", "16"]}
 
 
 def start_server(engine_dir: str, flags: list[str], max_num_seqs: int,
