@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 MODES = {"plain": {}, "dflash": dict(dflash=True), "dflash2": dict(dflash=True, dflash_drafter="dflash2"),
-         "mtp k=3": dict(speculative=True, num_drafts=3)}
+         "mtp k=3": dict(speculative=True, num_drafts=3),
+         "dflash2 tree 16": dict(dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16)}
 
 
 class _Allocations(TorchDispatchMode):
@@ -106,7 +107,7 @@ def case(lanes, mode: str, prompt_tokens: int, max_tokens: int, replays: int) ->
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     vocab = it.vocab_size
     rows = it.k + 1
-    per_round = max(1, (max_tokens - 1) // rows)  # iterations a request runs within its budget
+    per_round = max(1, (max_tokens - 1) // it.emitted_rows())  # iterations a request runs within its budget
 
     held: list[int] = []
 
