@@ -18,8 +18,9 @@ Per lane, one iteration:
   (`LaneKV`'s `slots` and `hidden`);
 - accept (`walk`): from the root, the child whose token is the row's target token (the argmax,
   or a sampled lane's draw from the row's distribution) while there is one, found for all
-  depths at once; the emitted tokens are the target tokens of the path's rows. A sampled lane's walk is lossless: every emitted token
-  is a draw from the target's distribution given the tokens before it, and a child is accepted
+  depths at once; the emitted tokens are the target tokens of the path's rows, at most the
+  lane's cap of drafts accepted. A sampled lane's walk is lossless: every emitted token is a
+  draw from the target's distribution given the tokens before it, and a child is accepted
   exactly when the draw is its token, with the probability the multi-candidate rejection scheme
   accepts it (`ddtree.choose_child`: its drafts are one-hot);
 - keep: the path's K/V moved from slots pos+p_i to pos+i (`compact`), its rows' taps fed to the
