@@ -215,6 +215,16 @@ def test_a_tree_iteration_decodes_plain_decodings_tokens_and_beats_its_chain(eng
                 fn()
 
 
+@pytest.mark.parametrize("drafter, budget, gamma", [("dflash", 16, 4), ("dflash2", 64, None), ("dflash2", 1, None)])
+def test_trees_of_every_size_decode_plain_decodings_tokens(engine, tiny_prompts, plain_tokens, drafter, budget, gamma):
+    """A shorter block (γ = 4: 16 nodes over 3 depths), the largest tree, a one-node tree."""
+    it = DFlashTreeIteration(engine.target, engine.drafters[drafter], budget, gamma=gamma, slots=SLOTS,
+                             linear="rowwise")
+    res = IterationLoop(it, EagerGraphs()).generate(tiny_prompts[0], PLAIN_TOKENS, engine.tokenizer.eos_token_ids)
+    assert res.token_ids == plain_tokens[0] and max(res.emitted) <= it.gamma
+    assert sum(res.emitted) / len(res.emitted) > 1.2
+
+
 def test_a_sampled_tree_iteration_draws_reproducibly(engine, tiny_prompts):
     loop = IterationLoop(DFlashTreeIteration(engine.target, engine.drafters["dflash2"], 8, slots=SLOTS,
                                              linear="rowwise"), EagerGraphs())
