@@ -38,16 +38,14 @@ Modes:
   verify's kept rows' taps (all γ rows of `feats` are written, at the positions before `pos`:
   the `kept` valid ones land at their slots, the rest at slots from `pos` on, which the block
   overwrites before anything reads them), propose [pending, MASK×(γ−1)] and pick the drafts
-  (argmax, or DFlash2's selector), verify, accept.
+  (argmax, or DFlash2's selector), verify, accept. A draft tree's (`tree_iteration`) counts
+  the tree's nodes, built, verified and accepted on the device.
 - `MTPIteration` (a chain of k): the chain's k links from the head's last real entry, argmax on
   the device; the confidence stop as a count of the drafts that count (the draft that trips it
   still counts), so what is accepted follows the seed's rule; verify, accept, then the kept
   rows' head entries in one head forward of k+1 entries (those past the kept rows are written
   over by the next chain before any entry reads them), its entry at the last kept row seeding
   the next chain.
-
-A DFlash draft tree's iteration (`tree_iteration.DFlashTreeIteration`) is a `DFlashIteration`
-whose count is the tree's nodes, built, verified and accepted on the device.
 
 `iteration_loop.IterationLoop` drives one lane over a request; `iteration_loop.IterationLanes` many
 requests' lanes at once (serving).
@@ -197,12 +195,10 @@ class _Verifying:
     def keys(self) -> tuple:
         return (self.k,)
 
-    def emitted_rows(self) -> int:
-        """The most tokens an iteration emits (its verified rows)."""
+    def emitted_rows(self) -> int:  # the most tokens an iteration emits (its verified rows)
         return self.k + 1
 
-    def room(self) -> int:
-        """The slots a request needs past its last position (`room`)."""
+    def room(self) -> int:  # the slots a request needs past its last position
         return room(self.k, self.gamma)
 
     @property
@@ -387,24 +383,35 @@ class DFlashIteration(_Verifying):
             logits = self.verify(pending[:, None], slots)[0]
             s.emit(*self.select(logits, self._no_drafts[:b], sampled))
             return ()
-        seq, offset = self.index(b, self.gamma)
-        feed_pos = (s.pos[:b, None] - self.kept[:b, None] + offset).reshape(-1)  # the kept rows, then from pos on
-        feats = self.feats[:b].reshape(b * self.gamma, -1)
-        draft_kv = lanes_of(self.draft_kv, 0, b, slots)
-        if k:
-            block = torch.cat([pending[:, None], self._masks[:b]], dim=1)  # [B, γ]
-            drafts = self.draft(feats, feed_pos, seq, block, self.index(b, 1)[0], s.pos[:b], self._gamma[:b],
-                                *draft_kv)[:, :k]  # [B, k]
-        else:  # the kept rows only (those past them land from pos on, written over before read)
-            self.draft.drafter.add_context(feats[None], LaneKV(draft_kv, seq, feed_pos))
-            drafts = self._no_drafts[:b]
+        drafts = self._propose(b, slots)[:, :k] if k else self._no_drafts[:b]  # [B, k]
+        if not k:  # the kept rows only
+            self._propose(b, slots, block=False)
         logits, _, taps = self.verify(torch.cat([pending[:, None], drafts], dim=1), slots)
         ids, n = self.select(logits, drafts, sampled)
-        active = s.active[:b].bool()
-        self.feats[:b, : k + 1].copy_(torch.where(active[:, None, None], taps, self.feats[:b, : k + 1]))
-        self.kept[:b].copy_(torch.where(active, n + 1, self.kept[:b]))
+        self._keep(b, taps, n)
         s.emit(ids, n)
         return ()
+
+    def _propose(self, b: int, slots: int, block: bool = True):
+        """The first B lanes' kept rows fed to the drafter and, with `block`, their blocks
+        proposed (see the module docstring) -> the draft step's output."""
+        s = self.state
+        seq, offset = self.index(b, self.gamma)
+        feed_pos = (s.pos[:b, None] - self.kept[:b, None] + offset).reshape(-1)
+        feats = self.feats[:b].reshape(b * self.gamma, -1)
+        draft_kv = lanes_of(self.draft_kv, 0, b, slots)
+        if not block:
+            self.draft.drafter.add_context(feats[None], LaneKV(draft_kv, seq, feed_pos))
+            return None
+        lanes_block = torch.cat([s.pending[:b, None], self._masks[:b]], dim=1)  # [B, γ]
+        return self.draft(feats, feed_pos, seq, lanes_block, self.index(b, 1)[0], s.pos[:b], self._gamma[:b],
+                          *draft_kv)
+
+    def _keep(self, b: int, taps: torch.Tensor, n: torch.Tensor) -> None:
+        """The active lanes keep taps [B, r, n·Ht] (their first n+1 rows count) for the next feed."""
+        active, r = self.state.active[:b].bool(), taps.shape[1]
+        self.feats[:b, :r].copy_(torch.where(active[:, None, None], taps, self.feats[:b, :r]))
+        self.kept[:b].copy_(torch.where(active, n + 1, self.kept[:b]))
 
 
 class MTPIteration(_Verifying):

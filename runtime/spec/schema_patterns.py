@@ -124,8 +124,8 @@ def for_grammar(pattern: str, where: str) -> str:
         elif not c.isascii() or c < " " or c == '"':
             out.append(_literal(ord(c), where))
             i, start = i + 1, False
-        elif c == "{" and _bounds(pattern, i) is not None:  # a quantifier
-            j = _bounds(pattern, i)[2]
+        elif c == "{" and (bounds := _bounds(pattern, i)) is not None:  # a quantifier
+            j = bounds[2]
             if pattern[j:j + 1] == "+":
                 raise ConfigError(f"{where}: a possessive quantifier (`}}+`) is not a JSON Schema "
                                   "regular expression")

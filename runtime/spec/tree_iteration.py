@@ -205,12 +205,7 @@ class DFlashTreeIteration(DFlashIteration):
             return super().step(b, k, sampled, slots)
         s = self.state
         pending, pos = s.pending[:b], s.pos[:b]
-        seq, offset = self.index(b, self.gamma)
-        feed_pos = (pos[:, None] - self.kept[:b, None] + offset).reshape(-1)
-        feats = self.feats[:b].reshape(b * self.gamma, -1)
-        block = torch.cat([pending[:, None], self._masks[:b]], dim=1)  # [B, γ]
-        _, block_logits, block_hidden = self.draft(feats, feed_pos, seq, block, self.index(b, 1)[0], pos,
-                                                   self._gamma[:b], *lanes_of(self.draft_kv, 0, b, slots))
+        _, block_logits, block_hidden = self._propose(b, slots)
         if self.selector is not None:
             children = selector_children(self.selector, block_hidden, block_logits, pending)
         else:
@@ -234,9 +229,6 @@ class DFlashTreeIteration(DFlashIteration):
         path, n = walk(target_ids, tokens, parents, depths, valid, anc, depth)
         n = torch.minimum(n, s.cap[:b])
         compact(kv, pos, path, n)
-        active = s.active[:b].bool()
-        kept = taps.gather(1, path[:, :, None].expand(b, self.gamma, taps.shape[-1]))  # [B, γ, n·Ht]
-        self.feats[:b].copy_(torch.where(active[:, None, None], kept, self.feats[:b]))
-        self.kept[:b].copy_(torch.where(active, n + 1, self.kept[:b]))
+        self._keep(b, taps.gather(1, path[:, :, None].expand(b, self.gamma, taps.shape[-1])), n)  # the path's
         s.emit(target_ids.gather(1, path), n)
         return ()
