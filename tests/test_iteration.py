@@ -202,7 +202,7 @@ def test_the_decode_loop_reads_the_host_where_an_iteration_does_not(engine, tiny
 def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny_prompts, plain_tokens):
     """Through the engine as `--device cuda` loads it (the stand-in's graphs here): greedy
     requests of plain decoding, MTP and DFlash (fixed, laddered, adaptive, a draft tree verified
-    in one forward) run whole iterations (a tree verified along its paths runs the decode
+    in one forward or exact) run whole iterations (a tree verified along its paths runs the decode
     loop), with plain decoding's tokens and no host read inside a step (bench's counts); so
     does a sampled request, reproducible under its seed."""
     from metrale.bench_costs import step_counts
@@ -221,6 +221,7 @@ def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny
                             (dict(dflash=True, dflash_adaptive_k="0:1,1:1.2,2:1.3,3:1.4,4:1.5,5:1.6,6:1.7,7:1.8"),
                              True),
                             (dict(dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16), True),
+                            (dict(dflash=True, dflash_tree_budget=16, exact_verify=True), True),
                             (dict(dflash=True, dflash_tree_budget=16, dflash_tree_verify="paths"), False)):
         gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
         assert isinstance(gen.decoder(), IterationDecoder) is iterates, flags

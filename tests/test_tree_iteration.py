@@ -1,8 +1,8 @@
 """Draft trees inside the whole-iteration graph (`runtime/spec/tree_iteration.py`): the device's
 tree is `ddtree.build_tree`'s, its walk `ddtree.accepted_path`, its sampled walk plain
 sampling (χ²), its K/V compaction moves the path into place; and on the capture stand-in a
-tree iteration emits plain decoding's tokens, accepts what the decode loop's trees accept,
-beats its chain, and reads nothing from the host."""
+tree iteration (one forward, or exact: a row a forward) emits plain decoding's tokens, accepts
+what the decode loop's trees accept, beats its chain, and reads nothing from the host."""
 
 from __future__ import annotations
 
@@ -215,6 +215,50 @@ def test_a_tree_iteration_decodes_plain_decodings_tokens_and_beats_its_chain(eng
                 fn()
 
 
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_an_exact_tree_iteration_walks_its_path_a_row_a_forward(engine, tiny_engine_dir, tiny_prompts, plain_tokens,
+                                                               drafter):
+    """Exact verify: the tree's path one row per forward, as plain decoding's steps (so its
+    bits, whatever the rows' GEMMs); each iteration accepts what the eager decode loop's exact
+    tree accepts and runs γ rows; several lanes at once each walk their own path; no host
+    read."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
+    from metrale.runtime.spec.iteration_loop import IterationLanes, LaneStep
+
+    it = DFlashTreeIteration(engine.target, engine.drafters[drafter], 16, exact=True, slots=SLOTS)
+    loop = IterationLoop(it, EagerGraphs())
+    eager = EngineGenerator(load_engine(tiny_engine_dir, backend="torch"), SpeculativeConfig.from_flags(
+        dflash=True, dflash_drafter=drafter, dflash_tree_budget=16, exact_verify=True))
+    for ids, want in zip(tiny_prompts, plain_tokens):
+        res = loop.generate(ids, PLAIN_TOKENS, engine.tokenizer.eos_token_ids)
+        assert res.token_ids == want
+        ref = eager.generate(ids, SamplingParams(temperature=0.0, max_tokens=PLAIN_TOKENS + 32))
+        assert res.emitted[:-1] == [s.emitted for s in ref.steps[:len(res.emitted) - 1]]
+        assert set(res.rows) == {it.gamma} and max(res.emitted) > 2
+    lanes = IterationLanes(DFlashTreeIteration(engine.target, engine.drafters[drafter], 16, exact=True, slots=SLOTS,
+                                               lanes=4), EagerGraphs())
+    got = {}
+    for ids in tiny_prompts[:3]:
+        lane = lanes.acquire()
+        got[lane] = [lanes.prefill(lane, ids, SamplingParams(temperature=0.0, max_tokens=PLAIN_TOKENS), PLAIN_TOKENS)]
+    while any(len(t) < PLAIN_TOKENS for t in got.values()):
+        steps = [LaneStep(lanes, lane) for lane, t in got.items() if len(t) < PLAIN_TOKENS]
+        for step, toks in zip(steps, lanes.run(steps)):
+            got[step.lane] += toks
+    assert [t[:PLAIN_TOKENS] for t in got.values()] == [w[:PLAIN_TOKENS] for w in plain_tokens[:3]]
+    assert steps[0].ran == it.gamma
+    with torch.inference_mode():
+        params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
+        it.seed(params)
+        it.prefill(0, tiny_prompts[0], params)
+        with forbid_host_reads(drafter):
+            for fn in it.variants().values():
+                fn()
+                fn()
+
+
 @pytest.mark.parametrize("drafter, budget, gamma", [("dflash", 16, 4), ("dflash2", 64, None), ("dflash2", 1, None)])
 def test_trees_of_every_size_decode_plain_decodings_tokens(engine, tiny_prompts, plain_tokens, drafter, budget, gamma):
     """A shorter block (γ = 4: 16 nodes over 3 depths), the largest tree, a one-node tree."""
@@ -225,8 +269,9 @@ def test_trees_of_every_size_decode_plain_decodings_tokens(engine, tiny_prompts,
     assert sum(res.emitted) / len(res.emitted) > 1.2
 
 
-def test_a_sampled_tree_iteration_draws_reproducibly(engine, tiny_prompts):
-    loop = IterationLoop(DFlashTreeIteration(engine.target, engine.drafters["dflash2"], 8, slots=SLOTS,
+@pytest.mark.parametrize("exact", [False, True], ids=["one forward", "exact"])
+def test_a_sampled_tree_iteration_draws_reproducibly(engine, tiny_prompts, exact):
+    loop = IterationLoop(DFlashTreeIteration(engine.target, engine.drafters["dflash2"], 8, exact=exact, slots=SLOTS,
                                              linear="rowwise"), EagerGraphs())
     greedy = loop.generate(tiny_prompts[1], PLAIN_TOKENS).token_ids
     cold = SamplingParams(temperature=0.001, max_tokens=PLAIN_TOKENS, seed=5)

@@ -47,8 +47,7 @@ Modes:
   over by the next chain before any entry reads them), its entry at the last kept row seeding
   the next chain.
 
-`iteration_loop.IterationLoop` drives one lane over a request; `iteration_loop.IterationLanes` many
-requests' lanes at once (serving).
+`iteration_loop.IterationLoop` drives one lane; `iteration_loop.IterationLanes` many (serving).
 """
 
 from __future__ import annotations
@@ -195,6 +194,9 @@ class _Verifying:
     def keys(self) -> tuple:
         return (self.k,)
 
+    def rows(self, k) -> int:  # the target rows an iteration of count k runs (`SETTLED`'s: one)
+        return 1 if k is SETTLED else k + 1
+
     def emitted_rows(self) -> int:  # the most tokens an iteration emits (its verified rows)
         return self.k + 1
 
@@ -338,8 +340,7 @@ class DFlashIteration(_Verifying):
         self.k, self.gamma, self.exact = max(counts), gamma, exact
         super().__init__(model, tuple(cfg.target_layer_ids), slots, ring, linear, lanes)
         d = cfg.decoder
-        # with `distributions`, the block's slots' logits and hidden states too (a draft tree's:
-        # `spec.tree_iteration`)
+        # with `distributions`, the block's slots' logits and hidden states too (`tree_iteration`)
         self.draft = BatchedDFlashStep(capturable(drafter), self.embed, gamma, cache=LaneKV,
                                        distributions=distributions).to(self.device).eval()
         self.draft_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,

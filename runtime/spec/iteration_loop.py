@@ -12,7 +12,7 @@ and no read inside one.
 Which requests (`loop_for`): plain decoding, MTP chains (with the confidence stop),
 DFlash / DFlash2, chunkwise or exact, greedy or sampled (temperature, top-p and the rejection
 sampling of `verify`, on the device: each variant is captured greedy and sampled), and DFlash
-draft trees of a fixed budget verified in one forward (`tree_iteration`, `tree_graphs`). A DFlash
+draft trees of a fixed budget, chunkwise or exact (`tree_iteration`, `tree_graphs`). A DFlash
 draft ladder or adaptive k picks, before each iteration, one of the graphs captured per count
 (`CountPolicy`).
 
@@ -183,7 +183,7 @@ class IterationLoop:
                 tokens, n = tokens[0].tolist(), int(count[0])
                 result.emitted.append(n - read)
                 result.verified.append(min(drafts_of(key), cap))
-                result.rows.append(drafts_of(key) + 1)
+                result.rows.append(it.rows(key))
                 if self.policy is not None and cap == NO_CAP:
                     self.policy.observe(key, n - read)
                 for j in range(read, n):
@@ -223,10 +223,10 @@ def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None
         return MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact, plain=plain,
                             slots=context + room(k), lanes=lanes)
     gamma = dflash.gamma
-    if dflash.tree_budget:  # (`tree_graphs`: one budget, chunkwise)
+    if dflash.tree_budget:  # (`tree_graphs`: one budget)
         budget = dflash.tree_budget
-        return DFlashTreeIteration(model, engine.drafters[dflash.drafter], budget, gamma=gamma, plain=plain,
-                                   slots=context + tree_room(budget, gamma), lanes=lanes)
+        return DFlashTreeIteration(model, engine.drafters[dflash.drafter], budget, gamma=gamma, exact=exact,
+                                   plain=plain, slots=context + tree_room(budget, gamma), lanes=lanes)
     counts = (counts or (dflash.max_drafts,)) + ((0,) if plain else ())
     return DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma,
                            exact=exact, settled=settled, slots=context + room(gamma - 1, gamma), lanes=lanes)
@@ -234,10 +234,10 @@ def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None
 
 def tree_graphs(spec: SpeculativeConfig, dflash: ResolvedDFlash | None) -> bool:
     """Whether `spec`'s draft trees (where it has them) run as whole iterations: a fixed budget
-    verified in one forward (`tree_iteration`); exact verify, adaptive k over budgets and
-    `--dflash-tree-verify paths` run the decode loop."""
+    verified in one forward or, with exact verify, one row per forward (`tree_iteration`);
+    adaptive k over budgets and `--dflash-tree-verify paths` run the decode loop."""
     return (dflash is None or not dflash.tree_budget
-            or (not spec.exact_verify and dflash.adaptive_k is None and dflash.tree_verify != "paths"))
+            or (dflash.adaptive_k is None and (spec.exact_verify or dflash.tree_verify != "paths")))
 
 
 def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs) -> IterationLoop:
@@ -274,11 +274,12 @@ class LaneStep(ModelStep):
 
     @property
     def rows(self) -> int:
-        return self.lanes.iteration.k + 1  # at most: the count is chosen when the lanes run
+        it = self.lanes.iteration
+        return it.rows(it.k)  # at most: the count is chosen when the lanes run
 
     @property
     def ran(self) -> int:
-        return self.lanes.last_k + 1
+        return self.lanes.iteration.rows(self.lanes.last_k)
 
     @property
     def face(self) -> "IterationLanes":

@@ -15,7 +15,8 @@ Per lane, one iteration:
   children and the nodes form a tree;
 - verify: the root (the pending token) and the N nodes as one forward of N+1 rows, node i
   written at slot pos+i, at position pos+depth_i, seeing the context and its own ancestors
-  (`LaneKV`'s `slots` and `hidden`);
+  (`LaneKV`'s `slots` and `hidden`); with exact verify, the path row by row instead, one
+  forward per depth as plain decoding's steps (`_walk_rows`: the walk below, a depth at a time);
 - accept (`walk`): from the root, the child whose token is the row's target token (the argmax,
   or a sampled lane's draw from the row's distribution) while there is one, found for all
   depths at once; the emitted tokens are the target tokens of the path's rows, at most the
@@ -177,18 +178,21 @@ class DFlashTreeIteration(DFlashIteration):
     (count 0) that keeps its row for the drafter. Its count is the tree's nodes: what it
     verifies."""
 
-    def __init__(self, model, drafter, budget: int, *, gamma: int | None = None, plain: bool = False,
-                 slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
+    def __init__(self, model, drafter, budget: int, *, gamma: int | None = None, exact: bool = False,
+                 plain: bool = False, slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
         if not 1 <= budget <= MAX_TREE_NODES:
             raise ValueError(f"a tree of {budget} nodes: 1 to {MAX_TREE_NODES}")
         self.budget = budget
-        super().__init__(model, drafter, ((0,) if plain else ()) + (budget,), gamma=gamma, slots=slots,
-                         lanes=lanes, ring=ring, linear=linear, distributions=True)
+        super().__init__(model, drafter, ((0,) if plain else ()) + (budget,), gamma=gamma, exact=exact,
+                         slots=slots, lanes=lanes, ring=ring, linear=linear, distributions=True)
         self.selector = drafter.candidate_selector if drafter.config.version == 2 else None
         self._tree_rows = torch.arange(budget + 1, device=self.device)
 
     def most_drafts(self, gamma: int) -> int:
         return MAX_TREE_NODES
+
+    def rows(self, k) -> int:
+        return self.gamma if self.exact and k == self.budget else super().rows(k)  # exact: a row a depth
 
     def emitted_rows(self) -> int:
         return self.gamma  # the path's drafts and its bonus: the block's γ at most
@@ -200,6 +204,19 @@ class DFlashTreeIteration(DFlashIteration):
     def proposed(self) -> int:
         return self.budget
 
+    def targets(self, logits: torch.Tensor, sampled: bool) -> torch.Tensor:
+        """The target's token at each row, logits [B, R, V] -> [B, R]: its argmax or, where
+        `sampled` and the lane samples, a draw from the row's distribution."""
+        ids = logits.argmax(-1)
+        if not sampled:
+            return ids
+        b, r, _ = logits.shape
+        s = self.state
+        per_row = lambda t: t[:b, None].expand(b, r).reshape(-1, 1)  # noqa: E731 - [B] -> [B·R, 1]
+        probs = probs_on_device(logits.reshape(b * r, -1), per_row(s.temperature), per_row(s.top_p))
+        drawn = sample_from_probs(probs, self.generator).view(b, r)
+        return torch.where(s.sampled[:b, None], drawn, ids)
+
     def step(self, b: int, k, sampled: bool, slots: int) -> tuple:
         if k != self.budget:
             return super().step(b, k, sampled, slots)
@@ -210,8 +227,10 @@ class DFlashTreeIteration(DFlashIteration):
             children = selector_children(self.selector, block_hidden, block_logits, pending)
         else:
             children = marginal_children(block_logits, self.budget)
-        depth = self.gamma - 1
         tokens, parents, depths, valid = device_tree(pending, *children, self.budget)
+        if self.exact:
+            return self._walk_rows(b, tokens, parents, valid, sampled, slots)
+        depth = self.gamma - 1
         anc = ancestors(parents, depth)
         rows = self.budget + 1
         lane_seq, _ = self.index(b, rows)
@@ -220,15 +239,43 @@ class DFlashTreeIteration(DFlashIteration):
         logits, _, taps = (o.view(b, rows, -1) for o in self.target.forward_tree(
             tokens.reshape(-1), (pos[:, None] + depths).reshape(-1), lane_seq, self.index(1, b * rows)[1],
             (pos[:, None] + self._tree_rows).reshape(-1), unseen, *kv))
-        target_ids = logits.argmax(-1)  # [B, N+1]
-        if sampled:  # a sampled lane draws at every node; the walk keeps what the path needs
-            per_row = lambda t: t[:b, None].expand(b, rows).reshape(-1, 1)  # noqa: E731 - [B] -> [B·(N+1), 1]
-            probs = probs_on_device(logits.reshape(b * rows, -1), per_row(s.temperature), per_row(s.top_p))
-            drawn = sample_from_probs(probs, self.generator).view(b, rows)
-            target_ids = torch.where(s.sampled[:b, None], drawn, target_ids)
+        # a sampled lane draws at every node; the walk keeps what the path needs
+        target_ids = self.targets(logits, sampled)  # [B, N+1]
         path, n = walk(target_ids, tokens, parents, depths, valid, anc, depth)
         n = torch.minimum(n, s.cap[:b])
         compact(kv, pos, path, n)
         self._keep(b, taps.gather(1, path[:, :, None].expand(b, self.gamma, taps.shape[-1])), n)  # the path's
         s.emit(target_ids.gather(1, path), n)
+        return ()
+
+    def _walk_rows(self, b: int, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+                   sampled: bool, slots: int) -> tuple:
+        """Exact verify of the tree [B, N+1] (`device_tree`): the path walked one row per
+        forward, as plain decoding runs its steps (so greedy lanes emit its bits). Row j is the
+        path's node at depth j at slot and position pos+j; its target token picks the child
+        that holds it, and the path ends where none does (the later rows run on and count for
+        nothing). The rows lie in the path's order, so nothing moves."""
+        s = self.state
+        pos = s.pos[:b]
+        seq = self.index(b, 1)[0]
+        kv = lanes_of(self.kv, 0, b, slots)
+        node = torch.zeros(b, dtype=torch.long, device=self.device)  # each lane's node on its path
+        on = torch.ones(b, dtype=torch.bool, device=self.device)  # its path goes on
+        n = torch.zeros(b, dtype=torch.long, device=self.device)
+        kids = valid & (torch.arange(tokens.shape[1], device=self.device) > 0)  # the root is no child
+        ids, taps = [], []
+        for j in range(self.gamma):
+            logits, _, tap = self.forward(tokens.gather(1, node[:, None])[:, 0], pos + j, seq, kv)
+            t = self.targets(logits[:, None], sampled)[:, 0]
+            ids.append(t)
+            taps.append(tap)
+            if j == self.gamma - 1:
+                break
+            child = kids & (parents == node[:, None]) & (tokens == t[:, None])  # [B, N+1]: one at most
+            on = on & child.any(1)
+            n = n + on.long()
+            node = torch.where(on, child.long().argmax(1), node)
+        n = torch.minimum(n, s.cap[:b])
+        self._keep(b, torch.stack(taps, dim=1), n)
+        s.emit(torch.stack(ids, dim=1), n)
         return ()
