@@ -202,7 +202,7 @@ def test_the_decode_loop_reads_the_host_where_an_iteration_does_not(engine, tiny
 def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny_prompts, plain_tokens):
     """Through the engine as `--device cuda` loads it (the stand-in's graphs here): greedy
     requests of plain decoding, MTP and DFlash (fixed, laddered, adaptive, a draft tree verified
-    in one forward or exact) run whole iterations (a tree verified along its paths runs the decode
+    in one forward or exact, adaptive k over tree budgets) run whole iterations (a tree verified along its paths runs the decode
     loop), with plain decoding's tokens and no host read inside a step (bench's counts); so
     does a sampled request, reproducible under its seed."""
     from metrale.bench_costs import step_counts
@@ -222,6 +222,8 @@ def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny
                              True),
                             (dict(dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16), True),
                             (dict(dflash=True, dflash_tree_budget=16, exact_verify=True), True),
+                            (dict(dflash=True, dflash_tree_budget=16,
+                                  dflash_adaptive_k=",".join(f"{k}:{1 + 0.01 * k:.2f}" for k in range(17))), True),
                             (dict(dflash=True, dflash_tree_budget=16, dflash_tree_verify="paths"), False)):
         gen = EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))
         assert isinstance(gen.decoder(), IterationDecoder) is iterates, flags
@@ -268,7 +270,7 @@ class Scripted:
         self.i += 1
         return key
 
-    def observe(self, key, emitted):
+    def observe(self, key, emitted, stats=None):
         self.seen.append((key, emitted))
 
 
@@ -295,7 +297,7 @@ def test_adaptive_k_over_captured_counts(engine, tiny_prompts, plain_tokens):
     plain steps pay suspends (k = 0, with probes); one where nothing can pay settles on the
     variant that keeps nothing. Plain decoding's tokens throughout."""
     from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
-    from metrale.runtime.spec.iteration_loop import CountPolicy
+    from metrale.runtime.spec.count_policy import CountPolicy
 
     def run(table: str):
         spec = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k=table, dflash_reprobe_interval=2)

@@ -255,9 +255,28 @@ def test_a_lane_capped_below_the_count_does_not_teach_adaptive_k(tiny_engine_dir
     assert lanes.policy.controller.estimator.tested[0] == taught
 
 
+def test_adaptive_k_over_tree_budgets_in_lanes(tiny_engine_dir, tiny_prompts, plain_tokens):
+    """Draft trees under adaptive k in lanes: a graph per budget, each iteration's budget chosen
+    for the batch from the trees its lanes built and what they accepted; plain decoding's
+    tokens. A lane whose request caps its drafts below what a tree may accept teaches nothing."""
+    lanes = _policy_lanes(tiny_engine_dir, dflash_tree_budget=16,
+                          dflash_adaptive_k=",".join(f"{k}:{1 + 0.15 * k:.2f}" for k in range(17)))
+    assert {key[1] for key in lanes.captured} == {0, 1, 2, 4, 8, 16}
+    got, counts = _run_lanes(lanes, tiny_prompts[:3], [GREEDY] * 3)
+    assert got == plain_tokens[:3]
+    assert counts[0] == 16 and len(set(counts) - {0}) > 1
+    assert lanes.policy.chooser.predicted > 0 and len(lanes.policy.probs) == 16
+    lanes = _policy_lanes(tiny_engine_dir, dflash_tree_budget=16,
+                          dflash_adaptive_k=",".join(f"{k}:{1 + 0.001 * k:.3f}" for k in range(17)))
+    capped = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_drafts=2)
+    got, counts = _run_lanes(lanes, tiny_prompts[:1], [capped])
+    assert got == plain_tokens[:1] and set(counts) == {16}
+    assert lanes.policy.probs is None and lanes.policy.chooser.predicted == 0
+
+
 def test_the_ladder_moves_once_an_iteration_by_the_batch_and_not_by_the_order_of_its_lanes():
     from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
-    from metrale.runtime.spec.iteration_loop import CountPolicy
+    from metrale.runtime.spec.count_policy import CountPolicy
 
     def rung_after(emitted):
         policy = CountPolicy(resolve_dflash(SpeculativeConfig.from_flags(dflash=True, dflash_draft_ladder="1,3,7"), 8))

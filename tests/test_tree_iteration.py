@@ -48,7 +48,7 @@ def test_the_device_tree_is_the_best_first_tree_of_dflash(budget):
     g = torch.Generator().manual_seed(budget)
     logits = torch.randn(3, 7, 60, generator=g) * 2
     anchor = torch.tensor([4, 5, 6])
-    tokens, parents, depths, valid = device_tree(anchor, *marginal_children(logits, budget), budget)
+    tokens, parents, depths, valid, _ = device_tree(anchor, *marginal_children(logits, budget), budget)
     assert tokens.shape == (3, budget + 1) and bool(valid.all())
     for b in range(3):
         tree = _tree(tokens, parents, depths, valid, b)
@@ -59,7 +59,7 @@ def test_the_device_tree_is_the_best_first_tree_of_dflash(budget):
 
 def test_a_block_with_fewer_paths_than_the_budget_leaves_the_rest_invalid():
     logits = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(0))  # 3 + 9 paths
-    tokens, parents, depths, valid = device_tree(torch.tensor([0, 1]), *marginal_children(logits, 16), 16)
+    tokens, parents, depths, valid, _ = device_tree(torch.tensor([0, 1]), *marginal_children(logits, 16), 16)
     assert valid.sum(1).tolist() == [13, 13]
     for b in range(2):
         assert _paths(_tree(tokens, parents, depths, valid, b)) == _paths(marginal_tree(b, logits[b], 16))
@@ -70,7 +70,7 @@ def test_the_device_tree_is_the_best_first_tree_of_dflash2(seed):
     g = torch.Generator().manual_seed(seed)
     cand, children, (vals, ids) = _selector_tables(g, 2, 6, 8, 40)
     budget = 16
-    tokens, parents, depths, valid = device_tree(torch.tensor([1, 2]), *children, budget)
+    tokens, parents, depths, valid, _ = device_tree(torch.tensor([1, 2]), *children, budget)
     for b in range(2):
         children = SelectorChildren.from_tables(None, torch.zeros(6, 1), b + 1, torch.zeros(6, 8), cand[b],
                                                 vals[b], ids[b])
@@ -96,7 +96,7 @@ def test_selector_children_are_the_selectors_tables_unsorted(engine):
 def test_the_walk_is_greedy_acceptance_and_the_mask_a_trees():
     g = torch.Generator().manual_seed(7)
     _, children, _ = _selector_tables(g, 64, 5, 6, 30)
-    tokens, parents, depths, valid = device_tree(torch.zeros(64, dtype=torch.long), *children, 12)
+    tokens, parents, depths, valid, _ = device_tree(torch.zeros(64, dtype=torch.long), *children, 12)
     # each lane's target tokens follow one of its nodes' paths, then leave the tree
     target = torch.randint(30, (64, 13), generator=g)
     for b in range(64):
@@ -287,3 +287,53 @@ def test_a_sampled_tree_iteration_draws_reproducibly(engine, tiny_prompts, exact
 def test_a_tree_needs_a_budget_the_steps_allow(engine):
     with pytest.raises(ValueError, match="1 to 64"):
         DFlashTreeIteration(engine.target, engine.drafters["dflash"], 65, slots=SLOTS)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trees_first_nodes_are_the_smaller_budgets_tree_and_its_stats_their_path_probabilities(seed):
+    """The first b+1 rows of the N-node tree are the tree `device_tree` builds for b (the same
+    paths: what adaptive k's smaller budgets verify), and the path log-probabilities come best
+    first, a node's below its parent's."""
+    g = torch.Generator().manual_seed(seed)
+    _, children, _ = _selector_tables(g, 2, 7, 16, 300)
+    full = device_tree(torch.tensor([1, 2]), *children, 32)
+    for b in (1, 2, 4, 8, 16):
+        small = device_tree(torch.tensor([1, 2]), *children, b)
+        for lane in range(2):
+            first = _tree(*(t[:, :b + 1] for t in full[:4]), lane)
+            assert _paths(first) == _paths(_tree(*small[:4], lane))
+    scores, parents = full[4], full[1]
+    assert (scores[:, 1:].diff(dim=1) <= 0).all() and (scores[:, 1:] <= scores.gather(1, parents)[:, 1:]).all()
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_adaptive_k_over_tree_budgets_picks_a_captured_graph_each_iteration(engine, tiny_prompts, plain_tokens,
+                                                                           drafter):
+    """`--dflash-adaptive-k` with trees on whole iterations: a graph per budget (the table's
+    powers of two and its largest) plus plain; where rows cost little the largest tree is
+    chosen, where each row costs much the chooser moves to smaller ones, where drafting
+    cannot pay every iteration settles on plain. Plain decoding's tokens throughout; the
+    policy learns from the trees the iterations leave (`stats`: their nodes' probabilities)."""
+    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
+    from metrale.runtime.spec.count_policy import TreeCountPolicy
+
+    def run(slope: float, plain_cost: float = 1.0):
+        table = ",".join(f"{k}:{plain_cost if k == 0 else 1 + slope * k:.3f}" for k in range(17))
+        spec = SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter, dflash_tree_budget=16,
+                                            dflash_adaptive_k=table)
+        policy = TreeCountPolicy(resolve_dflash(spec, engine.drafters[drafter].config.block_size))
+        it = DFlashTreeIteration(engine.target, engine.drafters[drafter], policy.counts, plain=True, settled=True,
+                                 slots=SLOTS, linear="rowwise")
+        loop = IterationLoop(it, EagerGraphs(), policy)
+        assert {key[1] for key in loop.captured} == {0, 1, 2, 4, 8, 16, "settled"}
+        res = [loop.generate(ids, PLAIN_TOKENS, engine.tokenizer.eos_token_ids) for ids in tiny_prompts[:3]]
+        assert [r.token_ids for r in res] == plain_tokens[:3]
+        return [k for r in res for k in r.verified[2:]], policy  # (the first two: before any tree was read)
+
+    cheap, policy = run(0.002)
+    assert set(cheap) == {16}
+    assert policy.probs is not None and len(policy.probs) == 16 and policy.probs == sorted(policy.probs, reverse=True)
+    costly, policy = run(0.15)
+    assert 0 < sum(k > 0 for k in costly) and max(k for k in costly) < 16 and len(set(costly) - {0}) > 1
+    never, policy = run(50.0)
+    assert policy.controller.settled and not any(never)

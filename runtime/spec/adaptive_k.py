@@ -155,11 +155,15 @@ class TreeBudgetChooser:
     the drafter's path probabilities stand for those, scaled by how the target has accepted its
     trees so far (`ratio`: accepted nodes over the path probability the verified trees summed,
     counts decayed as `AcceptanceEstimator`'s, shrunk towards 1 by `strength` pseudo-trees). A
-    single-stream policy, as `AdaptiveKController`."""
+    single-stream policy, as `AdaptiveKController`. `sparse`: only the budgets that are powers
+    of two, and the largest (what whole iterations capture a graph for, `count_policy`)."""
 
-    def __init__(self, cost: CostModel, budget: int, decay: float = 0.9, strength: float = 2.0) -> None:
+    def __init__(self, cost: CostModel, budget: int, decay: float = 0.9, strength: float = 2.0,
+                 sparse: bool = False) -> None:
         self.cost, self.decay, self.strength = cost, decay, strength
         self.counts = [b for b in cost.counts if 1 <= b <= budget]
+        if sparse:
+            self.counts = [b for b in self.counts if b & (b - 1) == 0 or b == self.counts[-1]]
         if not self.counts:
             raise ValueError(f"the cost model {cost} prices no tree of 1..{budget} nodes")
         self.accepted = 0.0  # accepted nodes of the verified trees (decayed)

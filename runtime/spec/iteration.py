@@ -10,10 +10,9 @@ shapes never change and it never reads the device from the host (`host_reads.for
 proves it on a CPU). A lane that is not `active` moves nothing (its position, count and kept
 rows stay; what it writes lies at positions it writes again before reading).
 
-The steps attend through `step_caches.LaneKV`: a lane's rows (the same count for every lane)
-read its cache once, as two matrix products over views of the pool, masked by position. Each
-variant is captured per slot bucket S (`slot_buckets`): its steps see the first S slots of
-every lane's caches only, so a short request's attention reads S slots, not the whole context.
+The steps attend through `step_caches.LaneKV`: a lane's rows (as many for every lane) read its
+cache once, two matrix products over views of the pool, masked by position. Each variant is
+captured per slot bucket S (`slot_buckets`), its steps seeing every lane's first S slots only.
 A request's bucket is the smallest that holds its positions and `room` past them
 (`check_room`); lanes run in the bucket of the longest request among them. Greedy decoding,
 per lane:
@@ -24,13 +23,12 @@ per lane:
 - accept: n = the leading drafts equal to t (`accepted_count`), capped by what a draft stop lets
   count; the emitted tokens are t_0..t_n (the accepted drafts, then the bonus or recovered
   token); the new pending token is t_n and the cache's length pos + n + 1. Rows past n were
-  written to the caches too: they lie at positions no later row sees before they are written
-  again;
+  written too, at positions no later row sees before they are written again;
 - emit: t_0..t_k go into the lane's device ring (`tokens` [L, R]) from `count` on, and `count`
   grows by n+1, so the rows past n are overwritten by the next iteration.
 
-A sampled lane (`sampled`) draws instead: temperature and top-p per lane, the rejection sampling
-of `verify.verify_sampling_lanes`; a variant that samples computes both and picks per lane.
+A sampled lane (`sampled`) draws instead (temperature, top-p, `verify.verify_sampling_lanes`'s
+rejection sampling); a variant that samples computes both and picks per lane.
 
 Modes:
 - `PlainIteration`: one row, its argmax.
@@ -38,14 +36,12 @@ Modes:
   verify's kept rows' taps (all γ rows of `feats` are written, at the positions before `pos`:
   the `kept` valid ones land at their slots, the rest at slots from `pos` on, which the block
   overwrites before anything reads them), propose [pending, MASK×(γ−1)] and pick the drafts
-  (argmax, or DFlash2's selector), verify, accept. A draft tree's (`tree_iteration`) counts
-  the tree's nodes, built, verified and accepted on the device.
+  (argmax, or DFlash2's selector), verify, accept; a draft tree's: `tree_iteration`.
 - `MTPIteration` (a chain of k): the chain's k links from the head's last real entry, argmax on
   the device; the confidence stop as a count of the drafts that count (the draft that trips it
-  still counts), so what is accepted follows the seed's rule; verify, accept, then the kept
-  rows' head entries in one head forward of k+1 entries (those past the kept rows are written
-  over by the next chain before any entry reads them), its entry at the last kept row seeding
-  the next chain.
+  still counts: the seed's rule); verify, accept, then the kept rows' head entries in one head
+  forward of k+1 (those past the kept rows are overwritten before being read), its entry at the
+  last kept row seeding the next chain.
 
 `iteration_loop.IterationLoop` drives one lane; `iteration_loop.IterationLanes` many (serving).
 """
@@ -157,6 +153,7 @@ class _Verifying:
     k = 0
     exact = False
     gamma = 0  # a drafter's block written past the verified rows (DFlash's)
+    stats: tuple[torch.Tensor, ...] = ()  # what an iteration leaves per lane for a count policy to read
 
     def __init__(self, model, taps: tuple[int, ...], slots: int, ring: int, linear: str, lanes: int):
         c = model.config
@@ -196,6 +193,9 @@ class _Verifying:
 
     def rows(self, k) -> int:  # the target rows an iteration of count k runs (`SETTLED`'s: one)
         return 1 if k is SETTLED else k + 1
+
+    def accepts(self, k) -> int:  # the most drafts an iteration of count k may accept
+        return 0 if k is SETTLED else k
 
     def emitted_rows(self) -> int:  # the most tokens an iteration emits (its verified rows)
         return self.k + 1

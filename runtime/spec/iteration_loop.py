@@ -3,8 +3,8 @@ reads its tokens one step late; `IterationDecoder` gives it the decode loop's fa
 `generate`, `bench` and the CLI run it where the engine's target runs as graphs.
 
 The loop: the prompt runs eagerly (`prefill`), then each iteration is one replay followed by a
-copy of the device ring and count into a host buffer (pinned on a GPU, two alternating) and an
-event. Iteration i's copy is waited on only after i+1 is enqueued, so the host's reading and
+copy of the device ring and count (and what a count policy reads: a tree's node probabilities)
+into a host buffer (pinned on a GPU, two alternating) and an event. Iteration i's copy is waited on only after i+1 is enqueued, so the host's reading and
 its checks (EOS, the budget) overlap the device's next iteration; the iteration enqueued past
 the end is discarded (its rows lie past the request's positions). One host wait per iteration,
 and no read inside one.
@@ -12,9 +12,9 @@ and no read inside one.
 Which requests (`loop_for`): plain decoding, MTP chains (with the confidence stop),
 DFlash / DFlash2, chunkwise or exact, greedy or sampled (temperature, top-p and the rejection
 sampling of `verify`, on the device: each variant is captured greedy and sampled), and DFlash
-draft trees of a fixed budget, chunkwise or exact (`tree_iteration`, `tree_graphs`). A DFlash
-draft ladder or adaptive k picks, before each iteration, one of the graphs captured per count
-(`CountPolicy`).
+draft trees, chunkwise or exact (`tree_iteration`, `tree_graphs`). A DFlash draft ladder or
+adaptive k (over chain counts, or trees' node budgets) picks, before each iteration, one of the
+graphs captured per count (`count_policy`).
 
 Serving (`IterationLanes`): many requests in the lanes of one iteration, a graph per batch
 bucket, the scheduler gathering each running request's `LaneStep` into one replay.
@@ -30,20 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
+from metrale.runtime.spec.count_policy import CountPolicy, count_policy, drafts_of
 from metrale.runtime.spec.decode import DecodeResult, Decoder, StepTrace
-from metrale.runtime.spec.iteration import SETTLED, DFlashIteration, MTPIteration, PlainIteration, room
+from metrale.runtime.spec.iteration import DFlashIteration, MTPIteration, PlainIteration, room
 from metrale.runtime.spec.sampling import NO_CAP, SamplingParams
 from metrale.runtime.spec.tree_iteration import DFlashTreeIteration, tree_room
 from metrale.runtime.steps import BatchedFace, ModelStep
 
 log = logging.getLogger(__name__)
-
-
-def drafts_of(count) -> int:
-    """The drafts an iteration of policy count `count` verifies (SETTLED's variant: none)."""
-    return 0 if count is SETTLED else count
 
 
 @dataclass
@@ -55,46 +50,6 @@ class IterationResult:
     rows: list[int] = field(default_factory=list)  # target rows each iteration ran
     seconds: float = 0.0
     prefill_s: float = 0.0
-
-
-class CountPolicy:
-    """Which of a `DFlashIteration`'s counts the next iteration verifies: adaptive k's choice
-    (`--dflash-adaptive-k`; `SETTLED` once it settled on plain decoding), else the draft
-    ladder's rung (`--dflash-draft-ladder`). The loop runs one stream, so adaptive k decides
-    every iteration; it learns each iteration's outcome when the host reads it, one iteration
-    after the next count was chosen."""
-
-    def __init__(self, settings: ResolvedDFlash):
-        self.ladder = DraftLadder(settings.ladder) if settings.ladder else None
-        self.controller = None
-        if settings.adaptive_k is not None:
-            self.controller = AdaptiveKController(settings.adaptive_k, settings.max_drafts,
-                                                  settings.reprobe_interval or 16, self.ladder)
-        cost = settings.adaptive_k
-        self.counts = (tuple(k for k in cost.counts if k <= settings.max_drafts) if cost is not None
-                       else self.ladder.rungs)
-
-    def next(self):
-        if self.controller is None:
-            return self.ladder.current
-        k = self.controller.next_k()
-        return SETTLED if self.controller.settled else k
-
-    def observe(self, key, emitted: int) -> None:
-        if key is SETTLED:
-            return
-        (self.controller or self.ladder).observe(key, emitted - 1)
-
-    def reopen(self) -> None:
-        """A sequence joins the batch: adaptive k settled by what the others accepted measures
-        afresh (`AdaptiveKController.reopen`)."""
-        if self.controller is not None:
-            self.controller.reopen()
-
-    def observe_batch(self, k: int, emitted: list[int]) -> None:
-        """An iteration of many lanes at count k (each lane's tokens emitted): every lane
-        teaches adaptive k's estimates, and the ladder moves once, by the batch's outcome."""
-        (self.controller or self.ladder).observe_batch(k, [n - 1 for n in emitted])
 
 
 class IterationLoop:
@@ -124,8 +79,9 @@ class IterationLoop:
                                 "requests run the decode loop", self.unsampled)
         self.captured = {k: g for k, g in self.captured.items() if not (k[2] and self.unsampled)}
         cuda = state.tokens.device.type == "cuda"
-        self._host = [(torch.empty_like(state.tokens, device="cpu", pin_memory=cuda),
-                       torch.empty_like(state.count, device="cpu", pin_memory=cuda)) for _ in range(2)]
+        # per host buffer: the ring, the count, and what the iteration leaves for the policy
+        read = (state.tokens, state.count) + (iteration.stats if policy is not None else ())
+        self._host = [tuple(torch.empty_like(t, device="cpu", pin_memory=cuda) for t in read) for _ in range(2)]
         self._cuda = cuda
         self.replays = 0
         self.last_result: IterationResult | None = None
@@ -135,9 +91,9 @@ class IterationLoop:
         host buffer `slot` -> an event to wait on (None on a CPU, where the copy is done)."""
         self.graphs.replay(self.captured[(1, *key)])
         self.replays += 1
-        state, (tokens, count) = self.iteration.state, self._host[slot]
-        tokens.copy_(state.tokens, non_blocking=self._cuda)
-        count.copy_(state.count, non_blocking=self._cuda)
+        state, it = self.iteration.state, self.iteration
+        for host, t in zip(self._host[slot], (state.tokens, state.count) + it.stats):
+            host.copy_(t, non_blocking=self._cuda)
         if not self._cuda:
             return None
         event = torch.cuda.Event()
@@ -179,13 +135,13 @@ class IterationLoop:
                 following = self._enqueue(1 - slot, (next_key, sampled, slots))  # i+1 enqueued before i is read
                 if waiting is not None:
                     waiting.synchronize()
-                tokens, count = self._host[slot]
+                tokens, count, *stats = self._host[slot]
                 tokens, n = tokens[0].tolist(), int(count[0])
                 result.emitted.append(n - read)
                 result.verified.append(min(drafts_of(key), cap))
                 result.rows.append(it.rows(key))
                 if self.policy is not None and cap == NO_CAP:
-                    self.policy.observe(key, n - read)
+                    self.policy.observe(key, n - read, [t[0].tolist() for t in stats])
                 for j in range(read, n):
                     tok = tokens[j % ring]
                     result.token_ids.append(tok)
@@ -223,28 +179,28 @@ def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None
         return MTPIteration(model, engine.mtp, k, stop=spec.draft_stop, exact=exact, plain=plain,
                             slots=context + room(k), lanes=lanes)
     gamma = dflash.gamma
-    if dflash.tree_budget:  # (`tree_graphs`: one budget)
+    if dflash.tree_budget:  # (`tree_graphs`)
         budget = dflash.tree_budget
-        return DFlashTreeIteration(model, engine.drafters[dflash.drafter], budget, gamma=gamma, exact=exact,
-                                   plain=plain, slots=context + tree_room(budget, gamma), lanes=lanes)
+        return DFlashTreeIteration(model, engine.drafters[dflash.drafter], counts or budget, gamma=gamma,
+                                   exact=exact, plain=plain or counts is not None, settled=settled,
+                                   slots=context + tree_room(budget, gamma), lanes=lanes)
     counts = (counts or (dflash.max_drafts,)) + ((0,) if plain else ())
     return DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma,
                            exact=exact, settled=settled, slots=context + room(gamma - 1, gamma), lanes=lanes)
 
 
 def tree_graphs(spec: SpeculativeConfig, dflash: ResolvedDFlash | None) -> bool:
-    """Whether `spec`'s draft trees (where it has them) run as whole iterations: a fixed budget
-    verified in one forward or, with exact verify, one row per forward (`tree_iteration`);
-    adaptive k over budgets and `--dflash-tree-verify paths` run the decode loop."""
-    return (dflash is None or not dflash.tree_budget
-            or (dflash.adaptive_k is None and (spec.exact_verify or dflash.tree_verify != "paths")))
+    """Whether `spec`'s draft trees (where it has them) run as whole iterations: verified in one
+    forward or, with exact verify, one row per forward (`tree_iteration`), of a fixed budget or
+    of adaptive k's; `--dflash-tree-verify paths` (chunkwise) runs the decode loop."""
+    return dflash is None or not dflash.tree_budget or spec.exact_verify or dflash.tree_verify != "paths"
 
 
 def loop_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, graphs) -> IterationLoop:
     """`spec`'s mode on `engine`'s models as whole iterations of one sequence captured by
     `graphs`; a DFlash draft ladder or adaptive k with a graph per count."""
-    if spec.mode is SpecMode.DFLASH and (dflash.ladder is not None or dflash.adaptive_k is not None):
-        policy = CountPolicy(dflash)
+    policy = count_policy(spec, dflash)
+    if policy is not None:
         return IterationLoop(iteration_for(engine, spec, dflash, counts=policy.counts,
                                            settled=policy.controller is not None), graphs, policy)
     return IterationLoop(iteration_for(engine, spec, dflash), graphs)
@@ -254,10 +210,8 @@ def lanes_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None, gr
     """`spec`'s mode as an iteration of `lanes` lanes, captured per bucket (serving), with a
     plain variant for iterations whose batch may not draft; a DFlash ladder or adaptive k
     with a graph per count, the count of each iteration chosen for the batch."""
-    counts, policy = None, None
-    if spec.mode is SpecMode.DFLASH and (dflash.ladder is not None or dflash.adaptive_k is not None):
-        policy = CountPolicy(dflash)
-        counts = policy.counts
+    policy = count_policy(spec, dflash)
+    counts = policy.counts if policy is not None else None
     plain = spec.mode is not SpecMode.OFF
     return IterationLanes(iteration_for(engine, spec, dflash, lanes=lanes, counts=counts, plain=plain), graphs, policy)
 
@@ -326,6 +280,8 @@ class IterationLanes(BatchedFace):
         pin = self._cuda
         self._tokens = torch.empty_like(state.tokens, device="cpu", pin_memory=pin)
         self._count = torch.empty_like(state.count, device="cpu", pin_memory=pin)
+        self._stats = tuple(torch.empty_like(t, device="cpu", pin_memory=pin)
+                            for t in (iteration.stats if policy is not None else ()))
         self._active = torch.zeros_like(state.active, device="cpu", pin_memory=pin)
         self._free = list(range(n))  # a heap: the lowest lane first keeps the buckets small
         self._read = [0] * n  # per lane, the tokens of its ring read so far
@@ -392,6 +348,8 @@ class IterationLanes(BatchedFace):
             self.graphs.replay(self.captured[(b, k, not self._sampled.isdisjoint(lanes), slots)])
             self._tokens[:b].copy_(state.tokens[:b], non_blocking=self._cuda)
             self._count[:b].copy_(state.count[:b], non_blocking=self._cuda)
+            for host, t in zip(self._stats, self.iteration.stats):
+                host[:b].copy_(t[:b], non_blocking=self._cuda)
         if self._cuda:
             torch.cuda.current_stream().synchronize()
         ring = self._tokens.shape[1]
@@ -403,7 +361,9 @@ class IterationLanes(BatchedFace):
             out.append([row[j % ring] for j in range(read, n)])
             self._read[lane] = n
         if self.policy is not None and k > 0:  # (a lane whose request capped it below k measured its cap)
-            self.policy.observe_batch(k, [len(o) for lane, o in zip(lanes, out) if k <= self._cap[lane]])
+            taught = [(lane, len(o)) for lane, o in zip(lanes, out) if self.iteration.accepts(k) <= self._cap[lane]]
+            stats = [[t[lane].tolist() for t in self._stats] for lane, _ in taught]
+            self.policy.observe_batch(k, [n for _, n in taught], stats)
         return out
 
 

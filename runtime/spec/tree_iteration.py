@@ -74,9 +74,10 @@ def device_tree(anchor: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, row
     """The best-first tree of `budget` nodes per sequence (see the module docstring): anchor
     [B]; a node at depth d+1 whose parent reads row r has the children vals/ids [:, d, r]
     (log-probabilities and tokens, in any order) whose own rows are rows [:, d, r]
-    (`marginal_children`, `selector_children`) -> tokens, parents, depths, valid [B, N+1]:
-    node 0 the root (the anchor, its parent itself), a parent before its children; a node of
-    path log-probability −inf (fewer than N nodes can be had) is not valid."""
+    (`marginal_children`, `selector_children`) -> tokens, parents, depths, valid, path
+    log-probabilities [B, N+1]: node 0 the root (the anchor, its parent itself, log-probability
+    0), a parent before its children, the nodes best first; a node of path log-probability −inf
+    (fewer than N nodes can be had) is not valid."""
     b, depth, _, c = vals.shape
     n = budget
     device = vals.device
@@ -108,10 +109,11 @@ def device_tree(anchor: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, row
     parent = parents.gather(1, order)
     parent = torch.where(parent < 0, 0, node.gather(1, parent.clamp(min=0)))
     zero = torch.zeros(b, 1, dtype=torch.long, device=device)
+    scores = torch.cat([zero.float(), scores.gather(1, order)], dim=1)
     return (torch.cat([anchor[:, None], tokens.gather(1, order)], dim=1),
             torch.cat([zero, parent], dim=1),
             torch.cat([zero, depths.gather(1, order)], dim=1),
-            torch.cat([torch.ones(b, 1, dtype=torch.bool, device=device), scores.gather(1, order) > float("-inf")], dim=1))
+            scores > float("-inf"), scores)
 
 
 def ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
@@ -173,26 +175,37 @@ def compact(kv: list[torch.Tensor], pos: torch.Tensor, path: torch.Tensor, n: to
 
 
 class DFlashTreeIteration(DFlashIteration):
-    """A DFlash / DFlash2 drafter's block as a draft tree of `budget` nodes, built, verified and
-    accepted on the device (see the module docstring); with `plain`, also a plain variant
-    (count 0) that keeps its row for the drafter. Its count is the tree's nodes: what it
-    verifies."""
+    """A DFlash / DFlash2 drafter's block as a draft tree, built, verified and accepted on the
+    device (see the module docstring), for each node budget of `budgets` (a variant each; the
+    largest, N, the tree every variant builds, a smaller b verifying its first b nodes, which
+    are the best-first tree of b); with `plain`, also a plain variant (count 0) that keeps its
+    row for the drafter, and with `settled` one that keeps nothing (`SETTLED`). Its count is the
+    tree's nodes: what it verifies. Each tree iteration leaves every stepped lane's tree in
+    `stats` (its N nodes' path probabilities, best first, and their depths; 0 where a node is
+    not valid): what adaptive k over budgets prices the next trees by."""
 
-    def __init__(self, model, drafter, budget: int, *, gamma: int | None = None, exact: bool = False,
-                 plain: bool = False, slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
-        if not 1 <= budget <= MAX_TREE_NODES:
-            raise ValueError(f"a tree of {budget} nodes: 1 to {MAX_TREE_NODES}")
-        self.budget = budget
-        super().__init__(model, drafter, ((0,) if plain else ()) + (budget,), gamma=gamma, exact=exact,
-                         slots=slots, lanes=lanes, ring=ring, linear=linear, distributions=True)
+    def __init__(self, model, drafter, budgets: int | tuple[int, ...], *, gamma: int | None = None,
+                 exact: bool = False, plain: bool = False, settled: bool = False, slots: int, lanes: int = 1,
+                 ring: int = 64, linear: str = "gemm"):
+        budgets = (budgets,) if isinstance(budgets, int) else tuple(sorted(set(budgets)))
+        if not budgets or not all(1 <= b <= MAX_TREE_NODES for b in budgets):
+            raise ValueError(f"trees of {budgets} nodes: 1 to {MAX_TREE_NODES}")
+        self.budgets, self.budget = budgets, max(budgets)
+        super().__init__(model, drafter, ((0,) if plain else ()) + budgets, gamma=gamma, exact=exact,
+                         settled=settled, slots=slots, lanes=lanes, ring=ring, linear=linear, distributions=True)
         self.selector = drafter.candidate_selector if drafter.config.version == 2 else None
-        self._tree_rows = torch.arange(budget + 1, device=self.device)
+        self._tree_rows = torch.arange(self.budget + 1, device=self.device)
+        self.stats = (torch.zeros(lanes, self.budget, device=self.device),
+                      torch.zeros(lanes, self.budget, dtype=torch.long, device=self.device))
 
     def most_drafts(self, gamma: int) -> int:
         return MAX_TREE_NODES
 
     def rows(self, k) -> int:
-        return self.gamma if self.exact and k == self.budget else super().rows(k)  # exact: a row a depth
+        return self.gamma if self.exact and k in self.budgets else super().rows(k)  # exact: a row a depth
+
+    def accepts(self, k) -> int:
+        return min(self.gamma - 1, k) if k in self.budgets else super().accepts(k)  # a path's depth
 
     def emitted_rows(self) -> int:
         return self.gamma  # the path's drafts and its bonus: the block's γ at most
@@ -218,7 +231,7 @@ class DFlashTreeIteration(DFlashIteration):
         return torch.where(s.sampled[:b, None], drawn, ids)
 
     def step(self, b: int, k, sampled: bool, slots: int) -> tuple:
-        if k != self.budget:
+        if k not in self.budgets:
             return super().step(b, k, sampled, slots)
         s = self.state
         pending, pos = s.pending[:b], s.pos[:b]
@@ -227,18 +240,22 @@ class DFlashTreeIteration(DFlashIteration):
             children = selector_children(self.selector, block_hidden, block_logits, pending)
         else:
             children = marginal_children(block_logits, self.budget)
-        tokens, parents, depths, valid = device_tree(pending, *children, self.budget)
+        tree = device_tree(pending, *children, self.budget)
+        active = s.active[:b].bool()[:, None]
+        for t, new in zip(self.stats, (tree[4][:, 1:].exp(), torch.where(tree[3], tree[2], 0)[:, 1:])):
+            t[:b].copy_(torch.where(active, new, t[:b]))
+        tokens, parents, depths, valid = (t[:, :k + 1] for t in tree[:4])  # the first k nodes: the tree of k
         if self.exact:
             return self._walk_rows(b, tokens, parents, valid, sampled, slots)
         depth = self.gamma - 1
         anc = ancestors(parents, depth)
-        rows = self.budget + 1
+        rows = k + 1
         lane_seq, _ = self.index(b, rows)
         kv = lanes_of(self.kv, 0, b, slots)
         unseen = hidden_slots(anc, pos, slots)
         logits, _, taps = (o.view(b, rows, -1) for o in self.target.forward_tree(
             tokens.reshape(-1), (pos[:, None] + depths).reshape(-1), lane_seq, self.index(1, b * rows)[1],
-            (pos[:, None] + self._tree_rows).reshape(-1), unseen, *kv))
+            (pos[:, None] + self._tree_rows[:rows]).reshape(-1), unseen, *kv))
         # a sampled lane draws at every node; the walk keeps what the path needs
         target_ids = self.targets(logits, sampled)  # [B, N+1]
         path, n = walk(target_ids, tokens, parents, depths, valid, anc, depth)
