@@ -111,6 +111,16 @@ def test_pooled_blocks_are_each_sequences_own_propose(fresh_engine, name):
             eager.add_context(feats[b], cache)
             want = eager.propose(anchors[b:b + 1], embed, cache, int(gammas[b])).tokens[0]
             assert drafts[b, :len(want)].tolist() == want.tolist()
+        # with the distributions: the same drafts beside them, or the distributions alone
+        args = (torch.cat([f[0] for f in feats]), torch.cat([torch.arange(7), torch.arange(4)]),
+                torch.tensor([0] * 7 + [1] * 4), block, torch.tensor([0, 1]), torch.tensor([7, 4]), gammas)
+        both = BatchedDFlashStep(drafter, embed, 8, SLOTS + 64, distributions=True)(*args, *_pools(cfg.decoder, 2))
+        alone = BatchedDFlashStep(drafter, embed, 8, SLOTS + 64, distributions=True, picks=False)(
+            *args, *_pools(cfg.decoder, 2))
+        assert torch.equal(both[0], drafts) and len(alone) == 2
+        assert all(torch.equal(a, b) for a, b in zip(alone, both[1:]))
+    with pytest.raises(ValueError, match="without picks"):
+        BatchedDFlashStep(drafter, embed, 8, SLOTS, picks=False)
 
 
 def test_a_step_holds_only_its_models_weights(fresh_engine):

@@ -323,7 +323,7 @@ def test_adaptive_k_over_tree_budgets_picks_a_captured_graph_each_iteration(engi
                                             dflash_adaptive_k=table)
         policy = TreeCountPolicy(resolve_dflash(spec, engine.drafters[drafter].config.block_size))
         it = DFlashTreeIteration(engine.target, engine.drafters[drafter], policy.counts, plain=True, settled=True,
-                                 slots=SLOTS, linear="rowwise")
+                                 stats=True, slots=SLOTS, linear="rowwise")
         loop = IterationLoop(it, EagerGraphs(), policy)
         assert {key[1] for key in loop.captured} == {0, 1, 2, 4, 8, 16, "settled"}
         res = [loop.generate(ids, PLAIN_TOKENS, engine.tokenizer.eos_token_ids) for ids in tiny_prompts[:3]]

@@ -178,18 +178,22 @@ class BatchedDFlashStep(nn.Module):
     states [Q, Γ−1, H]: what a draft tree is built from (`spec.ddtree.block_tree`); with
     `tables` too (DFlash2), each slot's top K candidates' logits and ids [Q, Γ−1, K] and its
     candidate selector's tables given each parent, log-probabilities and ids [Q, Γ−1, K, K]
-    (`dflash.CandidateSelector.tables`), so a tree's children need no work on the host. `cache`
-    as `BatchedTargetStep`'s (with `LaneKV`, every sequence proposes: Q = B, NF = B·Γ)."""
+    (`dflash.CandidateSelector.tables`), so a tree's children need no work on the host; with
+    `picks` off, the distributions alone, no drafts picked (a tree iteration's: it builds its
+    tree from them). `cache` as `BatchedTargetStep`'s (with `LaneKV`, every sequence proposes:
+    Q = B, NF = B·Γ)."""
 
     attention_kernel = False  # as BatchedTargetStep's
 
     def __init__(self, drafter, embed: nn.Embedding, feed_rows: int, positions: int | None = None,
-                 distributions: bool = False, cache=PooledKV, tables: bool = False):
+                 distributions: bool = False, cache=PooledKV, tables: bool = False, picks: bool = True):
         super().__init__()
         if tables and not (distributions and drafter.config.version == 2):
             raise ValueError("selector tables are a DFlash2 drafter's, beside its distributions")
+        if not (picks or distributions) or (tables and not picks):
+            raise ValueError("a step without picks gives the distributions alone")
         self.drafter, self.embed, self.feed_rows, self.cache = drafter, embed, feed_rows, cache
-        self.distributions, self.tables = distributions, tables
+        self.distributions, self.tables, self.picks = distributions, tables, picks
         self.decoder = drafter.config.decoder
         _prepare(drafter, self.decoder, positions)
 
@@ -204,6 +208,8 @@ class BatchedDFlashStep(nn.Module):
         x = F.embedding(block.reshape(1, -1), self.embed.weight)  # [1, Q·Γ, H]
         hidden = d._blocks(x, positions, rows, None, g).view(q_n, g, -1)[:, 1:]  # the draft slots
         logits = d.lm_head(hidden)
+        if not self.picks:
+            return logits, hidden
         if not self.tables:
             drafts = d.drafts(hidden, logits, block[:, 0])
             return (drafts, logits, hidden) if self.distributions else drafts

@@ -340,9 +340,9 @@ class DFlashIteration(_Verifying):
         self.k, self.gamma, self.exact = max(counts), gamma, exact
         super().__init__(model, tuple(cfg.target_layer_ids), slots, ring, linear, lanes)
         d = cfg.decoder
-        # with `distributions`, the block's slots' logits and hidden states too (`tree_iteration`)
+        # with `distributions`, the block's slots' logits and hidden states instead (`tree_iteration`)
         self.draft = BatchedDFlashStep(capturable(drafter), self.embed, gamma, cache=LaneKV,
-                                       distributions=distributions).to(self.device).eval()
+                                       distributions=distributions, picks=not distributions).to(self.device).eval()
         self.draft_kv = _pooled_kv(d.num_hidden_layers, lanes, slots, d.num_key_value_heads, d.head_dim,
                                    self.dtype, self.device)
         device, width = self.device, cfg.num_context_features * cfg.target_hidden_size

@@ -183,6 +183,7 @@ def iteration_for(engine, spec: SpeculativeConfig, dflash: ResolvedDFlash | None
         budget = dflash.tree_budget
         return DFlashTreeIteration(model, engine.drafters[dflash.drafter], counts or budget, gamma=gamma,
                                    exact=exact, plain=plain or counts is not None, settled=settled,
+                                   stats=counts is not None,
                                    slots=context + tree_room(budget, gamma), lanes=lanes)
     counts = (counts or (dflash.max_drafts,)) + ((0,) if plain else ())
     return DFlashIteration(model, engine.drafters[dflash.drafter], counts, gamma=gamma,

@@ -180,13 +180,13 @@ class DFlashTreeIteration(DFlashIteration):
     largest, N, the tree every variant builds, a smaller b verifying its first b nodes, which
     are the best-first tree of b); with `plain`, also a plain variant (count 0) that keeps its
     row for the drafter, and with `settled` one that keeps nothing (`SETTLED`). Its count is the
-    tree's nodes: what it verifies. Each tree iteration leaves every stepped lane's tree in
-    `stats` (its N nodes' path probabilities, best first, and their depths; 0 where a node is
-    not valid): what adaptive k over budgets prices the next trees by."""
+    tree's nodes: what it verifies. With `stats`, each tree iteration leaves every stepped
+    lane's tree in `stats` (its N nodes' path probabilities, best first, and their depths; 0
+    where a node is not valid): what adaptive k over budgets prices the next trees by."""
 
     def __init__(self, model, drafter, budgets: int | tuple[int, ...], *, gamma: int | None = None,
-                 exact: bool = False, plain: bool = False, settled: bool = False, slots: int, lanes: int = 1,
-                 ring: int = 64, linear: str = "gemm"):
+                 exact: bool = False, plain: bool = False, settled: bool = False, stats: bool = False,
+                 slots: int, lanes: int = 1, ring: int = 64, linear: str = "gemm"):
         budgets = (budgets,) if isinstance(budgets, int) else tuple(sorted(set(budgets)))
         if not budgets or not all(1 <= b <= MAX_TREE_NODES for b in budgets):
             raise ValueError(f"trees of {budgets} nodes: 1 to {MAX_TREE_NODES}")
@@ -195,8 +195,9 @@ class DFlashTreeIteration(DFlashIteration):
                          settled=settled, slots=slots, lanes=lanes, ring=ring, linear=linear, distributions=True)
         self.selector = drafter.candidate_selector if drafter.config.version == 2 else None
         self._tree_rows = torch.arange(self.budget + 1, device=self.device)
-        self.stats = (torch.zeros(lanes, self.budget, device=self.device),
-                      torch.zeros(lanes, self.budget, dtype=torch.long, device=self.device))
+        if stats:
+            self.stats = (torch.zeros(lanes, self.budget, device=self.device),
+                          torch.zeros(lanes, self.budget, dtype=torch.long, device=self.device))
 
     def most_drafts(self, gamma: int) -> int:
         return MAX_TREE_NODES
@@ -235,16 +236,17 @@ class DFlashTreeIteration(DFlashIteration):
             return super().step(b, k, sampled, slots)
         s = self.state
         pending, pos = s.pending[:b], s.pos[:b]
-        _, block_logits, block_hidden = self._propose(b, slots)
+        block_logits, block_hidden = self._propose(b, slots)
         if self.selector is not None:
             children = selector_children(self.selector, block_hidden, block_logits, pending)
         else:
             children = marginal_children(block_logits, self.budget)
         tree = device_tree(pending, *children, self.budget)
-        active = s.active[:b].bool()[:, None]
-        for t, new in zip(self.stats, (tree[4][:, 1:].exp(), torch.where(tree[3], tree[2], 0)[:, 1:])):
-            t[:b].copy_(torch.where(active, new, t[:b]))
-        tokens, parents, depths, valid = (t[:, :k + 1] for t in tree[:4])  # the first k nodes: the tree of k
+        if self.stats:
+            active = s.active[:b].bool()[:, None]
+            for t, new in zip(self.stats, (tree[4][:, 1:].exp(), torch.where(tree[3], tree[2], 0)[:, 1:])):
+                t[:b].copy_(torch.where(active, new, t[:b]))
+        tokens, parents, depths, valid = (t[:, :k + 1] if k < self.budget else t for t in tree[:4])  # the tree of k
         if self.exact:
             return self._walk_rows(b, tokens, parents, valid, sampled, slots)
         depth = self.gamma - 1
