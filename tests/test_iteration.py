@@ -273,6 +273,9 @@ class Scripted:
     def observe(self, key, emitted, stats=None):
         self.seen.append((key, emitted))
 
+    def reset(self):
+        self.i = 0
+
 
 def test_dflash_variants_share_their_state(engine, tiny_prompts, plain_tokens):
     """One DFlash iteration's variants (counts 0, 1, 3, 7, each its own graph) picked in any
@@ -299,23 +302,49 @@ def test_adaptive_k_over_captured_counts(engine, tiny_prompts, plain_tokens):
     from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
     from metrale.runtime.spec.count_policy import CountPolicy
 
-    def run(table: str):
+    def run(table: str, tokens: int = MAX_TOKENS):
         spec = SpeculativeConfig.from_flags(dflash=True, dflash_adaptive_k=table, dflash_reprobe_interval=2)
         settings = resolve_dflash(spec, engine.drafters["dflash"].config.block_size)
         policy = CountPolicy(settings)
         it = DFlashIteration(engine.target, engine.drafters["dflash"], policy.counts, linear="rowwise",
                              settled=True, slots=SLOTS)
         loop = IterationLoop(it, EagerGraphs(), policy)
-        res = [loop.generate(ids, MAX_TOKENS) for ids in tiny_prompts]
-        assert [r.token_ids for r in res] == plain_tokens, table
-        return [k for r in res for k in r.verified], policy
+        prompts = tiny_prompts if tokens == MAX_TOKENS else tiny_prompts[:1]
+        res = [loop.generate(ids, tokens) for ids in prompts]
+        return [r.token_ids for r in res], [k for r in res for k in r.verified], policy
 
-    drafts, _ = run("0:1,1:1.05,2:1.1,3:1.15,4:1.2,5:1.25,6:1.3,7:1.35")
-    assert sum(k > 0 for k in drafts) > len(drafts) // 2
-    suspended, policy = run("0:1,1:1.9,2:2.7,3:3.5")
+    got, drafts, _ = run("0:1,1:1.05,2:1.1,3:1.15,4:1.2,5:1.25,6:1.3,7:1.35")
+    assert got == plain_tokens and sum(k > 0 for k in drafts) > len(drafts) // 2
+    # one long request (each request starts from the prior): suspended, with probes
+    got, suspended, policy = run("0:1,1:1.9,2:2.7,3:3.5", 150)
     assert suspended.count(0) > len(suspended) // 2 and any(suspended)
-    settled, policy = run("0:1,1:50,2:50,3:50")
-    assert policy.controller.settled and not any(settled)
+    settled_tokens, settled, policy = run("0:1,1:50,2:50,3:50", 150)  # plain steps throughout
+    assert policy.controller.settled and not any(settled) and got == settled_tokens
+    assert settled_tokens[0][:MAX_TOKENS] == plain_tokens[0]
+
+
+@pytest.mark.parametrize("flags", [dict(dflash_draft_ladder="1,3,7"),
+                                   dict(dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4,5:1.5,6:1.6,7:1.7"),
+                                   dict(dflash_tree_budget=16,
+                                        dflash_adaptive_k=",".join(f"{k}:{1 + 0.1 * k:.1f}" for k in range(17)))],
+                         ids=["ladder", "adaptive k", "adaptive k over trees"])
+def test_each_request_starts_the_count_policy_afresh(tiny_engine_dir, tiny_prompts, flags):
+    """As the decode loop's requests do: a seeded sampled request gives the same tokens, and
+    runs the same counts, however many requests ran before it."""
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.serving.service import EngineGenerator
+    from metrale.runtime.spec.config import SpeculativeConfig
+
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    use_cuda_graphs(engine, graphs=EagerGraphs())
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, **flags))
+    warm = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=32)
+    first = gen.generate(tiny_prompts[0], warm)
+    gen.generate(tiny_prompts[1], SamplingParams(temperature=0.0, max_tokens=32))
+    again = gen.generate(tiny_prompts[0], warm)
+    assert again.token_ids == first.token_ids
+    assert [s.drafted for s in again.steps] == [s.drafted for s in first.steps]
 
 
 SAMPLED = ["plain", "dflash k=7 exact", "dflash2 k=7 exact", "mtp k=3 exact", "mtp k=3 stop cum:0.5 exact"]

@@ -309,6 +309,7 @@ def test_lanes_settled_by_what_they_accepted_measure_again_when_a_request_joins(
     """Adaptive k settled by measurements (lanes that accepted nothing) opens again for a new
     request, from the prior; settled by its cost table (no count could ever pay), it stays."""
     lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4,5:1.5,6:1.6,7:1.7")
+    lanes.prefill(lanes.acquire(), tiny_prompts[1], GREEDY, MAX_TOKENS)  # a request running
     controller = lanes.policy.controller
     assert lanes.policy.next() > 0  # the prior: drafting pays
     for _ in range(40):
@@ -319,9 +320,30 @@ def test_lanes_settled_by_what_they_accepted_measure_again_when_a_request_joins(
     assert controller.settled
     lane = lanes.acquire()
     lanes.prefill(lane, tiny_prompts[0], GREEDY, MAX_TOKENS)
+    assert lanes.policy.controller is controller  # joined: reopened, not started afresh
     assert not controller.settled and controller.estimator.tested == [] and lanes.policy.next() > 0
     lanes = _policy_lanes(tiny_engine_dir, dflash_adaptive_k="0:1,1:9,2:9.5,3:10,4:10.5,5:11,6:11.5,7:12")
+    lanes.prefill(lanes.acquire(), tiny_prompts[1], GREEDY, MAX_TOKENS)
     lanes.policy.next()
     assert lanes.policy.controller.settled
     lanes.prefill(lanes.acquire(), tiny_prompts[0], GREEDY, MAX_TOKENS)
     assert lanes.policy.controller.settled
+
+
+@pytest.mark.parametrize("flags", [dict(dflash_draft_ladder="1,3,7"),
+                                   dict(dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4,5:1.5,6:1.6,7:1.7"),
+                                   dict(dflash_tree_budget=16,
+                                        dflash_adaptive_k=",".join(f"{k}:{1 + 0.1 * k:.1f}" for k in range(17)))],
+                         ids=["ladder", "adaptive k", "adaptive k over trees"])
+def test_a_request_alone_in_its_lanes_runs_as_in_a_loop_of_its_own(tiny_engine_dir, tiny_prompts, flags):
+    """A request admitted alone starts the policy afresh (the ladder's lowest rung, adaptive
+    k's prior) and the lanes' generator from its seed: a seeded sampled request gives the same
+    tokens and counts each time it runs alone, whatever ran before it."""
+    lanes = _policy_lanes(tiny_engine_dir, **flags)
+    warm = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24)
+    runs = [_run_lanes(lanes, tiny_prompts[:1], [warm], budget=24) for _ in range(2)]
+    _run_lanes(lanes, tiny_prompts[1:3], [GREEDY] * 2)  # others, which teach the policy
+    runs.append(_run_lanes(lanes, tiny_prompts[:1], [warm], budget=24))
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    other = SamplingParams(temperature=0.9, top_p=0.95, seed=8, max_tokens=24)
+    assert _run_lanes(lanes, tiny_prompts[:1], [other], budget=24)[0] != runs[0][0]

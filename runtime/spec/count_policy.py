@@ -22,6 +22,7 @@ class CountPolicy:
     after the next count was chosen."""
 
     def __init__(self, settings: ResolvedDFlash):
+        self.settings = settings
         self.ladder = DraftLadder(settings.ladder) if settings.ladder else None
         self.controller = None
         if settings.adaptive_k is not None:
@@ -43,6 +44,12 @@ class CountPolicy:
         if key is SETTLED:
             return
         (self.controller or self.ladder).observe(key, emitted - 1)
+
+    def reset(self) -> None:
+        """Start as constructed: from adaptive k's prior, on the ladder's lowest rung. A request
+        run alone starts so (as the decode loop's do), so the counts it runs, and with them a
+        seeded request's draws, do not depend on the requests before it."""
+        self.__init__(self.settings)
 
     def reopen(self) -> None:
         """A sequence joins the batch: adaptive k settled by what the others accepted measures
@@ -69,12 +76,15 @@ class TreeCountPolicy(CountPolicy):
 
     def __init__(self, settings: ResolvedDFlash, decay: float = 0.9):
         cost = settings.adaptive_k
-        self.ladder, self.decay = None, decay
+        self.settings, self.ladder, self.decay = settings, None, decay
         self.controller = AdaptiveKController(cost.up_to(settings.max_drafts), settings.max_drafts,
                                               settings.reprobe_interval or 16)
         self.chooser = TreeBudgetChooser(cost, settings.tree_budget, sparse=True)
         self.counts = tuple(self.chooser.counts)
         self.probs: list[float] | None = None  # the recent trees' nodes' path probabilities
+
+    def reset(self) -> None:
+        self.__init__(self.settings, self.decay)
 
     def next(self):
         k = self.controller.next_k()

@@ -56,7 +56,8 @@ class IterationLoop:
     """Runs an iteration (`iteration.PlainIteration`, `DFlashIteration`, `MTPIteration`) captured
     once by `graphs` (`cuda_graphs.CudaGraphs` on a GPU; `cuda_graphs.EagerGraphs` stands in on
     a CPU); with a `policy` (`CountPolicy`), each of the iteration's variants is captured and
-    the policy picks one per iteration. `last_result` is the last request's `IterationResult`."""
+    the policy picks one per iteration, from its start at each request (`CountPolicy.reset`).
+    `last_result` is the last request's `IterationResult`."""
 
     def __init__(self, iteration, graphs, policy: CountPolicy | None = None):
         self.iteration, self.graphs, self.policy = iteration, graphs, policy
@@ -115,6 +116,8 @@ class IterationLoop:
         slots = it.check_room(len(prompt_ids), max_tokens)  # the request's slot bucket
         if sampled:
             it.seed(params)
+        if self.policy is not None:  # each request from the policy's start
+            self.policy.reset()
         it.prefill(0, prompt_ids, params, slots)  # the loop's one lane
         first = int(it.state.pending[0])
         result = self.last_result = IterationResult([first], "length")
@@ -249,7 +252,8 @@ class IterationLanes(BatchedFace):
     in those lanes (a released lane goes back to position 0, which the smallest bucket holds),
     then reads their tokens (one wait per iteration). Each lane accepts its own count; a greedy
     batch runs the greedy graph, one with a sampled lane the graph that also draws (the lanes'
-    one generator: a seed makes a request's draws reproducible only while it runs alone).
+    one generator, seeded by a sampled request admitted alone: a seed makes a request's draws
+    reproducible only while it runs alone).
     Before a replay the host checks that every lane's next rows lie in the bucket (a write past
     a graph's caches would be a device fault). An iteration whose batch may not draft
     (`--speculative-disable-by-batch-size`) runs the plain variant, which still keeps every
@@ -261,7 +265,8 @@ class IterationLanes(BatchedFace):
     capped it below the count) and the ladder moves once an iteration, so adaptive k maximises
     the batch's tokens per iteration cost under the stream's cost table (the iteration's cost
     at a count, relative to plain, taken as the same for any number of lanes) and may settle
-    every lane on the plain variant until a request is admitted (`CountPolicy.reopen`)."""
+    every lane on the plain variant until a request is admitted (`CountPolicy.reopen`); a
+    request admitted alone starts the policy afresh (`CountPolicy.reset`)."""
 
     BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -311,12 +316,19 @@ class IterationLanes(BatchedFace):
         it = self.iteration
         self._slots[lane] = it.check_room(len(prompt_ids), max_tokens)
         self._prompt[lane] = len(prompt_ids)
+        # a request alone starts the lanes' generator from its seed and the policy from its
+        # start, so it runs as it would in a loop of its own; one beside others joins theirs
+        alone = len(self._free) == it.lanes - 1
+        if alone and not params.greedy:
+            it.seed(params)
         with torch.inference_mode():
             it.prefill(lane, prompt_ids, params, self._slots[lane])
         if not params.greedy:
             self._sampled.add(lane)
         self._cap[lane] = params.lane_cap
-        if self.policy is not None:
+        if self.policy is not None and alone:
+            self.policy.reset()
+        elif self.policy is not None:
             self.policy.reopen()
         self._read[lane] = 0
         return int(it.state.pending[lane])
