@@ -337,3 +337,21 @@ def test_adaptive_k_over_tree_budgets_picks_a_captured_graph_each_iteration(engi
     assert 0 < sum(k > 0 for k in costly) and max(k for k in costly) < 16 and len(set(costly) - {0}) > 1
     never, policy = run(50.0)
     assert policy.controller.settled and not any(never)
+
+
+def test_a_batch_teaches_the_tree_policy_whatever_the_order_of_its_lanes():
+    from metrale.runtime.spec.config import SpeculativeConfig, resolve_dflash
+    from metrale.runtime.spec.count_policy import TreeCountPolicy
+
+    spec = SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=4,
+                                        dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4")
+    lanes = [(3, ([0.9, 0.5, 0.4, 0.1], [1, 2, 1, 3])), (1, ([0.3, 0.2, 0.2, 0.1], [1, 1, 2, 1])),
+             (2, ([0.8, 0.1, 0.1, 0.05], [1, 2, 3, 4]))]
+    seen = []
+    for order in (lanes, lanes[::-1]):
+        policy = TreeCountPolicy(resolve_dflash(spec, 8))
+        policy.observe_batch(2, [n for n, _ in order], [s for _, s in order])
+        policy.observe_batch(4, [n for n, _ in order], [s for _, s in order])
+        seen.append((policy.probs, policy.chooser.ratio, policy.controller.estimator.tested, policy.next()))
+    assert seen[0] == seen[1]
+    assert seen[0][0] == pytest.approx([2.0 / 3, 0.8 / 3, 0.7 / 3, 0.25 / 3])  # the batches' mean tree, twice

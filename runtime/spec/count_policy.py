@@ -98,12 +98,16 @@ class TreeCountPolicy(CountPolicy):
         self.observe_batch(key, [emitted], [stats])
 
     def observe_batch(self, k, emitted: list[int], stats=None) -> None:
-        if k is SETTLED or not k:
+        """Every lane's tree and outcome; the means move once an iteration, by the batch's
+        (whatever the order of its lanes)."""
+        if k is SETTLED or not k or not emitted:
             return
-        for n, (probs, depths) in zip(emitted, stats):
-            self.probs = probs if self.probs is None else [
-                self.decay * m + (1.0 - self.decay) * p for m, p in zip(self.probs, probs)]
-            self.chooser.observe(probs[:k], n - 1)
+        trees = [probs for probs, _ in stats]
+        batch = [sum(col) / len(trees) for col in zip(*trees)]  # the batch's mean tree
+        self.probs = batch if self.probs is None else [
+            self.decay * m + (1.0 - self.decay) * p for m, p in zip(self.probs, batch)]
+        self.chooser.observe([p for probs in trees for p in probs[:k]], sum(emitted) - len(emitted))
+        for n, (_, depths) in zip(emitted, stats):
             self.controller.observe(max(depths[:k]), n - 1)
 
 
