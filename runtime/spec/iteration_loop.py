@@ -4,10 +4,10 @@ reads its tokens one step late; `IterationDecoder` gives it the decode loop's fa
 
 The loop: the prompt runs eagerly (`prefill`), then each iteration is one replay followed by a
 copy of the device ring and count (and what a count policy reads: a tree's node probabilities)
-into a host buffer (pinned on a GPU, two alternating) and an event. Iteration i's copy is waited on only after i+1 is enqueued, so the host's reading and
-its checks (EOS, the budget) overlap the device's next iteration; the iteration enqueued past
-the end is discarded (its rows lie past the request's positions). One host wait per iteration,
-and no read inside one.
+into a host buffer (pinned on a GPU, two alternating) and an event. Iteration i's copy is
+waited on only after i+1 is enqueued, so the host's reading and its checks (EOS, the budget)
+overlap the device's next iteration; the iteration enqueued past the end is discarded (its rows
+lie past the request's positions). One host wait per iteration, and no read inside one.
 
 Which requests (`loop_for`): plain decoding, MTP chains (with the confidence stop),
 DFlash / DFlash2, chunkwise or exact, greedy or sampled (temperature, top-p and the rejection
