@@ -28,6 +28,29 @@ CHUNKWISE_MODES = [
     {"dflash": True, "dflash_drafter": "dflash2"},
 ]
 RECIPE = Path(os.environ.get("METRALE_TEST_RECIPE", ROOT / "recipes" / "tiny.toml"))
+# the count policies of a DFlash mode run as a graph per count (`spec.count_policy`)
+COUNT_POLICIES = {
+    "ladder": dict(dflash_draft_ladder="1,3,7"),
+    "adaptive k": dict(dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4,5:1.5,6:1.6,7:1.7"),
+    "adaptive k over trees": dict(dflash_tree_budget=16,
+                                  dflash_adaptive_k=",".join(f"{k}:{1 + 0.1 * k:.1f}" for k in range(17))),
+}
+
+
+def replay_reading_nothing(it, prompt: list[int], name: str) -> None:
+    """Every variant of iteration `it` (each count, greedy and sampled), twice, after a sampled
+    prompt, under the guard that fails on a read from the host."""
+    from metrale.runtime.backends.host_reads import forbid_host_reads
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    with torch.inference_mode():
+        params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
+        it.seed(params)
+        it.prefill(0, prompt, params)
+        with forbid_host_reads(name):
+            for fn in it.variants().values():
+                fn()
+                fn()
 
 
 def assert_verify_rows_are_one_row_steps(target, k: int, seed: int, trials: int = 2) -> None:

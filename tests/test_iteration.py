@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from conftest import PLAIN_TOKENS
+from conftest import COUNT_POLICIES, PLAIN_TOKENS, replay_reading_nothing
 
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
 from metrale.runtime.spec.config import DraftStop
@@ -145,14 +145,7 @@ def test_a_budget_and_eos_end_the_request_one_iteration_late(engine, tiny_prompt
 def test_no_host_read_inside_an_iteration(engine, tiny_prompts, mode):
     """Every variant, greedy and sampled, every count."""
     it = make(engine, mode)
-    with torch.inference_mode():
-        params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
-        it.seed(params)
-        it.prefill(0, tiny_prompts[0], params)
-        with forbid_host_reads(mode):
-            for fn in it.variants().values():
-                fn()
-                fn()
+    replay_reading_nothing(it, tiny_prompts[0], mode)
 
 
 def test_the_guard_catches_host_reads():
@@ -323,11 +316,7 @@ def test_adaptive_k_over_captured_counts(engine, tiny_prompts, plain_tokens):
     assert settled_tokens[0][:MAX_TOKENS] == plain_tokens[0]
 
 
-@pytest.mark.parametrize("flags", [dict(dflash_draft_ladder="1,3,7"),
-                                   dict(dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4,5:1.5,6:1.6,7:1.7"),
-                                   dict(dflash_tree_budget=16,
-                                        dflash_adaptive_k=",".join(f"{k}:{1 + 0.1 * k:.1f}" for k in range(17)))],
-                         ids=["ladder", "adaptive k", "adaptive k over trees"])
+@pytest.mark.parametrize("flags", list(COUNT_POLICIES.values()), ids=list(COUNT_POLICIES))
 def test_each_request_starts_the_count_policy_afresh(tiny_engine_dir, tiny_prompts, flags):
     """As the decode loop's requests do: a seeded sampled request gives the same tokens, and
     runs the same counts, however many requests ran before it."""

@@ -5,7 +5,7 @@ that step plainly while their batch may not draft, and lanes capped by their req
 from __future__ import annotations
 
 import pytest
-from conftest import PLAIN_TOKENS
+from conftest import COUNT_POLICIES, PLAIN_TOKENS
 
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
 from metrale.runtime.serving.service import EngineGenerator
@@ -330,11 +330,7 @@ def test_lanes_settled_by_what_they_accepted_measure_again_when_a_request_joins(
     assert lanes.policy.controller.settled
 
 
-@pytest.mark.parametrize("flags", [dict(dflash_draft_ladder="1,3,7"),
-                                   dict(dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4,5:1.5,6:1.6,7:1.7"),
-                                   dict(dflash_tree_budget=16,
-                                        dflash_adaptive_k=",".join(f"{k}:{1 + 0.1 * k:.1f}" for k in range(17)))],
-                         ids=["ladder", "adaptive k", "adaptive k over trees"])
+@pytest.mark.parametrize("flags", list(COUNT_POLICIES.values()), ids=list(COUNT_POLICIES))
 def test_a_request_alone_in_its_lanes_runs_as_in_a_loop_of_its_own(tiny_engine_dir, tiny_prompts, flags):
     """A request admitted alone starts the policy afresh (the ladder's lowest rung, adaptive
     k's prior) and the lanes' generator from its seed: a seeded sampled request gives the same

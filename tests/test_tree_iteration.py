@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PLAIN_TOKENS
+from conftest import PLAIN_TOKENS, replay_reading_nothing
 from test_ddtree import CRITICAL_DF4_P001, ROWS, SAMPLED, _chi_square, _paths
 
 from metrale.runtime.backends.cuda_graphs import EagerGraphs
-from metrale.runtime.backends.host_reads import forbid_host_reads
 from metrale.runtime.spec.ddtree import SelectorChildren, Tree, accepted_path, build_tree, marginal_tree
 from metrale.runtime.spec.iteration import DFlashIteration
 from metrale.runtime.spec.iteration_loop import IterationLoop
@@ -205,14 +204,7 @@ def test_a_tree_iteration_decodes_plain_decodings_tokens_and_beats_its_chain(eng
         tree_tokens += len(res.token_ids) / len(res.emitted)
         chain_tokens += len(want) / len(chain.generate(ids, PLAIN_TOKENS, engine.tokenizer.eos_token_ids).emitted)
     assert tree_tokens > 1.1 * chain_tokens
-    with torch.inference_mode():
-        params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
-        it.seed(params)
-        it.prefill(0, tiny_prompts[0], params)
-        with forbid_host_reads(drafter):
-            for fn in it.variants().values():  # greedy and sampled, the tree and the plain step
-                fn()
-                fn()
+    replay_reading_nothing(it, tiny_prompts[0], drafter)
 
 
 @pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
@@ -249,14 +241,7 @@ def test_an_exact_tree_iteration_walks_its_path_a_row_a_forward(engine, tiny_eng
             got[step.lane] += toks
     assert [t[:PLAIN_TOKENS] for t in got.values()] == [w[:PLAIN_TOKENS] for w in plain_tokens[:3]]
     assert steps[0].ran == it.gamma
-    with torch.inference_mode():
-        params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
-        it.seed(params)
-        it.prefill(0, tiny_prompts[0], params)
-        with forbid_host_reads(drafter):
-            for fn in it.variants().values():
-                fn()
-                fn()
+    replay_reading_nothing(it, tiny_prompts[0], drafter)
 
 
 @pytest.mark.parametrize("drafter, budget, gamma", [("dflash", 16, 4), ("dflash2", 64, None), ("dflash2", 1, None)])
