@@ -245,15 +245,21 @@ def test_a_graph_target_runs_greedy_requests_as_iterations(tiny_engine_dir, tiny
     assert not isinstance(sampled.decoder(off), IterationDecoder)
     assert sampled.generate(tiny_prompts[1], off).token_ids == plain_tokens[1]
     ladder = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_draft_ladder="1,3,7"))
-    seen = []  # a capped request's outcomes do not move the ladder (or teach adaptive k)
+    seen = []  # a capped request's outcomes move the ladder (or teach adaptive k) only within its cap
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(ladder.decoder().loop.policy, "observe", lambda *a: seen.append(a))
-        assert ladder.generate(tiny_prompts[1], capped).token_ids == plain_tokens[1] and not seen
-        assert ladder.generate(tiny_prompts[1], greedy).token_ids == plain_tokens[1] and seen
+        policy = ladder.decoder().loop.policy
+        m.setattr(policy, "observe", lambda *a, observe=policy.observe: (seen.append(a), observe(*a)))
+        assert ladder.generate(tiny_prompts[1], capped).token_ids == plain_tokens[1]
+        assert seen and {key for key, *_ in seen} == {1}  # rung 1 (it climbs): 3 and 7 exceed the cap
+        seen.clear()
+        assert ladder.generate(tiny_prompts[1], greedy).token_ids == plain_tokens[1]
+        assert {key for key, *_ in seen} > {1}
 
 
 class Scripted:
     """A count policy that plays a fixed sequence of variants, round and round."""
+
+    stats = False
 
     def __init__(self, keys):
         self.keys, self.i, self.seen = list(keys), 0, []

@@ -16,12 +16,13 @@ MAX_TOKENS = PLAIN_TOKENS
 
 @pytest.mark.parametrize("flags", [{}, dict(dflash=True), dict(speculative=True, num_drafts=3),
                                    dict(dflash=True, dflash_drafter="dflash2", dflash_draft_ladder="1,3,7"),
-                                   dict(dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16)],
-                         ids=["plain", "dflash", "mtp", "dflash2 ladder", "dflash2 tree"])
+                                   dict(dflash=True, dflash_drafter="dflash2", dflash_tree_budget=16),
+                                   dict(dflash=True, dflash_tree_budget=16, exact_verify=True)],
+                         ids=["plain", "dflash", "mtp", "dflash2 ladder", "dflash2 tree", "dflash exact tree"])
 def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_prompts, flags):
     """`serve` on a target run as graphs: concurrent requests over HTTP (the official client)
-    run in the lanes of one iteration graph per bucket, each accepting its own drafts, each
-    with its solo answer (greedy); several ran at once."""
+    run in the lanes of one iteration graph per bucket, drafting whatever the batch, each
+    accepting its own drafts, each with its solo answer (greedy); several ran at once."""
     from concurrent.futures import ThreadPoolExecutor
 
     import requests
@@ -44,7 +45,7 @@ def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_
     for text in texts:
         res = EngineGenerator(engine).generate(engine.tokenizer.encode(text), SamplingParams(temperature=0.0, max_tokens=16))
         solo.append(engine.tokenizer.decode([t for t in res.token_ids if t not in engine.tokenizer.eos_token_ids]))
-    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8))) as base:
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=8, speculative_disable_by_batch_size=None))) as base:
         client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
         def ask(i):
@@ -57,6 +58,11 @@ def test_serving_on_a_graph_target_runs_requests_in_lanes(tiny_engine_dir, tiny_
     assert answers == [solo[i % len(texts)] for i in range(12)]
     peak = int(float(next(x for x in metrics.splitlines() if x.startswith("metrale_scheduler_peak_running ")).split()[1]))
     assert 2 <= peak <= 8
+    totals = gen.metrics.snapshot()[1]
+    if flags:  # every iteration drafted (the batch always may), its lanes each accepting their own
+        assert totals.steps > 0 and totals.drafts_verified > 0 and totals.tokens_emitted > 1.2 * totals.steps
+    if flags.get("dflash_tree_budget"):  # the rows each iteration ran: the tree's 17, or exact's γ = 8
+        assert totals.verify_rows == (8 if flags.get("exact_verify") else 17) * totals.steps
 
 
 @pytest.mark.parametrize("flags", [dict(dflash=True), dict(speculative=True, num_drafts=3),
@@ -331,7 +337,7 @@ def test_lanes_settled_by_what_they_accepted_measure_again_when_a_request_joins(
 
 
 @pytest.mark.parametrize("flags", list(COUNT_POLICIES.values()), ids=list(COUNT_POLICIES))
-def test_a_request_alone_in_its_lanes_runs_as_in_a_loop_of_its_own(tiny_engine_dir, tiny_prompts, flags):
+def test_a_request_alone_in_its_lanes_starts_as_a_request_of_its_own(tiny_engine_dir, tiny_prompts, flags):
     """A request admitted alone starts the policy afresh (the ladder's lowest rung, adaptive
     k's prior) and the lanes' generator from its seed: a seeded sampled request gives the same
     tokens and counts each time it runs alone, whatever ran before it."""

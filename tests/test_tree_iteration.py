@@ -241,6 +241,11 @@ def test_an_exact_tree_iteration_walks_its_path_a_row_a_forward(engine, tiny_eng
             got[step.lane] += toks
     assert [t[:PLAIN_TOKENS] for t in got.values()] == [w[:PLAIN_TOKENS] for w in plain_tokens[:3]]
     assert steps[0].ran == it.gamma
+    # a tree of 2 nodes is at most 2 deep: 3 rows
+    small = IterationLoop(DFlashTreeIteration(engine.target, engine.drafters[drafter], 2, exact=True, slots=SLOTS),
+                          EagerGraphs())
+    res = small.generate(tiny_prompts[0], PLAIN_TOKENS, engine.tokenizer.eos_token_ids)
+    assert res.token_ids == plain_tokens[0] and set(res.rows) == {3} and max(res.emitted) == 3
     replay_reading_nothing(it, tiny_prompts[0], drafter)
 
 
@@ -322,6 +327,19 @@ def test_adaptive_k_over_tree_budgets_picks_a_captured_graph_each_iteration(engi
     assert 0 < sum(k > 0 for k in costly) and max(k for k in costly) < 16 and len(set(costly) - {0}) > 1
     never, policy = run(50.0)
     assert policy.controller.settled and not any(never)
+    # a request capped below what a tree may accept teaches nothing; one capped at γ − 1 does
+    for cap, teaches in ((2, False), (7, True)):
+        spec = SpeculativeConfig.from_flags(dflash=True, dflash_drafter=drafter, dflash_tree_budget=16,
+                                            dflash_adaptive_k=",".join(f"{k}:{1 + 0.002 * k:.3f}" for k in range(17)))
+        policy = TreeCountPolicy(resolve_dflash(spec, engine.drafters[drafter].config.block_size))
+        it = DFlashTreeIteration(engine.target, engine.drafters[drafter], policy.counts, plain=True, settled=True,
+                                 stats=True, slots=SLOTS, linear="rowwise")
+        loop = IterationLoop(it, EagerGraphs(), policy)
+        loop.generate(tiny_prompts[0], 12, params=SamplingParams(temperature=0.0, max_drafts=cap))
+        assert (policy.probs is not None) is teaches and (policy.chooser.predicted > 0) is teaches
+    with pytest.raises(ValueError, match="stats=True"):
+        IterationLoop(DFlashTreeIteration(engine.target, engine.drafters[drafter], policy.counts, plain=True,
+                                          slots=SLOTS), EagerGraphs(), policy)
 
 
 def test_a_batch_teaches_the_tree_policy_whatever_the_order_of_its_lanes():
@@ -330,13 +348,17 @@ def test_a_batch_teaches_the_tree_policy_whatever_the_order_of_its_lanes():
 
     spec = SpeculativeConfig.from_flags(dflash=True, dflash_tree_budget=4,
                                         dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4")
-    lanes = [(3, ([0.9, 0.5, 0.4, 0.1], [1, 2, 1, 3])), (1, ([0.3, 0.2, 0.2, 0.1], [1, 1, 2, 1])),
-             (2, ([0.8, 0.1, 0.1, 0.05], [1, 2, 3, 4]))]
+    g = torch.Generator().manual_seed(0)
+    lanes = []
+    for _ in range(7):  # random trees: sums in another order would round otherwise
+        probs = torch.rand(4, generator=g, dtype=torch.float64).sort(descending=True).values.tolist()
+        lanes.append((int(torch.randint(1, 4, (), generator=g)), (probs, [1, 2, 2, 3])))
     seen = []
-    for order in (lanes, lanes[::-1]):
+    for order in (lanes, lanes[::-1], lanes[3:] + lanes[:3]):
         policy = TreeCountPolicy(resolve_dflash(spec, 8))
         policy.observe_batch(2, [n for n, _ in order], [s for _, s in order])
         policy.observe_batch(4, [n for n, _ in order], [s for _, s in order])
         seen.append((policy.probs, policy.chooser.ratio, policy.controller.estimator.tested, policy.next()))
-    assert seen[0] == seen[1]
-    assert seen[0][0] == pytest.approx([2.0 / 3, 0.8 / 3, 0.7 / 3, 0.25 / 3])  # the batches' mean tree, twice
+    assert seen[0] == seen[1] == seen[2]
+    mean = [sum(p[i] for _, (p, _) in lanes) / 7 for i in range(4)]
+    assert seen[0][0] == pytest.approx(mean)  # the batches' mean tree, twice

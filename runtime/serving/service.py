@@ -285,7 +285,7 @@ class EngineGenerator:
                 # the drafts its lane verified for it; the rows are the whole iteration's
                 n, k = len(tokens), min(lanes.last_k, cap)
                 result.metrics.record_step(proposed=proposed if k else 0, verified=k, accepted=n - 1, emitted=n,
-                                           verify_rows=lanes.last_k + 1, draft_s=0.0,
+                                           verify_rows=lanes.iteration.rows(lanes.last_k), draft_s=0.0,
                                            verify_s=time.perf_counter() - t1)
         finally:
             lanes.release(lane)

@@ -4,6 +4,8 @@ DFlash draft ladder's rung, adaptive k's count, or with draft trees adaptive k's
 
 from __future__ import annotations
 
+import math
+
 from metrale.runtime.spec.adaptive_k import AdaptiveKController, DraftLadder, TreeBudgetChooser
 from metrale.runtime.spec.config import ResolvedDFlash, SpecMode, SpeculativeConfig
 from metrale.runtime.spec.iteration import SETTLED
@@ -20,6 +22,8 @@ class CountPolicy:
     ladder's rung (`--dflash-draft-ladder`). The loop runs one stream, so adaptive k decides
     every iteration; it learns each iteration's outcome when the host reads it, one iteration
     after the next count was chosen."""
+
+    stats = False  # whether it reads what the iteration leaves (`iteration.stats`)
 
     def __init__(self, settings: ResolvedDFlash):
         self.settings = settings
@@ -74,6 +78,8 @@ class TreeCountPolicy(CountPolicy):
     of its first b nodes, and the controller the path's depth it could reach. Its budgets are
     the table's powers of two and its largest (a graph each, per batch and slot bucket)."""
 
+    stats = True
+
     def __init__(self, settings: ResolvedDFlash, decay: float = 0.9):
         cost = settings.adaptive_k
         self.settings, self.ladder, self.decay = settings, None, decay
@@ -103,10 +109,10 @@ class TreeCountPolicy(CountPolicy):
         if k is SETTLED or not k or not emitted:
             return
         trees = [probs for probs, _ in stats]
-        batch = [sum(col) / len(trees) for col in zip(*trees)]  # the batch's mean tree
+        batch = [math.fsum(col) / len(trees) for col in zip(*trees)]  # the batch's mean tree (exact sums)
         self.probs = batch if self.probs is None else [
             self.decay * m + (1.0 - self.decay) * p for m, p in zip(self.probs, batch)]
-        self.chooser.observe([p for probs in trees for p in probs[:k]], sum(emitted) - len(emitted))
+        self.chooser.observe([math.fsum(p for probs in trees for p in probs[:k])], sum(emitted) - len(emitted))
         for n, (_, depths) in zip(emitted, stats):
             self.controller.observe(max(depths[:k]), n - 1)
 

@@ -158,7 +158,7 @@ HELP: dict[str, str] = {
         "b the table's count (1..N) with the most expected tokens per ms: the drafter's path "
         "probabilities summed over those nodes, scaled by how the target has accepted its "
         "trees; the table's counts are then tree budgets, up to N, and plain steps where no "
-        "tree pays (on a CUDA-graph target, whose iterations are graphs, b is picked before "
+        "tree pays (on a CUDA-graph target where its whole iterations run, b is picked before "
         "each iteration among the table's powers of two and its largest, from the path "
         "probabilities of the last iterations' trees, for every running request at once). "
         "Runs on every backend and world: where the target has no tree mask (an "

@@ -52,6 +52,14 @@ class IterationResult:
     prefill_s: float = 0.0
 
 
+def _checked(policy: CountPolicy | None, iteration) -> CountPolicy | None:
+    """`policy`, refused where it reads what `iteration` does not leave (`stats`)."""
+    if policy is not None and policy.stats and not iteration.stats:
+        raise ValueError(f"{type(policy).__name__} reads each tree's node statistics: the iteration "
+                         "must be made with stats=True")
+    return policy
+
+
 class IterationLoop:
     """Runs an iteration (`iteration.PlainIteration`, `DFlashIteration`, `MTPIteration`) captured
     once by `graphs` (`cuda_graphs.CudaGraphs` on a GPU; `cuda_graphs.EagerGraphs` stands in on
@@ -60,7 +68,7 @@ class IterationLoop:
     `last_result` is the last request's `IterationResult`."""
 
     def __init__(self, iteration, graphs, policy: CountPolicy | None = None):
-        self.iteration, self.graphs, self.policy = iteration, graphs, policy
+        self.iteration, self.graphs, self.policy = iteration, graphs, _checked(policy, iteration)
         state = iteration.state
         self.captured = {}
         self.unsampled = None  # why the sampled variants could not be captured, if they could not
@@ -111,7 +119,7 @@ class IterationLoop:
         it = self.iteration
         sampled = params is not None and not params.greedy
         # a request that caps its drafts: each iteration accepts at most that many (the state's
-        # `cap`), and its capped outcomes do not teach adaptive k (the stream's other requests')
+        # `cap`), and an iteration that could accept more than the cap does not teach the policy
         cap = NO_CAP if params is None else params.lane_cap
         slots = it.check_room(len(prompt_ids), max_tokens)  # the request's slot bucket
         if sampled:
@@ -143,7 +151,7 @@ class IterationLoop:
                 result.emitted.append(n - read)
                 result.verified.append(min(drafts_of(key), cap))
                 result.rows.append(it.rows(key))
-                if self.policy is not None and cap == NO_CAP:
+                if self.policy is not None and it.accepts(key) <= cap:  # (else it measured its cap)
                     self.policy.observe(key, n - read, [t[0].tolist() for t in stats])
                 for j in range(read, n):
                     tok = tokens[j % ring]
@@ -271,7 +279,7 @@ class IterationLanes(BatchedFace):
     BUCKETS = (1, 2, 4, 8, 16, 32)
 
     def __init__(self, iteration, graphs, policy: CountPolicy | None = None):
-        self.iteration, self.graphs, self.policy = iteration, graphs, policy
+        self.iteration, self.graphs, self.policy = iteration, graphs, _checked(policy, iteration)
         n = iteration.lanes
         self.buckets = tuple(b for b in self.BUCKETS if b < n) + (n,)
         state = iteration.state
@@ -317,7 +325,8 @@ class IterationLanes(BatchedFace):
         self._slots[lane] = it.check_room(len(prompt_ids), max_tokens)
         self._prompt[lane] = len(prompt_ids)
         # a request alone starts the lanes' generator from its seed and the policy from its
-        # start, so it runs as it would in a loop of its own; one beside others joins theirs
+        # start, as a request of its own does (so a seeded one repeats); one beside others
+        # joins theirs
         alone = len(self._free) == it.lanes - 1
         if alone and not params.greedy:
             it.seed(params)
@@ -374,7 +383,8 @@ class IterationLanes(BatchedFace):
             out.append([row[j % ring] for j in range(read, n)])
             self._read[lane] = n
         if self.policy is not None and k > 0:  # (a lane whose request capped it below k measured its cap)
-            taught = [(lane, len(o)) for lane, o in zip(lanes, out) if self.iteration.accepts(k) <= self._cap[lane]]
+            most = self.iteration.accepts(k)
+            taught = sorted((lane, len(o)) for lane, o in zip(lanes, out) if most <= self._cap[lane])  # lane order
             stats = [[t[lane].tolist() for t in self._stats] for lane, _ in taught]
             self.policy.observe_batch(k, [n for _, n in taught], stats)
         return out

@@ -70,7 +70,7 @@ def selector_children(selector, hidden: torch.Tensor, logits: torch.Tensor, anch
 
 
 def device_tree(anchor: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
-                budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The best-first tree of `budget` nodes per sequence (see the module docstring): anchor
     [B]; a node at depth d+1 whose parent reads row r has the children vals/ids [:, d, r]
     (log-probabilities and tokens, in any order) whose own rows are rows [:, d, r]
@@ -202,8 +202,8 @@ class DFlashTreeIteration(DFlashIteration):
     def most_drafts(self, gamma: int) -> int:
         return MAX_TREE_NODES
 
-    def rows(self, k) -> int:
-        return self.gamma if self.exact and k in self.budgets else super().rows(k)  # exact: a row a depth
+    def rows(self, k) -> int:  # exact: a row a depth, as deep as a tree of k goes
+        return min(self.gamma, k + 1) if self.exact and k in self.budgets else super().rows(k)
 
     def accepts(self, k) -> int:
         return min(self.gamma - 1, k) if k in self.budgets else super().accepts(k)  # a path's depth
@@ -248,7 +248,7 @@ class DFlashTreeIteration(DFlashIteration):
                 t[:b].copy_(torch.where(active, new, t[:b]))
         tokens, parents, depths, valid = (t[:, :k + 1] if k < self.budget else t for t in tree[:4])  # the tree of k
         if self.exact:
-            return self._walk_rows(b, tokens, parents, valid, sampled, slots)
+            return self._walk_rows(b, k, tokens, parents, valid, sampled, slots)
         depth = self.gamma - 1
         anc = ancestors(parents, depth)
         rows = k + 1
@@ -267,13 +267,14 @@ class DFlashTreeIteration(DFlashIteration):
         s.emit(target_ids.gather(1, path), n)
         return ()
 
-    def _walk_rows(self, b: int, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+    def _walk_rows(self, b: int, k: int, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
                    sampled: bool, slots: int) -> tuple:
-        """Exact verify of the tree [B, N+1] (`device_tree`): the path walked one row per
-        forward, as plain decoding runs its steps (so greedy lanes emit its bits). Row j is the
-        path's node at depth j at slot and position pos+j; its target token picks the child
-        that holds it, and the path ends where none does (the later rows run on and count for
-        nothing). The rows lie in the path's order, so nothing moves."""
+        """Exact verify of the tree of k nodes [B, k+1] (`device_tree`): the path walked one row
+        per forward, as plain decoding runs its steps (so greedy lanes emit its bits), as many
+        rows as the tree can be deep (`rows`). Row j is the path's node at depth j at slot and
+        position pos+j; its target token picks the child that holds it, and the path ends where
+        none does (the later rows run on and count for nothing). The rows lie in the path's
+        order, so nothing moves."""
         s = self.state
         pos = s.pos[:b]
         seq = self.index(b, 1)[0]
@@ -282,13 +283,13 @@ class DFlashTreeIteration(DFlashIteration):
         on = torch.ones(b, dtype=torch.bool, device=self.device)  # its path goes on
         n = torch.zeros(b, dtype=torch.long, device=self.device)
         kids = valid & (torch.arange(tokens.shape[1], device=self.device) > 0)  # the root is no child
-        ids, taps = [], []
-        for j in range(self.gamma):
+        ids, taps, rows = [], [], self.rows(k)
+        for j in range(rows):
             logits, _, tap = self.forward(tokens.gather(1, node[:, None])[:, 0], pos + j, seq, kv)
             t = self.targets(logits[:, None], sampled)[:, 0]
             ids.append(t)
             taps.append(tap)
-            if j == self.gamma - 1:
+            if j == rows - 1:
                 break
             child = kids & (parents == node[:, None]) & (tokens == t[:, None])  # [B, N+1]: one at most
             on = on & child.any(1)
