@@ -79,18 +79,16 @@ class TreeCountPolicy(CountPolicy):
     the table's powers of two and its largest (a graph each, per batch and slot bucket)."""
 
     stats = True
+    DECAY = 0.9  # the mean tree's, per iteration
 
-    def __init__(self, settings: ResolvedDFlash, decay: float = 0.9):
+    def __init__(self, settings: ResolvedDFlash):
         cost = settings.adaptive_k
-        self.settings, self.ladder, self.decay = settings, None, decay
+        self.settings = settings
         self.controller = AdaptiveKController(cost.up_to(settings.max_drafts), settings.max_drafts,
                                               settings.reprobe_interval or 16)
         self.chooser = TreeBudgetChooser(cost, settings.tree_budget, sparse=True)
         self.counts = tuple(self.chooser.counts)
         self.probs: list[float] | None = None  # the recent trees' nodes' path probabilities
-
-    def reset(self) -> None:
-        self.__init__(self.settings, self.decay)
 
     def next(self):
         k = self.controller.next_k()
@@ -111,7 +109,7 @@ class TreeCountPolicy(CountPolicy):
         trees = [probs for probs, _ in stats]
         batch = [math.fsum(col) / len(trees) for col in zip(*trees)]  # the batch's mean tree (exact sums)
         self.probs = batch if self.probs is None else [
-            self.decay * m + (1.0 - self.decay) * p for m, p in zip(self.probs, batch)]
+            self.DECAY * m + (1.0 - self.DECAY) * p for m, p in zip(self.probs, batch)]
         self.chooser.observe([math.fsum(p for probs in trees for p in probs[:k])], sum(emitted) - len(emitted))
         for n, (_, depths) in zip(emitted, stats):
             self.controller.observe(max(depths[:k]), n - 1)
