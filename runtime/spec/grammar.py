@@ -8,7 +8,8 @@ masks the row at that position, and greedy constrained speculation emits plain c
 decoding's tokens. Drafts are walked through the matcher before they are verified: the first
 draft the grammar refuses and every draft after it are dropped (a draft that breaks the grammar
 is never verified, let alone accepted), and the matcher is rolled back to the emitted tokens
-after every walk over drafts, so rejected drafts leave no trace in its state.
+after every walk over drafts, so rejected drafts leave no trace in its state. Beside the grammar,
+no object takes a key twice (`json_keys`), which a schema's grammar cannot say.
 
 Documents are written without free whitespace (xgrammar's `any_whitespace=False`: one space
 after `,` and `:`), so a model cannot run out its budget in blanks between tokens.
@@ -27,6 +28,7 @@ import re
 import torch
 
 from metrale.runtime.errors import ConfigError
+from metrale.runtime.spec.json_keys import KeyTracker, KeyVocab
 from metrale.runtime.spec.pattern_grammar import schema_grammar
 
 # xgrammar is imported where a grammar is first made: its import loads its compiler's runtime,
@@ -80,6 +82,7 @@ class Grammars:
                                       stop_token_ids=sorted(tokenizer.eos_token_ids))
         self.compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
+        self.keys = KeyVocab(info.decoded_vocab)  # each id's bytes, b"" for a special token
 
     def compile(self, schema: str):
         """JSON schema `schema` (text, `schema_check.check_shape` passed) compiled for this
@@ -95,13 +98,16 @@ class Grammars:
 
     def state(self, schema: str) -> GrammarState:
         """A fresh matcher for JSON schema `schema` (text; `compile`'s refusals)."""
-        return GrammarState(self.compile(schema), self.vocab_size)
+        return GrammarState(self.compile(schema), self.vocab_size, KeyTracker(self.keys))
 
 
 class GrammarState:
-    """One request's grammar matcher and its token mask (see the module docstring)."""
+    """One request's grammar matcher and its token mask (see the module docstring), with the
+    keys its document's objects hold (`json_keys`): a token that would close a key its object
+    already holds is masked out, unless every token the grammar allows there would (a schema
+    whose keys come from a short list, all used: the document repeats one rather than stall)."""
 
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, keys: KeyTracker):
         import xgrammar
 
         self._apply = xgrammar.apply_token_bitmask_inplace
@@ -109,6 +115,7 @@ class GrammarState:
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size
         self.stop = min(self.matcher.stop_token_ids)
+        self.keys = keys
 
     def masked(self, row: torch.Tensor) -> torch.Tensor:
         """`row` [V] (a copy, float32) with the tokens the current state refuses at -inf."""
@@ -119,7 +126,21 @@ class GrammarState:
             return out
         self.matcher.fill_next_token_bitmask(self.bitmask)
         self._apply(row, self.bitmask.to(row.device), vocab_size=self.vocab_size)
+        repeating = self.keys.repeating()
+        if repeating:
+            ids = torch.tensor(repeating, device=row.device)
+            allowed, repeats = (row[0] > float("-inf")).sum(), (row[0, ids] > float("-inf")).sum()
+            if 0 < repeats < allowed:
+                row[0, ids] = float("-inf")
         return row[0]
+
+    def _refused(self, token: int) -> bool:
+        """The grammar or the keys refuse `token` at the current state (`masked`'s rule)."""
+        if self.matcher.is_terminated():
+            return True
+        if self.keys.repeats(token):
+            return bool(self.masked(torch.zeros(self.vocab_size))[token] == float("-inf"))
+        return False
 
     @property
     def done(self) -> bool:
@@ -129,11 +150,16 @@ class GrammarState:
     def push(self, token: int) -> bool:
         """A draft into the state (False: the grammar refuses it, and the state is unchanged);
         undo the drafts pushed with `rollback`."""
-        return not self.matcher.is_terminated() and self.matcher.accept_token(int(token))
+        token = int(token)
+        if self._refused(token) or not self.matcher.accept_token(token):
+            return False
+        self.keys.take(token)
+        return True
 
     def rollback(self, n: int) -> None:
         if n:
             self.matcher.rollback(n)
+            self.keys.drop(n)
 
     def redraft(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """A block's drafts under the grammar: at each position the drafter's own draft where
@@ -152,7 +178,7 @@ class GrammarState:
 
     def accept(self, token: int) -> None:
         """An emitted token into the state (the decode loop masked the row it came from)."""
-        if not self.matcher.accept_token(int(token)):
+        if not self.push(token):
             raise AssertionError(f"token {token} was emitted from a row its grammar masked out")
 
     def valid_drafts(self, drafts: list[int]) -> int:

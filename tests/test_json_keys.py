@@ -1,0 +1,154 @@
+"""No object of a constrained document takes a key twice (`spec.json_keys`): the lexer's keys per
+object, wherever the tokens cut the bytes; the mask and the drafts' refusal at a repeated key, and
+its rollback; a schema whose keys run out repeats one rather than stall; random walks through
+free objects' grammars never repeat a key, where the grammar alone allows it."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from metrale.runtime.spec.grammar import JSON_OBJECT, Grammars
+from metrale.runtime.spec.json_keys import At, KeyTracker, read
+
+DOC = b'{"a": {"a": 1}, "b": "{\\"a\\": [", "c": [{"a": 2}, "a"], "d\\u00e9": 3, '
+
+
+def _allowed(state) -> torch.Tensor:
+    return state.masked(torch.zeros(state.vocab_size)) > float("-inf")
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_engine):
+    return Grammars(tiny_engine.tokenizer, tiny_engine.target.config.vocab_size)
+
+
+def test_keys_are_read_per_object_wherever_the_tokens_cut_the_bytes():
+    at, repeated = read(At(), DOC)
+    assert not repeated
+    assert [f.is_object for f in at.frames] == [True] and at.frames[0].key_next
+    assert at.frames[0].keys == {"a", "b", "c", "dé"}  # inner objects' keys and strings' braces are not its
+    for key, again in [(b'"a"', True), (b'"\\u0061"', True), (b'"d\\u00e9"', True), (b'"d\xc3\xa9"', True),
+                       (b'"e"', False), (b'"\\"a"', False)]:
+        assert read(at, key)[1] == again, key
+    for cut in range(len(DOC) + 1):  # two tokens, cut anywhere: the same state
+        assert read(read(At(), DOC[:cut])[0], DOC[cut:]) == (at, False)
+    # a value's string and a nested object's key are not the outer object's keys
+    inner, _ = read(at, b'"e": {"')
+    assert not read(inner, b'a"')[1] and read(read(inner, b'a": 1, "')[0], b'a"')[1]
+    assert not read(at, b'"e": "a"')[1]
+
+
+def test_a_repeated_key_is_masked_refused_as_a_draft_and_rolled_back(tiny_engine, grammars):
+    tok = tiny_engine.tokenizer
+    quote, a, b = (tok.encode(t)[0] for t in ('"', "a", "b"))
+    state = grammars.state(JSON_OBJECT)
+    state.advance(tok.encode('{"a": 1, "'))
+    assert state.push(a)
+    assert not _allowed(state)[quote] and not state.push(quote)  # "a" again
+    state.rollback(1)
+    assert state.push(b) and _allowed(state)[quote] and state.push(quote)  # "b" is new
+    state.rollback(2)
+    assert state.valid_drafts(tok.encode('b": 2}')) == len(tok.encode('b": 2}'))
+    assert state.valid_drafts(tok.encode('a": 2}')) == 1  # cut where the key would close
+    # a verify's rows are masked at their own states: the row after "a is the one refusing the close
+    rows = state.masked_rows(torch.zeros(3, state.vocab_size), [a, b])  # keys "", "a", "ab"
+    assert [bool(r[quote] > float("-inf")) for r in rows] == [True, False, True]
+    with pytest.raises(AssertionError):
+        state.advance([a, quote])
+    # an inner object holds keys of its own; dropping a key's tokens frees it again
+    state = grammars.state(JSON_OBJECT)
+    state.advance(tok.encode('{"a": {"'))
+    assert state.valid_drafts(tok.encode('a": 1}')) == len(tok.encode('a": 1}'))
+    state.advance(tok.encode('a": 1}, "'))
+    assert state.valid_drafts([a, quote]) == 1
+
+
+def test_the_grouped_lookup_finds_what_reading_every_token_finds(grammars):
+    """`KeyTracker.repeating` (tokens grouped by what precedes their quote) against each quoted
+    token read whole, at every byte of documents with keys, escapes and nested objects."""
+    vocab = grammars.keys
+    docs = [DOC + b'"a', DOC + b'"d\\', DOC + b'"d\\u00', b'{"": 1, "x": {"', b'[{"a": "b", "c": "d"}, {"a']
+    seen = 0
+    for doc in docs:
+        for cut in range(1, len(doc) + 1):
+            tracker = KeyTracker(vocab)
+            tracker.history.append(read(At(), doc[:cut])[0])
+            whole = sorted(t for t in vocab.quoted if tracker.repeats(t))
+            assert tracker.repeating() == whole, doc[:cut]
+            seen += len(whole)
+    assert seen > 0
+
+
+def test_keys_that_run_out_repeat_rather_than_stall(tiny_engine, grammars):
+    tok = tiny_engine.tokenizer
+    state = grammars.state(json.dumps({"type": "object", "propertyNames": {"enum": ["a"]}}))
+    doc = tok.encode('{"a": 1, "a": 2}')
+    assert state.valid_drafts(doc) == len(doc)  # the grammar allows no other key: not a dead end
+
+
+SCHEMAS = [json.loads(JSON_OBJECT),
+           {"type": "object", "additionalProperties": {"type": "integer"}},
+           {"type": "object", "patternProperties": {"^[a-c]+$": {"type": "integer"}}, "additionalProperties": False},
+           {"type": "object", "properties": {"x": {"type": "object"}}, "required": ["x"]}]
+# a document each schema's grammar allows, with a key repeated
+REPEATS = ['{"a": 1, "a": 2}', '{"b": 1, "b": 2}', '{"ab": 1, "ab": 2}', '{"x": {"c": 1, "c": 2}}']
+
+
+def _walks(tok, grammars, schema: dict, keys: bool, n: int = 48) -> tuple[int, int]:
+    """n random walks through `schema`'s grammar, each token drawn from what the state allows,
+    mostly from a few short keys' tokens (so a free object meets a key again often), an end
+    (`}`, EOS) a quarter of the time it is among them -> (complete documents, documents with an
+    object that repeats a key); each complete one validates."""
+    ends = set(tok.encode("}")) | set(tok.eos_token_ids)
+    favoured = set(tok.encode('{"a": 1, "b": 2, "ab": {"c": 3')) | ends
+    rng, complete, repeating = random.Random(0), 0, 0
+    for _ in range(n):
+        state = grammars.state(json.dumps(schema))
+        if not keys:
+            _without_keys(state)
+        ids: list[int] = []
+        while not state.done and len(ids) < 120:
+            allowed = _allowed(state).nonzero().flatten().tolist()
+            near = [t for t in allowed if t in favoured]
+            closing, going = [t for t in near if t in ends], [t for t in near if t not in ends]
+            if near and rng.random() < 0.95:
+                ids.append(rng.choice(closing if closing and (not going or rng.random() < 0.25) else going))
+            else:
+                ids.append(rng.choice(allowed))
+            state.accept(ids[-1])
+        if not state.done:
+            continue
+        pairs: list[list[str]] = []
+        doc = json.loads(tok.decode(ids[:-1]), object_pairs_hook=lambda kv: pairs.append([k for k, _ in kv]) or dict(kv))
+        jsonschema.validate(doc, schema)
+        complete += 1
+        repeating += any(len(set(p)) < len(p) for p in pairs)
+    return complete, repeating
+
+
+def _without_keys(state):
+    """`state` as the grammar alone masks it: no token refused for its key."""
+    state.keys.repeating = list
+    state.keys.repeats = lambda token: False
+    return state
+
+
+@pytest.mark.parametrize("schema,doc", list(zip(SCHEMAS, REPEATS)),
+                         ids=["json_object", "additional", "pattern", "nested"])
+def test_walks_through_free_objects_never_repeat_a_key(tiny_engine, grammars, schema, doc):
+    tok = tiny_engine.tokenizer
+    complete, repeating = _walks(tok, grammars, schema, keys=True)
+    assert complete >= 30 and repeating == 0
+    ids = tok.encode(doc)
+    assert _without_keys(grammars.state(json.dumps(schema))).valid_drafts(ids) == len(ids)
+    assert grammars.state(json.dumps(schema)).valid_drafts(ids) < len(ids)
+
+
+def test_the_walks_find_repeated_keys_where_the_grammar_alone_masks(tiny_engine, grammars):
+    tok = tiny_engine.tokenizer
+    assert sum(_walks(tok, grammars, schema, keys=False)[1] for schema in SCHEMAS) > 0
