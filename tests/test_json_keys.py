@@ -50,6 +50,9 @@ def test_a_repeated_key_is_masked_refused_as_a_draft_and_rolled_back(tiny_engine
     state.advance(tok.encode('{"a": 1, "'))
     assert state.push(a)
     assert not _allowed(state)[quote] and not state.push(quote)  # "a" again
+    only = torch.full((state.vocab_size,), float("-inf"))
+    only[quote] = 0.0  # whatever the row's values: the grammar allows other tokens than the repeat
+    assert state.masked(only)[quote] == float("-inf")
     state.rollback(1)
     assert state.push(b) and _allowed(state)[quote] and state.push(quote)  # "b" is new
     state.rollback(2)

@@ -105,7 +105,8 @@ class GrammarState:
     """One request's grammar matcher and its token mask (see the module docstring), with the
     keys its document's objects hold (`json_keys`): a token that would close a key its object
     already holds is masked out, unless every token the grammar allows there would (a schema
-    whose keys come from a short list, all used: the document repeats one rather than stall)."""
+    whose keys come from a short list, where the key begun can only end as one its object holds:
+    the document repeats it rather than stall)."""
 
     def __init__(self, compiled, vocab_size: int, keys: KeyTracker):
         import xgrammar
@@ -126,13 +127,24 @@ class GrammarState:
             return out
         self.matcher.fill_next_token_bitmask(self.bitmask)
         self._apply(row, self.bitmask.to(row.device), vocab_size=self.vocab_size)
-        repeating = self.keys.repeating()
-        if repeating:
-            ids = torch.tensor(repeating, device=row.device)
-            allowed, repeats = (row[0] > float("-inf")).sum(), (row[0, ids] > float("-inf")).sum()
-            if 0 < repeats < allowed:
-                row[0, ids] = float("-inf")
+        refused = self._repeating()
+        if refused:
+            row[0, torch.tensor(refused, device=row.device)] = float("-inf")
         return row[0]
+
+    def _repeating(self) -> list[int]:
+        """The tokens the keys refuse at the current state, its bitmask filled: those the grammar
+        allows that would close a key their object holds, unless it allows no other token. What
+        the grammar allows decides it, not the row's values, so `push` refuses what `masked`
+        masks."""
+        repeating = self.keys.repeating()
+        if not repeating:
+            return []
+        allowed = torch.zeros(1, self.vocab_size)
+        self._apply(allowed, self.bitmask, vocab_size=self.vocab_size)
+        allowed = allowed[0] > float("-inf")
+        ids = [t for t in repeating if allowed[t]]
+        return ids if len(ids) < int(allowed.sum()) else []
 
     def _refused(self, token: int) -> bool:
         """The grammar or the keys refuse `token` at the current state (`masked`'s rule)."""
