@@ -121,6 +121,7 @@ def test_a_request_neither_streamed_nor_stopped_is_decoded_once_at_its_end(tiny_
 
     class Gen:
         tokenizer = Counting()
+        max_context = 1 << 20
 
         def stream(self, prompt_ids, params, counted=None):
             yield from ids

@@ -215,6 +215,7 @@ def test_the_scheduler_yields_between_iterations_only_beside_an_event_loop(tiny_
 
     class Tokens:  # a generator of five tokens, one per iteration
         tokenizer = tiny_engine.tokenizer
+        max_context = 64
 
         def stream(self, ids, params, counted=None):
             yield from [5, 6, 7, 8, 9]
@@ -318,6 +319,7 @@ def test_a_scheduler_with_an_inbox_reads_it_between_iterations_on_the_callers_th
 
     class Tokens:  # a generator of five tokens, one per iteration
         tokenizer = tiny_engine.tokenizer
+        max_context = 64
 
         def stream(self, ids, params, counted=None):
             yield from [5, 6, 7, 8, 9]
@@ -355,6 +357,7 @@ def test_the_engines_inbox_handles_what_waits_and_yields_its_core_when_nothing_d
 
     class Gen:
         tokenizer = tiny_engine.tokenizer
+        max_context = 64
 
         def stats(self):
             return GeneratorStats()

@@ -349,3 +349,43 @@ def test_a_request_alone_in_its_lanes_starts_as_a_request_of_its_own(tiny_engine
     assert runs[1] == runs[0] and runs[2] == runs[0]
     other = SamplingParams(temperature=0.9, top_p=0.95, seed=8, max_tokens=24)
     assert _run_lanes(lanes, tiny_prompts[:1], [other], budget=24)[0] != runs[0][0]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["decode loop", "lanes"])
+def test_a_request_the_context_cuts_ends_with_length(tiny_engine_dir, tiny_prompts, graphs, monkeypatch):
+    """A request asking for more tokens than its context has room for, run by the scheduler:
+    it ends where the context does, with finish "length" (the scheduler counted its max_tokens),
+    as `generate` says, on the decode loop and in a graph target's lanes."""
+    import threading
+
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.backends.cuda_graphs import use_cuda_graphs
+    from metrale.runtime.serving import scheduler as sched
+    from metrale.runtime.serving import service
+    from metrale.runtime.serving.api_models import GenerationRequest
+    from metrale.runtime.spec.config import SpeculativeConfig
+
+    monkeypatch.setattr(service, "LANES", 2)  # (fewer lanes to capture)
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    if graphs:
+        use_cuda_graphs(engine, graphs=EagerGraphs())
+    gen = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True))
+    room = 5
+    ids = (sum(tiny_prompts, []) * gen.max_context)[:gen.max_context - room]
+    params = SamplingParams(temperature=0.0, max_tokens=4 * room)
+    want = gen.generate(ids, params)
+    assert want.finish_reason == "length" and len(want.token_ids) == room  # (no end token came first)
+    events = []
+    req = GenerationRequest(ids, params, (), False, False)
+
+    def inbox(wait: bool) -> bool:
+        if not events:
+            events.append(None)
+            s.submit(sched.Job(gen, req, lambda kind, payload: events.append((kind, payload)),
+                               threading.Event(), "r"))
+        return not (wait and any(e and e[0] == "done" for e in events))
+
+    s = sched.Scheduler.for_generator(gen, 4, None, yield_gil=False, inbox=inbox)
+    s.run()
+    reason, n, _ = next(payload for e in events if e and e[0] == "done" for payload in [e[1]])
+    assert (reason, n) == ("length", room)

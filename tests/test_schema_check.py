@@ -54,6 +54,8 @@ REFUSED = [
      "$.patternProperties: '^b$' matches property 'b'"),
     ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
      "$.minProperties: not enforced past the required properties"),
+    ({"type": "object", "propertyNames": {"enum": ["a", "b"]}, "minProperties": 2},
+     "$.minProperties: not enforced past the required properties"),
     ({"type": "object", "patternProperties": {"^a{1,15000}$": {}}}, "$.patternProperties: a quantifier"),
     ({"type": "string", "pattern": "((x{128}){128}){2}"}, f"more than {MAX_EXPANSION} items in all"),
     ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{1,1000}$"}

@@ -126,7 +126,10 @@ class Job:
         # its ids are decoded then, at once, not one decode per token in the busy loop
         self.decoder = IncrementalDecoder(gen.tokenizer, deferred=not (req.stream or req.stop))
         self.scanner = StopScanner(req.stop)
-        self.eos, self.limit = gen.tokenizer.eos_token_ids, req.params.max_tokens
+        # the tokens it may emit: its max_tokens, within the context (where the decode loop ends
+        # it too), so a request the context cut ends with "length"
+        self.eos = gen.tokenizer.eos_token_ids
+        self.limit = min(req.params.max_tokens, gen.max_context - len(req.prompt_ids))
         self.n, self.tokens = 0, None
         self.counted = SpecMetrics()
         self.batch = batch or Batch()

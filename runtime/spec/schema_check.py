@@ -222,8 +222,8 @@ def _check_keywords(node: dict, path: str) -> None:
         raise ConfigError(f"{path}.enum: a non-empty list of values, got {_shown(node['enum'])}")
     if "pattern" in node and not isinstance(node["pattern"], str):
         raise ConfigError(f"{path}.pattern: a regular expression as a string, got {_kind(node['pattern'])}")
-    free = any(node.get(k, False) is not False for k in ("additionalProperties", "unevaluatedProperties",
-                                                          "patternProperties"))
+    free = "propertyNames" in node or any(node.get(k, False) is not False for k in (
+        "additionalProperties", "unevaluatedProperties", "patternProperties"))
     if "propertyNames" in node and ("properties" in node or any(
             node.get(k) is False for k in ("additionalProperties", "unevaluatedProperties"))):
         raise ConfigError(f"{path}.propertyNames: not enforced beside `properties` or beside "
