@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from metrale.runtime.spec.grammar import JSON_OBJECT, Grammars
-from metrale.runtime.spec.json_keys import At, KeyTracker, read
+from metrale.runtime.spec.json_keys import At, KeyTracker, free_keys, read
 
 DOC = b'{"a": {"a": 1}, "b": "{\\"a\\": [", "c": [{"a": 2}, "a"], "d\\u00e9": 3, '
 
@@ -87,11 +87,33 @@ def test_the_grouped_lookup_finds_what_reading_every_token_finds(grammars):
     assert seen > 0
 
 
-def test_keys_that_run_out_repeat_rather_than_stall(tiny_engine, grammars):
+def test_a_key_that_can_only_end_as_a_held_one_is_not_begun(tiny_engine, grammars):
+    """Keys from a short list: the lookahead refuses a key's first letters that only a held key
+    ends with, and a `,` once every key is held, so the object closes instead."""
     tok = tiny_engine.tokenizer
+    a, b, comma, close = (tok.encode(t)[0] for t in ("a", "b", ",", "}"))
+    state = grammars.state(json.dumps({"type": "object", "propertyNames": {"enum": ["a", "b"]}}))
+    state.advance(tok.encode('{"a": 1, "'))
+    assert not _allowed(state)[a] and _allowed(state)[b] and not state.push(a)
     state = grammars.state(json.dumps({"type": "object", "propertyNames": {"enum": ["a"]}}))
+    state.advance(tok.encode('{"a": 1'))
+    assert not _allowed(state)[comma] and _allowed(state)[close]
+    doc = tok.encode('{"a": 1}') + [min(tok.eos_token_ids)]
+    assert state.valid_drafts(doc[len(tok.encode('{"a": 1')):]) == 2  # `}` and the end
+    # free keys: every key's first letters can end as a new one
+    state = grammars.state(JSON_OBJECT)
+    state.advance(tok.encode('{"a": 1, "'))
+    assert _allowed(state)[a]
+
+
+def test_keys_that_run_out_repeat_rather_than_stall(tiny_engine, grammars):
+    """A grammar that requires more keys than its list holds (minProperties, which the schema
+    check refuses beside a short list; compiled here unchecked): a key is repeated rather than
+    the document stalled."""
+    tok = tiny_engine.tokenizer
+    state = grammars.state(json.dumps({"type": "object", "propertyNames": {"enum": ["a"]}, "minProperties": 2}))
     doc = tok.encode('{"a": 1, "a": 2}')
-    assert state.valid_drafts(doc) == len(doc)  # the grammar allows no other key: not a dead end
+    assert state.valid_drafts(doc) == len(doc)
 
 
 SCHEMAS = [json.loads(JSON_OBJECT),
@@ -138,6 +160,7 @@ def _without_keys(state):
     """`state` as the grammar alone masks it: no token refused for its key."""
     state.keys.repeating = list
     state.keys.repeats = lambda token: False
+    state.keys.dead_ends = lambda allowed, walker: []
     return state
 
 
@@ -155,3 +178,23 @@ def test_walks_through_free_objects_never_repeat_a_key(tiny_engine, grammars, sc
 def test_the_walks_find_repeated_keys_where_the_grammar_alone_masks(tiny_engine, grammars):
     tok = tiny_engine.tokenizer
     assert sum(_walks(tok, grammars, schema, keys=False)[1] for schema in SCHEMAS) > 0
+
+
+CLOSED = {"type": "object", "properties": {"a": {"type": "array", "items": {
+    "type": "object", "properties": {"b": {"type": "integer"}}, "additionalProperties": False}}},
+    "$defs": {"c": {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"d": {"enum": [1]}}}]}}}
+
+
+@pytest.mark.parametrize("schema,free", [
+    (CLOSED, False), ({"type": "string"}, False), ({"enum": [{"a": 1}]}, False),
+    ({**CLOSED, "additionalProperties": True}, True), ({"type": "array", "items": {}}, True),
+    ({"type": "object", "properties": {"a": {}}}, True),  # `a` may be any object
+    ({"$defs": {"c": {"type": "object"}}, "$ref": "#/$defs/c"}, True),
+    ({"anyOf": [{"type": "string"}, {"type": ["object", "null"]}]}, True),
+    ({"type": "array", "prefixItems": [{"type": "object", "patternProperties": {"^a$": {}}}]}, True),
+    ({"type": "object", "properties": {"a": {"type": "object", "propertyNames": {"enum": ["x"]}}}}, True)])
+def test_keys_are_tracked_where_an_object_may_hold_keys_it_does_not_list(grammars, schema, free):
+    """`free_keys`: only schemas whose objects may hold keys they do not list track them (the
+    grammar writes each listed property once); the others' states walk the grammar alone."""
+    assert free_keys(schema) == free
+    assert (grammars.state(json.dumps(schema)).keys is not None) == free

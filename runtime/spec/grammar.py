@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import torch
 
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.spec.json_keys import KeyTracker, KeyVocab
+from metrale.runtime.spec.json_keys import KeyTracker, KeyVocab, free_keys
 from metrale.runtime.spec.pattern_grammar import schema_grammar
 
 # xgrammar is imported where a grammar is first made: its import loads its compiler's runtime,
@@ -98,17 +99,48 @@ class Grammars:
 
     def state(self, schema: str) -> GrammarState:
         """A fresh matcher for JSON schema `schema` (text; `compile`'s refusals)."""
-        return GrammarState(self.compile(schema), self.vocab_size, KeyTracker(self.keys))
+        compiled = self.compile(schema)
+        keys = KeyTracker(self.keys) if free_keys(json.loads(schema)) else None
+        return GrammarState(compiled, self.vocab_size, keys)
+
+
+class _Ahead:
+    """A request's matcher as `KeyTracker.dead_ends` walks it ahead (`json_keys.Walker`), on a
+    bitmask of its own."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import xgrammar
+
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def back(self) -> None:
+        self.matcher.rollback(1)
+
+    def allowed(self) -> list[int]:
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        return allowed_ids(self.bitmask, self.vocab_size)
+
+
+def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
+    """The ids a filled bitmask allows (bit i of its little-endian words is id i; set: allowed)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits).tolist()
 
 
 class GrammarState:
     """One request's grammar matcher and its token mask (see the module docstring), with the
     keys its document's objects hold (`json_keys`): a token that would close a key its object
-    already holds is masked out, unless every token the grammar allows there would (a schema
-    whose keys come from a short list, where the key begun can only end as one its object holds:
-    the document repeats it rather than stall)."""
+    already holds is masked out, and so is one that begins or continues a key that can only end
+    as one its object holds (`KeyTracker.dead_ends`), unless every token the grammar allows
+    there would be (required properties past the keys a schema allows: the document repeats one
+    rather than stall). `keys` None: the schema's objects hold only listed properties
+    (`json_keys.free_keys`), which the grammar writes once each."""
 
-    def __init__(self, compiled, vocab_size: int, keys: KeyTracker):
+    def __init__(self, compiled, vocab_size: int, keys: KeyTracker | None):
         import xgrammar
 
         self._apply = xgrammar.apply_token_bitmask_inplace
@@ -117,6 +149,8 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.stop = min(self.matcher.stop_token_ids)
         self.keys = keys
+        self._ahead = _Ahead(self.matcher, vocab_size)
+        self._refusals: tuple[object, list[int]] | None = None  # (the state, its refusals)
 
     def masked(self, row: torch.Tensor) -> torch.Tensor:
         """`row` [V] (a copy, float32) with the tokens the current state refuses at -inf."""
@@ -127,32 +161,35 @@ class GrammarState:
             return out
         self.matcher.fill_next_token_bitmask(self.bitmask)
         self._apply(row, self.bitmask.to(row.device), vocab_size=self.vocab_size)
-        refused = self._repeating()
+        refused = self._refused_keys() if self.keys is not None else []
         if refused:
             row[0, torch.tensor(refused, device=row.device)] = float("-inf")
         return row[0]
 
-    def _repeating(self) -> list[int]:
+    def _refused_keys(self) -> list[int]:
         """The tokens the keys refuse at the current state, its bitmask filled: those the grammar
-        allows that would close a key their object holds, unless it allows no other token. What
-        the grammar allows decides it, not the row's values, so `push` refuses what `masked`
-        masks."""
+        allows that would close a key their object holds or can only lead to one, unless it
+        allows no other token. What the grammar allows decides it, not the row's values, so
+        `push` refuses what `masked` masks. Kept for the state: a verify masks it more than once."""
+        at = self.keys.history[-1]
+        if self._refusals is not None and self._refusals[0] is at:
+            return self._refusals[1]
+        refused: list[int] = []
         repeating = self.keys.repeating()
-        if not repeating:
-            return []
-        allowed = torch.zeros(1, self.vocab_size)
-        self._apply(allowed, self.bitmask, vocab_size=self.vocab_size)
-        allowed = allowed[0] > float("-inf")
-        ids = [t for t in repeating if allowed[t]]
-        return ids if len(ids) < int(allowed.sum()) else []
+        if repeating or (at.frames and at.frames[-1].keys):
+            allowed = allowed_ids(self.bitmask, self.vocab_size)
+            refused = sorted(set(repeating).intersection(allowed).union(self.keys.dead_ends(allowed, self._ahead)))
+            refused = refused if len(refused) < len(allowed) else []
+        self._refusals = (at, refused)
+        return refused
 
     def _refused(self, token: int) -> bool:
         """The grammar or the keys refuse `token` at the current state (`masked`'s rule)."""
         if self.matcher.is_terminated():
             return True
-        if self.keys.repeats(token):
-            return bool(self.masked(torch.zeros(self.vocab_size))[token] == float("-inf"))
-        return False
+        if self.keys is None or not self.keys.may_refuse(token):
+            return False
+        return bool(self.masked(torch.zeros(self.vocab_size))[token] == float("-inf"))
 
     @property
     def done(self) -> bool:
@@ -165,13 +202,15 @@ class GrammarState:
         token = int(token)
         if self._refused(token) or not self.matcher.accept_token(token):
             return False
-        self.keys.take(token)
+        if self.keys is not None:
+            self.keys.take(token)
         return True
 
     def rollback(self, n: int) -> None:
         if n:
             self.matcher.rollback(n)
-            self.keys.drop(n)
+            if self.keys is not None:
+                self.keys.drop(n)
 
     def redraft(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """A block's drafts under the grammar: at each position the drafter's own draft where

@@ -17,11 +17,14 @@ key). Every token taken leaves its state on a stack, so the matcher's rollbacks 
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 QUOTE, BACKSLASH, COLON, COMMA = b'"'[0], b"\\"[0], b":"[0], b","[0]
+LOOK_TOKENS = 64  # a state allowing more tokens than this begins keys of any spelling: some are new
+LOOK_STATES = 256  # the states one lookahead visits at most; past them a new key counts as reachable
 OPENS = {b"{"[0]: True, b"["[0]: False}  # the byte that opens a container: is it an object?
 CLOSES = frozenset(b"}]")
+STRUCTURE = frozenset(b'"\\{}[],:')
 
 
 class Frame(NamedTuple):
@@ -108,22 +111,51 @@ class KeyVocab:
             if head is not None:
                 self.closing.setdefault(head, []).append(i)
         self.quoted = [i for i, b in enumerate(vocab) if b.count(b'"')]
+        # the ids holding a byte the lexer reads as more than text: any other leaves its state's
+        # containers, string and key as they were (`dead_ends` reads none of them)
+        self.structural = frozenset(i for i, b in enumerate(vocab) if any(c in STRUCTURE for c in b))
         self.several = [i for i in self.quoted if vocab[i].count(b'"') > 1]
 
 
+class Walker(Protocol):
+    """The grammar's matcher as a lookahead walks it."""
+
+    def accept(self, token: int) -> bool: ...
+
+    def back(self) -> None: ...  # undo the last accept
+
+    def allowed(self) -> list[int]: ...  # the tokens the grammar allows at its state
+
+
 class KeyTracker:
-    """One document's `At` after each token it has taken (see the module docstring)."""
+    """One document's `At` after each token it has taken (see the module docstring).
+
+    A key that has begun may have no ending but keys its object holds: where a schema's keys come
+    from a short list (a `propertyNames` enum, a pattern of a few words), `"a` of `{"a": 1, "a`
+    can only close as "a", and the `,` before it only opens keys that are held once all are.
+    `dead_ends` walks the grammar ahead from such a state to find the tokens that lead only there.
+    Where a state allows many tokens, keys of any spelling can follow and it does not look."""
 
     def __init__(self, vocab: KeyVocab):
         self.vocab = vocab
         self.history = [At()]
+        self._nodes = [0]  # each state's place in the tree of the token paths taken
+        # (a place, a token) -> the place and state after it: a path taken again (a draft walked
+        # once for its drafts and once for its verify rows) finds the same state object, so what
+        # is kept for a state (`repeating`, the grammar state's refusals) holds for it
+        self._after: dict[tuple[int, int], tuple[int, At]] = {}
         self._repeating: tuple[At, list[int]] | None = None
 
     def take(self, token: int) -> None:
-        self.history.append(read(self.history[-1], self.vocab.vocab[token])[0])
+        node = self._after.get((self._nodes[-1], token))
+        if node is None:
+            node = (len(self._after) + 1, read(self.history[-1], self.vocab.vocab[token])[0])
+            self._after[(self._nodes[-1], token)] = node
+        self._nodes.append(node[0])
+        self.history.append(node[1])
 
     def drop(self, n: int) -> None:
-        del self.history[len(self.history) - n:]
+        del self.history[len(self.history) - n:], self._nodes[len(self._nodes) - n:]
 
     def repeats(self, token: int) -> bool:
         """Would `token` close a key its object already holds?"""
@@ -138,6 +170,55 @@ class KeyTracker:
             self._repeating = (at, sorted(self._find(at)))
         return self._repeating[1]
 
+    def may_refuse(self, token: int) -> bool:
+        """Whether the keys may refuse `token` at the current state (`repeating` or `dead_ends`
+        may hold it): False for a token that closes no held key and goes on with a value."""
+        at = self.history[-1]
+        if not at.frames:
+            return False
+        if read(at, self.vocab.vocab[token])[1]:
+            return True
+        return bool(at.frames[-1].keys) and (token in self.vocab.structural or not _in_value(at))
+
+    def dead_ends(self, allowed: list[int], walker: Walker) -> list[int]:
+        """Among `allowed` (the grammar's tokens at the current state), those after which every
+        way on closes a key the innermost object holds before any other key and before the object
+        closes, where another of `allowed` does reach a new key or the object's end (tokens that
+        go on with a value are no way out: where only they are left, a key is repeated rather
+        than the value run on). Only where that object holds keys and `allowed` is short
+        (`LOOK_TOKENS`); the walk visits at most `LOOK_STATES` states, past which a way counts as
+        reaching a new key."""
+        at = self.history[-1]
+        if not at.frames or not at.frames[-1].keys or len(allowed) > LOOK_TOKENS:
+            return []
+        depth, budget = len(at.frames), [LOOK_STATES]
+        in_value = _in_value(at)
+        dead, values = [], 0
+        for t in allowed:
+            if t not in self.vocab.structural and in_value:  # (text: the value goes on)
+                values += 1
+                continue
+            after, repeated = read(at, self.vocab.vocab[t])
+            if not repeated and _way(at, after, depth) == "value":
+                values += 1
+            elif self._leads_only_to_held(at, t, depth, walker, budget):
+                dead.append(t)
+        return dead if len(dead) + values < len(allowed) else []
+
+    def _leads_only_to_held(self, at: At, token: int, depth: int, walker: Walker, budget: list[int]) -> bool:
+        after, repeated = read(at, self.vocab.vocab[token])
+        if repeated:
+            return True
+        if _way(at, after, depth) != "key" or budget[0] <= 0 or not walker.accept(token):
+            return False
+        budget[0] -= 1
+        try:
+            ways = walker.allowed()
+            return len(ways) <= LOOK_TOKENS and all(
+                self._leads_only_to_held(after, t, depth, walker, budget) for t in ways)
+        finally:
+            walker.back()
+
     def _find(self, at: At) -> set[int]:
         v = self.vocab
         if not at.frames:
@@ -151,3 +232,57 @@ class KeyTracker:
                 if key_name(at.key + head) in keys:
                     found.update(ids)
         return found
+
+
+def _in_value(at: At) -> bool:
+    """`at` is not within its innermost object's next key (nor before it)."""
+    return not (at.in_key or (not at.in_string and at.frames[-1].key_next))
+
+
+def _way(at: At, after: At, depth: int) -> str:
+    """What a token taking `at` to `after` does for the object open at `depth`: "out" (it closes
+    the object or a key the object did not hold), "key" (it is in a key, or before one, still
+    to close) or "value" (neither: a value goes on)."""
+    if len(after.frames) < depth or after.frames[depth - 1].keys != at.frames[depth - 1].keys:
+        return "out"
+    if len(after.frames) == depth and (after.in_key or after.frames[-1].key_next):
+        return "key"
+    return "value"
+
+
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
+SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "unevaluatedItems",
+              "additionalProperties", "unevaluatedProperties", "propertyNames")  # a schema
+NARROWED = ("properties", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")  # a node that is not any object
+
+
+def free_keys(schema) -> bool:
+    """Whether a document of JSON schema `schema` (parsed) may hold an object whose keys the schema
+    does not list, where a grammar could repeat one: a subschema with other properties allowed
+    (`additionalProperties`, `unevaluatedProperties`, `patternProperties`, `propertyNames`) or that
+    allows any object (`{}`, `{"type": "object"}` without `properties`). Conservative: what it
+    cannot read counts as free. Where none is, every object's keys are listed properties, each of
+    which the grammar writes once, and the keys need no tracking."""
+    if schema is True:
+        return True
+    if not isinstance(schema, dict):
+        return schema is not False
+    if any(schema.get(k, False) is not False for k in ("additionalProperties", "unevaluatedProperties")) or \
+            "patternProperties" in schema or "propertyNames" in schema:
+        return True
+    types = schema.get("type")
+    objects = types is None or types == "object" or (isinstance(types, list) and "object" in types)
+    if objects and not any(k in schema for k in NARROWED):
+        return True
+    for key in SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict) and any(free_keys(s) for s in schema[key].values()):
+            return True
+    for key in SCHEMA_LISTS:
+        if isinstance(schema.get(key), list) and any(free_keys(s) for s in schema[key]):
+            return True
+    items = schema.get("items")
+    if isinstance(items, list) and any(free_keys(s) for s in items):
+        return True
+    return any(free_keys(schema[k]) for k in SCHEMA_ONE if k in schema and not isinstance(schema[k], list)
+               and not (k in ("additionalProperties", "unevaluatedProperties") and schema[k] is False))
