@@ -85,18 +85,20 @@ def measure_costs(engine, prompts: list[list[int]], max_tokens: int, drafter: st
 
 
 def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], max_tokens: int,
-              repeats: int, between=None, generators: dict | None = None) -> dict[str, list[list]]:
+              repeats: int, between=None, generators: dict | None = None,
+              json_schema: str | None = None) -> dict[str, list[list]]:
     """Every mode of `table` over the prompts, `repeats` times, interleaved per prompt: each
     prompt is decoded by every mode in turn before the next, so a slow stretch of a shared
     machine (they last seconds here) lands on all modes alike instead of on the ones that
     happened to run during it; `between()`, when given, runs before each prompt's turn (the
     bench's cost sweeps, spread over the same stretch); `generators`, when given, receives each
-    mode's `EngineGenerator`. -> {mode: per prompt, its runs' DecodeResults}."""
+    mode's `EngineGenerator`; `json_schema`, when given, constrains every answer to it (as a
+    request's `response_format`). -> {mode: per prompt, its runs' DecodeResults}."""
     from metrale.runtime.spec.sampling import SamplingParams
     from metrale.runtime.serving.service import EngineGenerator
     from metrale.runtime.spec.config import SpeculativeConfig
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, json_schema=json_schema)
     gens = [(name, EngineGenerator(engine, SpeculativeConfig.from_flags(**flags))) for name, flags in table]
     if generators is not None:
         generators.update(gens)
@@ -106,7 +108,7 @@ def run_modes(engine, table: list[tuple[str, dict]], prompts: list[list[int]], m
             if between is not None:
                 between()
             for name, gen in gens:
-                runs[name][i].append(gen.decoder().generate(ids, params))
+                runs[name][i].append(gen.decoder(params if json_schema else None).generate(ids, params))
     return runs
 
 
@@ -140,6 +142,18 @@ def summarize(runs: list[list], plain_tokens=None) -> tuple[dict, list[list[int]
     if plain_tokens is not None:
         row["identical_to_plain"] = sum(a == b for a, b in zip(outputs, plain_tokens))
     return row, outputs
+
+
+def _compiles(schema: str, path: Path, engine) -> None:
+    """`--json-schema`'s schema compiles for the engine's tokenizer and lets a document start,
+    as the server checks a request's (ConfigError naming the flag and file)."""
+    from metrale.runtime.errors import ConfigError
+    from metrale.runtime.spec.grammar import Grammars
+
+    try:
+        Grammars(engine.tokenizer, engine.target.config.vocab_size).check(schema)
+    except ConfigError as exc:
+        raise ConfigError(f"--json-schema {str(path)!r}: {exc}") from None
 
 
 def _wanted_modes(modes: str | None) -> list[str] | None:
@@ -248,6 +262,12 @@ def bench(
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     device: o.Device = None, dtype: o.Dtype = "auto", backend: o.Backend = "auto",
     draft_weight_quantization: o.BenchDraftTier = None, mtp_experts_nvfp4: o.BenchMtpNvfp4 = None,
+    schema_file: Annotated[Optional[Path], typer.Option(
+        "--json-schema", metavar="FILE",
+        help="A JSON schema every answer is constrained to, as a request's response_format "
+             "json_schema constrains it (checked as the server checks one): each mode decodes "
+             "under the schema's token mask, its answers compared with plain constrained "
+             "decoding's. The cost tables stay unconstrained; no transformers row.")] = None,
 ):
     """Benchmark plain decoding against every speculative mode on held-out prompts."""
     with user_errors():
@@ -263,6 +283,7 @@ def bench(
             checks.int_range("--threads", threads, 1, 1024)
         if json_file is not None:
             checks.output_file("--json", json_file)
+        schema = checks.json_schema("--json-schema", schema_file) if schema_file is not None else None
         wanted = _wanted_modes(modes)
         check_draft_tier(draft_weight_quantization)
         checks.device(device)
@@ -287,6 +308,8 @@ def bench(
                               mtp_experts_nvfp4)
         prompts = [engine.tokenizer.encode(t) for t in texts]
         checks.prompts_fit(prompts, max_tokens, engine.target.config.max_position_embeddings)
+        if schema is not None:
+            _compiles(schema, schema_file, engine)
         t0 = time.time()
         from metrale.runtime.spec.shapes import TREE_BUDGETS
 
@@ -303,7 +326,8 @@ def bench(
         sweeps: list[dict[int, float]] = []  # c(r), one sweep before each prompt's turn
         gens: dict = {}
         runs = run_modes(engine, table, prompts, max_tokens, repeats,
-                         between=lambda: sweeps.append(target_row_costs(engine, prompts[0])), generators=gens)
+                         between=lambda: sweeps.append(target_row_costs(engine, prompts[0])), generators=gens,
+                         json_schema=schema)
         row_costs = {r: round(statistics.median(s[r] for s in sweeps), 4) for r in sweeps[0]}
         for name, flags in table:
             row, outputs = summarize(runs[name], plain_tokens)
@@ -315,7 +339,7 @@ def bench(
             row.update(step_counts(gens[name], prompts[0]))
             shown = {k: str(v) if k == "dflash_adaptive_k" else v for k, v in flags.items()}
             rows.append({"mode": name, "flags": shown, **row})
-        ref = transformers_reference(engine, prompts, max_tokens, repeats) if reference else None
+        ref = transformers_reference(engine, prompts, max_tokens, repeats) if reference and schema is None else None
         if ref is not None:
             same = sum(o[:len(p)] == p for o, p in zip(ref["outputs"], plain_tokens))
             rows.append({"mode": "transformers generate", "tokens_per_s": ref["tokens_per_s"],
@@ -327,6 +351,7 @@ def bench(
                   "cost_model_ms": {n: str(c) for n, c in (costs or {}).items()} or None,
                   "acceptance": {n: c.acceptance for n, c in (costs or {}).items()} or None,
                   "target_rows_ms": row_costs, "repeats": repeats,
+                  "json_schema": None if schema_file is None else str(schema_file),
                   "threads": torch_threads(),
                   "quantization": engine.manifest.build.get("draft_weight_quantization"),
                   "bench_seconds": round(time.time() - t0, 1), "modes": rows}
@@ -334,7 +359,8 @@ def bench(
             from metrale.runtime.backends.graph_steps import runner_stats
 
             result["graph_runners"] = runner_stats(engine)
-        t = Table(title=Text(f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens)"))
+        under = "" if schema_file is None else f", under the JSON schema {schema_file}"
+        t = Table(title=Text(f"metrale bench {engine_dir}  ({len(prompts)} prompts × {max_tokens} tokens{under})"))
         for col in ("mode", "tok/s", "τ", "speedup", "bound", "of bound (+h)", "e", "rows/tok",
                     "draft/verify/host", "=plain"):
             t.add_column(col, justify="right" if col != "mode" else "left")

@@ -190,6 +190,23 @@ def prompt_texts(flag: str, path: Path) -> list[str]:
     return data
 
 
+def json_schema(flag: str, path: Path) -> str:
+    """A JSON file holding a JSON schema a request's `response_format` could carry (its shape
+    checked as the server checks it) -> the schema as text."""
+    from metrale.runtime.spec.schema_check import check_shape
+
+    try:
+        data: Any = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"{flag} {os.fspath(path)!r}: not a readable JSON file ({reason})") from None
+    try:
+        check_shape(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {os.fspath(path)!r}: {exc}") from None
+    return json.dumps(data)
+
+
 def first_prompts(flag: str, count: int | None, texts: list[str], path: Path, default: int) -> list[str]:
     """The first `count` of the prompts read from `path`; a count given above how many it holds
     is refused rather than cut to what there is (the run would not measure what was asked).

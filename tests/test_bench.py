@@ -65,3 +65,55 @@ def test_bench_json(tiny_engine_dir, tmp_path):
     assert modes["mtp k=2"]["tau"] > 1.0 and modes["mtp k=2"]["identical_to_plain"] == 2
     # the reference decodes the same weights greedily: the same text as plain decoding
     assert modes["transformers generate"]["identical_to_plain"] == 2
+
+
+SMALL_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["n"], "additionalProperties": False}
+
+
+def test_bench_under_a_json_schema(tiny_engine_dir, tmp_path):
+    """`--json-schema`: every mode decodes under the schema's mask (each answer a document of it),
+    its answers compared with plain constrained decoding's; no transformers row."""
+    import jsonschema
+
+    from metrale.bench import run_modes
+    from metrale.runtime.backends import load_engine
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SMALL_SCHEMA))
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(app, ["bench", "--engine-dir", str(tiny_engine_dir), "--num-prompts", "2",
+                                   "--max-tokens", "16", "--repeats", "1", "--threads", "1",
+                                   "--modes", "mtp k=2,dflash γ=8 exact", "--json-schema", str(schema),
+                                   "--json", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["json_schema"] == str(schema)
+    modes = {r["mode"]: r for r in data["modes"]}
+    assert set(modes) == {"plain", "mtp k=2", "dflash γ=8 exact"}  # (no transformers row)
+    assert modes["mtp k=2"]["identical_to_plain"] == 2 and modes["dflash γ=8 exact"]["identical_to_plain"] == 2
+    engine = load_engine(tiny_engine_dir, backend="torch")
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("def f(", "x = ")]
+    runs = run_modes(engine, [("plain", {}), ("mtp", dict(speculative=True, num_drafts=2))], prompts, 16, 1,
+                     json_schema=json.dumps(SMALL_SCHEMA))
+    for name, per_prompt in runs.items():
+        for (res,) in per_prompt:
+            assert res.token_ids[-1] in tok.eos_token_ids, name  # a whole document, then the end
+            jsonschema.validate(json.loads(tok.decode(res.token_ids[:-1])), SMALL_SCHEMA)
+
+
+@pytest.mark.parametrize("text,words", [
+    ("{", "not a readable JSON file"),
+    (json.dumps({"type": "object", "not": {}}), "$.not"),
+    (json.dumps({"type": "object", "minProperties": 2}), "minProperties is greater"),  # xgrammar's refusal
+])
+def test_bench_refuses_a_bad_json_schema(tiny_engine_dir, tmp_path, text, words):
+    schema = tmp_path / "schema.json"
+    schema.write_text(text)
+    res = CliRunner().invoke(app, ["bench", "--engine-dir", str(tiny_engine_dir), "--num-prompts", "1",
+                                   "--max-tokens", "4", "--repeats", "1", "--modes", "mtp k=1",
+                                   "--no-transformers", "--json-schema", str(schema)])
+    assert res.exit_code != 0 and "--json-schema" in res.output and str(schema) in res.output.replace("\n", "")
+    assert words in res.output.replace("\n", ""), res.output
+    assert "Traceback" not in res.output

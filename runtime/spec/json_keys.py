@@ -5,8 +5,9 @@ A grammar compiled from a JSON schema cannot say "a key this object does not hol
 object's other properties are free (`additionalProperties`, `patternProperties`, a bare
 `{"type": "object"}`, `json_object`), it lets a document write `{"a": 1, "a": 2}`, which parsers
 read as its last value. `KeyTracker` reads the document's bytes token by token beside the
-grammar's matcher and says which tokens would close a key its object already holds; the request's
-`GrammarState` masks them out and refuses them as drafts.
+grammar's matcher and says which tokens would close a key its object already holds, or can only
+lead to one (`KeyTracker.dead_ends`); the request's `GrammarState` masks them out and refuses them
+as drafts. Schemas whose objects hold only the properties they list need none of it (`free_keys`).
 
 The document is read as the grammar writes it (valid JSON, so a lexer suffices): `{` and `[` open
 a container, `}` and `]` close it, a string opened where an object expects a key is a key, `,`
