@@ -192,9 +192,41 @@ CLOSED = {"type": "object", "properties": {"a": {"type": "array", "items": {
     ({"$defs": {"c": {"type": "object"}}, "$ref": "#/$defs/c"}, True),
     ({"anyOf": [{"type": "string"}, {"type": ["object", "null"]}]}, True),
     ({"type": "array", "prefixItems": [{"type": "object", "patternProperties": {"^a$": {}}}]}, True),
-    ({"type": "object", "properties": {"a": {"type": "object", "propertyNames": {"enum": ["x"]}}}}, True)])
+    ({"type": "object", "properties": {"a": {"type": "object", "propertyNames": {"enum": ["x"]}}}}, True),
+    ({"type": "array"}, True), ({"type": "object", "properties": {"x": {"type": "array"}}}, True),  # any items
+    ({"type": "array", "items": {"type": "integer"}}, False)])
 def test_keys_are_tracked_where_an_object_may_hold_keys_it_does_not_list(grammars, schema, free):
     """`free_keys`: only schemas whose objects may hold keys they do not list track them (the
     grammar writes each listed property once); the others' states walk the grammar alone."""
     assert free_keys(schema) == free
     assert (grammars.state(json.dumps(schema)).keys is not None) == free
+
+
+def _char_state(schema: dict, extra: list[str]):
+    """A grammar state over a vocabulary of printable ASCII characters and `extra` tokens (as a
+    BPE vocabulary holds `}, "` or `": 1, "`) -> (state, the id of each token)."""
+    import xgrammar
+
+    from metrale.runtime.spec.grammar import GrammarState, compile_schema
+    from metrale.runtime.spec.json_keys import KeyVocab
+
+    toks = [chr(i) for i in range(32, 127)] + extra
+    info = xgrammar.TokenizerInfo(["<end>", *toks], xgrammar.VocabType.RAW, vocab_size=len(toks) + 1,
+                                  stop_token_ids=[0])
+    compiled = compile_schema(xgrammar.GrammarCompiler(info, max_threads=1), json.dumps(schema))
+    state = GrammarState(compiled, len(toks) + 1, KeyTracker(KeyVocab([b""] + [t.encode() for t in toks])))
+    return state, {t: i + 1 for i, t in enumerate(toks)}
+
+
+def test_a_token_spanning_a_close_and_the_next_key_is_looked_ahead():
+    """Tokens that close a value, a key or an inner object and begin a key of the object around
+    it are refused where that key can only end as a held one."""
+    state, ids = _char_state({"type": "object", "propertyNames": {"const": "a"},
+                              "additionalProperties": {"type": "integer"}}, ['": 1, "'])
+    state.advance([ids[c] for c in '{"a'])  # the first key: closing it and beginning another
+    assert not state.push(ids['": 1, "']) and state.push(ids['"'])
+    state, ids = _char_state({"type": "object", "propertyNames": {"enum": ["a", "b"]},
+                              "additionalProperties": {"type": "object"}}, ['}, "'])
+    state.advance([ids[c] for c in '{"a": {}, "b": {'])
+    assert not state.push(ids['}, "']) and state.push(ids["}"])  # the inner object closes (taken)
+    assert not state.push(ids[","]) and state.push(ids["}"])  # then the outer

@@ -176,7 +176,7 @@ class GrammarState:
             return self._refusals[1]
         refused: list[int] = []
         repeating = self.keys.repeating()
-        if repeating or (at.frames and at.frames[-1].keys):
+        if repeating or at.frames:
             allowed = allowed_ids(self.bitmask, self.vocab_size)
             refused = sorted(set(repeating).intersection(allowed).union(self.keys.dead_ends(allowed, self._ahead)))
             refused = refused if len(refused) < len(allowed) else []

@@ -173,52 +173,56 @@ class KeyTracker:
 
     def may_refuse(self, token: int) -> bool:
         """Whether the keys may refuse `token` at the current state (`repeating` or `dead_ends`
-        may hold it): False for a token that closes no held key and goes on with a value."""
+        may hold it): False for a token of text (no quote, bracket, brace, comma, colon or
+        backslash) that goes on with a value."""
         at = self.history[-1]
         if not at.frames:
             return False
-        if read(at, self.vocab.vocab[token])[1]:
-            return True
-        return bool(at.frames[-1].keys) and (token in self.vocab.structural or not _in_value(at))
+        return token in self.vocab.structural or (not _in_value(at) and bool(at.frames[-1].keys))
 
     def dead_ends(self, allowed: list[int], walker: Walker) -> list[int]:
-        """Among `allowed` (the grammar's tokens at the current state), those after which every
-        way on closes a key the innermost object holds before any other key and before the object
-        closes, where another of `allowed` does reach a new key or the object's end (tokens that
-        go on with a value are no way out: where only they are left, a key is repeated rather
-        than the value run on). Only where that object holds keys and `allowed` is short
-        (`LOOK_TOKENS`); the walk visits at most `LOOK_STATES` states, past which a way counts as
-        reaching a new key."""
+        """Among `allowed` (the grammar's tokens at the current state), those that close a key
+        their object holds, or that end within a key of an object holding keys (or before one)
+        from where every way on closes a key it holds before any other key and before the
+        object closes; only where another of `allowed` does reach a new key or an object's end
+        (tokens that go on with a value are no way out: where only they are left, a key is
+        repeated rather than the value run on). Only where `allowed` is short (`LOOK_TOKENS`);
+        the walks visit at most `LOOK_STATES` states, past which a way counts as reaching a new
+        key."""
         at = self.history[-1]
-        if not at.frames or not at.frames[-1].keys or len(allowed) > LOOK_TOKENS:
+        if not at.frames or len(allowed) > LOOK_TOKENS:
             return []
-        depth, budget = len(at.frames), [LOOK_STATES]
-        in_value = _in_value(at)
+        budget, text_goes_on = [LOOK_STATES], _in_value(at)
         dead, values = [], 0
         for t in allowed:
-            if t not in self.vocab.structural and in_value:  # (text: the value goes on)
+            if text_goes_on and t not in self.vocab.structural:
                 values += 1
                 continue
             after, repeated = read(at, self.vocab.vocab[t])
-            if not repeated and _way(at, after, depth) == "value":
-                values += 1
-            elif self._leads_only_to_held(at, t, depth, walker, budget):
+            if repeated or (_in_keys(after) and self._only_held(after, t, walker, budget)):
                 dead.append(t)
+            elif _goes_on(at, after):
+                values += 1
         return dead if len(dead) + values < len(allowed) else []
 
-    def _leads_only_to_held(self, at: At, token: int, depth: int, walker: Walker, budget: list[int]) -> bool:
-        after, repeated = read(at, self.vocab.vocab[token])
-        if repeated:
-            return True
-        if _way(at, after, depth) != "key" or budget[0] <= 0 or not walker.accept(token):
+    def _only_held(self, after: At, token: int, walker: Walker, budget: list[int]) -> bool:
+        """Whether, after `token` (which took the state to `after`, within or before a key of the
+        object open at its depth), every way on closes a key that object holds first."""
+        if budget[0] <= 0 or not walker.accept(token):
             return False
         budget[0] -= 1
         try:
             ways = walker.allowed()
             return len(ways) <= LOOK_TOKENS and all(
-                self._leads_only_to_held(after, t, depth, walker, budget) for t in ways)
+                self._leads_only_to_held(after, t, len(after.frames), walker, budget) for t in ways)
         finally:
             walker.back()
+
+    def _leads_only_to_held(self, at: At, token: int, depth: int, walker: Walker, budget: list[int]) -> bool:
+        after, repeated = read(at, self.vocab.vocab[token])
+        if repeated:
+            return True
+        return _way(at, after, depth) == "key" and self._only_held(after, token, walker, budget)
 
     def _find(self, at: At) -> set[int]:
         v = self.vocab
@@ -240,6 +244,19 @@ def _in_value(at: At) -> bool:
     return not (at.in_key or (not at.in_string and at.frames[-1].key_next))
 
 
+def _in_keys(at: At) -> bool:
+    """`at` is within a key of its innermost object, or before one, and that object holds keys."""
+    return bool(at.frames) and bool(at.frames[-1].keys) and not _in_value(at)
+
+
+def _goes_on(at: At, after: At) -> bool:
+    """A token taking `at` to `after` goes on with a value: no container of `at` closed, no key
+    closed in any of them, and `after` not before or within a key of `at`'s innermost object."""
+    n = len(at.frames)
+    return (len(after.frames) >= n and all(after.frames[i].keys == at.frames[i].keys for i in range(n))
+            and not (len(after.frames) == n and not _in_value(after)))
+
+
 def _way(at: At, after: At, depth: int) -> str:
     """What a token taking `at` to `after` does for the object open at `depth`: "out" (it closes
     the object or a key the object did not hold), "key" (it is in a key, or before one, still
@@ -256,6 +273,7 @@ SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
 SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "unevaluatedItems",
               "additionalProperties", "unevaluatedProperties", "propertyNames")  # a schema
 NARROWED = ("properties", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")  # a node that is not any object
+# (past its first: one that is not any array, with `items` or `prefixItems`)
 
 
 def free_keys(schema) -> bool:
@@ -273,9 +291,12 @@ def free_keys(schema) -> bool:
             "patternProperties" in schema or "propertyNames" in schema:
         return True
     types = schema.get("type")
-    objects = types is None or types == "object" or (isinstance(types, list) and "object" in types)
+    objects, arrays = ((types is None or types == kind or (isinstance(types, list) and kind in types))
+                       for kind in ("object", "array"))
     if objects and not any(k in schema for k in NARROWED):
         return True
+    if arrays and not any(k in schema for k in ("items", "prefixItems", *NARROWED[1:])):
+        return True  # items of any kind
     for key in SCHEMA_MAPS:
         if isinstance(schema.get(key), dict) and any(free_keys(s) for s in schema[key].values()):
             return True
