@@ -230,3 +230,17 @@ def test_a_token_spanning_a_close_and_the_next_key_is_looked_ahead():
     state.advance([ids[c] for c in '{"a": {}, "b": {'])
     assert not state.push(ids['}, "']) and state.push(ids["}"])  # the inner object closes (taken)
     assert not state.push(ids[","]) and state.push(ids["}"])  # then the outer
+
+
+def test_the_lookahead_stays_bounded_and_weighs_each_token_alone():
+    """A key pattern without bound (`a+c`) beside a held key (`b`): the walk along `a...` stops
+    at its depth (no recursion error), and `b` is still looked at and refused; a token that ends
+    a value and begins a held key (`1, "`) is refused where the value's own digit is allowed."""
+    state, ids = _char_state({"type": "object", "propertyNames": {"pattern": "^(b|a+c)$"}}, [])
+    state.advance([ids[c] for c in '{"b": 1'])
+    assert state.push(ids[","]) and state.push(ids[" "]) and state.push(ids['"'])
+    assert not state.push(ids["b"]) and state.push(ids["a"])
+    state, ids = _char_state({"type": "object", "propertyNames": {"enum": ["a"]},
+                              "additionalProperties": {"type": "integer"}}, ['1, "'])
+    state.advance([ids[c] for c in '{"a": '])
+    assert not state.push(ids['1, "']) and state.push(ids["1"]) and state.push(ids["}"])

@@ -22,7 +22,8 @@ from typing import NamedTuple, Protocol
 
 QUOTE, BACKSLASH, COLON, COMMA = b'"'[0], b"\\"[0], b":"[0], b","[0]
 LOOK_TOKENS = 64  # a state allowing more tokens than this begins keys of any spelling: some are new
-LOOK_STATES = 256  # the states one lookahead visits at most; past them a new key counts as reachable
+LOOK_STATES = 64  # the states one token's lookahead visits at most; past them a new key counts as reachable
+LOOK_DEPTH = 24  # the tokens a lookahead follows a key for; a key not closed by then counts as new
 OPENS = {b"{"[0]: True, b"["[0]: False}  # the byte that opens a container: is it an object?
 CLOSES = frozenset(b"}]")
 STRUCTURE = frozenset(b'"\\{}[],:')
@@ -186,43 +187,49 @@ class KeyTracker:
         from where every way on closes a key it holds before any other key and before the
         object closes; only where another of `allowed` does reach a new key or an object's end
         (tokens that go on with a value are no way out: where only they are left, a key is
-        repeated rather than the value run on). Only where `allowed` is short (`LOOK_TOKENS`);
-        the walks visit at most `LOOK_STATES` states, past which a way counts as reaching a new
-        key."""
+        repeated rather than the value run on), or, for a token that goes on with the value
+        before it ends it, where a token of the value alone is allowed. Only where `allowed` is short (`LOOK_TOKENS`);
+        each token's walk visits at most `LOOK_STATES` states (`_only_held`)."""
         at = self.history[-1]
         if not at.frames or len(allowed) > LOOK_TOKENS:
             return []
-        budget, text_goes_on = [LOOK_STATES], _in_value(at)
-        dead, values = [], 0
+        text_goes_on = _in_value(at)
+        dead, spanning, values = [], [], 0
         for t in allowed:
             if text_goes_on and t not in self.vocab.structural:
                 values += 1
                 continue
             after, repeated = read(at, self.vocab.vocab[t])
-            if repeated or (_in_keys(after) and self._only_held(after, t, walker, budget)):
-                dead.append(t)
+            if repeated or (_in_keys(after) and self._only_held(after, t, walker, [LOOK_STATES])):
+                # one that ends the value it goes on with (`1, "`): the value's own tokens defer
+                # the choice of a key to the state after it, where its object's end is weighed
+                starts_with_text = text_goes_on and self.vocab.vocab[t][0] not in STRUCTURE
+                (spanning if starts_with_text else dead).append(t)
             elif _goes_on(at, after):
                 values += 1
-        return dead if len(dead) + values < len(allowed) else []
+        if len(dead) + len(spanning) + values < len(allowed):
+            return dead + spanning
+        return spanning if values else []
 
-    def _only_held(self, after: At, token: int, walker: Walker, budget: list[int]) -> bool:
+    def _only_held(self, after: At, token: int, walker: Walker, budget: list[int], deep: int = 0) -> bool:
         """Whether, after `token` (which took the state to `after`, within or before a key of the
-        object open at its depth), every way on closes a key that object holds first."""
-        if budget[0] <= 0 or not walker.accept(token):
+        object open at its depth), every way on closes a key that object holds first. A way
+        longer than `LOOK_DEPTH` tokens, or past the budget, counts as reaching a new key."""
+        if budget[0] <= 0 or deep >= LOOK_DEPTH or not walker.accept(token):
             return False
         budget[0] -= 1
         try:
             ways = walker.allowed()
-            return len(ways) <= LOOK_TOKENS and all(
-                self._leads_only_to_held(after, t, len(after.frames), walker, budget) for t in ways)
+            if len(ways) > LOOK_TOKENS:
+                return False
+            for t in ways:
+                nxt, repeated = read(after, self.vocab.vocab[t])
+                if not repeated and (_way(after, nxt, len(after.frames)) != "key"
+                                     or not self._only_held(nxt, t, walker, budget, deep + 1)):
+                    return False
+            return True
         finally:
             walker.back()
-
-    def _leads_only_to_held(self, at: At, token: int, depth: int, walker: Walker, budget: list[int]) -> bool:
-        after, repeated = read(at, self.vocab.vocab[token])
-        if repeated:
-            return True
-        return _way(at, after, depth) == "key" and self._only_held(after, token, walker, budget)
 
     def _find(self, at: At) -> set[int]:
         v = self.vocab
