@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol
 QUOTE, BACKSLASH, COLON, COMMA = b'"'[0], b"\\"[0], b":"[0], b","[0]
 LOOK_TOKENS = 64  # a state allowing more tokens than this begins keys of any spelling: some are new
 LOOK_STATES = 64  # the states one token's lookahead visits at most; past them a new key counts as reachable
+LOOK_TOTAL = 128  # the states all of one state's lookaheads visit at most
 LOOK_DEPTH = 24  # the tokens a lookahead follows a key for; a key not closed by then counts as new
 OPENS = {b"{"[0]: True, b"["[0]: False}  # the byte that opens a container: is it an object?
 CLOSES = frozenset(b"}]")
@@ -188,19 +189,20 @@ class KeyTracker:
         object closes; only where another of `allowed` does reach a new key or an object's end
         (tokens that go on with a value are no way out: where only they are left, a key is
         repeated rather than the value run on), or, for a token that goes on with the value
-        before it ends it, where a token of the value alone is allowed. Only where `allowed` is short (`LOOK_TOKENS`);
-        each token's walk visits at most `LOOK_STATES` states (`_only_held`)."""
+        before it ends it, where a token of the value alone is allowed. Only where `allowed` is
+        short (`LOOK_TOKENS`); each token's walk visits at most `LOOK_STATES` states, and all of
+        them `LOOK_TOTAL` (a grammar slow to mask costs a bounded number of masks)."""
         at = self.history[-1]
         if not at.frames or len(allowed) > LOOK_TOKENS:
             return []
-        text_goes_on = _in_value(at)
+        text_goes_on, total = _in_value(at), [LOOK_TOTAL]
         dead, spanning, values = [], [], 0
         for t in allowed:
             if text_goes_on and t not in self.vocab.structural:
                 values += 1
                 continue
             after, repeated = read(at, self.vocab.vocab[t])
-            if repeated or (_in_keys(after) and self._only_held(after, t, walker, [LOOK_STATES])):
+            if repeated or (_in_keys(after) and self._walked(after, t, walker, total)):
                 # one that ends the value it goes on with (`1, "`): the value's own tokens defer
                 # the choice of a key to the state after it, where its object's end is weighed
                 starts_with_text = text_goes_on and self.vocab.vocab[t][0] not in STRUCTURE
@@ -210,6 +212,14 @@ class KeyTracker:
         if len(dead) + len(spanning) + values < len(allowed):
             return dead + spanning
         return spanning if values else []
+
+    def _walked(self, after: At, token: int, walker: Walker, total: list[int]) -> bool:
+        """`_only_held` on a budget of `LOOK_STATES` states, within what is left of `total`."""
+        budget = [min(LOOK_STATES, total[0])]
+        spent = budget[0]
+        held = self._only_held(after, token, walker, budget)
+        total[0] -= spent - budget[0]
+        return held
 
     def _only_held(self, after: At, token: int, walker: Walker, budget: list[int], deep: int = 0) -> bool:
         """Whether, after `token` (which took the state to `after`, within or before a key of the
