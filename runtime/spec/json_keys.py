@@ -205,7 +205,8 @@ class KeyTracker:
             if repeated or (_in_keys(after) and self._walked(after, t, walker, total)):
                 # one that ends the value it goes on with (`1, "`): the value's own tokens defer
                 # the choice of a key to the state after it, where its object's end is weighed
-                starts_with_text = text_goes_on and self.vocab.vocab[t][0] not in STRUCTURE
+                first = self.vocab.vocab[t][:1]
+                starts_with_text = text_goes_on and first != b"" and first[0] not in STRUCTURE
                 (spanning if starts_with_text else dead).append(t)
             elif _goes_on(at, after):
                 values += 1
