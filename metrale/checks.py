@@ -167,14 +167,19 @@ def output_file(flag: str, value: Path) -> Path:
     return value
 
 
-def prompt_texts(flag: str, path: Path) -> list[str]:
-    """A JSON file holding a non-empty list of non-empty strings."""
+def _json_file(flag: str, path: Path, what: str) -> Any:
+    """The JSON `path` holds; ConfigError naming the flag, the file, `what` it should be and why
+    it could not be read."""
     try:
-        data: Any = json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ConfigError(f"{flag} {os.fspath(path)!r}: not a readable JSON list of strings "
-                          f"({reason})") from None
+        raise ConfigError(f"{flag} {os.fspath(path)!r}: not a readable {what} ({reason})") from None
+
+
+def prompt_texts(flag: str, path: Path) -> list[str]:
+    """A JSON file holding a non-empty list of non-empty strings."""
+    data = _json_file(flag, path, "JSON list of strings")
     expected = f"{flag} {os.fspath(path)!r}: expected a non-empty JSON list of non-empty strings"
     if not isinstance(data, list):
         raise ConfigError(f"{expected}, got a {type(data).__name__}")
@@ -195,11 +200,7 @@ def json_schema(flag: str, path: Path) -> str:
     checked as the server checks it) -> the schema as text."""
     from metrale.runtime.spec.schema_check import check_shape
 
-    try:
-        data: Any = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ConfigError(f"{flag} {os.fspath(path)!r}: not a readable JSON file ({reason})") from None
+    data = _json_file(flag, path, "JSON file")
     try:
         check_shape(data)
     except ConfigError as exc:

@@ -175,10 +175,10 @@ class GrammarState:
         if self._refusals is not None and self._refusals[0] is at:
             return self._refusals[1]
         refused: list[int] = []
-        repeating = self.keys.repeating()
-        if repeating or at.frames:
+        if at.frames:  # (outside any container nothing is refused)
             allowed = allowed_ids(self.bitmask, self.vocab_size)
-            refused = sorted(set(repeating).intersection(allowed).union(self.keys.dead_ends(allowed, self._ahead)))
+            refused = sorted(set(self.keys.repeating()).intersection(allowed).union(
+                self.keys.dead_ends(allowed, self._ahead)))
             refused = refused if len(refused) < len(allowed) else []
         self._refusals = (at, refused)
         return refused

@@ -160,11 +160,6 @@ class KeyTracker:
     def drop(self, n: int) -> None:
         del self.history[len(self.history) - n:], self._nodes[len(self._nodes) - n:]
 
-    def repeats(self, token: int) -> bool:
-        """Would `token` close a key its object already holds?"""
-        at = self.history[-1]
-        return bool(at.frames) and read(at, self.vocab.vocab[token])[1]
-
     def repeating(self) -> list[int]:
         """The ids that would close a key its object already holds, at the current state
         (remembered for it: a verify masks the same state more than once)."""
