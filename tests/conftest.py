@@ -7,6 +7,7 @@ carry the `gpu` marker and are skipped where CUDA is unavailable.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -173,8 +174,6 @@ def tiny_engine(tiny_engine_dir):
 
 @pytest.fixture(scope="session")
 def tiny_prompts(tiny_recipe, tiny_engine) -> list[list[int]]:
-    import json
-
     texts = json.loads((tiny_recipe.target.checkpoint.parent / "prompts.json").read_text())
     return [tiny_engine.tokenizer.encode(t) for t in texts[:4]]
 
@@ -259,3 +258,19 @@ def cli_refused(r, *needles: str) -> str:
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     return lines[0]
+
+
+def char_grammar_state(schema: dict, extra: list[str]):
+    """A grammar state over a vocabulary of printable ASCII characters and `extra` tokens (as a
+    BPE vocabulary holds `}, "` or `": 1, "`), its keys tracked -> (state, the id of each token)."""
+    import xgrammar
+
+    from metrale.runtime.spec.grammar import GrammarState, compile_schema
+    from metrale.runtime.spec.json_keys import KeyTracker, KeyVocab
+
+    toks = [chr(i) for i in range(32, 127)] + extra
+    info = xgrammar.TokenizerInfo(["<end>", *toks], xgrammar.VocabType.RAW, vocab_size=len(toks) + 1,
+                                  stop_token_ids=[0])
+    compiled = compile_schema(xgrammar.GrammarCompiler(info, max_threads=1), json.dumps(schema))
+    state = GrammarState(compiled, len(toks) + 1, KeyTracker(KeyVocab([b""] + [t.encode() for t in toks])))
+    return state, {t: i + 1 for i, t in enumerate(toks)}

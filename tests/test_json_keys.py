@@ -15,6 +15,8 @@ import torch
 from metrale.runtime.spec.grammar import JSON_OBJECT, Grammars
 from metrale.runtime.spec.json_keys import At, KeyTracker, free_keys, read
 
+from conftest import char_grammar_state
+
 DOC = b'{"a": {"a": 1}, "b": "{\\"a\\": [", "c": [{"a": 2}, "a"], "d\\u00e9": 3, '
 
 
@@ -201,30 +203,14 @@ def test_keys_are_tracked_where_an_object_may_hold_keys_it_does_not_list(grammar
     assert (grammars.state(json.dumps(schema)).keys is not None) == free
 
 
-def _char_state(schema: dict, extra: list[str]):
-    """A grammar state over a vocabulary of printable ASCII characters and `extra` tokens (as a
-    BPE vocabulary holds `}, "` or `": 1, "`) -> (state, the id of each token)."""
-    import xgrammar
-
-    from metrale.runtime.spec.grammar import GrammarState, compile_schema
-    from metrale.runtime.spec.json_keys import KeyVocab
-
-    toks = [chr(i) for i in range(32, 127)] + extra
-    info = xgrammar.TokenizerInfo(["<end>", *toks], xgrammar.VocabType.RAW, vocab_size=len(toks) + 1,
-                                  stop_token_ids=[0])
-    compiled = compile_schema(xgrammar.GrammarCompiler(info, max_threads=1), json.dumps(schema))
-    state = GrammarState(compiled, len(toks) + 1, KeyTracker(KeyVocab([b""] + [t.encode() for t in toks])))
-    return state, {t: i + 1 for i, t in enumerate(toks)}
-
-
 def test_a_token_spanning_a_close_and_the_next_key_is_looked_ahead():
     """Tokens that close a value, a key or an inner object and begin a key of the object around
     it are refused where that key can only end as a held one."""
-    state, ids = _char_state({"type": "object", "propertyNames": {"const": "a"},
+    state, ids = char_grammar_state({"type": "object", "propertyNames": {"const": "a"},
                               "additionalProperties": {"type": "integer"}}, ['": 1, "'])
     state.advance([ids[c] for c in '{"a'])  # the first key: closing it and beginning another
     assert not state.push(ids['": 1, "']) and state.push(ids['"'])
-    state, ids = _char_state({"type": "object", "propertyNames": {"enum": ["a", "b"]},
+    state, ids = char_grammar_state({"type": "object", "propertyNames": {"enum": ["a", "b"]},
                               "additionalProperties": {"type": "object"}}, ['}, "'])
     state.advance([ids[c] for c in '{"a": {}, "b": {'])
     assert not state.push(ids['}, "']) and state.push(ids["}"])  # the inner object closes (taken)
@@ -235,11 +221,11 @@ def test_the_lookahead_stays_bounded_and_weighs_each_token_alone():
     """A key pattern without bound (`a+c`) beside a held key (`b`): the walk along `a...` stops
     at its depth (no recursion error), and `b` is still looked at and refused; a token that ends
     a value and begins a held key (`1, "`) is refused where the value's own digit is allowed."""
-    state, ids = _char_state({"type": "object", "propertyNames": {"pattern": "^(b|a+c)$"}}, [])
+    state, ids = char_grammar_state({"type": "object", "propertyNames": {"pattern": "^(b|a+c)$"}}, [])
     state.advance([ids[c] for c in '{"b": 1'])
     assert state.push(ids[","]) and state.push(ids[" "]) and state.push(ids['"'])
     assert not state.push(ids["b"]) and state.push(ids["a"])
-    state, ids = _char_state({"type": "object", "propertyNames": {"enum": ["a"]},
+    state, ids = char_grammar_state({"type": "object", "propertyNames": {"enum": ["a"]},
                               "additionalProperties": {"type": "integer"}}, ['1, "'])
     state.advance([ids[c] for c in '{"a": '])
     assert not state.push(ids['1, "']) and state.push(ids["1"]) and state.push(ids["}"])

@@ -19,10 +19,10 @@ from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
 from metrale.runtime.spec.config import SpeculativeConfig
-from metrale.runtime.spec.grammar import JSON_OBJECT, Grammars
+from metrale.runtime.spec.grammar import JSON_OBJECT, GrammarStall, Grammars, GrammarState
 from metrale.runtime.spec.sampling import SamplingParams
 
-from conftest import serve_in_thread
+from conftest import char_grammar_state, serve_in_thread
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -217,3 +217,79 @@ def test_schemas_are_honoured_beside_graph_lanes(tiny_engine_dir, tiny_engine, t
                 seed=i, extra_body={"response_format": fmt}).choices[0].text, range(4)))
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+# A pattern whose grammar xgrammar masks wrongly: after `"b` its bitmask allows `61"`, which its
+# matcher refuses ("b61" matches none of the alternatives; "b" alone does).
+MISMASKED = {"type": "string", "pattern": "^b\\d+[\U0002fa1e-\U0002ffff]x|b$"}
+
+
+def test_a_token_the_mask_allows_and_the_matcher_refuses_is_drawn_again():
+    state, ids = char_grammar_state(MISMASKED, ['61"'])
+    state.advance([ids['"'], ids["b"]])
+    spans = ids['61"']
+    assert state.masked(torch.zeros(state.vocab_size))[spans] == 0.0  # xgrammar's mask allows it
+    assert not state.push(spans)  # and its matcher refuses it
+    row = torch.full((state.vocab_size,), -5.0)
+    row[spans], row[ids["6"]], row[ids['"']] = 9.0, 3.0, 1.0
+    assert state.greedy(row[None], []) == [ids["6"]]  # the next best the matcher accepts, taken
+    state.rollback(1)
+    # sampled: redrawn from the row renormalized over the tokens the matcher accepts
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.zeros(state.vocab_size)
+    probs[spans], probs[ids["6"]], probs[ids['"']] = 0.8, 0.1, 0.1
+    drawn = []
+    for _ in range(400):
+        drawn.append(state.take_drawn([spans], probs.log(),
+                                      lambda r: torch.multinomial(torch.softmax(r, -1), 1, generator=gen))[0])
+        state.rollback(1)
+    assert set(drawn) == {ids["6"], ids['"']} and 150 < drawn.count(ids["6"]) < 250
+    with pytest.raises(GrammarStall):  # nothing the matcher accepts: a clear error, not a token
+        state.pick(row, torch.argmax, refused=(ids["6"], ids['"']) + tuple(ids[d] for d in "012345789"))
+
+
+class _Refusing:
+    """A matcher whose mask allows `banned` while it refuses the token (xgrammar's defect above,
+    at a token plain constrained decoding emits)."""
+
+    def __init__(self, matcher, banned: int):
+        self._matcher, self._banned = matcher, banned
+
+    def accept_token(self, token: int) -> bool:
+        return token != self._banned and self._matcher.accept_token(token)
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp-exact", "dflash-exact", "dflash2-exact"])
+def test_decoding_where_the_mask_allows_a_token_the_matcher_refuses(tiny_engine, tiny_prompts, monkeypatch, mode):
+    """Every emitted token comes from the tokens the matcher accepts: greedy decoding where the
+    mask wrongly allows one emits what decoding with that token masked emits, and a sampled
+    request never emits it; neither fails."""
+    schema = json.dumps(SCHEMA)
+    tok = tiny_engine.tokenizer
+    prompt = tiny_prompts[0][:10]
+    greedy = SamplingParams(temperature=0.0, max_tokens=96, json_schema=schema)
+    plain = EngineGenerator(tiny_engine, SpeculativeConfig()).generate(prompt, greedy).token_ids
+    banned = next(t for t in plain if tok.decode([t]).strip().isalnum())  # a token of a value
+    masked = GrammarState.masked
+    monkeypatch.setattr(GrammarState, "masked", lambda self, row: masked(self, row).index_fill(
+        0, torch.tensor([banned]), float("-inf")))
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    want = gen.generate(prompt, greedy).token_ids  # the token masked outright
+    monkeypatch.setattr(GrammarState, "masked", masked)
+    init = GrammarState.__init__
+
+    def refusing(self, *args):
+        init(self, *args)
+        self.matcher = self._ahead.matcher = _Refusing(self.matcher, banned)
+
+    monkeypatch.setattr(GrammarState, "__init__", refusing)
+    got = gen.generate(prompt, greedy).token_ids
+    assert got == want and banned not in got
+    jsonschema.validate(json.loads(_text(tok, got)), SCHEMA)
+    for seed in range(3):
+        sampled = gen.generate(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=96,
+                                                      json_schema=schema)).token_ids
+        assert banned not in sampled

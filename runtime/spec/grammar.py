@@ -67,6 +67,10 @@ def compile_schema(compiler, schema: str):
         raise ConfigError(refusal(e)) from None
 
 
+class GrammarStall(RuntimeError):
+    """A request's grammar state from which its matcher accepts no token the mask allows."""
+
+
 class Grammars:
     """The compiler of one tokenizer's grammars, for a model whose logits have `vocab_size` ids."""
 
@@ -228,9 +232,27 @@ class GrammarState:
         return torch.tensor(out, dtype=torch.long)
 
     def accept(self, token: int) -> None:
-        """An emitted token into the state (the decode loop masked the row it came from)."""
+        """An emitted token into the state (the decode loop picked it: `pick`)."""
         if not self.push(token):
             raise AssertionError(f"token {token} was emitted from a row its grammar masked out")
+
+    def pick(self, row: torch.Tensor, draw, refused: tuple[int, ...] = ()) -> int:
+        """The token `draw` (row [V] -> id) chooses from logits `row` masked at the current
+        state, `refused` at -inf too, taken into the state. xgrammar's bitmask can allow a
+        multi-character token its matcher then refuses (one that ends a string inside some
+        patterns' rules); such a token is masked at this row and the row drawn again, so the
+        token taken is `draw`'s among the tokens the matcher accepts (greedy: the argmax of
+        those; sampled: a draw from the row renormalized over them). GrammarStall where the
+        matcher accepts none of the tokens the mask allows."""
+        row = self.masked(row)
+        if refused:
+            row[torch.tensor(refused, device=row.device)] = float("-inf")
+        while bool(torch.isfinite(row).any()):
+            token = int(draw(row))
+            if self.push(token):
+                return token
+            row[token] = float("-inf")
+        raise GrammarStall("the request's grammar allows no token its matcher accepts here")
 
     def valid_drafts(self, drafts: list[int]) -> int:
         """How many leading `drafts` the grammar allows after the emitted tokens; the state is
@@ -256,20 +278,30 @@ class GrammarState:
         return torch.stack(out)
 
     def greedy(self, rows: torch.Tensor, drafts: list[int]) -> list[int]:
-        """Greedy verify under the grammar: each row's argmax once masked at its state, up to
-        the first row whose token rejects the next draft (or the last row); the state then
-        holds the accepted drafts and that row's token, as the step emits them."""
+        """Greedy verify under the grammar: each row's argmax among the tokens its state allows
+        (`pick`), up to the first row whose token rejects the next draft (or the last row); the
+        state then holds the accepted drafts and that row's token, as the step emits them."""
         ids: list[int] = []
         for i in range(rows.shape[0]):
-            token = int(self.masked(rows[i]).argmax())
+            token = self.pick(rows[i], torch.argmax)
             ids.append(token)
-            self.accept(token)
             if i >= len(drafts) or token != drafts[i] or self.done:
                 break
         return ids
 
+    def take_drawn(self, tokens: list[int], row: torch.Tensor, draw) -> list[int]:
+        """A sampled step's emitted tokens into the state, up to the end (the decode loop stops
+        there): its accepted drafts (each allowed: `valid_drafts`), then the token drawn from
+        logits `row`, drawn again from `row` without it where the matcher refuses it (`pick`).
+        Returns the tokens the step emits."""
+        *drafts, last = tokens
+        self.advance(drafts)
+        if self.done or self.push(last):
+            return tokens
+        return [*drafts, self.pick(row, draw, refused=(last,))]
+
     def advance(self, tokens: list[int]) -> None:
-        """A step's emitted tokens into the state, up to the end (the decode loop stops there)."""
+        """Emitted tokens into the state, up to the end (the decode loop stops there)."""
         for t in tokens:
             if self.done:
                 return
