@@ -196,10 +196,19 @@ def test_a_class_of_many_ranges_keeps_a_part_of_them(compiler):
     from metrale.runtime.spec.schema_patterns import MAX_CLASS_RANGES, for_grammar
 
     written = for_grammar(r"\W", "x")
-    assert written.count("\\u") + written.count("\\U") <= 2 * MAX_CLASS_RANGES
+    assert written.count("\\u") + sum(ord(c) > 0xFFFF for c in written) <= 2 * MAX_CLASS_RANGES
     grammar = _ours(compiler, _string(r"^\W{100}$"))
     assert _accepts(grammar, json.dumps("-" * 50 + " " * 50))
     assert not _accepts(grammar, json.dumps("-" * 99 + "a"))
+
+
+def test_characters_past_the_basic_plane_compile_without_xgrammar_warnings(compiler, capfd):
+    """Past U+FFFF a class holds the characters themselves: xgrammar's reading of a schema's
+    pattern (the rule `schema_grammar` replaces) warns at a `\\U` escape, once per compile."""
+    grammar = _ours(compiler, _string("^[\U0001F600-\U0001F64F]+x$"))
+    for text, ok in [("\U0001F600\U0001F64Fx", True), ("\U0001F650x", False), ("Ux", False)]:
+        assert xgrammar.GrammarMatcher(grammar).accept_string(json.dumps(text, ensure_ascii=False)) == ok, text
+    assert "not recognized" not in capfd.readouterr().err
 
 
 def test_the_server_compiles_patterns_through_the_converter(tiny_engine):

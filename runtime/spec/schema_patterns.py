@@ -305,8 +305,8 @@ def _python_sets() -> dict[str, Ranges]:
 
 
 def _written(chars: Ranges, where: str) -> str:
-    """`chars` narrowed to a JSON string's unescaped characters, as a class of `\\u`/`\\U`
-    ranges; a class of more than MAX_CLASS_RANGES ranges (`\\W` is some 700, one per gap between
+    """`chars` narrowed to a JSON string's unescaped characters, as a class of ranges (`_u`);
+    a class of more than MAX_CLASS_RANGES ranges (`\\W` is some 700, one per gap between
     the scripts' letters) keeps those below U+0100 and the widest others, since the grammar's
     compile time grows with the ranges times the class's repetitions (a string it allows still
     matches the class)."""
@@ -326,7 +326,10 @@ def _written(chars: Ranges, where: str) -> str:
 
 
 def _u(c: int) -> str:
-    return f"\\u{c:04x}" if c <= 0xFFFF else f"\\U{c:08x}"
+    """Code point `c` in a class: `\\u` and its four digits, or itself past U+FFFF (the regex
+    converter reads `\\U` escapes, but xgrammar's own reading of a schema's patterns, which
+    `schema_grammar` replaces, warns at each of them)."""
+    return f"\\u{c:04x}" if c <= 0xFFFF else chr(c)
 
 
 def _merged(ranges) -> Ranges:
