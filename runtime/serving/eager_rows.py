@@ -8,7 +8,7 @@ with the lanes' requests). The scheduler runs a step on its face, and a decode l
 rows (`Forward`) have none (they run on the scheduler's target, the graph target, whose one
 decode cache serves one sequence at a time): `on_eager_target` re-yields the loop's steps with
 its target rows as `EagerRows`, whose face is the eager model. The loop must take no plain runs
-(`Decoder.steps(runs=False)`; a request with a grammar takes none): a run's rows would go to
+(`Decoder.steps(runs=False)`, as the scheduler's lanes run every loop): a run's rows would go to
 the scheduler's target.
 """
 

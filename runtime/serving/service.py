@@ -245,7 +245,7 @@ class EngineGenerator:
             yield from self._lane_steps(prompt_ids, params, batch, counted)
             return
         decoder = self._decode_loop(params, eager=lanes) if self._graphs is not None else self.decoder(params)
-        # (a request with a grammar takes no plain runs: every row it emits from is masked)
+        # (beside lanes no plain runs: a run's rows would go to the graphs, not the eager model)
         steps = decoder.steps(prompt_ids, params, batch, runs=not lanes)
         if lanes:
             steps = on_eager_target(steps, decoder.target)

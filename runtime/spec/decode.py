@@ -231,7 +231,7 @@ class Decoder:
         if grammar is not None:
             row = out.logits[0, -1]
             if params.greedy:
-                pending = grammar.pick(row, torch.argmax)
+                pending = grammar.pick(row)
             else:  # drawn again as a verify's token is, where the matcher refuses it
                 probs = probs_from_logits(grammar.masked(row), params)
                 drawn = [int(sample_from_probs(probs, gen))]
@@ -244,7 +244,7 @@ class Decoder:
             self.proposer.prefill(prompt.tokens, out, pending)
             self._missed: list[int] = []  # this sequence's busy steps' tokens, not yet followed
         result.prefill_s = time.perf_counter() - t0
-        self._runs, self._started = runs and grammar is None, t0
+        self._runs, self._started = runs, t0
         emitted_total = 0
         next_tokens = [pending]
         while True:
@@ -298,26 +298,23 @@ class Decoder:
                 # row followed (as a verify's kept row is) or noted for the catch-up, the next
                 # choice made after it
                 if proposer.off:  # settled: plain for good, nothing kept
-                    run = PlainRun(pending, cache, room, self.eos_ids, result, None, None,
-                                   self._started, self.device)
+                    run = self._run(pending, cache, room, result, None, None)
                     yield run
                     return run
                 ahead = proposer.plain_ahead
                 if self._catches_up:  # its rows run again before the probe
                     self._missed.append(pending)
-                run = PlainRun(pending, cache, room, self.eos_ids, result,
-                               self._missed if self._catches_up else None, None, self._started,
-                               self.device, follower=None if self._catches_up else proposer,
-                               limit=1 + ahead, alone=batch if batch.size == 1 else None)
+                run = self._run(pending, cache, room, result, self._missed if self._catches_up else None,
+                                None, follower=None if self._catches_up else proposer,
+                                limit=1 + ahead, alone=batch if batch.size == 1 else None)
                 yield run
                 if len(run.tokens) > 1:  # its first step was this one, counted by the propose
                     proposer.skip(len(run.tokens) - 1)
                 return run
-        elif params.greedy and not drafting and self.grammar is None:  # the pending token's row, its argmax emitted
+        elif params.greedy and not drafting:  # the pending token's row, its argmax emitted
             if self._runs and not following:  # the scheduler runs these steps until drafting resumes
-                run = PlainRun(pending, cache, room, self.eos_ids, result,
-                               self._missed if resumes else None, batch if resumes else None,
-                               self._started, self.device)
+                run = self._run(pending, cache, room, result, self._missed if resumes else None,
+                                batch if resumes else None)
                 yield run
                 return run
             return (yield from self._plain_step(pending, cache, t0, result, following))
@@ -456,6 +453,11 @@ class Decoder:
                                 device=self.device)
             self.proposer.follow(out, following[i:i + CATCH_UP_ROWS])
 
+    def _run(self, pending: int, cache, room: int, result: DecodeResult, missed, batch, **kw) -> PlainRun:
+        """The sequence's next plain steps as one `PlainRun` (its arguments)."""
+        return PlainRun(pending, cache, room, self.eos_ids, result, missed, batch, self._started,
+                        self.device, grammar=self.grammar, **kw)
+
     def _plain_step(self, pending: int, cache, t0: float, result: DecodeResult, following: bool):
         """A greedy step without drafts: `_step`'s outcome with k = 0 (one row, the argmax
         emitted, the same metrics), without a verify's bookkeeping (the step a busy batch's
@@ -464,7 +466,8 @@ class Decoder:
         t1 = time.perf_counter()
         base = cache.length
         out = yield Forward([pending], cache, self.proposer.taps if following else (), device=self.device)
-        emitted_ids = greedy_ids(out)[:1]
+        grammar = self.grammar
+        emitted_ids = greedy_ids(out)[:1] if grammar is None else [grammar.pick(out.logits[0, 0])]
         cache.length = base + 1
         t2 = t3 = time.perf_counter()
         if following:

@@ -129,10 +129,21 @@ class _Ahead:
         return allowed_ids(self.bitmask, self.vocab_size)
 
 
+def allowed_bits(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """[vocab_size] uint8, 1 where a filled bitmask allows the id (bit i of its little-endian
+    words is id i; set: allowed)."""
+    return np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab_size]
+
+
 def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
-    """The ids a filled bitmask allows (bit i of its little-endian words is id i; set: allowed)."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab_size]
-    return np.flatnonzero(bits).tolist()
+    """The ids a filled bitmask allows."""
+    return np.flatnonzero(allowed_bits(bitmask, vocab_size)).tolist()
+
+
+def first_max(row: torch.Tensor) -> int:
+    """The first index of `row`'s greatest value, as `torch.argmax` gives it (in numpy for a
+    host row, which a vocabulary's row costs less in)."""
+    return int(row.numpy().argmax()) if row.device.type == "cpu" else int(row.argmax())
 
 
 class GrammarState:
@@ -147,7 +158,6 @@ class GrammarState:
     def __init__(self, compiled, vocab_size: int, keys: KeyTracker | None):
         import xgrammar
 
-        self._apply = xgrammar.apply_token_bitmask_inplace
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size
@@ -158,29 +168,31 @@ class GrammarState:
 
     def masked(self, row: torch.Tensor) -> torch.Tensor:
         """`row` [V] (a copy, float32) with the tokens the current state refuses at -inf."""
-        row = row.detach().float().reshape(1, -1).clone()
+        row = row.detach().float()
         if self.matcher.is_terminated():  # a row after the end (a draft's): the end again
-            out = row[0].fill_(float("-inf"))  # (the decode loop stops at the first end)
+            out = torch.full_like(row, float("-inf"))  # (the decode loop stops at the first end)
             out[self.stop] = 0.0
             return out
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        self._apply(row, self.bitmask.to(row.device), vocab_size=self.vocab_size)
-        refused = self._refused_keys() if self.keys is not None else []
-        if refused:
-            row[0, torch.tensor(refused, device=row.device)] = float("-inf")
-        return row[0]
+        bits = allowed_bits(self.bitmask, self.vocab_size)  # (an array of its own)
+        if self.keys is not None:
+            bits[self._refused_keys(bits)] = 0
+        if row.device.type == "cpu":  # (a vocabulary's row: numpy's one pass costs less than torch's call)
+            return torch.from_numpy(np.where(bits != 0, row.numpy(), np.float32("-inf")))
+        return row.masked_fill(torch.from_numpy(bits == 0).to(row.device), float("-inf"))
 
-    def _refused_keys(self) -> list[int]:
-        """The tokens the keys refuse at the current state, its bitmask filled: those the grammar
-        allows that would close a key their object holds or can only lead to one, unless it
-        allows no other token. What the grammar allows decides it, not the row's values, so
-        `push` refuses what `masked` masks. Kept for the state: a verify masks it more than once."""
+    def _refused_keys(self, bits: np.ndarray) -> list[int]:
+        """The tokens the keys refuse at the current state, `bits` what its bitmask allows
+        (`allowed_bits`): those the grammar allows that would close a key their object holds or
+        can only lead to one, unless it allows no other token. What the grammar allows decides
+        it, not the row's values, so `push` refuses what `masked` masks. Kept for the state: a
+        verify masks it more than once."""
         at = self.keys.history[-1]
         if self._refusals is not None and self._refusals[0] is at:
             return self._refusals[1]
         refused: list[int] = []
         if at.frames:  # (outside any container nothing is refused)
-            allowed = allowed_ids(self.bitmask, self.vocab_size)
+            allowed = np.flatnonzero(bits).tolist()
             refused = sorted(set(self.keys.repeating()).intersection(allowed).union(
                 self.keys.dead_ends(allowed, self._ahead)))
             refused = refused if len(refused) < len(allowed) else []
@@ -193,7 +205,9 @@ class GrammarState:
             return True
         if self.keys is None or not self.keys.may_refuse(token):
             return False
-        return bool(self.masked(torch.zeros(self.vocab_size))[token] == float("-inf"))
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        bits = allowed_bits(self.bitmask, self.vocab_size)
+        return not bits[token] or token in self._refused_keys(bits)
 
     @property
     def done(self) -> bool:
@@ -236,9 +250,9 @@ class GrammarState:
         if not self.push(token):
             raise AssertionError(f"token {token} was emitted from a row its grammar masked out")
 
-    def pick(self, row: torch.Tensor, draw, refused: tuple[int, ...] = ()) -> int:
-        """The token `draw` (row [V] -> id) chooses from logits `row` masked at the current
-        state, `refused` at -inf too, taken into the state. xgrammar's bitmask can allow a
+    def pick(self, row: torch.Tensor, draw=None, refused: tuple[int, ...] = ()) -> int:
+        """The token `draw` (row [V] -> id; None: the argmax, `first_max`) chooses from logits
+        `row` masked at the current state, `refused` at -inf too, taken into the state. xgrammar's bitmask can allow a
         multi-character token its matcher then refuses (one that ends a string inside some
         patterns' rules); such a token is masked at this row and the row drawn again, so the
         token taken is `draw`'s among the tokens the matcher accepts (greedy: the argmax of
@@ -247,11 +261,15 @@ class GrammarState:
         row = self.masked(row)
         if refused:
             row[torch.tensor(refused, device=row.device)] = float("-inf")
-        while bool(torch.isfinite(row).any()):
+        # (what is left is looked at only after a refusal: a row's every value costs a token's
+        # mask again)
+        draw = first_max if draw is None else draw
+        while not refused or bool(torch.isfinite(row).any()):
             token = int(draw(row))
-            if self.push(token):
+            if row[token] != float("-inf") and self.push(token):
                 return token
             row[token] = float("-inf")
+            refused = (token,)
         raise GrammarStall("the request's grammar allows no token its matcher accepts here")
 
     def valid_drafts(self, drafts: list[int]) -> int:
@@ -283,7 +301,7 @@ class GrammarState:
         state then holds the accepted drafts and that row's token, as the step emits them."""
         ids: list[int] = []
         for i in range(rows.shape[0]):
-            token = self.pick(rows[i], torch.argmax)
+            token = self.pick(rows[i])
             ids.append(token)
             if i >= len(drafts) or token != drafts[i] or self.done:
                 break

@@ -31,18 +31,19 @@ class PlainRun(Run):
     k's plain steps until its probe, `Proposer.plain_ahead`) is given the proposer (`follower`):
     each step's row carries its taps and the proposer follows it, as it keeps a verify's kept
     row; the run ends after `limit` steps, or as soon as the sequence no longer runs alone
-    (adaptive k sets the count only then). Its steps go into the sequence's
+    (adaptive k sets the count only then). A request's `grammar` (`spec.grammar.GrammarState`)
+    picks each step's token among those it allows, as the decode loop's steps do. Its steps go into the sequence's
     result together when it ends, or when the scheduler drops it (`close`: the request ended
     first, at a stop string or its client's cancel): the same tokens, traces and metric
     counts as step by step, and the same total time (each step's time runs from the one
     before it)."""
 
     __slots__ = ("forward", "tokens", "finished", "_room", "_eos", "_result", "_missed", "_batch",
-                 "_t0", "_at", "_taken_at", "_recorded", "_follow", "_limit", "_alone")
+                 "_t0", "_at", "_taken_at", "_recorded", "_follow", "_limit", "_alone", "_grammar")
 
     def __init__(self, pending: int, cache, room: int, eos: frozenset[int], result,
                  missed: list[int] | None, batch, t0: float, device,
-                 follower: Proposer | None = None, limit: int | None = None, alone=None):
+                 follower: Proposer | None = None, limit: int | None = None, alone=None, grammar=None):
         # (`result`: the sequence's `decode.DecodeResult`; `batch`, `alone`: `decode.Batch`es)
         taps = follower.taps if follower is not None else ()
         self.forward: Forward | None = Forward([pending], cache, taps, device=device)
@@ -52,12 +53,14 @@ class PlainRun(Run):
         self._follow = follower.follow if follower is not None else None
         self._limit = room if limit is None else min(limit, room)  # steps before the run ends
         self._alone = alone  # the batch the run ends in once it no longer holds this sequence alone
+        self._grammar = grammar
         self._t0, self._recorded = t0, 0
         self._at = self._taken_at = time.perf_counter()  # the last recorded step's end; the last step's
 
     def take(self, out: TargetOutput) -> int:
         """The current step's output -> its token."""
-        token = greedy_ids(out)[0]
+        grammar = self._grammar
+        token = greedy_ids(out)[0] if grammar is None else grammar.pick(out.logits[0, 0])
         if self._follow is not None:
             self._follow(out, (token,))  # the row stays in the cache: the proposer keeps it
         self._taken_at = time.perf_counter()
