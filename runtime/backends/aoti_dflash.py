@@ -146,10 +146,11 @@ class BatchedDFlash(CompiledDFlash, BatchedFace):
             drafts = outs[0]
             for q, i in enumerate(members):
                 n = forwards[i].gamma - 1
-                if forwards[i].distributions:  # (the package gives them: `distributions`)
+                if self.distributions:  # the package gives them, a tree or not (a grammar redrafts within them)
                     results[i] = Proposal(tokens=drafts[q, :n][None], logits=outs[1][q:q + 1, :n],
                                           hidden=outs[2][q:q + 1, :n],
-                                          tables=tuple(t[q:q + 1, :n] for t in outs[3:7]) if tables else None)
+                                          tables=tuple(t[q:q + 1, :n] for t in outs[3:7])
+                                          if tables and forwards[i].distributions else None)
                 else:
                     results[i] = Proposal(tokens=drafts[q, :n][None], logits=None)
         for f, (rows, older) in zip(forwards, fed):
