@@ -20,7 +20,7 @@ from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
 from metrale.runtime.spec.config import SpeculativeConfig
 from metrale.runtime.spec.grammar import JSON_OBJECT, GrammarStall, Grammars, GrammarState
-from metrale.runtime.spec.sampling import SamplingParams
+from metrale.runtime.spec.sampling import SamplingParams, sample
 
 from conftest import char_grammar_state, serve_in_thread
 
@@ -241,16 +241,22 @@ def test_a_token_the_mask_allows_and_the_matcher_refuses_is_drawn_again():
     row[spans], row[ids["6"]], row[ids['"']] = 9.0, 3.0, 1.0
     assert state.greedy(row[None], []) == [ids["6"]]  # the next best the matcher accepts, taken
     state.rollback(1)
-    # sampled: redrawn from the row renormalized over the tokens the matcher accepts
+    # sampled: drawn again from the row without it, its nucleus taken again (the refused token
+    # may have been all of it), and without the draft a recovered token replaces
     gen = torch.Generator().manual_seed(0)
-    probs = torch.zeros(state.vocab_size)
-    probs[spans], probs[ids["6"]], probs[ids['"']] = 0.8, 0.1, 0.1
+    row = torch.full((state.vocab_size,), -20.0)
+    row[spans], row[ids["6"]], row[ids['"']] = 9.0, 1.0, 1.0
+    nucleus = SamplingParams(temperature=1.0, top_p=0.9)
+    draw = lambda r: sample(r, nucleus, gen)  # noqa: E731
+    assert int(draw(state.masked(row))) == spans  # the nucleus holds it alone
     drawn = []
     for _ in range(400):
-        drawn.append(state.take_drawn([spans], probs.log(),
-                                      lambda r: torch.multinomial(torch.softmax(r, -1), 1, generator=gen))[0])
+        drawn.append(state.take_drawn([spans], row, draw)[0])
         state.rollback(1)
     assert set(drawn) == {ids["6"], ids['"']} and 150 < drawn.count(ids["6"]) < 250
+    for _ in range(20):
+        assert state.take_drawn([spans], row, draw, recovered=ids["6"]) == [ids['"']]
+        state.rollback(1)
     with pytest.raises(GrammarStall):  # nothing the matcher accepts: a clear error, not a token
         state.pick(row, torch.argmax, refused=(ids["6"], ids['"']) + tuple(ids[d] for d in "012345789"))
 
@@ -297,6 +303,6 @@ def test_decoding_where_the_mask_allows_a_token_the_matcher_refuses(tiny_engine,
     assert got == want and banned not in got
     jsonschema.validate(json.loads(_text(tok, got)), SCHEMA)
     for seed in range(3):
-        sampled = gen.generate(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=96,
-                                                      json_schema=schema)).token_ids
+        sampled = gen.generate(prompt, SamplingParams(temperature=1.0, top_p=0.5 if seed else 1.0, seed=seed,
+                                                      max_tokens=96, json_schema=schema)).token_ids
         assert banned not in sampled

@@ -36,8 +36,7 @@ from metrale.runtime.spec.ddtree import Tree, choose_child, walk
 from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.spec.plain_run import PlainRun, greedy_ids
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
-from metrale.runtime.spec.sampling import (SamplingParams, generator_for, probs_from_logits, sample,
-                                           sample_from_probs)
+from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
 from metrale.runtime.spec.tree_verify import TreeVerifyChoice, best_chain
 from metrale.runtime.spec.verify import accepted_prefix, verify_sampling
 from metrale.runtime.steps import Forward, Step, drive
@@ -59,12 +58,6 @@ def output_rows(out, rows: torch.Tensor) -> TargetOutput:
     """Rows `rows` [n] of a forward's output (a verify's kept rows)."""
     pick = lambda x: None if x is None else x.index_select(1, rows)  # noqa: E731
     return TargetOutput(logits=pick(out.logits), last_hidden=pick(out.last_hidden), taps=pick(out.taps))
-
-
-def _drawn(gen: torch.Generator | None):
-    """A draw from a row of log-probabilities (a distribution's logs, -inf where it has no
-    mass) with `gen`: what a grammar's `pick` draws again from once it refuses a drawn token."""
-    return lambda row: sample_from_probs(torch.softmax(row, dim=-1), gen)
 
 
 @dataclass
@@ -232,10 +225,10 @@ class Decoder:
             row = out.logits[0, -1]
             if params.greedy:
                 pending = grammar.pick(row)
-            else:  # drawn again as a verify's token is, where the matcher refuses it
-                probs = probs_from_logits(grammar.masked(row), params)
-                drawn = [int(sample_from_probs(probs, gen))]
-                pending = grammar.take_drawn(drawn, probs.log(), _drawn(gen))[0]
+            else:  # drawn again without it where the matcher refuses it
+                row = grammar.masked(row)
+                pending = grammar.take_drawn([int(sample(row, params, gen))], row,
+                                             lambda r: sample(r, params, gen))[0]
         else:
             pending = greedy_ids(out)[-1] if params.greedy else int(sample(out.logits[0, -1], params, gen))
         if self.proposer is not None:
@@ -340,14 +333,11 @@ class Decoder:
             rows = out.logits[0]  # [k+1, V]
             if grammar is not None:
                 rows = grammar.masked_rows(rows, draft_ids)
-            probs = probs_from_logits(rows, params)
-            accepted, emitted = verify_sampling(drafts.to(device), probs, gen)
+            accepted, emitted = verify_sampling(drafts.to(device), probs_from_logits(rows, params), gen)
             emitted_ids = emitted.tolist()
-            if grammar is not None:
-                last = probs[accepted].clone()  # what the last token was drawn from
-                if accepted < k:  # a recovered token: the rejected draft's mass removed
-                    last[draft_ids[accepted]] = 0.0
-                drawn = grammar.take_drawn(emitted_ids, last.log(), _drawn(gen))
+            if grammar is not None:  # a last token the matcher refuses: drawn again from its row
+                drawn = grammar.take_drawn(emitted_ids, rows[accepted], lambda r: sample(r, params, gen),
+                                           draft_ids[accepted] if accepted < k else None)
                 if drawn != emitted_ids:
                     emitted_ids, emitted = drawn, torch.tensor(drawn, device=device)
             verify_rows = rows.shape[0]

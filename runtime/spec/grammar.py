@@ -307,16 +307,23 @@ class GrammarState:
                 break
         return ids
 
-    def take_drawn(self, tokens: list[int], row: torch.Tensor, draw) -> list[int]:
+    def take_drawn(self, tokens: list[int], row: torch.Tensor, draw, recovered: int | None = None) -> list[int]:
         """A sampled step's emitted tokens into the state, up to the end (the decode loop stops
         there): its accepted drafts (each allowed: `valid_drafts`), then the token drawn from
-        logits `row`, drawn again from `row` without it where the matcher refuses it (`pick`).
-        Returns the tokens the step emits."""
+        logits `row` (the last one's, masked), drawn again by `draw` from `row` without it where
+        the matcher refuses it (`pick`; for a recovered token, without the draft it replaces,
+        `recovered`, too, where the matcher accepts another). Returns the tokens the step emits."""
         *drafts, last = tokens
         self.advance(drafts)
         if self.done or self.push(last):
             return tokens
-        return [*drafts, self.pick(row, draw, refused=(last,))]
+        try:
+            again = self.pick(row, draw, refused=(last,) if recovered is None else (last, recovered))
+        except GrammarStall:
+            if recovered is None:
+                raise
+            again = self.pick(row, draw, refused=(last,))
+        return [*drafts, again]
 
     def advance(self, tokens: list[int]) -> None:
         """Emitted tokens into the state, up to the end (the decode loop stops there)."""
