@@ -202,6 +202,15 @@ def test_a_class_of_many_ranges_keeps_a_part_of_them(compiler):
     assert not _accepts(grammar, json.dumps("-" * 99 + "a"))
 
 
+def test_a_latin1_character_before_a_hex_digit_is_read_back_as_written(compiler):
+    """A schema with a pattern is compiled from xgrammar's printed grammar, which writes "é1"
+    as `\\xe91`; read back, that was U+0E91, so the grammar enforced another value."""
+    schema = {"type": "object", "properties": {"k": {"enum": ["é1"]}, "p": {"type": "string", "pattern": "^x$"}},
+              "required": ["k", "p"], "additionalProperties": False}
+    grammar = _ours(compiler, schema)
+    assert _accepts(grammar, '{"k": "é1", "p": "x"}') and not _accepts(grammar, '{"k": "é", "p": "x"}')
+
+
 def test_characters_past_the_basic_plane_compile_without_xgrammar_warnings(compiler, capfd):
     """Past U+FFFF a class holds the characters themselves: xgrammar's reading of a schema's
     pattern (the rule `schema_grammar` replaces) warns at a `\\U` escape, once per compile."""

@@ -62,7 +62,7 @@ def schema_grammar(schema: str) -> str | None:
         if pattern not in patterns:  # the rule's text read back wrong: never enforce another pattern
             raise ConfigError(f"pattern {pattern!r}: could not be compiled")
         lines.extend(_pattern_rules(m["name"], pattern, names))
-    return "\n".join(lines) + "\n"
+    return _four_digit_escapes("\n".join(lines) + "\n")
 
 
 def _pattern_rules(name: str, pattern: str, taken: set[str]) -> list[str]:
@@ -104,6 +104,14 @@ def _renamed(rule: str, root: str, prefix: str) -> str:
         out.append(word)
         i = m.end()
     return "".join(out)
+
+
+def _four_digit_escapes(text: str) -> str:
+    """EBNF `text` (as xgrammar prints a grammar) with each `\\xHH` escape written `\\u00HH`:
+    xgrammar prints U+0080..U+00FF as `\\xHH` even where a hex digit follows, and reads a `\\x`
+    escape to the last hex digit after it (`"\\xe91"`, printed for "é1", reads as "\\u0e91")."""
+    return re.sub(r"\\(x([0-9a-fA-F]{2})|.)",
+                  lambda m: "\\u00" + m.group(2) if m.group(2) else m.group(0), text, flags=re.S)
 
 
 def _unescaped(text: str) -> str:
