@@ -207,11 +207,11 @@ def test_a_token_spanning_a_close_and_the_next_key_is_looked_ahead():
     """Tokens that close a value, a key or an inner object and begin a key of the object around
     it are refused where that key can only end as a held one."""
     state, ids = char_grammar_state({"type": "object", "propertyNames": {"const": "a"},
-                              "additionalProperties": {"type": "integer"}}, ['": 1, "'])
+                                     "additionalProperties": {"type": "integer"}}, ['": 1, "'])
     state.advance([ids[c] for c in '{"a'])  # the first key: closing it and beginning another
     assert not state.push(ids['": 1, "']) and state.push(ids['"'])
     state, ids = char_grammar_state({"type": "object", "propertyNames": {"enum": ["a", "b"]},
-                              "additionalProperties": {"type": "object"}}, ['}, "'])
+                                     "additionalProperties": {"type": "object"}}, ['}, "'])
     state.advance([ids[c] for c in '{"a": {}, "b": {'])
     assert not state.push(ids['}, "']) and state.push(ids["}"])  # the inner object closes (taken)
     assert not state.push(ids[","]) and state.push(ids["}"])  # then the outer
@@ -226,6 +226,6 @@ def test_the_lookahead_stays_bounded_and_weighs_each_token_alone():
     assert state.push(ids[","]) and state.push(ids[" "]) and state.push(ids['"'])
     assert not state.push(ids["b"]) and state.push(ids["a"])
     state, ids = char_grammar_state({"type": "object", "propertyNames": {"enum": ["a"]},
-                              "additionalProperties": {"type": "integer"}}, ['1, "'])
+                                     "additionalProperties": {"type": "integer"}}, ['1, "'])
     state.advance([ids[c] for c in '{"a": '])
     assert not state.push(ids['1, "']) and state.push(ids["1"]) and state.push(ids["}"])

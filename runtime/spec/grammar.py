@@ -252,17 +252,17 @@ class GrammarState:
 
     def pick(self, row: torch.Tensor, draw=None, refused: tuple[int, ...] = ()) -> int:
         """The token `draw` (row [V] -> id; None: the argmax, `first_max`) chooses from logits
-        `row` masked at the current state, `refused` at -inf too, taken into the state. xgrammar's bitmask can allow a
-        multi-character token its matcher then refuses (one that ends a string inside some
-        patterns' rules); such a token is masked at this row and the row drawn again, so the
-        token taken is `draw`'s among the tokens the matcher accepts (greedy: the argmax of
-        those; sampled: a draw from the row renormalized over them). GrammarStall where the
-        matcher accepts none of the tokens the mask allows."""
+        `row` masked at the current state, `refused` at -inf too, taken into the state.
+        xgrammar's bitmask can allow a multi-character token its matcher then refuses (one that
+        ends a string inside some patterns' rules); such a token is masked at this row and `draw`
+        chooses again, so the token taken is `draw`'s among the tokens the matcher accepts
+        (greedy: the argmax of those; sampled: a draw from the row without the refused ones).
+        GrammarStall where the matcher accepts none of the tokens the mask allows."""
         row = self.masked(row)
         if refused:
             row[torch.tensor(refused, device=row.device)] = float("-inf")
-        # (what is left is looked at only after a refusal: a row's every value costs a token's
-        # mask again)
+        # (whether any token is left is read only after a refusal: reading the whole row costs
+        # about what masking it does)
         draw = first_max if draw is None else draw
         while not refused or bool(torch.isfinite(row).any()):
             token = int(draw(row))

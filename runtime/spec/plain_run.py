@@ -32,11 +32,11 @@ class PlainRun(Run):
     each step's row carries its taps and the proposer follows it, as it keeps a verify's kept
     row; the run ends after `limit` steps, or as soon as the sequence no longer runs alone
     (adaptive k sets the count only then). A request's `grammar` (`spec.grammar.GrammarState`)
-    picks each step's token among those it allows, as the decode loop's steps do. Its steps go into the sequence's
-    result together when it ends, or when the scheduler drops it (`close`: the request ended
-    first, at a stop string or its client's cancel): the same tokens, traces and metric
-    counts as step by step, and the same total time (each step's time runs from the one
-    before it)."""
+    picks each step's token among those it allows, as the decode loop's steps do. Its steps go
+    into the sequence's result together when it ends, or when the scheduler drops it (`close`:
+    the request ended first, at a stop string or its client's cancel): the same tokens, traces
+    and metric counts as step by step, and the same total time (each step's time runs from the
+    one before it)."""
 
     __slots__ = ("forward", "tokens", "finished", "_room", "_eos", "_result", "_missed", "_batch",
                  "_t0", "_at", "_taken_at", "_recorded", "_follow", "_limit", "_alone", "_grammar")
