@@ -160,6 +160,7 @@ class GrammarState:
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self._words = self.bitmask.numpy()  # (the bitmask's memory: bit i of word i // 32 is id i)
         self.vocab_size = vocab_size
         self.stop = min(self.matcher.stop_token_ids)
         self.keys = keys
@@ -258,6 +259,13 @@ class GrammarState:
         chooses again, so the token taken is `draw`'s among the tokens the matcher accepts
         (greedy: the argmax of those; sampled: a draw from the row without the refused ones).
         GrammarStall where the matcher accepts none of the tokens the mask allows."""
+        if draw is None and not refused and not self.matcher.is_terminated():
+            # the row's own argmax where the state allows it is the masked row's (the first
+            # of the greatest values either way): no mask to make
+            token = first_max(row.detach().float())
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            if self._words[0, token >> 5] >> (token & 31) & 1 and self.push(token):
+                return token
         row = self.masked(row)
         if refused:
             row[torch.tensor(refused, device=row.device)] = float("-inf")
