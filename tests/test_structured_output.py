@@ -18,9 +18,11 @@ from openai import OpenAI
 from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
+from metrale.runtime.spec import decode
 from metrale.runtime.spec.config import SpeculativeConfig
 from metrale.runtime.spec.grammar import JSON_OBJECT, GrammarStall, Grammars, GrammarState
 from metrale.runtime.spec.sampling import SamplingParams, sample
+from metrale.runtime.steps import Forward
 
 from conftest import char_grammar_state, serve_in_thread
 
@@ -87,21 +89,28 @@ def test_json_object_admits_any_object_only(tiny_engine, grammars):
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "plain"])
-def test_greedy_constrained_speculation_emits_plain_constrained_decoding(tiny_engine, tiny_prompts, mode):
-    """Under exact verify always; chunkwise where the target's rows are plain decoding's (the
-    verify rows of eager float32 may flip a near-tie, as unconstrained chunkwise may)."""
+def test_greedy_constrained_speculation_emits_plain_constrained_decoding(tiny_engine, tiny_prompts, mode,
+                                                                         monkeypatch):
+    """Under exact verify always, running its rows one a forward up to the first whose token
+    rejects the next draft; chunkwise where the target's rows are plain decoding's (the verify
+    rows of eager float32 may flip a near-tie, as unconstrained chunkwise may)."""
     schema = json.dumps(SCHEMA)
     plain = EngineGenerator(tiny_engine, SpeculativeConfig())
     spec = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))
     tok = tiny_engine.tokenizer
     verified = 0
+    ran, forwards = [], decode.run_forwards
+    monkeypatch.setattr(decode, "run_forwards", lambda target, needs: (
+        ran.extend(n.rows for n in needs if isinstance(n, Forward)), forwards(target, needs))[1])
     for p in tiny_prompts[:3]:
         params = SamplingParams(temperature=0.0, max_tokens=96, json_schema=schema)
         want = plain.generate(p[:10], params)
+        ran.clear()
         got = spec.generate(p[:10], params)
         jsonschema.validate(json.loads(_text(tok, got.token_ids)), SCHEMA)
         if "exact" in mode:
             assert got.token_ids == want.token_ids, mode
+            assert sum(ran[1:]) == len(got.token_ids) - 1 == got.metrics.verify_rows, mode  # (after the prompt's)
         verified += got.metrics.drafts_verified
     assert verified > 0  # drafts were verified, not all refused
 

@@ -155,21 +155,25 @@ class Decoder:
 
     def _verify_rows(self, tokens: list[int], cache, greedy: bool, draft_ids: list[int]):
         """Target outputs for rows [pending, d_1..d_k] (`tokens`) and, when greedy, each row's
-        argmax token (a generator: yields the `Forward`s it needs, returns the pair).
+        argmax token (a generator: yields the `Forward`s it needs, returns the pair); under a
+        grammar, each row's within its state's tokens up to the first that rejects the next
+        draft (`GrammarState.greedy`), the state then holding them.
 
         Exact verify runs one row per forward and, when greedy, stops after the first row whose
         argmax rejects the next draft (rows past it are never used)."""
-        taps, device = self._taps(), self.device
+        taps, device, grammar = self._taps(), self.device, self.grammar
         if not self.exact_verify:
             out = yield Forward(tokens, cache, taps, device=device)
-            return out, (greedy_ids(out) if greedy else None)
+            if not greedy:
+                return out, None
+            return out, (greedy_ids(out) if grammar is None else grammar.greedy(out.logits[0], draft_ids))
         outs, ids = [], []
         for i in range(len(tokens)):
             o = yield Forward(tokens[i:i + 1], cache, taps, device=device)
             outs.append(o)
-            if greedy:
-                ids.append(greedy_ids(o)[-1])
-                if i < len(draft_ids) and ids[-1] != draft_ids[i]:
+            if greedy:  # (under a grammar, as `GrammarState.greedy` picks them)
+                ids.append(greedy_ids(o)[-1] if grammar is None else grammar.pick(o.logits[0, -1]))
+                if i < len(draft_ids) and ids[-1] != draft_ids[i] or grammar is not None and grammar.done:
                     break
         return joined_outputs(outs), (ids if greedy else None)
 
@@ -320,15 +324,12 @@ class Decoder:
             k = grammar.valid_drafts(draft_ids)
             draft_ids, drafts = draft_ids[:k], drafts[:k]
         base = cache.length
-        out, target_ids = yield from self._verify_rows([pending, *draft_ids], cache,
-                                                       params.greedy and grammar is None, draft_ids)
-        if params.greedy:  # the target's argmax per row; drafts kept while they match it
-            if grammar is not None:  # each row's argmax within its grammar state's tokens
-                target_ids = grammar.greedy(out.logits[0], draft_ids)
+        out, target_ids = yield from self._verify_rows([pending, *draft_ids], cache, params.greedy, draft_ids)
+        if params.greedy:  # the target's argmax per row (within the grammar's tokens); drafts kept while they match it
             accepted = accepted_prefix(draft_ids, target_ids)
             emitted_ids = target_ids[: accepted + 1]
             emitted = torch.tensor(emitted_ids, device=device) if drafting else None
-            verify_rows = len(target_ids)  # k+1 (or fewer under exact greedy verify)
+            verify_rows = len(target_ids) if self.exact_verify else k + 1  # (exact greedy verify: those it ran)
         else:
             rows = out.logits[0]  # [k+1, V]
             if grammar is not None:
