@@ -210,6 +210,21 @@ def test_controller_never_probes_where_no_count_can_pay(interval_only):
     assert AdaptiveKController(CostModel(first=1, ms=(2.0, 3.0)), max_k=2, reprobe_interval=2).can_pay(2)
 
 
+def test_host_work_per_row_adds_to_the_table_and_turns_the_choice():
+    """A request's grammar costs host work at every row a step verifies, which the measured
+    table lacks: `observe_host` adds its average per row to every count, and the choice follows."""
+    table = CostModel(first=0, ms=(1.0, 1.9, 2.6), acceptance=0.9)
+    assert table.plus_rows(0.5).ms == (1.5, 2.9, 4.1) and table.plus_rows(0.5).acceptance == 0.9
+    ctl = AdaptiveKController(table, max_k=2, reprobe_interval=4)
+    for _ in range(20):
+        ctl.observe(2, 2)
+    assert ctl.next_k() == 2  # about 2.9 tokens for 2.6 ms against 1 for 1.0
+    for _ in range(30):
+        ctl.observe_host(20.0)  # each row costs 20 ms more: 2.9 / 62.6 against 1 / 21
+    assert ctl.host_row_ms == pytest.approx(20.0) and ctl.table is table
+    assert ctl.next_k() == 0
+
+
 def test_a_resumed_stream_restarts_the_backoff(interval_only):
     ctl = AdaptiveKController(SEED_COST, max_k=3, reprobe_interval=2)
     for _ in range(3):

@@ -132,6 +132,18 @@ def test_chunkwise_constrained_speculation_on_the_cpu_packages_emits_plain_decod
             assert verified > 0.6 * proposed, flags
 
 
+def test_adaptive_k_counts_the_grammars_host_work_per_row(tiny_engine, tiny_prompts):
+    """The grammar's work at a drafting step (its walk over the drafts, its masks) goes to
+    adaptive k's choice beside the measured table; the answer is plain constrained decoding's."""
+    params = SamplingParams(temperature=0.0, max_tokens=48, json_schema=json.dumps(SCHEMA))
+    want = EngineGenerator(tiny_engine, SpeculativeConfig()).generate(tiny_prompts[0][:10], params)
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(
+        dflash=True, exact_verify=True, dflash_adaptive_k="0:1,1:1.1,2:1.2,3:1.3,4:1.4,5:1.5,6:1.6,7:1.7"))
+    decoder = gen.decoder(params)
+    assert decoder.generate(tiny_prompts[0][:10], params).token_ids == want.token_ids
+    assert decoder.proposer.controller.host_row_ms > 0.0
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_answer_validates_against_its_schema(tiny_engine, mode):
     gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))

@@ -235,6 +235,7 @@ class AdaptiveKController:
     MAX_BACKOFF = 64
     Z = 2.0
     CALIBRATED_STRENGTH = 16.0
+    HOST_DECAY = 0.9  # `observe_host`: the weight of the past steps
     PROBE_BUDGET = 0.01
 
     def __init__(
@@ -248,7 +249,8 @@ class AdaptiveKController:
     ) -> None:
         if max_k < 1 or reprobe_interval < 1:
             raise ValueError(f"max_k = {max_k}, reprobe_interval = {reprobe_interval}; need >= 1")
-        self.cost = cost
+        self.cost = self.table = cost
+        self.host_row_ms: float | None = None  # host work per verified row the table lacks (`observe_host`)
         self.max_k = max_k
         self.reprobe_interval = reprobe_interval
         self.ladder = ladder
@@ -266,6 +268,14 @@ class AdaptiveKController:
         self.interval = self.reprobe_interval  # the current re-probe interval (see backoff above)
         self._choice = None  # (what it depends on, rates, k, a probe could pay) of the last choice
         self.settled = False  # suspended with no probe that could pay: plain from here on
+
+    def observe_host(self, ms_per_row: float) -> None:
+        """A step's host work per row it verified that the measured table does not hold (a
+        request's grammar: its mask at every row and its walk over the drafts), averaged over
+        the steps (weight HOST_DECAY on the past) and added to the table's every count."""
+        past = self.host_row_ms
+        self.host_row_ms = ms_per_row if past is None else self.HOST_DECAY * past + (1 - self.HOST_DECAY) * ms_per_row
+        self.cost, self._choice = self.table.plus_rows(self.host_row_ms), None
 
     def rerun_rows(self) -> None:
         """The plain steps' rows run again before a probe (rather than being kept as they

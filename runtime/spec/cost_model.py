@@ -70,6 +70,11 @@ class CostModel:
         """The same table (and acceptance) over its counts up to `count` (its first at least)."""
         return CostModel(self.first, self.ms[:max(1, count + 1 - self.first)], self.acceptance)
 
+    def plus_rows(self, ms: float) -> CostModel:
+        """The table with `ms` more for each row a step verifies (count + 1: its drafts and the
+        pending token), as host work per row (a grammar's) adds to a measured table."""
+        return CostModel(self.first, tuple(m + ms * (c + 1) for c, m in self.pairs()), self.acceptance)
+
     @property
     def row_ms(self) -> float:
         """What one more target row costs, ms: the mean step from 1 draft to the most (each

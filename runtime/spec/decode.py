@@ -143,6 +143,7 @@ class Decoder:
             self._tree_verify = TreeVerifyChoice(proposer.tree_cost, self.device.type == "cuda",
                                                  proposer.tree_verify)
         self._runs, self._started = False, 0.0  # a scheduler takes `PlainRun`s; the sequence's start
+        self._grammar_s = 0.0  # a step's host work in the request's grammar
         self.last_result: DecodeResult | None = None
 
     def _taps(self) -> tuple[int, ...]:
@@ -164,15 +165,20 @@ class Decoder:
         taps, device, grammar = self._taps(), self.device, self.grammar
         if not self.exact_verify:
             out = yield Forward(tokens, cache, taps, device=device)
-            if not greedy:
-                return out, None
-            return out, (greedy_ids(out) if grammar is None else grammar.greedy(out.logits[0], draft_ids))
+            if not greedy or grammar is None:
+                return out, (greedy_ids(out) if greedy else None)
+            t0 = time.perf_counter()
+            ids = grammar.greedy(out.logits[0], draft_ids)
+            self._grammar_s += time.perf_counter() - t0
+            return out, ids
         outs, ids = [], []
         for i in range(len(tokens)):
             o = yield Forward(tokens[i:i + 1], cache, taps, device=device)
             outs.append(o)
             if greedy:  # (under a grammar, as `GrammarState.greedy` picks them)
+                t0 = time.perf_counter()
                 ids.append(greedy_ids(o)[-1] if grammar is None else grammar.pick(o.logits[0, -1]))
+                self._grammar_s += time.perf_counter() - t0
                 if i < len(draft_ids) and ids[-1] != draft_ids[i] or grammar is not None and grammar.done:
                     break
         return joined_outputs(outs), (ids if greedy else None)
@@ -320,9 +326,11 @@ class Decoder:
         k = drafts.numel()
         draft_ids = drafts.tolist() if k else []
         grammar = self.grammar
+        self._grammar_s = 0.0  # the step's host work in the grammar (`Proposer.host_work`)
         if grammar is not None and k:  # drafts from the first one the grammar refuses: dropped
             k = grammar.valid_drafts(draft_ids)
             draft_ids, drafts = draft_ids[:k], drafts[:k]
+            self._grammar_s = time.perf_counter() - t1
         base = cache.length
         out, target_ids = yield from self._verify_rows([pending, *draft_ids], cache, params.greedy, draft_ids)
         if params.greedy:  # the target's argmax per row (within the grammar's tokens); drafts kept while they match it
@@ -332,20 +340,26 @@ class Decoder:
             verify_rows = len(target_ids) if self.exact_verify else k + 1  # (exact greedy verify: those it ran)
         else:
             rows = out.logits[0]  # [k+1, V]
+            g0 = time.perf_counter()
             if grammar is not None:
                 rows = grammar.masked_rows(rows, draft_ids)
+            g1 = time.perf_counter()
             accepted, emitted = verify_sampling(drafts.to(device), probs_from_logits(rows, params), gen)
             emitted_ids = emitted.tolist()
             if grammar is not None:  # a last token the matcher refuses: drawn again from its row
+                g2 = time.perf_counter()
                 drawn = grammar.take_drawn(emitted_ids, rows[accepted], lambda r: sample(r, params, gen),
                                            draft_ids[accepted] if accepted < k else None)
                 if drawn != emitted_ids:
                     emitted_ids, emitted = drawn, torch.tensor(drawn, device=device)
+                self._grammar_s += (g1 - g0) + (time.perf_counter() - g2)
             verify_rows = rows.shape[0]
         cache.length = base + accepted + 1  # pending + accepted drafts stay; the rest is stale
         t2 = time.perf_counter()
         if drafting:  # the drafter's own bookkeeping is drafter time
             self.proposer.accept(out, accepted + 1, emitted)
+            if grammar is not None:
+                self.proposer.host_work(self._grammar_s, verify_rows)
         elif following:
             self.proposer.follow(out, emitted_ids)
         t3 = time.perf_counter()

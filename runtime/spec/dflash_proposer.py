@@ -18,6 +18,7 @@ ladder's rung or γ−1, as the flag's help says, and the controller keeps learn
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import torch
@@ -55,6 +56,7 @@ class DFlashProposer(Proposer):
                 self.chooser = TreeBudgetChooser(cost, settings.tree_budget)
         self.last_k = 0
         self._chosen = None  # the path probabilities of the tree the step verifies, for the chooser
+        self._grammar_s = 0.0  # the step's walk of its block through the request's grammar
 
     @classmethod
     def for_spec(cls, drafter, embed, spec, settings: ResolvedDFlash, max_len: int) -> "DFlashProposer":
@@ -136,8 +138,16 @@ class DFlashProposer(Proposer):
         drafts = proposal.tokens[0, :k]
         if self.grammar is not None and logits is not None and proposal.vocab_start == 0 \
                 and logits.shape[-1] == self.embed.weight.shape[0]:  # the whole vocabulary's logits
-            return self.grammar.redraft(logits[0, :k], drafts.tolist()), self.settings.max_drafts
+            t0 = time.perf_counter()
+            drafts = self.grammar.redraft(logits[0, :k], drafts.tolist())
+            self._grammar_s = time.perf_counter() - t0  # (its step's host work: `host_work`)
+            return drafts, self.settings.max_drafts
         return drafts.cpu(), self.settings.max_drafts
+
+    def host_work(self, seconds: float, rows: int) -> None:
+        if self.controller is not None and rows:
+            self.controller.observe_host(1e3 * (seconds + self._grammar_s) / rows)
+        self._grammar_s = 0.0
 
     def rerun_rows(self) -> None:
         """The decode loop keeps the rows of plain steps by running them again when drafting

@@ -73,6 +73,11 @@ class Proposer(ABC):
         """The first `rows` rows of `out` (pending + accepted drafts) were kept; `emitted`
         [rows] are the tokens that followed them (accepted drafts, then the new pending)."""
 
+    def host_work(self, seconds: float, rows: int) -> None:
+        """A step's host work that the proposer's cost table does not hold (a request's grammar,
+        its walk over the drafts and its masks), over the `rows` the step verified: what a
+        proposer that counts its drafts by the table adds to it."""
+
     def follow(self, out, emitted_ids: list[int]) -> None:
         """Rows of plain steps it took no part in (one per token of `emitted_ids`, the token
         that followed each): kept for when drafting resumes. Called only where `follows`."""
