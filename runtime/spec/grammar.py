@@ -9,7 +9,9 @@ decoding's tokens. Drafts are walked through the matcher before they are verifie
 draft the grammar refuses and every draft after it are dropped (a draft that breaks the grammar
 is never verified, let alone accepted), and the matcher is rolled back to the emitted tokens
 after every walk over drafts, so rejected drafts leave no trace in its state. Beside the grammar,
-no object takes a key twice (`json_keys`), which a schema's grammar cannot say.
+no object takes a key twice (`json_keys`), which a schema's grammar cannot say. An emitted token
+is one the matcher takes (`pick`): xgrammar's bitmask can allow a token its matcher refuses, and
+the row's choice is then made again without it.
 
 Documents are written without free whitespace (xgrammar's `any_whitespace=False`: one space
 after `,` and `:`), so a model cannot run out its budget in blanks between tokens.
