@@ -10,6 +10,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import numpy as np
 import pytest
 import requests
 import torch
@@ -283,14 +284,21 @@ def test_a_token_the_mask_allows_and_the_matcher_refuses_is_drawn_again():
 
 
 class _Refusing:
-    """A matcher whose mask allows `banned` while it refuses the token (xgrammar's defect above,
-    at a token plain constrained decoding emits)."""
+    """A matcher that refuses `banned`, and whose mask still allows it where `in_mask` (xgrammar's
+    defect above, at a token plain constrained decoding emits) or masks it too (a grammar without
+    the token)."""
 
-    def __init__(self, matcher, banned: int):
-        self._matcher, self._banned = matcher, banned
+    def __init__(self, matcher, banned: int, in_mask: bool):
+        self._matcher, self._banned, self._in_mask = matcher, banned, in_mask
 
     def accept_token(self, token: int) -> bool:
         return token != self._banned and self._matcher.accept_token(token)
+
+    def fill_next_token_bitmask(self, bitmask, *args) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, *args)
+        if not self._in_mask:
+            words = bitmask.numpy().view(np.uint32)
+            words[0, self._banned >> 5] &= ~np.uint32(1 << (self._banned & 31))
 
     def __getattr__(self, name):
         return getattr(self._matcher, name)
@@ -307,19 +315,16 @@ def test_decoding_where_the_mask_allows_a_token_the_matcher_refuses(tiny_engine,
     greedy = SamplingParams(temperature=0.0, max_tokens=96, json_schema=schema)
     plain = EngineGenerator(tiny_engine, SpeculativeConfig()).generate(prompt, greedy).token_ids
     banned = next(t for t in plain if tok.decode([t]).strip().isalnum())  # a token of a value
-    masked = GrammarState.masked
-    monkeypatch.setattr(GrammarState, "masked", lambda self, row: masked(self, row).index_fill(
-        0, torch.tensor([banned]), float("-inf")))
-    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))
-    want = gen.generate(prompt, greedy).token_ids  # the token masked outright
-    monkeypatch.setattr(GrammarState, "masked", masked)
-    init = GrammarState.__init__
+    init, in_mask = GrammarState.__init__, [False]
 
     def refusing(self, *args):
         init(self, *args)
-        self.matcher = self._ahead.matcher = _Refusing(self.matcher, banned)
+        self.matcher = self._ahead.matcher = _Refusing(self.matcher, banned, in_mask[0])
 
     monkeypatch.setattr(GrammarState, "__init__", refusing)
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    want = gen.generate(prompt, greedy).token_ids  # the token masked outright
+    in_mask[0] = True
     got = gen.generate(prompt, greedy).token_ids
     assert got == want and banned not in got
     jsonschema.validate(json.loads(_text(tok, got)), SCHEMA)

@@ -109,7 +109,7 @@ class DFlashProposer(Proposer):
         k = min(self.draft_count(), max_drafts) if max_drafts > 0 else 0
         if max_drafts <= 0:
             self.plain_ahead = 0
-        self.last_k = k
+        self.last_k, self._grammar_s = k, 0.0
         if k == 0:
             return NO_DRAFTS, 0
         self._feed()  # the drafter's cache now ends at the anchor's position
