@@ -34,7 +34,7 @@ from metrale.runtime.backends import TargetSteps, run_forwards
 from metrale.runtime.models.qwen3 import TargetOutput
 from metrale.runtime.spec.ddtree import Tree, choose_child, walk
 from metrale.runtime.spec.metrics import SpecMetrics
-from metrale.runtime.spec.plain_run import PlainRun, greedy_ids
+from metrale.runtime.spec.plain_run import PlainRun, greedy_ids, greedy_token
 from metrale.runtime.spec.proposer import NO_DRAFTS, Proposer
 from metrale.runtime.spec.sampling import SamplingParams, generator_for, probs_from_logits, sample
 from metrale.runtime.spec.tree_verify import TreeVerifyChoice, best_chain
@@ -177,7 +177,7 @@ class Decoder:
             outs.append(o)
             if greedy:  # (under a grammar, as `GrammarState.greedy` picks them)
                 t0 = time.perf_counter()
-                ids.append(greedy_ids(o)[-1] if grammar is None else grammar.pick(o.logits[0, -1]))
+                ids.append(greedy_token(o, grammar))
                 self._grammar_s += time.perf_counter() - t0
                 if i < len(draft_ids) and ids[-1] != draft_ids[i] or grammar is not None and grammar.done:
                     break
@@ -231,16 +231,13 @@ class Decoder:
         prompt = Forward(list(prompt_ids), cache, self._taps(), last_logits=True, device=device)
         out = yield prompt
         grammar = self.grammar
-        if grammar is not None:
-            row = out.logits[0, -1]
-            if params.greedy:
-                pending = grammar.pick(row)
-            else:  # drawn again without it where the matcher refuses it
-                row = grammar.masked(row)
-                pending = grammar.take_drawn([int(sample(row, params, gen))], row,
-                                             lambda r: sample(r, params, gen))[0]
-        else:
-            pending = greedy_ids(out)[-1] if params.greedy else int(sample(out.logits[0, -1], params, gen))
+        if params.greedy:
+            pending = greedy_token(out, grammar)
+        elif grammar is None:
+            pending = int(sample(out.logits[0, -1], params, gen))
+        else:  # drawn again without it where the matcher refuses it
+            row = grammar.masked(out.logits[0, -1])
+            pending = grammar.take_drawn([int(sample(row, params, gen))], row, lambda r: sample(r, params, gen))[0]
         if self.proposer is not None:
             # the drafter's caches hold this request's positions and a chain or block past them
             self.proposer.max_len = min(self._proposer_len, cache.max_len + 64)
@@ -471,8 +468,7 @@ class Decoder:
         t1 = time.perf_counter()
         base = cache.length
         out = yield Forward([pending], cache, self.proposer.taps if following else (), device=self.device)
-        grammar = self.grammar
-        emitted_ids = greedy_ids(out)[:1] if grammar is None else [grammar.pick(out.logits[0, 0])]
+        emitted_ids = [greedy_token(out, self.grammar)]
         cache.length = base + 1
         t2 = t3 = time.perf_counter()
         if following:

@@ -176,13 +176,19 @@ class GrammarState:
             out = torch.full_like(row, float("-inf"))  # (the decode loop stops at the first end)
             out[self.stop] = 0.0
             return out
+        bits = self._bits()
+        if row.device.type == "cpu":  # (a vocabulary's row: numpy's one pass costs less than torch's call)
+            return torch.from_numpy(np.where(bits != 0, row.numpy(), np.float32("-inf")))
+        return row.masked_fill(torch.from_numpy(bits == 0).to(row.device), float("-inf"))
+
+    def _bits(self) -> np.ndarray:
+        """[V] uint8, 1 where the current state (not terminated) allows the token: its grammar's
+        bitmask, less what its keys refuse (`_refused_keys`)."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
         bits = allowed_bits(self.bitmask, self.vocab_size)  # (an array of its own)
         if self.keys is not None:
             bits[self._refused_keys(bits)] = 0
-        if row.device.type == "cpu":  # (a vocabulary's row: numpy's one pass costs less than torch's call)
-            return torch.from_numpy(np.where(bits != 0, row.numpy(), np.float32("-inf")))
-        return row.masked_fill(torch.from_numpy(bits == 0).to(row.device), float("-inf"))
+        return bits
 
     def _refused_keys(self, bits: np.ndarray) -> list[int]:
         """The tokens the keys refuse at the current state, `bits` what its bitmask allows
@@ -208,9 +214,7 @@ class GrammarState:
             return True
         if self.keys is None or not self.keys.may_refuse(token):
             return False
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        bits = allowed_bits(self.bitmask, self.vocab_size)
-        return not bits[token] or token in self._refused_keys(bits)
+        return not self._bits()[token]
 
     @property
     def done(self) -> bool:

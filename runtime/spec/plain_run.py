@@ -17,6 +17,12 @@ def greedy_ids(out: TargetOutput) -> list[int]:
     return out.argmax if out.argmax is not None else argmax_rows(out.logits[0])
 
 
+def greedy_token(out: TargetOutput, grammar=None) -> int:
+    """The last row's argmax token; under a request's `grammar` (`spec.grammar.GrammarState`)
+    its argmax among the tokens the grammar allows, taken into the grammar's state (`pick`)."""
+    return greedy_ids(out)[-1] if grammar is None else grammar.pick(out.logits[0, -1])
+
+
 
 class PlainRun(Run):
     """Greedy plain steps of one sequence that a scheduler runs without resuming its decode loop
@@ -59,8 +65,7 @@ class PlainRun(Run):
 
     def take(self, out: TargetOutput) -> int:
         """The current step's output -> its token."""
-        grammar = self._grammar
-        token = greedy_ids(out)[0] if grammar is None else grammar.pick(out.logits[0, 0])
+        token = greedy_token(out, self._grammar)
         if self._follow is not None:
             self._follow(out, (token,))  # the row stays in the cache: the proposer keeps it
         self._taken_at = time.perf_counter()
