@@ -19,7 +19,7 @@ from openai import OpenAI
 from metrale.runtime.serving.http_guard import ServerLimits
 from metrale.runtime.serving.server import create_app
 from metrale.runtime.serving.service import EngineGenerator
-from metrale.runtime.spec import decode
+from metrale.runtime.spec import decode, pattern_grammar
 from metrale.runtime.spec.config import SpeculativeConfig
 from metrale.runtime.spec.grammar import JSON_OBJECT, GrammarStall, Grammars, GrammarState
 from metrale.runtime.spec.sampling import SamplingParams, sample
@@ -248,12 +248,31 @@ def test_schemas_are_honoured_beside_graph_lanes(tiny_engine_dir, tiny_engine, t
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
-# A pattern whose grammar xgrammar masks wrongly: after `"b` its bitmask allows `61"`, which its
-# matcher refuses ("b61" matches none of the alternatives; "b" alone does).
+# A pattern whose grammar, as xgrammar's regex converter writes it, xgrammar masks wrongly: after
+# `"b` its bitmask allows `61"`, which its matcher refuses ("b61" matches none of the
+# alternatives; "b" alone does). A pattern past the automaton's limits keeps those rules.
 MISMASKED = {"type": "string", "pattern": "^b\\d+[\U0002fa1e-\U0002ffff]x|b$"}
 
 
-def test_a_token_the_mask_allows_and_the_matcher_refuses_is_drawn_again():
+@pytest.fixture
+def converter_rules(monkeypatch):
+    """Patterns written by xgrammar's regex converter, as one past `pattern_dfa`'s limits is."""
+    monkeypatch.setattr(pattern_grammar, "dfa_rules", lambda *args: None)
+    pattern_grammar.schema_grammar.cache_clear()
+    yield
+    pattern_grammar.schema_grammar.cache_clear()
+
+
+def test_the_automaton_masks_what_the_matcher_takes():
+    """The pattern's own rules (`pattern_dfa`) mask no token the matcher refuses: after `"b`, `61"`
+    is masked."""
+    state, ids = char_grammar_state(MISMASKED, ['61"'])
+    state.advance([ids['"'], ids["b"]])
+    assert state.masked(torch.zeros(state.vocab_size))[ids['61"']] == float("-inf")
+    assert not state.push(ids['61"'])
+
+
+def test_a_token_the_mask_allows_and_the_matcher_refuses_is_drawn_again(converter_rules):
     state, ids = char_grammar_state(MISMASKED, ['61"'])
     state.advance([ids['"'], ids["b"]])
     spans = ids['61"']

@@ -19,14 +19,15 @@ import json
 import re
 
 from metrale.runtime.errors import ConfigError
+from metrale.runtime.spec.pattern_dfa import dfa_rules
 from metrale.runtime.spec.schema_check import subschema_objects
 from metrale.runtime.spec.schema_patterns import for_grammar
 
 # a rule xgrammar writes for a pattern: `name ::= Regex("<pattern, EBNF-escaped>", json_string=true)`
 REGEX_RULE = re.compile(r'(?P<name>[A-Za-z_][A-Za-z0-9_]*) ::= Regex\("(?P<text>(?:[^"\\]|\\.)*)", '
                         r'json_string=true\)')
-ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "b": "\b", "0": "\0", "a": "\a", "e": "\x1b"}
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+PLACEHOLDER = "metralepattern"  # a pattern's stand-in in the schema xgrammar writes: letters and an index
 
 
 @functools.lru_cache(maxsize=256)
@@ -39,17 +40,20 @@ def schema_grammar(schema: str) -> str | None:
     import xgrammar
 
     tree = json.loads(schema)
-    patterns: set[str] = set()
+    placeholders: dict[str, str] = {}  # pattern (`for_grammar`'s) -> the name xgrammar is given
+
+    def placed(pattern: str, where: str) -> str:
+        written = for_grammar(pattern, where)
+        return placeholders.setdefault(written, f"{PLACEHOLDER}{len(placeholders)}")
+
     for node in subschema_objects(tree):
         if isinstance(node.get("pattern"), str):
-            node["pattern"] = for_grammar(node["pattern"], "pattern")
-            patterns.add(node["pattern"])
+            node["pattern"] = placed(node["pattern"], "pattern")
         if isinstance(node.get("patternProperties"), dict):
-            keyed = {for_grammar(k, "patternProperties"): v for k, v in node["patternProperties"].items()}
-            node["patternProperties"] = keyed
-            patterns.update(keyed)
-    if not patterns:
+            node["patternProperties"] = {placed(k, "patternProperties"): v for k, v in node["patternProperties"].items()}
+    if not placeholders:
         return None
+    patterns = {name: pattern for pattern, name in placeholders.items()}
     text = str(xgrammar.Grammar.from_json_schema(json.dumps(tree), any_whitespace=False))
     names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", text, re.M))
     lines = []
@@ -58,10 +62,9 @@ def schema_grammar(schema: str) -> str | None:
         if m is None:
             lines.append(line)
             continue
-        pattern = _unescaped(m["text"])
-        if pattern not in patterns:  # the rule's text read back wrong: never enforce another pattern
-            raise ConfigError(f"pattern {pattern!r}: could not be compiled")
-        lines.extend(_pattern_rules(m["name"], pattern, names))
+        if m["text"] not in patterns:  # (never another pattern than the schema's)
+            raise ConfigError(f"pattern {m['text']!r}: could not be compiled")
+        lines.extend(_pattern_rules(m["name"], patterns[m["text"]], names))
     return _four_digit_escapes("\n".join(lines) + "\n")
 
 
@@ -70,10 +73,13 @@ def _pattern_rules(name: str, pattern: str, taken: set[str]) -> list[str]:
     string's text: the regex converter's grammar for it, its rules renamed into `name`'s own."""
     import xgrammar
 
-    rules = str(xgrammar.Grammar.from_regex(pattern)).strip().splitlines()  # (its refusals: `compile_schema`'s)
     prefix = f"{name}_re"
     while any(t.startswith(prefix) for t in taken):
         prefix += "_"
+    rules = dfa_rules(name, pattern, prefix)
+    if rules is not None:
+        return rules
+    rules = str(xgrammar.Grammar.from_regex(pattern)).strip().splitlines()  # (its refusals: `compile_schema`'s)
     return [_renamed(rule, name, prefix) for rule in rules]
 
 
@@ -112,13 +118,3 @@ def _four_digit_escapes(text: str) -> str:
     escape to the last hex digit after it (`"\\xe91"`, printed for "é1", reads as "\\u0e91")."""
     return re.sub(r"\\(x([0-9a-fA-F]{2})|.)",
                   lambda m: "\\u00" + m.group(2) if m.group(2) else m.group(0), text, flags=re.S)
-
-
-def _unescaped(text: str) -> str:
-    """An EBNF string's text as the characters it stands for."""
-    def one(m: re.Match) -> str:
-        e = m.group(1)
-        if e[0] in "xuU":
-            return chr(int(e[1:], 16))
-        return ESCAPES.get(e, e)
-    return re.sub(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", one, text)
