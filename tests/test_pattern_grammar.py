@@ -100,13 +100,13 @@ def test_random_patterns_accept_exactly_their_matches(compiler):
         schema = {"type": "object", "properties": {"k": _string(pattern)}, "required": ["k"]}
         try:
             grammar = _ours(compiler, schema)
-        except ConfigError as e:  # only what makes the rules ambiguous: `(a*)*`, `((a)+b)*`
-            assert "can match the empty string" in str(e) or "without bound inside" in str(e), (pattern, e)
+        except ConfigError as e:  # past the automaton's limits, what makes the converter's rules ambiguous
+            assert "can match the empty string" in str(e) or "varying count" in str(e), (pattern, e)
             continue
         accepted = {s for s in strings if _accepts(grammar, '{"k": ' + json.dumps(s) + "}")}
         assert accepted == {s for s in strings if re.fullmatch(pattern, s)}, pattern
         checked += 1
-    assert checked >= 100
+    assert checked >= 190
 
 
 # a pattern, strings its grammar accepts, and JSON texts of strings it refuses
@@ -167,12 +167,7 @@ def test_classes_hold_what_a_json_string_holds_in_both_dialects(compiler, patter
     ("^{{x}}$", "a lone `{` is not enforced"),
     ("^a)$", "a lone `)` is not enforced"),
     (r"^[\cJ]$", r"`\c` is not enforced"),
-    ("^((a+)+)+$", "a group repeated without bound inside another"),
-    ("^([a-z]+(-[a-z]+)*)+$", "a group repeated without bound inside another"),
     ("a\\\tb", "a pattern matching `\"`, `\\` or a control character (here U+0009)"),  # an escaped TAB
-    ("^(a*)*$", "a group that can match the empty string is repeated"),
-    ("^(a|b?)+$", "a group that can match the empty string is repeated"),
-    ("^(?:x[a-f]*|)*$", "a group that can match the empty string is repeated"),
     (r"^a\nb$", "a pattern matching `\"`, `\\` or a control character (here U+000A)"),
     (r'^a"$', "a pattern matching `\"`, `\\` or a control character (here U+0022)"),
 ])

@@ -25,11 +25,16 @@ keeps the converter's."""
 from __future__ import annotations
 
 import bisect
+import functools
 
+import numpy as np
+
+from metrale.runtime.errors import ConfigError
 from metrale.runtime.spec.schema_patterns import Ranges, _merged, _u
 
 MAX_POSITIONS = 4096  # class occurrences with every bounded repeat written out
-MAX_STATES = 1024  # states of the deterministic automaton
+MAX_STATES = 8192  # states of the deterministic automaton, before it is made the smallest
+MAX_WORK = 1_000_000  # positions visited building the automaton: its follow sets, then each state's
 MAX_NESTING = 64  # groups within groups
 HEX = frozenset("0123456789abcdefABCDEF")
 
@@ -38,28 +43,96 @@ class _Unwritten(Exception):
     """The pattern passes a limit here, or holds a form `for_grammar` does not write."""
 
 
-def dfa_rules(name: str, pattern: str, prefix: str) -> list[str] | None:
+class _TooDeep(Exception):
+    """The pattern's groups nest past MAX_NESTING."""
+
+
+def dfa_rules(name: str, pattern: str, prefix: str, where: str) -> list[str] | None:
     """EBNF rules matching `pattern` (`for_grammar`'s) as a deterministic automaton: rule `name`
-    its start state, the others `prefix_1`, `prefix_2`, ...; None where it passes a limit here
-    (the module docstring)."""
-    try:
-        tree = _Parser(pattern).parse()
-        classes, follow, first, last, nullable = _glushkov(tree)
-        moves, accepting = _determinized(classes, follow, first, last, nullable)
-    except _Unwritten:
+    its start state, the others `prefix_1`, `prefix_2`, ...; None where it holds a form this
+    module does not read, or matches no text (the regex converter's rules then stand, and say
+    so their own way). Where it passes a limit here, its rules are the converter's too (None),
+    and what makes those ambiguous is refused (`_refuse_ambiguous`); ConfigError, naming
+    `where`, for that and for groups nested past MAX_NESTING."""
+    built = _automaton(pattern)
+    if built == "too deep":
+        raise ConfigError(f"{where}: groups nest more than {MAX_NESTING} deep")
+    if isinstance(built, tuple):
+        _refuse_ambiguous(built[1], where)
+    if not isinstance(built, list):
         return None
-    live = _live(moves, accepting)
-    if 0 not in live:  # (no text matches: the converter's rules say so its own way)
-        return None
-    names = {s: name if s == 0 else f"{prefix}_{k}" for k, s in enumerate(sorted(live))}
+    names = {s: name if k == 0 else f"{prefix}_{k}" for k, (s, _, _) in enumerate(built)}
     rules = []
-    for s in sorted(live):
-        alts = ['""'] if accepting[s] else []
-        for target, chars in sorted(moves[s].items()):
-            if target in live:
-                alts.append(f"{_written(chars)} {names[target]}")
+    for s, accepting, moves in built:
+        alts = ['""'] if accepting else []
+        alts += [f"{_written(chars)} {names[target]}" for target, chars in moves]
         rules.append(f"{names[s]} ::= {' | '.join(alts)}")
     return rules
+
+
+@functools.lru_cache(maxsize=32)
+def _automaton(pattern: str):
+    """`pattern`'s (`for_grammar`'s) deterministic automaton, the states from which a text can
+    be completed, start first: [(state, accepting, [(target, ranges), ...]), ...]; ("past a
+    limit", its tree) where it passes one; "too deep" where its groups nest past MAX_NESTING;
+    None where it holds a form not read here, or matches no text (the converter's rules then
+    say so their own way)."""
+    try:
+        tree = _Parser(pattern).parse()
+    except _Unwritten:
+        return None
+    except _TooDeep:
+        return "too deep"
+    try:
+        built = _determinized(*_glushkov(tree))
+    except _Unwritten:
+        return ("past a limit", tree)
+    return _minimized(*built) or None
+
+
+def _refuse_ambiguous(tree, where: str) -> None:
+    """Refuse, naming `where`, what makes the regex converter's rules ambiguous, so that the
+    grammar's parser tracks ever more ways to split a text (up to seconds a token): a group
+    repeated more than once (`*`, `+`, `{m,}`, `{m,n}` with n past 1) that can match the empty
+    string (`(a*)*`, `(a|)+`), or that holds a repeat of varying count (`(.{1,8}){1,500}`,
+    `((ab)+c)*`)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        kind = node[0]
+        if kind in ("cat", "alt"):
+            todo.extend(node[1])
+        elif kind == "rep":
+            _, child, lo, hi = node
+            if hi is None or hi > 1:
+                if _nullable(child):
+                    raise ConfigError(f"{where}: a group that can match the empty string is repeated "
+                                      "(as in `(a*)*`); repeat one that cannot")
+                if _varies(child):
+                    raise ConfigError(f"{where}: a repeated group holding a repeat of varying count "
+                                      "(as in `(.{1,8}){1,500}` or `((ab)+c)*`) is enforced only where "
+                                      f"the pattern's automaton stays within {MAX_STATES} states; "
+                                      "bound or fix one of the two counts")
+            todo.append(child)
+
+
+def _nullable(node) -> bool:
+    kind = node[0]
+    if kind == "chars":
+        return False
+    if kind == "rep":
+        return node[2] == 0 or _nullable(node[1])
+    return (all if kind == "cat" else any)(_nullable(child) for child in node[1])
+
+
+def _varies(node) -> bool:
+    """Whether `node` holds a repeat whose count varies (`*`, `+`, `?`, `{m,n}` with m < n)."""
+    kind = node[0]
+    if kind == "chars":
+        return False
+    if kind == "rep":
+        return node[2] != node[3] or _varies(node[1])
+    return any(_varies(child) for child in node[1])
 
 
 # The pattern's tree: ("chars", ranges) | ("cat", [node, ...]) | ("alt", [node, ...]) |
@@ -101,7 +174,7 @@ class _Parser:
         if c == "(":
             self.i, self.depth = self.i + 1, self.depth + 1
             if self.depth > MAX_NESTING:
-                raise _Unwritten
+                raise _TooDeep
             inner = self._alternatives()
             if self._peek() != ")":
                 raise _Unwritten
@@ -115,18 +188,19 @@ class _Parser:
         return ("chars", ((code, code),))
 
     def _quantified(self, node):
-        while True:
-            c = self._peek()
-            if c in ("*", "+", "?"):
-                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-                self.i += 1
-            elif c == "{":
-                lo, hi = self._bounds()
-            else:
-                return node
-            if self._peek() == "?":  # lazy: the same language
-                self.i += 1
-            node = ("rep", node, lo, hi)
+        c = self._peek()
+        if c in ("*", "+", "?"):
+            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            self.i += 1
+        elif c == "{":
+            lo, hi = self._bounds()
+        else:
+            return node
+        if self._peek() == "?":  # lazy: the same language
+            self.i += 1
+        if self._peek() in ("*", "+", "?", "{"):  # (a repeated quantifier: no regex reads it)
+            raise _Unwritten
+        return ("rep", node, lo, hi)
 
     def _bounds(self) -> tuple[int, int | None]:
         end = self.text.find("}", self.i)
@@ -178,11 +252,10 @@ def _glushkov(tree):
     each one's followers, the first and last positions and whether the empty text matches."""
     classes: list[Ranges] = []
     follow: list[set[int]] = []
+    work = [0]  # positions added to follow and first sets (a pattern of optional copies: their square)
 
-    def build(node, depth: int):
+    def build(node):
         """(nullable, first, last) of `node` with fresh positions."""
-        if depth > 2 * MAX_NESTING + 2:
-            raise _Unwritten
         kind = node[0]
         if kind == "chars":
             if len(classes) >= MAX_POSITIONS:
@@ -192,26 +265,25 @@ def _glushkov(tree):
             p = len(classes) - 1
             return False, {p}, {p}
         if kind == "alt":
-            parts = [build(b, depth + 1) for b in node[1]]
+            parts = [build(b) for b in node[1]]
             return (any(n for n, _, _ in parts), set().union(*(f for _, f, _ in parts)),
                     set().union(*(v for _, _, v in parts)))
         if kind == "cat":
             out = (True, set(), set())
             for child in node[1]:
-                out = then(out, build(child, depth + 1))
+                out = then(out, build(child))
             return out
         _, child, lo, hi = node
         out = (True, set(), set())
         for _ in range(lo):
-            out = then(out, build(child, depth + 1))
+            out = then(out, build(child))
         if hi is None:  # a loop over one more copy, optional
-            n, f, v = build(child, depth + 1)
-            for p in v:
-                follow[p] |= f
+            n, f, v = build(child)
+            link(v, f)
             return then(out, (True, f, v))
         tail = (True, set(), set())  # (x (x (...)?)?)?, innermost first: one way to match k copies
         for _ in range(hi - lo):
-            tail = then(build(child, depth + 1), tail)
+            tail = then(build(child), tail)
             tail = (True, tail[1], tail[2])
         return then(out, tail)
 
@@ -219,34 +291,44 @@ def _glushkov(tree):
         """Sequence a then b: a's last positions are followed by b's first."""
         an, af, av = a
         bn, bf, bv = b
-        for p in av:
-            follow[p] |= bf
+        link(av, bf)
+        work[0] += (len(af) + len(bf)) * an + (len(av) + len(bv)) * bn
         return an and bn, af | bf if an else af, av | bv if bn else bv
 
-    nullable, first, last = build(tree, 0)
+    def link(last, first):
+        work[0] += len(last) * len(first)
+        if work[0] > MAX_WORK:
+            raise _Unwritten
+        for p in last:
+            follow[p] |= first
+
+    nullable, first, last = build(tree)
     return classes, follow, first, last, nullable
 
 
 def _determinized(classes, follow, first, last, nullable):
-    """The subset construction: a state is the set of positions the last character may have
-    matched (state 0, the start, none read yet). Returns each state's moves as {target: ranges}
-    and whether each accepts."""
-    cuts = sorted({b for ranges in classes for lo, hi in ranges for b in (lo, hi + 1)})
-    pieces = [[k for lo, hi in ranges for k in range(bisect.bisect_left(cuts, lo), bisect.bisect_left(cuts, hi + 1))]
-              for ranges in classes]  # each position's pieces (piece k: [cuts[k], cuts[k + 1]))
+    """The subset construction over the pattern's symbols (`_symbols`): a state is the set of
+    positions the last character may have matched (state 0, the start, none read yet). Returns
+    (each symbol's ranges, each state's target by symbol, -1 where none, whether each state
+    accepts)."""
+    symbol_ranges, symbols = _symbols(classes)
     states: list[frozenset[int] | None] = [None]
     index: dict[frozenset[int], int] = {}
-    moves: list[dict[int, Ranges]] = []
+    table: list[list[int]] = []
     accepting: list[bool] = []
+    work = 0
     for state in states:  # (the list grows as states are found)
         accepting.append(nullable if state is None else bool(state & last))
         after = first if state is None else set().union(*(follow[p] for p in state))
-        by_piece: dict[int, set[int]] = {}
+        work += len(after) + (0 if state is None else len(state))
+        if work > MAX_WORK:
+            raise _Unwritten
+        by_symbol: dict[int, set[int]] = {}
         for q in after:
-            for k in pieces[q]:
-                by_piece.setdefault(k, set()).add(q)
-        out: dict[int, list[tuple[int, int]]] = {}
-        for k, positions in by_piece.items():
+            for k in symbols[q]:
+                by_symbol.setdefault(k, set()).add(q)
+        row = [-1] * len(symbol_ranges)
+        for k, positions in by_symbol.items():
             key = frozenset(positions)
             t = index.get(key)
             if t is None:
@@ -254,25 +336,71 @@ def _determinized(classes, follow, first, last, nullable):
                     raise _Unwritten
                 t = index[key] = len(states)
                 states.append(key)
-            out.setdefault(t, []).append((cuts[k], cuts[k + 1] - 1))
-        moves.append({t: _merged(r) for t, r in out.items()})
-    return moves, accepting
+            row[k] = t
+        table.append(row)
+    return symbol_ranges, table, accepting
 
 
-def _live(moves, accepting) -> set[int]:
-    """The states from which an accepting state can be reached."""
-    back: dict[int, set[int]] = {}
-    for s, out in enumerate(moves):
-        for t in out:
-            back.setdefault(t, set()).add(s)
-    live = {s for s, a in enumerate(accepting) if a}
-    todo = list(live)
-    while todo:
-        for s in back.get(todo.pop(), ()):
-            if s not in live:
-                live.add(s)
-                todo.append(s)
-    return live
+def _symbols(classes: list[Ranges]) -> tuple[list[Ranges], list[list[int]]]:
+    """The pattern's alphabet as symbols: code points every class holds alike (all of them or
+    none) are one symbol. Returns each symbol's ranges and each position's symbols."""
+    distinct = sorted(set(classes))
+    cuts = sorted({b for ranges in distinct for lo, hi in ranges for b in (lo, hi + 1)})
+    members: list[list[int]] = [[] for _ in range(len(cuts))]  # the classes holding each piece
+    for c, ranges in enumerate(distinct):  # (piece k: code points [cuts[k], cuts[k + 1]))
+        for lo, hi in ranges:
+            for k in range(bisect.bisect_left(cuts, lo), bisect.bisect_left(cuts, hi + 1)):
+                members[k].append(c)
+    symbol_of: dict[tuple[int, ...], int] = {}
+    ranges_of: list[list[tuple[int, int]]] = []
+    holds: list[list[int]] = [[] for _ in distinct]  # each class's symbols
+    for k, held in enumerate(members[:-1]):
+        if not held:
+            continue
+        key = tuple(held)
+        if key not in symbol_of:
+            symbol_of[key] = len(ranges_of)
+            ranges_of.append([])
+            for c in held:
+                holds[c].append(symbol_of[key])
+        ranges_of[symbol_of[key]].append((cuts[k], cuts[k + 1] - 1))
+    which = {ranges: c for c, ranges in enumerate(distinct)}
+    return [_merged(r) for r in ranges_of], [holds[which[ranges]] for ranges in classes]
+
+
+def _minimized(symbol_ranges, table, accepting):
+    """The smallest automaton of the same language (Moore's refinement: states are split by
+    acceptance, then by the blocks each piece leads to, until no block splits), without the
+    states no text can be completed from: [(block, accepting, [(target block, ranges), ...]),
+    ...], the start's first; [] where no text matches."""
+    n = len(table)
+    moves = np.full((n + 1, len(symbol_ranges)), n, dtype=np.int64)  # state n: the dead one
+    if n and symbol_ranges:
+        moves[:n] = np.where(np.asarray(table) < 0, n, np.asarray(table))
+    block = np.append(np.asarray(accepting, dtype=np.int64), 0)
+    while True:
+        signature = np.column_stack([block, block[moves]])
+        _, refined = np.unique(signature, axis=0, return_inverse=True)
+        refined = refined.reshape(-1)
+        if refined.max() == block.max():
+            break
+        block = refined
+    dead = block[n]
+    if block[0] == dead:
+        return []
+    order = [block[0]] + sorted(set(block[:n].tolist()) - {block[0], dead})
+    first_state = {}
+    for s in range(n):
+        first_state.setdefault(int(block[s]), s)
+    out = []
+    for b in order:
+        s = first_state[int(b)]
+        targets: dict[int, list[tuple[int, int]]] = {}
+        for k, t in enumerate(moves[s].tolist()):
+            if block[t] != dead:
+                targets.setdefault(int(block[t]), []).extend(symbol_ranges[k])
+        out.append((int(b), accepting[s], [(t, _merged(r)) for t, r in sorted(targets.items())]))
+    return out
 
 
 def _written(chars: Ranges) -> str:

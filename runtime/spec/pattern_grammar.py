@@ -1,15 +1,21 @@
-"""A JSON schema's grammar with its patterns compiled by xgrammar's regex converter.
+"""A JSON schema's grammar with its patterns as metrale writes them.
 
 xgrammar writes a schema as a grammar in its EBNF, and a string `pattern` (or a
 `patternProperties` key) there as a `Regex("...", json_string=true)` rule, which its compiler
-builds into an automaton. That builder mistranslates quantifiers and alternatives over groups:
-`(ab*)?` accepts `"b"`, `(0|[1-9][0-9]*)(\\.[0-9]+)?` accepts `"01"`, `(ab{0,2}|a)` accepts
-`"abbb"`, so the grammar lets a model write strings the schema refuses. Its regex converter
-(`Grammar.from_regex`, which writes a pattern as EBNF rules) reads the same patterns right.
-`schema_grammar` therefore writes every pattern with `schema_patterns.for_grammar` first (its
-classes hold only what a JSON string holds unescaped, as the automaton's `json_string` made
-them; the converter's rules do not), then replaces each such rule with the converter's rules for
-its pattern.
+builds into an automaton, or, for some patterns (those holding characters past U+FFFF), as its
+regex converter's rules inlined. The automaton builder mistranslates quantifiers and
+alternatives over groups: `(ab*)?` accepts `"b"`, `(0|[1-9][0-9]*)(\\.[0-9]+)?` accepts `"01"`,
+`(ab{0,2}|a)` accepts `"abbb"`, so the grammar lets a model write strings the schema refuses.
+The converter (`Grammar.from_regex`) reads them right, but writes groups, alternatives and
+repeats as rules as they stand, and under some patterns (`(a|\\S+.)+`, `(.{1,8}){1,100}`) its
+parser tracks so many ways through a text that one token's mask takes from milliseconds to
+seconds; its mask can also allow a token its matcher then refuses.
+
+`schema_grammar` therefore gives xgrammar each pattern as a stand-in of plain letters (which it
+always writes as a `Regex` rule), and replaces that rule with the pattern's own: the pattern
+written by `schema_patterns.for_grammar` (its classes hold only what a JSON string holds
+unescaped, as the automaton's `json_string` made them), as a deterministic automaton
+(`pattern_dfa`), or, past that automaton's limits, as the converter's rules.
 """
 
 from __future__ import annotations
@@ -30,20 +36,21 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 PLACEHOLDER = "metralepattern"  # a pattern's stand-in in the schema xgrammar writes: letters and an index
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def schema_grammar(schema: str) -> str | None:
     """The EBNF grammar of JSON schema `schema` (text, `schema_check.check_shape` passed) as
-    xgrammar writes it without free whitespace, with every pattern written by
-    `schema_patterns.for_grammar` first and each pattern's automaton rule replaced by the regex
-    converter's rules (the module docstring); None where the schema has no pattern (it compiles
-    as it is). ConfigError where a pattern cannot be written so."""
+    xgrammar writes it without free whitespace, each pattern's rule replaced by the pattern's own
+    (the module docstring); None where the schema has no pattern (it compiles as it is).
+    ConfigError, naming the pattern, where one cannot be written so."""
     import xgrammar
 
     tree = json.loads(schema)
     placeholders: dict[str, str] = {}  # pattern (`for_grammar`'s) -> the name xgrammar is given
+    places: dict[str, str] = {}  # pattern (`for_grammar`'s) -> its place, as the schema writes it
 
     def placed(pattern: str, where: str) -> str:
         written = for_grammar(pattern, where)
+        places.setdefault(written, f"{where} {pattern!r}")
         return placeholders.setdefault(written, f"{PLACEHOLDER}{len(placeholders)}")
 
     for node in subschema_objects(tree):
@@ -64,19 +71,21 @@ def schema_grammar(schema: str) -> str | None:
             continue
         if m["text"] not in patterns:  # (never another pattern than the schema's)
             raise ConfigError(f"pattern {m['text']!r}: could not be compiled")
-        lines.extend(_pattern_rules(m["name"], patterns[m["text"]], names))
+        pattern = patterns[m["text"]]
+        lines.extend(_pattern_rules(m["name"], pattern, names, places[pattern]))
     return _four_digit_escapes("\n".join(lines) + "\n")
 
 
-def _pattern_rules(name: str, pattern: str, taken: set[str]) -> list[str]:
-    """Rule `name` (and the rules it refers to) matching `pattern` (`for_grammar`'s) in a JSON
-    string's text: the regex converter's grammar for it, its rules renamed into `name`'s own."""
+def _pattern_rules(name: str, pattern: str, taken: set[str], where: str) -> list[str]:
+    """Rule `name` (and the rules it refers to) matching `pattern` (`for_grammar`'s, at `where`)
+    in a JSON string's text: its deterministic automaton (`pattern_dfa.dfa_rules`), else the
+    regex converter's grammar for it, its rules renamed into `name`'s own."""
     import xgrammar
 
     prefix = f"{name}_re"
     while any(t.startswith(prefix) for t in taken):
         prefix += "_"
-    rules = dfa_rules(name, pattern, prefix)
+    rules = dfa_rules(name, pattern, prefix, where)
     if rules is not None:
         return rules
     rules = str(xgrammar.Grammar.from_regex(pattern)).strip().splitlines()  # (its refusals: `compile_schema`'s)

@@ -87,9 +87,7 @@ def for_grammar(pattern: str, where: str) -> str:
     allowed). Refuses, naming `where`: an anchor inside the pattern (the converter ignores it), a
     possessive quantifier, an escape of a letter or digit other than a class escape (a
     backreference, a word boundary, `\\p{...}`), a control character, a class opening with `]`,
-    a range from or to a class escape, a class no character of a JSON string matches, and a
-    group repeated more than once that can match the empty string (`_no_empty_repeats`)."""
-    _no_empty_repeats(pattern, where)
+    a range from or to a class escape, and a class no character of a JSON string matches."""
     out: list[str] = []
     i, n, depth, start = 0, len(pattern), 0, True  # start: nothing matched since the pattern began
     while i < n:
@@ -142,60 +140,6 @@ def for_grammar(pattern: str, where: str) -> str:
             out.append(c)
             i += 1
     return "".join(out)
-
-
-def _no_empty_repeats(pattern: str, where: str) -> None:
-    """Refuse what makes the converter's rules ambiguous, so that the grammar's parser tracks ever
-    more ways to split a string at every character (tens of milliseconds a token by 200
-    characters): a group that can match the empty string under a quantifier that repeats it
-    (`*`, `+`, `{m,}`, `{m,n}` past 1), as `(a*)*` or `(a|)+`, which matches what the group
-    without its empty match would, repeated; and a group repeated without bound (`*`, `+`,
-    `{m,}`) that holds another group repeated without bound, as `((ab)+c)*`."""
-    stack: list[tuple[list[int], int, bool]] = []  # each enclosing group's alternatives, width, loops
-    alts: list[int] = []  # the fewest characters each finished alternative of this group matches
-    cur = last = 0  # this alternative's fewest characters so far; the last item's
-    loops = False  # whether this group holds a group repeated without bound
-    group = inner = False  # whether the last item is a group; whether that group holds one
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        bounds = _bounds(pattern, i) if c == "{" else None
-        endless = c in "*+" or (bounds is not None and bounds[1] is None)
-        if group and last == 0 and (endless or (bounds is not None and bounds[1] > 1)):
-            raise ConfigError(f"{where}: a group that can match the empty string is repeated (as in "
-                              "`(a*)*`); repeat one that cannot")
-        if group and endless:
-            if inner:
-                raise ConfigError(f"{where}: a group repeated without bound inside another (as in "
-                                  "`((ab)+c)*`) is not enforced; bound one of the two")
-            loops = True
-        if c == "\\":
-            j = i + 2 if pattern[i + 1:i + 2].lower() in ECMA_SETS else _escaped(pattern, i, where)[1]
-            cur, last, group, i = cur + 1, 1, False, j
-        elif c == "[":
-            cur, last, group, i = cur + 1, 1, False, _class_end(pattern, i)
-        elif c == "(":
-            stack.append((alts, cur, loops))
-            alts, cur, last, loops, group = [], 0, 0, False, False
-            i += 1 + 2 * pattern.startswith("(?:", i)
-        elif c == ")" and stack:
-            width, inner = min([*alts, cur]), loops
-            alts, cur, loops = stack.pop()
-            cur, last, loops, group, i = cur + width, width, loops or inner, True, i + 1
-        elif c == "|":
-            alts.append(cur)
-            cur = last = 0
-            group, i = False, i + 1
-        elif c in "*?":
-            cur, last, i = cur - last, 0, i + 1 + (pattern[i + 1:i + 2] == "?")
-        elif c == "+":
-            i += 1 + (pattern[i + 1:i + 2] == "?")
-        elif bounds is not None:
-            lo, _, j = bounds
-            cur, last, i = cur + last * (lo - 1), last * lo, j + (pattern[j:j + 1] == "?")
-        else:  # a character (an anchor matches none)
-            width = 0 if c in "^$" else 1
-            cur, last, group, i = cur + width, width, False, i + 1
 
 
 def _class(pattern: str, i: int, where: str) -> tuple[int, Ranges]:

@@ -1,0 +1,140 @@
+"""A string pattern's rules as its smallest deterministic automaton (`spec.pattern_dfa`): the
+language the pattern matches, one way through every text, and a mask that allows only what the
+matcher takes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+
+import pytest
+import torch
+import xgrammar
+
+from metrale.runtime.errors import ConfigError
+from metrale.runtime.spec.grammar import compile_schema
+from metrale.runtime.spec.pattern_dfa import MAX_STATES, _automaton
+from metrale.runtime.spec.schema_check import check_shape
+from metrale.runtime.spec.schema_patterns import for_grammar
+
+from conftest import char_grammar_state
+from test_pattern_grammar import _random_pattern
+
+
+def _run(automaton, text: str) -> bool:
+    """Whether `automaton` (`_automaton`'s list) accepts `text`."""
+    states = {s: (accepting, moves) for s, accepting, moves in automaton}
+    state = automaton[0][0]
+    for c in text:
+        code = ord(c)
+        state = next((t for t, ranges in states[state][1] if any(lo <= code <= hi for lo, hi in ranges)), None)
+        if state is None:
+            return False
+    return states[state][0]
+
+
+def test_the_automaton_matches_exactly_what_the_pattern_matches():
+    """Property: for seeded random patterns (groups, alternatives, every quantifier, lazy ones,
+    classes and class escapes, nested repeats), the strings of up to 4 characters over an
+    alphabet both regex dialects read alike that the automaton accepts are exactly those the
+    pattern matches whole."""
+    r = random.Random(1)
+    strings = ["".join(t) for n in range(5) for t in itertools.product("ab0z -", repeat=n)]
+    built = 0
+    for _ in range(150):
+        pattern = _random_pattern(r, 2)
+        automaton = _automaton(for_grammar(pattern, "x"))
+        if not isinstance(automaton, list):  # past a limit (the converter's rules stand)
+            continue
+        compiled = re.compile(pattern)
+        for s in strings:
+            assert _run(automaton, s) == bool(compiled.fullmatch(s)), (pattern, s)
+        built += 1
+    assert built >= 135
+
+
+@pytest.mark.parametrize("pattern,states", [
+    (r"^(a|\S+)+$", 2),  # \S+: the start and one state after any run
+    (r"^(\w+\s?)+$", 3),  # the start, after a word character, after a space
+    (r"^[a-z]{1,3}$", 4),
+    (r"^(ab|a)(b|)$", 4),  # a, ab, abb: the start, after a, after ab, after abb
+    (r"^((a+)+)+$", 2),
+    (r"^(a*)*$", 1),  # a*: one state, accepting, looping on a
+])
+def test_the_automaton_is_the_smallest(pattern, states):
+    automaton = _automaton(for_grammar(pattern, "x"))
+    assert len(automaton) == states
+    for _, _, moves in automaton:  # deterministic: no character leads two ways
+        ranges = sorted(r for _, rs in moves for r in rs)
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(ranges))
+
+
+# a vocabulary's multi-character tokens as a BPE one holds them: some end a string
+EXTRA = ['ab', 'a"', '0"', 'b0', 'zz', '"}', 'a b', ' "', '00', 'ba"', '61"', '- ']
+
+
+def test_the_mask_allows_only_what_the_matcher_takes():
+    """Property: along seeded random walks under random patterns, at every state, every token
+    the grammar's bitmask allows is one its matcher accepts, and the other way round
+    (xgrammar's mask over the regex converter's rules for `^b\\d+[\\U0002fa1e-\\U0002ffff]x|b$`
+    allows `61"` after `"b`, and its matcher refuses it)."""
+    r = random.Random(2)
+    walked = 0
+    for n in range(40):
+        pattern = _random_pattern(r, 2) if n else "^b\\d+[\U0002fa1e-\U0002ffff]x|b$"
+        schema = {"type": "string", "pattern": pattern}
+        check_shape(schema)
+        try:
+            state, ids = char_grammar_state(schema, EXTRA)
+        except ConfigError:  # past the automaton's limits, ambiguous: refused
+            continue
+        for _ in range(8):
+            if state.done:
+                break
+            bits = state.masked(torch.zeros(state.vocab_size)) == 0
+            taken = []
+            for token in range(1, state.vocab_size):
+                ok = state.matcher.accept_token(token)
+                if ok:
+                    state.matcher.rollback(1)
+                    taken.append(token)
+                assert ok == bool(bits[token]), (pattern, token)
+            if not taken:
+                break
+            state.advance([r.choice(taken)])
+            walked += 1
+    assert walked >= 150
+
+
+def _compiled(pattern: str):
+    info = xgrammar.TokenizerInfo(["<end>", *[chr(i) for i in range(32, 127)]], xgrammar.VocabType.RAW,
+                                  vocab_size=96, stop_token_ids=[0])
+    schema = {"type": "string", "pattern": pattern}
+    check_shape(schema)
+    return compile_schema(xgrammar.GrammarCompiler(info, max_threads=1), json.dumps(schema))
+
+
+@pytest.mark.parametrize("pattern,words", [
+    ("^(.{1,8}){1,500}$", "a repeated group holding a repeat of varying count"),
+    ("^((a?){1,1000}){1,4}$", "a group that can match the empty string is repeated"),
+    ("(" * 65 + "a" + ")" * 65, "groups nest more than 64 deep"),
+])
+def test_past_the_limits_what_would_be_ambiguous_is_refused_by_pattern(pattern, words):
+    """Past the automaton's limits a pattern's rules would be the regex converter's, and these
+    would keep its parser tracking many ways through a text (`(.{1,8}){1,100}` costs seconds a
+    token there): refused, naming the pattern."""
+    with pytest.raises(ConfigError, match=re.escape(f"pattern {pattern!r}: {words}")):
+        _compiled(pattern)
+
+
+def test_past_the_limits_an_unambiguous_pattern_keeps_the_converters_rules():
+    """`(a|b)*a(a|b){13}` (the 14th character from the end is `a`) has 2^14 states: it keeps the
+    converter's rules, which enforce it."""
+    pattern = "^(a|b)*a(a|b){13}$"
+    assert 2 ** 14 > MAX_STATES and isinstance(_automaton(for_grammar(pattern, "x")), tuple)
+    compiled = _compiled(pattern)
+    for text, ok in [("a" + "b" * 13, True), ("bba" + "a" * 13, True), ("b" * 14, False), ("a" * 13, False)]:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        assert (all(matcher.accept_token(ord(c) - 31) for c in json.dumps(text)) and matcher.accept_token(0)) == ok, text
