@@ -71,6 +71,58 @@ def test_the_automaton_is_the_smallest(pattern, states):
         assert all(a[1] < b[0] for a, b in itertools.pairwise(ranges))
 
 
+def _distinguishable(automaton, p: int, q: int) -> bool:
+    """Whether some text takes states `p` and `q` to states of which one accepts and the other
+    does not (a missing move: to a dead state that accepts nothing)."""
+    states = {s: (accepting, moves) for s, accepting, moves in automaton}
+    points = sorted({lo for _, _, moves in automaton for _, ranges in moves for lo, hi in ranges} |
+                    {hi + 1 for _, _, moves in automaton for _, ranges in moves for lo, hi in ranges})
+
+    def step(s, code):
+        if s is None:
+            return None
+        return next((t for t, ranges in states[s][1] if any(lo <= code <= hi for lo, hi in ranges)), None)
+
+    seen, todo = {(p, q)}, [(p, q)]
+    while todo:
+        a, b = todo.pop()
+        if (a is not None and states[a][0]) != (b is not None and states[b][0]):
+            return True
+        for code in points:
+            pair = (step(a, code), step(b, code))
+            if pair not in seen:
+                seen.add(pair)
+                todo.append(pair)
+    return False
+
+
+def test_random_automata_are_the_smallest():
+    """Property: in the automata of seeded random patterns (those of up to 40 states), every
+    two states are told apart by some text, so no smaller automaton has the same language."""
+    r = random.Random(3)
+    checked = 0
+    for _ in range(120):
+        automaton = _automaton(for_grammar(_random_pattern(r, 2), "x"))
+        if not isinstance(automaton, list) or len(automaton) > 40:
+            continue
+        ids = [s for s, _, _ in automaton]
+        assert all(_distinguishable(automaton, a, b) for a, b in itertools.combinations(ids, 2))
+        checked += 1
+    assert checked >= 60
+
+
+def test_a_pattern_met_again_is_written_once():
+    """Three properties of one pattern: its automaton's rules once, the others naming them."""
+    from metrale.runtime.spec.pattern_grammar import schema_grammar
+
+    one = {"type": "string", "pattern": "^[a-z]{1,50}$"}
+    text = schema_grammar(json.dumps({"type": "object", "properties": {k: one for k in "abc"}, "required": ["a", "b", "c"]}))
+    alone = schema_grammar(json.dumps({"type": "object", "properties": {"a": one}, "required": ["a"]}))
+    automaton = [line for line in alone.splitlines() if "[\\u0061-\\u007a]" in line]
+    assert len(automaton) == 50 and [line for line in text.splitlines() if "[\\u0061-\\u007a]" in line] == automaton
+    assert text.count(" ::= root_prop_0_1\n") == 2
+
+
 # a vocabulary's multi-character tokens as a BPE one holds them: some end a string
 EXTRA = ['ab', 'a"', '0"', 'b0', 'zz', '"}', 'a b', ' "', '00', 'ba"', '61"', '- ']
 

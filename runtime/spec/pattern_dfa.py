@@ -27,8 +27,6 @@ from __future__ import annotations
 import bisect
 import functools
 
-import numpy as np
-
 from metrale.runtime.errors import ConfigError
 from metrale.runtime.spec.schema_patterns import Ranges, _merged, _u
 
@@ -252,7 +250,7 @@ def _glushkov(tree):
     each one's followers, the first and last positions and whether the empty text matches."""
     classes: list[Ranges] = []
     follow: list[set[int]] = []
-    work = [0]  # positions added to follow and first sets (a pattern of optional copies: their square)
+    work = [0]  # positions added to follow sets
 
     def build(node):
         """(nullable, first, last) of `node` with fresh positions."""
@@ -281,18 +279,19 @@ def _glushkov(tree):
             n, f, v = build(child)
             link(v, f)
             return then(out, (True, f, v))
-        tail = (True, set(), set())  # (x (x (...)?)?)?, innermost first: one way to match k copies
+        first_tail, last_tail = set(), set()  # (x (x (...)?)?)?, built innermost first: one way to match k copies
         for _ in range(hi - lo):
-            tail = then(build(child), tail)
-            tail = (True, tail[1], tail[2])
-        return then(out, tail)
+            n, f, v = build(child)
+            link(v, first_tail)
+            first_tail = f | first_tail if n else f
+            last_tail |= v
+        return then(out, (True, first_tail, last_tail))
 
     def then(a, b):
         """Sequence a then b: a's last positions are followed by b's first."""
         an, af, av = a
         bn, bf, bv = b
         link(av, bf)
-        work[0] += (len(af) + len(bf)) * an + (len(av) + len(bv)) * bn
         return an and bn, af | bf if an else af, av | bv if bn else bv
 
     def link(last, first):
@@ -369,37 +368,55 @@ def _symbols(classes: list[Ranges]) -> tuple[list[Ranges], list[list[int]]]:
 
 
 def _minimized(symbol_ranges, table, accepting):
-    """The smallest automaton of the same language (Moore's refinement: states are split by
-    acceptance, then by the blocks each piece leads to, until no block splits), without the
-    states no text can be completed from: [(block, accepting, [(target block, ranges), ...]),
-    ...], the start's first; [] where no text matches."""
-    n = len(table)
-    moves = np.full((n + 1, len(symbol_ranges)), n, dtype=np.int64)  # state n: the dead one
-    if n and symbol_ranges:
-        moves[:n] = np.where(np.asarray(table) < 0, n, np.asarray(table))
-    block = np.append(np.asarray(accepting, dtype=np.int64), 0)
-    while True:
-        signature = np.column_stack([block, block[moves]])
-        _, refined = np.unique(signature, axis=0, return_inverse=True)
-        refined = refined.reshape(-1)
-        if refined.max() == block.max():
-            break
-        block = refined
-    dead = block[n]
-    if block[0] == dead:
+    """The smallest automaton of the same language, without the states no text can be completed
+    from: [(block, accepting, [(target block, ranges), ...]), ...], the start's first; [] where
+    no text matches. Hopcroft's refinement: the states (and a dead one, where a move is
+    missing) are split by acceptance, then each block by whether a symbol leads into a block
+    split off before, the smaller half of each split queued to split others."""
+    n, k = len(table), len(symbol_ranges)
+    moves = [[n if t < 0 else t for t in row] for row in table] + [[n] * k]  # state n: the dead one
+    into = [[[] for _ in range(n + 1)] for _ in range(k)]  # into[a][t]: the states symbol a leads to t from
+    for s, row in enumerate(moves):
+        for a, t in enumerate(row):
+            into[a][t].append(s)
+    accepts = {s for s in range(n) if accepting[s]}
+    blocks = [b for b in (accepts, set(range(n + 1)) - accepts) if b]
+    block_of = [0] * (n + 1)
+    for i, members in enumerate(blocks):
+        for s in members:
+            block_of[s] = i
+    queue = {(i, a) for i in range(len(blocks)) for a in range(k)}
+    while queue:
+        splitter, a = queue.pop()
+        leading = {s for t in blocks[splitter] for s in into[a][t]}
+        touched: dict[int, set[int]] = {}
+        for s in leading:
+            touched.setdefault(block_of[s], set()).add(s)
+        for i, part in touched.items():
+            if len(part) == len(blocks[i]):
+                continue
+            rest = blocks[i] - part
+            small, large = (part, rest) if len(part) <= len(rest) else (rest, part)
+            blocks[i] = large
+            blocks.append(small)
+            for s in small:
+                block_of[s] = len(blocks) - 1
+            queue.update((len(blocks) - 1, b) for b in range(k))  # (the smaller half: enough either way)
+    dead = block_of[n]
+    if block_of[0] == dead:
         return []
-    order = [block[0]] + sorted(set(block[:n].tolist()) - {block[0], dead})
-    first_state = {}
+    first_state: dict[int, int] = {}
     for s in range(n):
-        first_state.setdefault(int(block[s]), s)
+        first_state.setdefault(block_of[s], s)
+    order = [block_of[0]] + sorted(set(first_state) - {block_of[0], dead})
     out = []
     for b in order:
-        s = first_state[int(b)]
+        s = first_state[b]
         targets: dict[int, list[tuple[int, int]]] = {}
-        for k, t in enumerate(moves[s].tolist()):
-            if block[t] != dead:
-                targets.setdefault(int(block[t]), []).extend(symbol_ranges[k])
-        out.append((int(b), accepting[s], [(t, _merged(r)) for t, r in sorted(targets.items())]))
+        for a, t in enumerate(moves[s]):
+            if block_of[t] != dead:
+                targets.setdefault(block_of[t], []).extend(symbol_ranges[a])
+        out.append((b, accepting[s], [(t, _merged(r)) for t, r in sorted(targets.items())]))
     return out
 
 

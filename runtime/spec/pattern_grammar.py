@@ -64,6 +64,7 @@ def schema_grammar(schema: str) -> str | None:
     text = str(xgrammar.Grammar.from_json_schema(json.dumps(tree), any_whitespace=False))
     names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", text, re.M))
     lines = []
+    written: dict[str, str] = {}  # pattern -> the rule its rules were first written as
     for line in text.splitlines():
         m = REGEX_RULE.fullmatch(line)
         if m is None:
@@ -72,6 +73,10 @@ def schema_grammar(schema: str) -> str | None:
         if m["text"] not in patterns:  # (never another pattern than the schema's)
             raise ConfigError(f"pattern {m['text']!r}: could not be compiled")
         pattern = patterns[m["text"]]
+        if pattern in written:  # a pattern met again: its rules once (an automaton's may be many)
+            lines.append(f"{m['name']} ::= {written[pattern]}")
+            continue
+        written[pattern] = m["name"]
         lines.extend(_pattern_rules(m["name"], pattern, names, places[pattern]))
     return _four_digit_escapes("\n".join(lines) + "\n")
 
