@@ -1,4 +1,4 @@
-"""A string pattern's rules as a deterministic automaton, one rule per state.
+"""A string pattern's rules as its smallest deterministic automaton, one rule per state.
 
 xgrammar's regex converter writes a pattern's groups, alternatives and repeats as rules as they
 stand (`(X)+` as `r ::= X r | X`), and its parser follows every way the text read so far splits
@@ -13,19 +13,21 @@ explicit, its groups plain, anchors only at its ends, which a grammar's full mat
 - parsed to alternatives, sequences, repeats and classes;
 - each class occurrence a position of the pattern's Glushkov automaton, with a bounded repeat
   written out (`x{2,4}` as `x x (x (x)?)?`);
-- the subset construction over the classes' disjoint pieces (two pieces are one where every
-  class holds both or neither), with the pieces that lead to the same state merged back into
-  one class;
-- the states no accepting state can be reached from are dropped (a text the pattern cannot
-  complete is never started).
+- the subset construction over the pattern's symbols (the code points every class holds alike
+  are one symbol);
+- made the smallest by Hopcroft's refinement, without the states from which no text can be
+  completed (a text the pattern cannot complete is never started), the symbols that lead from
+  one state to the same state merged back into one class.
 
-A pattern that parses past the limits here (positions, states, nesting) gets no rules (None) and
-keeps the converter's."""
+A pattern past the limits here (positions, states, the steps to build them) keeps the
+converter's rules, and what would make those ambiguous is refused (`_refuse_ambiguous`).
+"""
 
 from __future__ import annotations
 
 import bisect
 import functools
+from typing import NamedTuple
 
 from metrale.runtime.errors import ConfigError
 from metrale.runtime.spec.schema_patterns import Ranges, _merged, _u
@@ -45,6 +47,11 @@ class _TooDeep(Exception):
     """The pattern's groups nest past MAX_NESTING."""
 
 
+class _PastLimit(NamedTuple):
+    """A pattern past the automaton's limits: its tree (None: its groups nest too deep to read)."""
+    tree: tuple | None
+
+
 def dfa_rules(name: str, pattern: str, prefix: str, where: str) -> list[str] | None:
     """EBNF rules matching `pattern` (`for_grammar`'s) as a deterministic automaton: rule `name`
     its start state, the others `prefix_1`, `prefix_2`, ...; None where it holds a form this
@@ -53,11 +60,12 @@ def dfa_rules(name: str, pattern: str, prefix: str, where: str) -> list[str] | N
     and what makes those ambiguous is refused (`_refuse_ambiguous`); ConfigError, naming
     `where`, for that and for groups nested past MAX_NESTING."""
     built = _automaton(pattern)
-    if built == "too deep":
-        raise ConfigError(f"{where}: groups nest more than {MAX_NESTING} deep")
-    if isinstance(built, tuple):
-        _refuse_ambiguous(built[1], where)
-    if not isinstance(built, list):
+    if isinstance(built, _PastLimit):
+        if built.tree is None:
+            raise ConfigError(f"{where}: groups nest more than {MAX_NESTING} deep")
+        _refuse_ambiguous(built.tree, where)
+        return None
+    if built is None:
         return None
     names = {s: name if k == 0 else f"{prefix}_{k}" for k, (s, _, _) in enumerate(built)}
     rules = []
@@ -71,20 +79,19 @@ def dfa_rules(name: str, pattern: str, prefix: str, where: str) -> list[str] | N
 @functools.lru_cache(maxsize=32)
 def _automaton(pattern: str):
     """`pattern`'s (`for_grammar`'s) deterministic automaton, the states from which a text can
-    be completed, start first: [(state, accepting, [(target, ranges), ...]), ...]; ("past a
-    limit", its tree) where it passes one; "too deep" where its groups nest past MAX_NESTING;
-    None where it holds a form not read here, or matches no text (the converter's rules then
-    say so their own way)."""
+    be completed, start first: [(state, accepting, [(target, ranges), ...]), ...]; _PastLimit
+    where it passes a limit; None where it holds a form not read here, or matches no text (the
+    converter's rules then say so their own way)."""
     try:
         tree = _Parser(pattern).parse()
     except _Unwritten:
         return None
     except _TooDeep:
-        return "too deep"
+        return _PastLimit(None)
     try:
         built = _determinized(*_glushkov(tree))
     except _Unwritten:
-        return ("past a limit", tree)
+        return _PastLimit(tree)
     return _minimized(*built) or None
 
 
@@ -109,8 +116,8 @@ def _refuse_ambiguous(tree, where: str) -> None:
                 if _varies(child):
                     raise ConfigError(f"{where}: a repeated group holding a repeat of varying count "
                                       "(as in `(.{1,8}){1,500}` or `((ab)+c)*`) is enforced only where "
-                                      f"the pattern's automaton stays within {MAX_STATES} states; "
-                                      "bound or fix one of the two counts")
+                                      f"the pattern's automaton stays within {MAX_STATES} states and "
+                                      f"{MAX_WORK:,} steps to build; bound or fix one of the two counts")
             todo.append(child)
 
 
@@ -135,7 +142,6 @@ def _varies(node) -> bool:
 
 # The pattern's tree: ("chars", ranges) | ("cat", [node, ...]) | ("alt", [node, ...]) |
 # ("rep", node, lo, hi or None)
-EMPTY = ("cat", [])
 
 
 class _Parser:
