@@ -169,16 +169,25 @@ def _compiled(pattern: str):
 
 
 @pytest.mark.parametrize("pattern,words", [
-    ("^(.{1,8}){1,500}$", "a repeated group holding a repeat of varying count"),
+    ("^(.{1,8}){1,500}$", "a repeated group whose texts differ in length"),
+    ("^(.|..){1,1000}$", "a repeated group whose texts differ in length"),
     ("^((a?){1,1000}){1,4}$", "a group that can match the empty string is repeated"),
     ("(" * 65 + "a" + ")" * 65, "groups nest more than 64 deep"),
 ])
 def test_past_the_limits_what_would_be_ambiguous_is_refused_by_pattern(pattern, words):
     """Past the automaton's limits a pattern's rules would be the regex converter's, and these
-    would keep its parser tracking many ways through a text (`(.{1,8}){1,100}` costs seconds a
-    token there): refused, naming the pattern."""
+    would keep its parser tracking many ways through a text: refused, naming the pattern."""
     with pytest.raises(ConfigError, match=re.escape(f"pattern {pattern!r}: {words}")):
         _compiled(pattern)
+
+
+def test_the_steps_to_build_count_every_symbol():
+    """A `.` position holds every symbol of the pattern, and 200 distinct characters before it
+    make 200 symbols: each state's symbols count toward the step limit, where the construction
+    stops, and the converter's rules stand."""
+    pattern = "^(?:" + "|".join(chr(0x4E00 + i) for i in range(200)) + ")?.*x.{11}$"
+    assert isinstance(_automaton(for_grammar(pattern, "x")), _PastLimit)
+    _compiled(pattern)  # (not refused: no repeated group of varying length)
 
 
 def test_past_the_limits_an_unambiguous_pattern_keeps_the_converters_rules():

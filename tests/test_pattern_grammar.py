@@ -101,12 +101,12 @@ def test_random_patterns_accept_exactly_their_matches(compiler):
         try:
             grammar = _ours(compiler, schema)
         except ConfigError as e:  # past the automaton's limits, what makes the converter's rules ambiguous
-            assert "can match the empty string" in str(e) or "varying count" in str(e), (pattern, e)
+            assert "can match the empty string" in str(e) or "differ in length" in str(e), (pattern, e)
             continue
         accepted = {s for s in strings if _accepts(grammar, '{"k": ' + json.dumps(s) + "}")}
         assert accepted == {s for s in strings if re.fullmatch(pattern, s)}, pattern
         checked += 1
-    assert checked >= 190
+    assert checked >= 180
 
 
 # a pattern, strings its grammar accepts, and JSON texts of strings it refuses
@@ -157,6 +157,7 @@ def test_classes_hold_what_a_json_string_holds_in_both_dialects(compiler, patter
     (r"[\d-z]", r"a range from a class escape (`\d-z`)"),
     (r"[a-\w]", r"a range to a class escape (`a-\w`)"),
     ("[z-a]", "a range out of order (`z-a`)"),
+    ("^a{3,2}$", "a quantifier's bounds out of order (`{3,2}`)"),
     ("[ab", "a class that is not closed"),
     (r"[^\S\s]", "a class no character of a JSON string matches"),
     (r"[\b]", "a class no character of a JSON string matches"),

@@ -34,7 +34,7 @@ from metrale.runtime.spec.schema_patterns import Ranges, _merged, _u
 
 MAX_POSITIONS = 4096  # class occurrences with every bounded repeat written out
 MAX_STATES = 8192  # states of the deterministic automaton, before it is made the smallest
-MAX_WORK = 1_000_000  # positions visited building the automaton: its follow sets, then each state's
+MAX_WORK = 1_000_000  # steps building the automaton: follow-set entries, then each state's positions and symbols
 MAX_NESTING = 64  # groups within groups
 HEX = frozenset("0123456789abcdefABCDEF")
 
@@ -99,8 +99,8 @@ def _refuse_ambiguous(tree, where: str) -> None:
     """Refuse, naming `where`, what makes the regex converter's rules ambiguous, so that the
     grammar's parser tracks ever more ways to split a text (up to seconds a token): a group
     repeated more than once (`*`, `+`, `{m,}`, `{m,n}` with n past 1) that can match the empty
-    string (`(a*)*`, `(a|)+`), or that holds a repeat of varying count (`(.{1,8}){1,500}`,
-    `((ab)+c)*`)."""
+    string (`(a*)*`, `(a|)+`), or whose texts differ in length (`(.{1,8}){1,500}`,
+    `(.|..){1,1000}`, `((ab)+c)*`)."""
     todo = [tree]
     while todo:
         node = todo.pop()
@@ -114,10 +114,10 @@ def _refuse_ambiguous(tree, where: str) -> None:
                     raise ConfigError(f"{where}: a group that can match the empty string is repeated "
                                       "(as in `(a*)*`); repeat one that cannot")
                 if _varies(child):
-                    raise ConfigError(f"{where}: a repeated group holding a repeat of varying count "
-                                      "(as in `(.{1,8}){1,500}` or `((ab)+c)*`) is enforced only where "
+                    raise ConfigError(f"{where}: a repeated group whose texts differ in length "
+                                      "(as in `(.{1,8}){1,500}` or `(.|..){1,1000}`) is enforced only where "
                                       f"the pattern's automaton stays within {MAX_STATES} states and "
-                                      f"{MAX_WORK:,} steps to build; bound or fix one of the two counts")
+                                      f"{MAX_WORK:,} steps to build; bound it more tightly")
             todo.append(child)
 
 
@@ -131,13 +131,27 @@ def _nullable(node) -> bool:
 
 
 def _varies(node) -> bool:
-    """Whether `node` holds a repeat whose count varies (`*`, `+`, `?`, `{m,n}` with m < n)."""
+    """Whether the texts `node` matches differ in length (a repeat of varying count, `*`, `+`,
+    `?`, `{m,n}` with m < n, or alternatives of different lengths, within it)."""
+    low, high = _widths(node)
+    return low != high
+
+
+def _widths(node) -> tuple[int, int | None]:
+    """The fewest and most characters `node` matches (None: no most)."""
     kind = node[0]
     if kind == "chars":
-        return False
+        return 1, 1
     if kind == "rep":
-        return node[2] != node[3] or _varies(node[1])
-    return any(_varies(child) for child in node[1])
+        low, high = _widths(node[1])
+        most = None if node[3] is None or high is None else high * node[3]
+        return low * node[2], most if node[3] != 0 else 0
+    parts = [_widths(child) for child in node[1]]
+    if kind == "cat":
+        highs = [h for _, h in parts]
+        return sum(lo for lo, _ in parts), None if None in highs else sum(highs)
+    highs = [h for _, h in parts]
+    return min((lo for lo, _ in parts), default=0), None if None in highs else max(highs, default=0)
 
 
 # The pattern's tree: ("chars", ranges) | ("cat", [node, ...]) | ("alt", [node, ...]) |
@@ -325,7 +339,7 @@ def _determinized(classes, follow, first, last, nullable):
     for state in states:  # (the list grows as states are found)
         accepting.append(nullable if state is None else bool(state & last))
         after = first if state is None else set().union(*(follow[p] for p in state))
-        work += len(after) + (0 if state is None else len(state))
+        work += len(symbol_ranges) + sum(len(symbols[q]) for q in after) + (0 if state is None else len(state))
         if work > MAX_WORK:
             raise _Unwritten
         by_symbol: dict[int, set[int]] = {}

@@ -25,7 +25,8 @@ MAX_REPEAT = 1000  # one `pattern` quantifier's count
 def pattern_size(pattern: str, where: str) -> int:
     """The number of items (characters, classes) in regular expression `pattern` with every
     quantifier written out (`(ab){3}` is 6, `[a-z]{1,8}` 8), refusing a quantifier past
-    MAX_REPEAT and lookaround, which xgrammar does not enforce."""
+    MAX_REPEAT or with its bounds out of order (`{3,2}`), and lookaround, which xgrammar does not
+    enforce."""
     groups = [0]  # the size of each open group so far; the outermost is the pattern
     last = 0  # the size of the item a quantifier would repeat
     i, n = 0, len(pattern)
@@ -54,11 +55,14 @@ def pattern_size(pattern: str, where: str) -> int:
         if c == "{":
             bounds = _bounds(pattern, i)
             if bounds is not None:
-                lo, hi, i = bounds
+                lo, hi, j = bounds
                 times = lo if hi is None else max(lo, hi)
                 if times > MAX_REPEAT:
                     raise ConfigError(f"{where}: a quantifier repeats {times} times; at most "
                                       f"{MAX_REPEAT} are allowed")
+                if hi is not None and hi < lo:
+                    raise ConfigError(f"{where}: a quantifier's bounds out of order (`{pattern[i:j]}`)")
+                i = j
                 groups[-1] += last * (times - 1)
                 last *= times
                 continue
