@@ -10,14 +10,16 @@ A sequence's decode loop (`spec.decode.Decoder.steps`, or a request's lane of wh
       `DraftForward` a DFlash block     its `Proposal`
       `LaneStep`     a whole iteration  the tokens it emitted for the lane (`spec.iteration_loop`)
     a `Run` (`spec.decode.PlainRun`)    the run itself, once it has ended
+    a `Wait` (host work off the loop)   its result, once it is done
     a list of token ids (emitted)       None
 
 A proposer's draft coroutine (`spec.proposer.Proposer.propose_steps`) yields model steps the same
 way and returns its drafts.
 
 `Driver` is the only code that tells these apart: it resumes the coroutine, hands emitted tokens
-to its `emit`, steps a `Run` one forward at a time without resuming the loop, and stops at the
-next model step, which it leaves in `need`. Who runs the model steps differs: `drive` runs each
+to its `emit`, steps a `Run` one forward at a time without resuming the loop, holds a `Wait`
+until its work is done (meanwhile it needs nothing), and stops at the next model step, which it
+leaves in `need`. Who runs the model steps differs: `drive` runs each
 at once (one sequence: `Decoder.stream`, a proposer alone), a scheduler gathers every running
 sequence's `need` and runs them together (`serving.scheduler`), one call per face
 (`backends.run_forwards`). A face that runs many sequences' steps in one call is a
@@ -192,7 +194,18 @@ class Run(ABC):
     def close(self) -> None: ...
 
 
-Step = ModelStep | Run | list  # what a decode loop yields (a list: the token ids it emitted)
+class Wait:
+    """Host work a sequence waits for before it goes on (a request's grammar compiling on a
+    worker thread): `future` (a `concurrent.futures.Future`), whose result the coroutine is sent.
+    A scheduler runs the other sequences meanwhile."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future):
+        self.future = future
+
+
+Step = ModelStep | Run | Wait | list  # what a decode loop yields (a list: the token ids it emitted)
 
 
 def _keep(token: int) -> bool:
@@ -206,15 +219,22 @@ class Driver:
     sequence is over: `finished` (the coroutine returned, `value` what it returned) or ended by
     `emit`."""
 
-    __slots__ = ("steps", "emit", "need", "run", "finished", "value")
+    __slots__ = ("steps", "emit", "need", "run", "wait", "finished", "value")
 
     def __init__(self, steps: Generator, emit: Callable[[int], bool] = _keep):
         self.steps, self.emit = steps, emit
         self.need: ModelStep | None = None
         self.run: Run | None = None  # a run in progress: its steps taken here, the loop untouched
+        self.wait: Wait | None = None  # host work the sequence waits for: `need` is None meanwhile
         self.finished, self.value = False, None
 
     def advance(self, reply=None) -> bool:
+        """(While a `Wait` is not done: True, `need` None, the coroutine not resumed.)"""
+        if self.wait is not None:
+            if not self.wait.future.done():
+                return True
+            reply, self.wait = self.wait.future.result(), None  # (its exception: raised here)
+            return self._resume(reply)
         run = self.run
         if run is not None:  # a step of the run: its token out, the next step's row
             if not self.emit(run.take(reply)):
@@ -223,6 +243,9 @@ class Driver:
                 self.need = run.forward
                 return True
             self.run, reply = None, run  # the run ended: the loop goes on from it
+        return self._resume(reply)
+
+    def _resume(self, reply) -> bool:
         steps, emit = self.steps, self.emit
         while True:
             try:
@@ -236,17 +259,25 @@ class Driver:
             if isinstance(item, Run):
                 self.run, self.need = item, item.forward
                 return True
+            if isinstance(item, Wait):
+                self.wait, self.need = item, None
+                return self.advance()
             for token in item:
                 if not emit(token):
                     return False
             reply = None
+
+    def block(self) -> None:
+        """Until a `Wait` is done (a driver with no other sequence to run meanwhile)."""
+        if self.wait is not None:
+            self.wait.future.exception()  # (waits; the result or error is taken by `advance`)
 
     def close(self) -> None:
         """End the sequence here: a run's steps so far into its result, then the coroutine's
         cleanup (its metrics, a world's lockstep)."""
         if self.run is not None:
             self.run.close()
-        self.need = self.run = None
+        self.need = self.run = self.wait = None
         self.steps.close()
 
 
@@ -261,6 +292,10 @@ def drive(steps: Generator, run: Callable[[list], list]) -> Iterator[int]:
             if tokens:
                 yield from tokens
                 tokens.clear()
+            if driver.need is None:  # a Wait
+                driver.block()
+                reply = None
+                continue
             reply = run([driver.need])[0]
         yield from tokens
         return driver.value
@@ -278,5 +313,6 @@ def run_alone(steps: Generator):
     driver = Driver(steps)
     reply = None
     while driver.advance(reply):
-        reply = driver.need.run()
+        driver.block()
+        reply = driver.need.run() if driver.need is not None else None
     return driver.value

@@ -5,6 +5,7 @@ and /metrics shows the running set and the queue."""
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -389,3 +390,56 @@ def test_speculation_resumes_only_once_the_batch_stayed_small(monkeypatch):
     assert not speculates(2, 101.0) and not speculates(1, 101.0 + wait * 0.99)
     sched.disable_at, sched.batch = None, Batch()
     assert speculates(30, 102.0)
+
+
+def test_a_schema_compiles_while_the_other_requests_run(tiny_engine, monkeypatch):
+    """A request's schema compiles on the grammar thread (`steps.Wait`): while its compile is
+    held, a stream already running goes on to its end; released, the request's answer follows
+    the schema. (The server's own check of the schema, which admits it, is not held.)"""
+    from metrale.runtime.spec import grammar
+
+    held, release, calls = threading.Event(), threading.Event(), []
+    compile_schema = grammar.Grammars.compile
+
+    def compile_held(self, schema):
+        calls.append(threading.current_thread().name)
+        if len(calls) > 1:  # (the first: the server's check, before the request is admitted)
+            held.set()
+            release.wait(120)
+        return compile_schema(self, schema)
+
+    monkeypatch.setattr(grammar.Grammars, "compile", compile_held)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    gen = EngineGenerator(tiny_engine, SpeculativeConfig())
+    with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=4))) as base:
+        client = _client(base)
+        first_token, long_done, answers = threading.Event(), threading.Event(), {}
+
+        def long_stream():
+            stream = client.completions.create(model=gen.model_id, prompt="def main(", stream=True,
+                                               max_tokens=120, temperature=0)
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    first_token.set()
+            long_done.set()
+
+        def constrained():
+            fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+            answers["text"] = client.completions.create(model=gen.model_id, prompt="x = ", max_tokens=16,
+                                                        temperature=0, extra_body={"response_format": fmt}
+                                                        ).choices[0].text
+
+        workers = [threading.Thread(target=long_stream), threading.Thread(target=constrained)]
+        workers[0].start()
+        assert first_token.wait(60)
+        workers[1].start()
+        try:
+            assert held.wait(60)
+            assert long_done.wait(60)  # the stream ended while the schema's compile was held
+            assert "text" not in answers
+        finally:
+            release.set()
+            for w in workers:
+                w.join(120)
+    assert json.loads(answers["text"])["n"] is not None and calls[1] == "metrale-grammar_0"

@@ -4,9 +4,13 @@ where its consumer says, and closes what it drove."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
 import torch
 
-from metrale.runtime.steps import Driver, Forward, HeadForward, Run, StepKind, drive, run_alone
+from metrale.runtime.steps import Driver, Forward, HeadForward, Run, StepKind, Wait, drive, run_alone
 
 
 class _Doubling(Run):
@@ -112,3 +116,46 @@ def test_a_proposer_coroutine_alone_returns_its_drafts():
 
     assert run_alone(chain()) == 3.0 and head.calls == 3
     assert HeadForward(head, torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), None).kind is StepKind.HEAD
+
+
+def _waiting(future, log: list):
+    """A decode loop that waits on host work first (a request's grammar compiling), then steps."""
+    compiled = yield Wait(future)
+    log.append(compiled)
+    out = yield Forward([1], None)
+    yield [out]
+    return "done"
+
+
+def test_a_wait_needs_nothing_until_its_work_is_done_and_its_result_is_sent():
+    future, log, emitted = Future(), [], []
+    driver = Driver(_waiting(future, log), lambda t: emitted.append(t) or True)
+    assert driver.advance() and driver.need is None and driver.wait is not None
+    assert driver.advance() and driver.need is None and log == []  # not done: not resumed
+    future.set_result("grammar")
+    assert driver.advance() and isinstance(driver.need, Forward) and log == ["grammar"]
+    assert not driver.advance(7) and driver.finished and emitted == [7]
+
+
+def test_a_failed_wait_raises_where_the_driver_resumes():
+    future = Future()
+    driver = Driver(_waiting(future, []))
+    assert driver.advance()
+    future.set_exception(ValueError("no grammar"))
+    with pytest.raises(ValueError, match="no grammar"):
+        driver.advance()
+
+
+def test_drive_and_run_alone_block_on_a_wait():
+    with ThreadPoolExecutor(1) as pool:
+        release = threading.Event()
+        log = []
+        tokens = drive(_waiting(pool.submit(lambda: release.wait(30) and "late"), log), lambda steps: [3])
+        release.set()
+        assert list(tokens) == [3] and log == ["late"]
+
+        def proposer():
+            drafts = yield Wait(pool.submit(lambda: [4, 5]))
+            return drafts
+
+        assert run_alone(proposer()) == [4, 5]

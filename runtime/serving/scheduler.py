@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 # rows, while the batch refills around it: drafting in the dips costs the batch more than it
 # gains.
 SPECULATE_AFTER_S = 0.1
+WAIT_POLL_S = 0.001  # how often a loop whose every job waits on host work looks again
 
 
 class StopScanner:
@@ -167,6 +168,11 @@ class Job:
         if driver.finished:
             return self._finish(stopped=False)
         return False  # `_take` ended it
+
+    @property
+    def waiting(self) -> bool:
+        """Whether it waits on host work (`steps.Wait`) and needs no forward meanwhile."""
+        return self.driver is not None and self.driver.wait is not None
 
     def _take(self, token: int) -> bool:
         """One emitted token: its text (minus any stop string) out; False when the job ended."""
@@ -361,6 +367,8 @@ class Scheduler:
                 self._forward(needing)
                 self.deliver()  # the failures of jobs whose forward failed
                 self.running = [job for job in self.running if job.tokens is not None]
+            elif self.running and all(job.waiting for job in self.running):
+                time.sleep(WAIT_POLL_S)  # every job waits on host work (`steps.Wait`): no busy loop
             self.steps += 1
             self.step_seconds += time.perf_counter() - t0
             # Let the event loop in between iterations: a busy thread otherwise holds the GIL

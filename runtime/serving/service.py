@@ -22,6 +22,7 @@ import json
 import logging
 import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -48,6 +49,7 @@ from metrale.runtime.spec.metrics import SpecMetrics, SpecMetricsAggregate
 from metrale.runtime.spec.relay import LeaderDrafts, RelayedDrafts
 from metrale.runtime.spec.sampling import SamplingParams
 from metrale.runtime.spec.shapes import SHAPES
+from metrale.runtime.steps import Wait
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class EngineGenerator:
         self._iterations: IterationLoop | bool | None = None  # False: its capture failed
         self._lanes: IterationLanes | bool | None = None
         self._grammars: Grammars | None = None  # made at the first request with a schema
+        self._grammar_thread: ThreadPoolExecutor | None = None  # where a served request's schema compiles
 
     def decoder(self, params: SamplingParams | None = None) -> Decoder | IterationDecoder:
         """A request's decoder: the iterations' (`IterationDecoder`) where they were captured
@@ -244,6 +247,8 @@ class EngineGenerator:
         if lanes and params.json_schema is None:
             yield from self._lane_steps(prompt_ids, params, batch, counted)
             return
+        if params.json_schema is not None:  # compiled off the scheduler's thread, the others running
+            yield Wait(self._compiling(params.json_schema))
         decoder = self._decode_loop(params, eager=lanes) if self._graphs is not None else self.decoder(params)
         # (beside lanes no plain runs: a run's rows would go to the graphs, not the eager model)
         steps = decoder.steps(prompt_ids, params, batch, runs=not lanes)
@@ -254,6 +259,16 @@ class EngineGenerator:
         finally:
             if decoder.last_result is not None:
                 self._finished(decoder.last_result.metrics, counted)
+
+    def _compiling(self, schema: str) -> Future:
+        """Schema `schema` compiling on the grammar thread (xgrammar leaves the interpreter free
+        meanwhile, and a pattern's automaton may take a second): the decode loop's own compile
+        then finds it in the compiler's cache."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.engine.target.config.vocab_size)
+        if self._grammar_thread is None:
+            self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="metrale-grammar")
+        return self._grammar_thread.submit(self._grammars.compile, schema)
 
     def _lane_steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch,
                     counted: SpecMetrics | None):
