@@ -58,24 +58,31 @@ def test_answers_under_concurrency_equal_their_solo_answers(tiny_engine, tiny_pr
     assert "metrale_scheduler_waiting 0" in metrics and "metrale_scheduler_running 0" in metrics
 
 
+def _streaming(client: OpenAI, model: str, max_tokens: int):
+    """A greedy stream of up to `max_tokens` on a thread of its own -> (the thread, an event set
+    at its first text, one set at its end)."""
+    first_token, done = threading.Event(), threading.Event()
+
+    def run():
+        stream = client.completions.create(model=model, prompt="def main(", stream=True,
+                                           max_tokens=max_tokens, temperature=0)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                first_token.set()
+        done.set()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker, first_token, done
+
+
 def _short_behind_long(tiny_engine, max_num_seqs: int) -> tuple[bool, str]:
     """A 1,000-token-budget stream starts, then a 4-token request: did the short one finish
     while the long one was still streaming? And the short one's text."""
     gen = EngineGenerator(tiny_engine, SpeculativeConfig())
     with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=max_num_seqs))) as base:
         client = _client(base)
-        first_token, long_done, result = threading.Event(), threading.Event(), {}
-
-        def long_stream():
-            stream = client.completions.create(model=gen.model_id, prompt="def main(", stream=True,
-                                               max_tokens=200, temperature=0)
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    first_token.set()
-            long_done.set()
-
-        worker = threading.Thread(target=long_stream)
-        worker.start()
+        worker, first_token, long_done = _streaming(client, gen.model_id, 200)
         assert first_token.wait(60)
         short = client.completions.create(model=gen.model_id, prompt="import os", max_tokens=4,
                                           temperature=0).choices[0].text
@@ -414,15 +421,7 @@ def test_a_schema_compiles_while_the_other_requests_run(tiny_engine, monkeypatch
     gen = EngineGenerator(tiny_engine, SpeculativeConfig())
     with serve_in_thread(create_app(gen, ServerLimits(max_num_seqs=4))) as base:
         client = _client(base)
-        first_token, long_done, answers = threading.Event(), threading.Event(), {}
-
-        def long_stream():
-            stream = client.completions.create(model=gen.model_id, prompt="def main(", stream=True,
-                                               max_tokens=120, temperature=0)
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    first_token.set()
-            long_done.set()
+        answers = {}
 
         def constrained():
             fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
@@ -430,9 +429,9 @@ def test_a_schema_compiles_while_the_other_requests_run(tiny_engine, monkeypatch
                                                         temperature=0, extra_body={"response_format": fmt}
                                                         ).choices[0].text
 
-        workers = [threading.Thread(target=long_stream), threading.Thread(target=constrained)]
-        workers[0].start()
+        streaming, first_token, long_done = _streaming(client, gen.model_id, 120)
         assert first_token.wait(60)
+        workers = [streaming, threading.Thread(target=constrained)]
         workers[1].start()
         try:
             assert held.wait(60)
