@@ -277,6 +277,8 @@ class Driver:
         cleanup (its metrics, a world's lockstep)."""
         if self.run is not None:
             self.run.close()
+        if self.wait is not None:
+            self.wait.future.cancel()  # (work not started yet is dropped)
         self.need = self.run = self.wait = None
         self.steps.close()
 

@@ -441,4 +441,4 @@ def test_a_schema_compiles_while_the_other_requests_run(tiny_engine, monkeypatch
             release.set()
             for w in workers:
                 w.join(120)
-    assert json.loads(answers["text"])["n"] is not None and calls[1] == "metrale-grammar_0"
+    assert json.loads(answers["text"])["n"] is not None and calls[1].startswith("metrale-grammar")

@@ -137,6 +137,14 @@ def test_a_wait_needs_nothing_until_its_work_is_done_and_its_result_is_sent():
     assert not driver.advance(7) and driver.finished and emitted == [7]
 
 
+def test_closing_a_waiting_driver_drops_work_not_started():
+    future, log = Future(), []
+    driver = Driver(_waiting(future, log))
+    assert driver.advance() and driver.wait is not None
+    driver.close()  # (a request cancelled while its grammar waited to compile)
+    assert future.cancelled() and driver.wait is None and log == []
+
+
 def test_a_failed_wait_raises_where_the_driver_resumes():
     future = Future()
     driver = Driver(_waiting(future, []))

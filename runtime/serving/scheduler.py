@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 # rows, while the batch refills around it: drafting in the dips costs the batch more than it
 # gains.
 SPECULATE_AFTER_S = 0.1
-WAIT_POLL_S = 0.001  # how often a loop whose every job waits on host work looks again
+WAIT_POLL_S = 0.005  # how long a loop whose every job waits on host work waits before it looks again
 
 
 class StopScanner:
@@ -115,7 +116,8 @@ class Job:
 
     On a batched scheduler (`coroutine`, set at `Scheduler.submit`) the request runs as its
     decode loop's coroutine (`gen.steps`) through a `steps.Driver`: `advance` runs it up to the
-    next model step it needs and leaves that in `need`; the scheduler runs every job's `need`
+    next model step it needs and leaves that in `need` (None while it waits on host work, a
+    `steps.Wait`); the scheduler runs every job's `need`
     together and hands each its output (`reply`). Otherwise (a tensor-parallel world, a
     stream-only generator) `advance` takes the next token of `gen.stream`."""
 
@@ -168,11 +170,6 @@ class Job:
         if driver.finished:
             return self._finish(stopped=False)
         return False  # `_take` ended it
-
-    @property
-    def waiting(self) -> bool:
-        """Whether it waits on host work (`steps.Wait`) and needs no forward meanwhile."""
-        return self.driver is not None and self.driver.wait is not None
 
     def _take(self, token: int) -> bool:
         """One emitted token: its text (minus any stop string) out; False when the job ended."""
@@ -367,8 +364,12 @@ class Scheduler:
                 self._forward(needing)
                 self.deliver()  # the failures of jobs whose forward failed
                 self.running = [job for job in self.running if job.tokens is not None]
-            elif self.running and all(job.waiting for job in self.running):
-                time.sleep(WAIT_POLL_S)  # every job waits on host work (`steps.Wait`): no busy loop
+            elif self.running and all(job.driver is not None and job.driver.wait for job in self.running):
+                # every job waits on host work (`steps.Wait`): until one's is done (or a while,
+                # for a request arriving meanwhile), not an iteration
+                futures.wait([job.driver.wait.future for job in self.running], WAIT_POLL_S,
+                             futures.FIRST_COMPLETED)
+                continue
             self.steps += 1
             self.step_seconds += time.perf_counter() - t0
             # Let the event loop in between iterations: a busy thread otherwise holds the GIL

@@ -54,6 +54,7 @@ from metrale.runtime.steps import Wait
 log = logging.getLogger(__name__)
 
 LANES = 32  # the requests a graph target runs at once (its iterations' lanes)
+GRAMMAR_THREADS = 4  # schemas compiling at once for the requests waiting on them
 
 
 def check_engine_supports(engine: LoadedEngine, spec: SpeculativeConfig):
@@ -127,7 +128,7 @@ class EngineGenerator:
         self._iterations: IterationLoop | bool | None = None  # False: its capture failed
         self._lanes: IterationLanes | bool | None = None
         self._grammars: Grammars | None = None  # made at the first request with a schema
-        self._grammar_thread: ThreadPoolExecutor | None = None  # where a served request's schema compiles
+        self._grammar_threads: ThreadPoolExecutor | None = None  # where a served request's schema compiles
 
     def decoder(self, params: SamplingParams | None = None) -> Decoder | IterationDecoder:
         """A request's decoder: the iterations' (`IterationDecoder`) where they were captured
@@ -261,14 +262,15 @@ class EngineGenerator:
                 self._finished(decoder.last_result.metrics, counted)
 
     def _compiling(self, schema: str) -> Future:
-        """Schema `schema` compiling on the grammar thread (xgrammar leaves the interpreter free
-        meanwhile, and a pattern's automaton may take a second): the decode loop's own compile
-        then finds it in the compiler's cache."""
+        """Schema `schema` compiling on a grammar thread, while the scheduler runs the other
+        requests (xgrammar's compile leaves the interpreter free; a pattern's automaton, built
+        in Python, shares it): the decode loop's own compile then finds it in the compiler's
+        cache. Several threads, so a slow schema does not hold up the next."""
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.engine.target.config.vocab_size)
-        if self._grammar_thread is None:
-            self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="metrale-grammar")
-        return self._grammar_thread.submit(self._grammars.compile, schema)
+        if self._grammar_threads is None:
+            self._grammar_threads = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="metrale-grammar")
+        return self._grammar_threads.submit(self._grammars.compile, schema)
 
     def _lane_steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch,
                     counted: SpecMetrics | None):

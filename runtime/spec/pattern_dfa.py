@@ -9,7 +9,8 @@ matches has a deterministic automaton, and written as right-linear rules (`s ::=
 | ...`, one rule per state) it leaves the parser one way through every text.
 
 `dfa_rules` builds it from a pattern as `schema_patterns.for_grammar` writes it (its classes
-explicit, its groups plain, anchors only at its ends, which a grammar's full match makes moot):
+explicit, its groups plain, anchors only at its ends and around its top-level `|`, which a
+grammar's full match makes moot):
 - parsed to alternatives, sequences, repeats and classes;
 - each class occurrence a position of the pattern's Glushkov automaton, with a bounded repeat
   written out (`x{2,4}` as `x x (x (x)?)?`);
@@ -19,8 +20,9 @@ explicit, its groups plain, anchors only at its ends, which a grammar's full mat
   completed (a text the pattern cannot complete is never started), the symbols that lead from
   one state to the same state merged back into one class.
 
-A pattern past the limits here (positions, states, the steps to build them) keeps the
-converter's rules, and what would make those ambiguous is refused (`_refuse_ambiguous`).
+A pattern past the limits here (positions, states, the steps to build them) is refused: the
+converter's rules are no way out, since the patterns whose automaton is large are those that keep
+its parser tracking many ways through a text (`.{0,1000}.{0,1000}`, `(.|..){1,1000}`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import functools
 from typing import NamedTuple
 
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.spec.schema_patterns import Ranges, _merged, _u
+from metrale.runtime.spec.schema_patterns import Ranges, _digits, _merged, _u
 
 MAX_POSITIONS = 4096  # class occurrences with every bounded repeat written out
 MAX_STATES = 8192  # states of the deterministic automaton, before it is made the smallest
@@ -40,7 +42,7 @@ HEX = frozenset("0123456789abcdefABCDEF")
 
 
 class _Unwritten(Exception):
-    """The pattern passes a limit here, or holds a form `for_grammar` does not write."""
+    """The pattern passes a limit here, or holds a form no regular expression reads (`a**`)."""
 
 
 class _TooDeep(Exception):
@@ -53,18 +55,18 @@ class _PastLimit(NamedTuple):
 
 
 def dfa_rules(name: str, pattern: str, prefix: str, where: str) -> list[str] | None:
-    """EBNF rules matching `pattern` (`for_grammar`'s) as a deterministic automaton: rule `name`
-    its start state, the others `prefix_1`, `prefix_2`, ...; None where it holds a form this
-    module does not read, or matches no text (the regex converter's rules then stand, and say
-    so their own way). Where it passes a limit here, its rules are the converter's too (None),
-    and what makes those ambiguous is refused (`_refuse_ambiguous`); ConfigError, naming
-    `where`, for that and for groups nested past MAX_NESTING."""
+    """EBNF rules matching `pattern` (`for_grammar`'s) as its smallest deterministic automaton:
+    rule `name` its start state, the others `prefix_1`, `prefix_2`, ...; None where it holds a
+    form no regular expression reads (`a**`) or matches no text, which the regex converter then
+    refuses or writes its own way. ConfigError, naming `where`, where the automaton passes a
+    limit here (the converter's rules for such a pattern can cost seconds a token)."""
     built = _automaton(pattern)
     if isinstance(built, _PastLimit):
         if built.tree is None:
             raise ConfigError(f"{where}: groups nest more than {MAX_NESTING} deep")
-        _refuse_ambiguous(built.tree, where)
-        return None
+        raise ConfigError(f"{where}: its automaton passes {MAX_STATES:,} states or {MAX_WORK:,} steps "
+                          "to build (as `(.|..){1,1000}` or `(a|b)*a(a|b){13}` do); bound its repeats "
+                          "more tightly")
     if built is None:
         return None
     names = {s: name if k == 0 else f"{prefix}_{k}" for k, (s, _, _) in enumerate(built)}
@@ -93,65 +95,6 @@ def _automaton(pattern: str):
     except _Unwritten:
         return _PastLimit(tree)
     return _minimized(*built) or None
-
-
-def _refuse_ambiguous(tree, where: str) -> None:
-    """Refuse, naming `where`, what makes the regex converter's rules ambiguous, so that the
-    grammar's parser tracks ever more ways to split a text (up to seconds a token): a group
-    repeated more than once (`*`, `+`, `{m,}`, `{m,n}` with n past 1) that can match the empty
-    string (`(a*)*`, `(a|)+`), or whose texts differ in length (`(.{1,8}){1,500}`,
-    `(.|..){1,1000}`, `((ab)+c)*`)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        kind = node[0]
-        if kind in ("cat", "alt"):
-            todo.extend(node[1])
-        elif kind == "rep":
-            _, child, lo, hi = node
-            if hi is None or hi > 1:
-                if _nullable(child):
-                    raise ConfigError(f"{where}: a group that can match the empty string is repeated "
-                                      "(as in `(a*)*`); repeat one that cannot")
-                if _varies(child):
-                    raise ConfigError(f"{where}: a repeated group whose texts differ in length "
-                                      "(as in `(.{1,8}){1,500}` or `(.|..){1,1000}`) is enforced only where "
-                                      f"the pattern's automaton stays within {MAX_STATES} states and "
-                                      f"{MAX_WORK:,} steps to build; bound it more tightly")
-            todo.append(child)
-
-
-def _nullable(node) -> bool:
-    kind = node[0]
-    if kind == "chars":
-        return False
-    if kind == "rep":
-        return node[2] == 0 or _nullable(node[1])
-    return (all if kind == "cat" else any)(_nullable(child) for child in node[1])
-
-
-def _varies(node) -> bool:
-    """Whether the texts `node` matches differ in length (a repeat of varying count, `*`, `+`,
-    `?`, `{m,n}` with m < n, or alternatives of different lengths, within it)."""
-    low, high = _widths(node)
-    return low != high
-
-
-def _widths(node) -> tuple[int, int | None]:
-    """The fewest and most characters `node` matches (None: no most)."""
-    kind = node[0]
-    if kind == "chars":
-        return 1, 1
-    if kind == "rep":
-        low, high = _widths(node[1])
-        most = None if node[3] is None or high is None else high * node[3]
-        return low * node[2], most if node[3] != 0 else 0
-    parts = [_widths(child) for child in node[1]]
-    if kind == "cat":
-        highs = [h for _, h in parts]
-        return sum(lo for lo, _ in parts), None if None in highs else sum(highs)
-    highs = [h for _, h in parts]
-    return min((lo for lo, _ in parts), default=0), None if None in highs else max(highs, default=0)
 
 
 # The pattern's tree: ("chars", ranges) | ("cat", [node, ...]) | ("alt", [node, ...]) |
@@ -223,7 +166,7 @@ class _Parser:
     def _bounds(self) -> tuple[int, int | None]:
         end = self.text.find("}", self.i)
         parts = self.text[self.i + 1:end].split(",") if end > 0 else []
-        if not 1 <= len(parts) <= 2 or not parts[0].isdigit() or not all(p.isdigit() for p in parts[1:] if p):
+        if not 1 <= len(parts) <= 2 or not _digits(parts[0]) or not all(_digits(p) for p in parts[1:] if p):
             raise _Unwritten
         self.i = end + 1
         lo = int(parts[0])
@@ -231,7 +174,7 @@ class _Parser:
 
     def _class(self) -> Ranges:
         self.i += 1
-        if self._peek() == "^":  # (`for_grammar` writes none; read as the regex would)
+        if self._peek() == "^":  # (`for_grammar` writes no negated class)
             raise _Unwritten
         items = []
         while self._peek() not in ("]", ""):

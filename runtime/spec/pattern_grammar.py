@@ -14,8 +14,9 @@ seconds; its mask can also allow a token its matcher then refuses.
 `schema_grammar` therefore gives xgrammar each pattern as a stand-in of plain letters (which it
 always writes as a `Regex` rule), and replaces that rule with the pattern's own: the pattern
 written by `schema_patterns.for_grammar` (its classes hold only what a JSON string holds
-unescaped, as the automaton's `json_string` made them), as a deterministic automaton
-(`pattern_dfa`), or, past that automaton's limits, as the converter's rules.
+unescaped, as the automaton's `json_string` made them), as its smallest deterministic automaton
+(`pattern_dfa`, which refuses a pattern past its limits). Only a pattern no regular expression
+reads (`a**`) goes to the converter, which refuses it.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def schema_grammar(schema: str) -> str | None:
 def _pattern_rules(name: str, pattern: str, taken: set[str], where: str) -> list[str]:
     """Rule `name` (and the rules it refers to) matching `pattern` (`for_grammar`'s, at `where`)
     in a JSON string's text: its deterministic automaton (`pattern_dfa.dfa_rules`), else the
-    regex converter's grammar for it, its rules renamed into `name`'s own."""
+    regex converter's grammar for it (its refusal, for a form no regex reads), its rules renamed
+    into `name`'s own."""
     import xgrammar
 
     prefix = f"{name}_re"

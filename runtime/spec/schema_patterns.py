@@ -314,10 +314,15 @@ def _bounds(pattern: str, i: int) -> tuple[int, int | None, int] | None:
     where the brace is a literal."""
     j = pattern.find("}", i)
     body = pattern[i + 1:j].split(",") if j > 0 else []
-    if not (1 <= len(body) <= 2 and body[0].isdigit() and all(b.isdigit() for b in body[1:] if b)):
+    if not (1 <= len(body) <= 2 and _digits(body[0]) and all(_digits(b) for b in body[1:] if b)):
         return None
     lo = int(body[0])
     return lo, (lo if len(body) == 1 else int(body[1]) if body[1] else None), j + 1
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only (`str.isdigit` also takes `²` and `١`, which no regex counts with)."""
+    return text.isascii() and text.isdigit()
 
 
 def _class_end(pattern: str, i: int) -> int:
