@@ -19,11 +19,10 @@ way and returns its drafts.
 `Driver` is the only code that tells these apart: it resumes the coroutine, hands emitted tokens
 to its `emit`, steps a `Run` one forward at a time without resuming the loop, holds a `Wait`
 until its work is done (meanwhile it needs nothing), and stops at the next model step, which it
-leaves in `need`. Who runs the model steps differs: `drive` runs each
-at once (one sequence: `Decoder.stream`, a proposer alone), a scheduler gathers every running
-sequence's `need` and runs them together (`serving.scheduler`), one call per face
-(`backends.run_forwards`). A face that runs many sequences' steps in one call is a
-`BatchedFace`.
+leaves in `need`. Who runs the model steps differs: `drive` runs each at once (one sequence:
+`Decoder.stream`, a proposer alone), a scheduler gathers every running sequence's `need` and runs
+them together (`serving.scheduler`), one call per face (`backends.run_forwards`). A face that
+runs many sequences' steps in one call is a `BatchedFace`.
 """
 
 from __future__ import annotations

@@ -117,9 +117,9 @@ class Job:
     On a batched scheduler (`coroutine`, set at `Scheduler.submit`) the request runs as its
     decode loop's coroutine (`gen.steps`) through a `steps.Driver`: `advance` runs it up to the
     next model step it needs and leaves that in `need` (None while it waits on host work, a
-    `steps.Wait`); the scheduler runs every job's `need`
-    together and hands each its output (`reply`). Otherwise (a tensor-parallel world, a
-    stream-only generator) `advance` takes the next token of `gen.stream`."""
+    `steps.Wait`); the scheduler runs every job's `need` together and hands each its output
+    (`reply`). Otherwise (a tensor-parallel world, a stream-only generator) `advance` takes the
+    next token of `gen.stream`."""
 
     def __init__(self, gen, req, emit: Callable[[str, Any], None], cancel: threading.Event, rid: str,
                  batch: Batch | None = None, coroutine: bool = False):
