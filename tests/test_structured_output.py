@@ -116,6 +116,29 @@ def test_greedy_constrained_speculation_emits_plain_constrained_decoding(tiny_en
     assert verified > 0  # drafts were verified, not all refused
 
 
+# patterns whose converter rules kept xgrammar's parser tracking many ways through a text
+PATTERNED = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^(\\w{1,6} ?){1,3}$"},
+    "path": {"type": "string", "pattern": "^(a|\\S{1,4}.){1,3}$"}},
+    "required": ["name", "path"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("mode", ["mtp-exact", "dflash2-exact", "dflash2"])
+def test_patterned_strings_under_speculation(tiny_engine, tiny_prompts, mode):
+    """Under patterns written as automata, drafts walked and rolled back through their rules:
+    every answer validates (Python's `re.search`), and greedy exact answers are plain
+    constrained decoding's."""
+    schema = json.dumps(PATTERNED)
+    plain = EngineGenerator(tiny_engine, SpeculativeConfig())
+    spec = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(**MODES[mode]))
+    for i, p in enumerate(tiny_prompts[:3]):
+        params = SamplingParams(temperature=0.9 if i == 2 else 0.0, seed=i, max_tokens=96, json_schema=schema)
+        got = spec.generate(p[:10], params)
+        jsonschema.validate(json.loads(_text(tiny_engine.tokenizer, got.token_ids)), PATTERNED)
+        if "exact" in mode and i < 2:
+            assert got.token_ids == plain.generate(p[:10], params).token_ids
+
+
 def test_chunkwise_constrained_speculation_on_the_cpu_packages_emits_plain_decoding(aoti_engine, tiny_prompts):
     """And the drafters' packages give their blocks' logits, so a DFlash block is redrafted
     within the grammar (as the eager drafter's is), not cut at its first refused draft."""
