@@ -171,6 +171,11 @@ class Job:
             return self._finish(stopped=False)
         return False  # `_take` ended it
 
+    @property
+    def waiting(self) -> bool:
+        """Whether it waits on host work (`steps.Wait`), needing no forward meanwhile."""
+        return self.driver is not None and self.driver.wait is not None
+
     def _take(self, token: int) -> bool:
         """One emitted token: its text (minus any stop string) out; False when the job ended."""
         self.n += 1
@@ -306,7 +311,7 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_num_seqs:
                 self.running.append(self.waiting.popleft())
             self.peak_running = max(self.peak_running, len(self.running))
-        n = self.batch.size = len(self.running)
+        n = self.batch.size = sum(not job.waiting for job in self.running)  # (a waiting job runs no forward)
         if self.disable_at is not None:
             now = time.monotonic()
             if n >= self.disable_at:
@@ -364,7 +369,7 @@ class Scheduler:
                 self._forward(needing)
                 self.deliver()  # the failures of jobs whose forward failed
                 self.running = [job for job in self.running if job.tokens is not None]
-            elif self.running and all(job.driver is not None and job.driver.wait for job in self.running):
+            elif self.running and all(job.waiting for job in self.running):
                 # every job waits on host work (`steps.Wait`): until one's is done (or a while,
                 # for a request arriving meanwhile), not an iteration
                 futures.wait([job.driver.wait.future for job in self.running], WAIT_POLL_S,
