@@ -21,8 +21,9 @@ grammar's full match makes moot):
   one state to the same state merged back into one class.
 
 A pattern past the limits here (positions, states, the steps to build them) is refused: the
-converter's rules are no way out, since the patterns whose automaton is large are those that keep
-its parser tracking many ways through a text (`.{0,1000}.{0,1000}`, `(.|..){1,1000}`).
+converter's rules are no way out, since under many such patterns (`.{0,1000}.{0,1000}`,
+`(.|..){1,1000}`) they keep its parser tracking many ways through a text, and no shape of a
+pattern tells those from the few it runs fast (`(a|b)*a(a|b){13}`).
 """
 
 from __future__ import annotations
