@@ -82,6 +82,47 @@ def test_answers_through_the_engine_process_equal_the_decode_loops(engine, aoti_
     assert samples["metrale_spec_decode_drafts_per_step_sum"] == samples["metrale_spec_decode_draft_tokens_verified_total"]
 
 
+def test_schemas_compile_in_the_engine_while_its_loop_reads_the_pipe(engine, aoti_engine_dir, tiny_prompts):
+    """Requests under a patterned schema, beside free ones, through the engine process: each
+    waits on its grammar (`steps.Wait`) while the loop that reads the pipe runs the others, and
+    every answer is the decode loop's alone."""
+    import json
+
+    import jsonschema
+
+    from metrale.runtime.backends import load_engine
+    from metrale.runtime.spec.sampling import SamplingParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^(\\w{1,6} ?){1,3}$"}},
+              "required": ["name"], "additionalProperties": False}
+    local = EngineGenerator(load_engine(aoti_engine_dir, backend="aoti"), SpeculativeConfig.from_flags(**MTP))
+    tok = local.tokenizer
+    texts = [tok.decode(p[:12]) for p in tiny_prompts[:4]]
+    want = {}
+    for i, text in enumerate(texts):
+        for constrained in (True, False):
+            params = SamplingParams(temperature=0.0, max_tokens=24, json_schema=json.dumps(schema) if constrained else None)
+            want[i, constrained] = tok.decode([t for t in local.generate(tok.encode(text), params).token_ids
+                                               if t not in tok.eos_token_ids])
+    proxy = EngineProxy(engine)
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    with serve_in_thread(create_app(proxy, ServerLimits(max_num_seqs=16), engine)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(job):
+            i, constrained = job
+            return job, client.completions.create(model=proxy.model_id, prompt=texts[i], max_tokens=24,
+                                                  temperature=0, extra_body={"response_format": fmt} if constrained
+                                                  else None).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, list(want)))
+    for (i, constrained), text in answers:
+        assert text == want[i, constrained], (i, constrained)
+        if constrained:
+            jsonschema.validate(json.loads(text), schema)
+
+
 def test_a_cancelled_stream_frees_its_place_in_the_engine(engine):
     proxy = EngineProxy(engine)
     with serve_in_thread(create_app(proxy, ServerLimits(max_num_seqs=16), engine)) as base:
