@@ -42,7 +42,7 @@ from metrale.runtime.serving.scheduler import Capabilities
 from metrale.runtime.serving.stats import GeneratorStats, PrefixCacheStats
 from metrale.runtime.spec.config import AUTO, SpecMode, SpeculativeConfig, resolve_dflash, resolve_draft_tp_size
 from metrale.runtime.spec.decode import Batch, DecodeResult, Decoder
-from metrale.runtime.spec.grammar import Grammars
+from metrale.runtime.spec.grammar import Grammars, GrammarState
 from metrale.runtime.spec.iteration_loop import (IterationDecoder, IterationLanes, IterationLoop, LaneStep,
                                                  lanes_for, loop_for, request_budget, tree_graphs)
 from metrale.runtime.spec.metrics import SpecMetrics, SpecMetricsAggregate
@@ -140,18 +140,18 @@ class EngineGenerator:
                                     self._decode_loop)
         return self._decode_loop(params)
 
-    def _decode_loop(self, params: SamplingParams | None = None, eager: bool = False) -> Decoder:
+    def _decode_loop(self, params: SamplingParams | None = None, eager: bool = False,
+                     grammar: GrammarState | None = None) -> Decoder:
         """The decode loop of a request: plain where the request turned speculation off
         (`SamplingParams.drafts`), as on a server without speculative flags; with `eager`, on
-        the eager model behind a graph target (a cache of its own)."""
+        the eager model behind a graph target (a cache of its own). Under the request's schema,
+        its matcher `grammar` (made here where None)."""
         e, spec = self.engine, self.spec
         embed = e.target.model.embed_tokens
         max_len = self.max_context + 64
-        proposer, grammar = None, None
-        if params is not None and params.json_schema is not None:
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, e.target.config.vocab_size)
-            grammar = self._grammars.state(params.json_schema)
+        proposer = None
+        if grammar is None and params is not None and params.json_schema is not None:
+            grammar = self._compiler().state(params.json_schema)
         if params is not None and not params.drafts:
             pass  # (every rank of a world decides so: the leader announced the request)
         elif spec.mode is SpecMode.DFLASH and self.relay and not self.world.leader:
@@ -248,9 +248,13 @@ class EngineGenerator:
         if lanes and params.json_schema is None:
             yield from self._lane_steps(prompt_ids, params, batch, counted)
             return
+        grammar = None
         if params.json_schema is not None:  # compiled off the scheduler's thread, the others running
-            yield Wait(self._compiling(params.json_schema))
-        decoder = self._decode_loop(params, eager=lanes) if self._graphs is not None else self.decoder(params)
+            grammar = yield Wait(self._compiling(params.json_schema))
+        if self._graphs is not None or grammar is not None:  # (a schema's request: the decode loop, as `decoder`'s)
+            decoder = self._decode_loop(params, eager=lanes, grammar=grammar)
+        else:
+            decoder = self.decoder(params)
         # (beside lanes no plain runs: a run's rows would go to the graphs, not the eager model)
         steps = decoder.steps(prompt_ids, params, batch, runs=not lanes)
         if lanes:
@@ -261,16 +265,20 @@ class EngineGenerator:
             if decoder.last_result is not None:
                 self._finished(decoder.last_result.metrics, counted)
 
-    def _compiling(self, schema: str) -> Future:
-        """Schema `schema` compiling on a grammar thread, while the scheduler runs the other
-        requests (xgrammar's compile leaves the interpreter free; a pattern's automaton, built
-        in Python, shares it): the decode loop's own compile then finds it in the compiler's
-        cache. Several threads, so a slow schema does not hold up the next."""
+    def _compiler(self) -> Grammars:
+        """The target's grammar compiler, made at the first request with a schema."""
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.engine.target.config.vocab_size)
+        return self._grammars
+
+    def _compiling(self, schema: str) -> Future:
+        """The request's matcher for `schema` (`GrammarState`), its grammar compiling on a
+        grammar thread while the scheduler runs the other requests (xgrammar's compile leaves
+        the interpreter free; a pattern's automaton, built in Python, shares it). Several
+        threads, so a slow schema does not hold up the next."""
         if self._grammar_threads is None:
             self._grammar_threads = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="metrale-grammar")
-        return self._grammar_threads.submit(self._grammars.compile, schema)
+        return self._grammar_threads.submit(self._compiler().state, schema)
 
     def _lane_steps(self, prompt_ids: list[int], params: SamplingParams, batch: Batch,
                     counted: SpecMetrics | None):

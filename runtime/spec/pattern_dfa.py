@@ -33,7 +33,7 @@ import functools
 from typing import NamedTuple
 
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.spec.schema_patterns import Ranges, _digits, _merged, _u
+from metrale.runtime.spec.schema_patterns import Ranges, _digits, _merged, class_text
 
 MAX_POSITIONS = 4096  # class occurrences with every bounded repeat written out
 MAX_STATES = 8192  # states of the deterministic automaton, before it is made the smallest
@@ -74,7 +74,7 @@ def dfa_rules(name: str, pattern: str, prefix: str, where: str) -> list[str] | N
     rules = []
     for s, accepting, moves in built:
         alts = ['""'] if accepting else []
-        alts += [f"{_written(chars)} {names[target]}" for target, chars in moves]
+        alts += [f"{class_text(chars)} {names[target]}" for target, chars in moves]
         rules.append(f"{names[s]} ::= {' | '.join(alts)}")
     return rules
 
@@ -382,7 +382,3 @@ def _minimized(symbol_ranges, table, accepting):
                 targets.setdefault(block_of[t], []).extend(symbol_ranges[a])
         out.append((b, accepting[s], [(t, _merged(r)) for t, r in sorted(targets.items())]))
     return out
-
-
-def _written(chars: Ranges) -> str:
-    return "[" + "".join(_u(lo) if lo == hi else f"{_u(lo)}-{_u(hi)}" for lo, hi in chars) + "]"

@@ -270,6 +270,11 @@ def _written(chars: Ranges, where: str) -> str:
         chars = (*chars[1:], *([(lo + 1, hi)] if hi > lo else []), (lo, lo))
         if len(chars) == 1:
             return "\\^"
+    return class_text(chars)
+
+
+def class_text(chars: Ranges) -> str:
+    """`chars` as a class of ranges (`_u`), as regular expressions and xgrammar's EBNF read it."""
     return "[" + "".join(_u(lo) if lo == hi else f"{_u(lo)}-{_u(hi)}" for lo, hi in chars) + "]"
 
 
