@@ -398,10 +398,10 @@ def test_a_schema_the_grammar_cannot_enforce_is_a_400_before_generation(tiny_eng
     schema beside them is answered. Behind the shape check, a grammar that lets no token start
     a document (a union of only a reference to itself, which the shape check refuses first) is
     found by compiling it."""
-    from metrale.runtime.spec.grammar import Grammars
+    from metrale.runtime.spec.grammar import check_schema
 
     with pytest.raises(ConfigError, match="no token can start a document"):
-        Grammars(tiny_engine.tokenizer, tiny_engine.target.config.vocab_size).check('{"anyOf": [{"$ref": "#"}]}')
+        check_schema('{"anyOf": [{"$ref": "#"}]}')
     gen = EngineGenerator(tiny_engine, SpeculativeConfig.from_flags(dflash=True))
     cases = [({"type": "string", "pattern": "[a-z]{1,15000}"}, f"at most {MAX_REPEAT}"),
              ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, ENDLESS),
@@ -430,3 +430,70 @@ def test_a_schema_the_grammar_cannot_enforce_is_a_400_before_generation(tiny_eng
         r = requests.post(base + "/v1/completions", timeout=60, json={
             "prompt": "x", "max_tokens": 40, "temperature": 0, "response_format": fmt})
         assert r.status_code == 200, r.text
+
+
+def _vocabulary_check(grammars, schema: str) -> str | None:
+    """What the server refused before its check compiled over the bytes: the schema compiled
+    over the model's vocabulary, and no token of it allowed first."""
+    import torch
+
+    try:
+        if grammars.state(schema).masked(torch.zeros(grammars.vocab_size)).isinf().all():
+            return "no token can start a document it allows"
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_the_check_over_the_bytes_refuses_what_the_vocabulary_refuses(tiny_engine, monkeypatch):
+    """Property: the server's check (`check_schema`, compiled over the 256 single bytes) refuses
+    a schema, in the same words, exactly where compiling it over the model's vocabulary and
+    finding no token to start a document refuses it: for seeded random patterned schemas (those
+    the shape check passes) and schemas xgrammar refuses, or whose grammar lets nothing start,
+    or whose automaton is past its limits. It compiles over 257 ids, not the vocabulary's."""
+    import random
+
+    from test_pattern_grammar import _random_pattern
+
+    from metrale.runtime.spec import grammar as grammar_module
+    from metrale.runtime.spec.grammar import Grammars, check_schema
+
+    grammars = Grammars(tiny_engine.tokenizer, tiny_engine.target.config.vocab_size)
+    r = random.Random(3)
+    schemas = [{"type": "object", "properties": {"k": {"type": "string", "pattern": _random_pattern(r, 2)},
+                                                 "n": {"type": "integer"}}, "required": ["k"]} for _ in range(60)]
+    schemas = [s for s in schemas if not _refused_by_shape(s)]
+    schemas += [{"anyOf": [{"$ref": "#"}]}, {"type": "integer", "minimum": 5, "maximum": 3},
+                {"type": "string", "pattern": "^(.|..){1,1000}$"}, {"type": "object"}, {"enum": ["a", 1, None]}]
+    outcomes, compiled_over = [], []
+    real = grammar_module.compile_schema
+
+    def recorded(compiler, text: str):
+        compiled = real(compiler, text)
+        compiled_over.append(compiled.tokenizer_info.vocab_size)
+        return compiled
+
+    for schema in schemas:
+        text = json.dumps(schema)
+        want = _vocabulary_check(grammars, text)
+        with monkeypatch.context() as m:
+            m.setattr(grammar_module, "compile_schema", recorded)
+            try:
+                check_schema(text)
+                got = None
+            except ConfigError as e:
+                got = str(e)
+        assert got == want, text
+        outcomes.append(got)
+    assert outcomes.count(None) >= 40, outcomes
+    assert {"no token can start a document it allows", "Invalid range: minimum greater than maximum"} < set(outcomes)
+    assert any("its automaton passes" in str(o) for o in outcomes)
+    assert set(compiled_over) == {257}
+
+
+def _refused_by_shape(schema: dict) -> bool:
+    try:
+        check_shape(schema)
+    except ConfigError:
+        return True
+    return False

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from typing import Any, Iterator, Protocol
 
 from pydantic import ValidationError
@@ -24,7 +23,7 @@ from metrale.runtime.serving.api_models import (APIError, ChatRequest, Completio
 from metrale.runtime.serving.scheduler import Capabilities
 from metrale.runtime.serving.stats import GeneratorStats
 from metrale.runtime.errors import ConfigError
-from metrale.runtime.spec.grammar import Grammars
+from metrale.runtime.spec.grammar import check_schema
 from metrale.runtime.spec.metrics import SpecMetrics
 from metrale.runtime.spec.sampling import SamplingParams
 
@@ -129,24 +128,13 @@ def decode_body(raw: bytes) -> Any:
     return body
 
 
-class Schemas:
-    """The served tokenizer's grammar compiler, made at the first request with a schema. The
-    server compiles each request's schema once before admitting it (`check`, on a worker thread:
-    a large schema takes a second, and xgrammar leaves the interpreter free meanwhile), so a
-    schema the grammar cannot enforce is a 400 naming `response_format`, not an error in the
-    middle of generation."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._grammars: Grammars | None = None
-        self._lock = threading.Lock()
-
-    def check(self, schema: str) -> None:
-        with self._lock:
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.tokenizer.vocab_size)
-        try:
-            self._grammars.check(schema)
-        except ConfigError as e:
-            raise APIError(400, f"`response_format` holds a schema that cannot be enforced: {e}",
-                           "response_format", "invalid_value") from None
+def check_request_schema(schema: str) -> None:
+    """A request's schema compiled before the request is admitted (`grammar.check_schema`, which
+    compiles it over the single bytes, not the vocabulary; the server calls it on a worker
+    thread, as xgrammar leaves the interpreter free meanwhile), so a schema the grammar cannot
+    enforce is a 400 naming `response_format`, not an error in the middle of generation."""
+    try:
+        check_schema(schema)
+    except ConfigError as e:
+        raise APIError(400, f"`response_format` holds a schema that cannot be enforced: {e}",
+                       "response_format", "invalid_value") from None

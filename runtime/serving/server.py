@@ -48,7 +48,8 @@ from metrale.runtime.serving.api_answers import (ChatChoice, ChatChunk, ChatChun
                                                  ChatMessage, Completion, CompletionChoice, Delta,
                                                  ModelCard, ModelList, Usage)
 from metrale.runtime.serving.api_models import APIError, GenerationRequest
-from metrale.runtime.serving.api_request import Schemas, TextGenerator, decode_body, parse_request
+from metrale.runtime.serving.api_request import (TextGenerator, check_request_schema, decode_body,
+                                                  parse_request)
 from metrale.runtime.serving.channels import LocalEngine, Wakes, events
 from metrale.runtime.serving.engine_process import freeze_heap
 from metrale.runtime.serving.http_guard import (Admission, Admitted, Guard, ServerLimits,
@@ -87,7 +88,6 @@ class _Service:
 
     def __init__(self, generator: TextGenerator, limits: ServerLimits, engine) -> None:
         self.generator, self.limits = generator, limits
-        self.schemas = Schemas(generator.tokenizer)
         self.wakes = Wakes()
         if engine is None:
             engine = LocalEngine(generator, limits.max_num_seqs,
@@ -130,7 +130,7 @@ class _Service:
         # a long prompt's tokenizing must not hold up the other requests' responses
         req = parse() if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(parse)
         if req.params.json_schema is not None:
-            await asyncio.to_thread(self.schemas.check, req.params.json_schema)
+            await asyncio.to_thread(check_request_schema, req.params.json_schema)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         cancel = self.engine.new_cancel(rid)
         watcher = asyncio.create_task(_watch_disconnect(request, cancel))

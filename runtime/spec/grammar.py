@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import numpy as np
 import torch
@@ -38,6 +39,8 @@ from metrale.runtime.spec.pattern_grammar import schema_grammar
 # and most processes never constrain a request
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept for schemas seen again, least recently used out
+
+CHECK_CACHE_BYTES = 64 << 20  # the admission check's compiled grammars (over 257 ids, small)
 
 # `response_format: {"type": "json_object"}`: any JSON object
 JSON_OBJECT = json.dumps({"type": "object"})
@@ -69,6 +72,41 @@ def compile_schema(compiler, schema: str):
         raise ConfigError(refusal(e)) from None
 
 
+def check_schema(schema: str) -> None:
+    """`Grammars.compile`'s refusals of JSON schema `schema` (text, `schema_check.check_shape`
+    passed), and a schema whose grammar lets no token start a document (a union of only a
+    reference to itself): what the server refuses before admitting a request.
+
+    The grammar is compiled over a vocabulary of the 256 single bytes and an end token, not the
+    model's: what xgrammar refuses is the grammar, whatever the vocabulary, and a byte-level
+    vocabulary holds every single byte, so some token of it can start a document exactly when
+    some byte can. A vocabulary's compile works out which of its tokens each state allows, and
+    its cost grows with the vocabulary (2,048 ids here, about 150,000 for a Qwen3 tokenizer);
+    the engine pays it once, for the request's matcher."""
+    import xgrammar
+
+    compiled = compile_schema(_byte_compiler(), schema)
+    bitmask = xgrammar.allocate_token_bitmask(1, 257)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    if not allowed_bits(bitmask, 256).any():
+        raise ConfigError("no token can start a document it allows")
+
+
+_byte_compilers: list = []  # `check_schema`'s compiler, made at its first call
+_byte_lock = threading.Lock()
+
+
+def _byte_compiler():
+    with _byte_lock:
+        if not _byte_compilers:
+            import xgrammar
+
+            info = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)] + [b""], xgrammar.VocabType.RAW,
+                                          vocab_size=257, stop_token_ids=[256])
+            _byte_compilers.append(xgrammar.GrammarCompiler(info, cache_limit_bytes=CHECK_CACHE_BYTES))
+        return _byte_compilers[0]
+
+
 class GrammarStall(RuntimeError):
     """A request's grammar state from which its matcher accepts no token the mask allows."""
 
@@ -96,12 +134,6 @@ class Grammars:
         tokenizer (cached by text), its patterns through xgrammar's regex converter
         (`pattern_grammar`); ConfigError, in xgrammar's words, where it cannot be."""
         return compile_schema(self.compiler, schema)
-
-    def check(self, schema: str) -> None:
-        """`compile`'s refusals, and a schema whose grammar lets no token start a document (a
-        union of only a reference to itself): what the server refuses before admitting it."""
-        if self.state(schema).masked(torch.zeros(self.vocab_size)).isinf().all():
-            raise ConfigError("no token can start a document it allows")
 
     def state(self, schema: str) -> GrammarState:
         """A fresh matcher for JSON schema `schema` (text; `compile`'s refusals)."""
