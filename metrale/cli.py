@@ -26,6 +26,7 @@ from metrale.plugins.formats import DRAFT_TIERS
 from metrale.runtime.errors import MetraleError
 from metrale.runtime.spec.help import BUILD_HELP
 
+# (a help text's "\\[default: ...]": rich reads a bare "[...]" as markup and drops it)
 DWQ_HELP = BUILD_HELP["--draft-weight-quantization"]
 MTP_NVFP4_HELP = BUILD_HELP["--mtp-experts-nvfp4"]
 
@@ -36,14 +37,14 @@ def build(
     engine_dir: Annotated[Optional[str], typer.Option("--engine-dir", metavar="PATH", help="Output directory. Default: the recipe's engine_dir.")] = None,
     draft_weight_quantization: Annotated[Optional[str], typer.Option(
         metavar="|".join(DRAFT_TIERS), help=DWQ_HELP)] = None,
-    mtp_quantization: Annotated[Optional[str], typer.Option(metavar="bf16|fp8", help="Precision of the MTP head's weights. [default: bf16]")] = None,
+    mtp_quantization: Annotated[Optional[str], typer.Option(metavar="bf16|fp8", help="Precision of the MTP head's weights. \\[default: bf16]")] = None,
     mtp_experts_nvfp4: Annotated[Optional[bool], typer.Option("--mtp-experts-nvfp4/--no-mtp-experts-nvfp4", help=MTP_NVFP4_HELP)] = None,
     draft_tp_size: Annotated[Optional[str], typer.Option(metavar="N|auto", help=BUILD_HELP["--draft-tp-size"])] = None,
     trt_flavor: Annotated[Optional[str], typer.Option(metavar="auto|rtx|tensorrt|none", help="TensorRT flavour for engines (built from the ONNX graphs); none builds no engines.")] = None,
-    trt_dtype: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32", help="What the ONNX graphs and TensorRT engines compute in (activations and unquantized weights); --dtype auto serves them so. [default: bfloat16]")] = None,
+    trt_dtype: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32", help="What the ONNX graphs and TensorRT engines compute in (activations and unquantized weights); --dtype auto serves them so. \\[default: bfloat16]")] = None,
     target_sm: Annotated[Optional[str], typer.Option(metavar="89,120", help="Comma-separated SM targets for engines and cubins.")] = None,
-    onnx: Annotated[Optional[bool], typer.Option("--onnx/--no-onnx", help="Export each component's step to ONNX (<component>/rank0.onnx): the graphs TensorRT compiles and --backend onnxruntime runs. --no-onnx needs --trt-flavor none. [default: --onnx]")] = None,
-    cpu_engines: Annotated[Optional[str], typer.Option(metavar="aoti|none", help="CPU engines: aoti compiles the decode loop's steps (the target's decode and verify steps, the MTP head's step, each one-rank drafter's propose with its context update) into AOTInductor packages for this machine's CPU (what --backend auto runs on a CPU); none skips them. [default: aoti]")] = None,
+    onnx: Annotated[Optional[bool], typer.Option("--onnx/--no-onnx", help="Export each component's step to ONNX (<component>/rank0.onnx): the graphs TensorRT compiles and --backend onnxruntime runs. --no-onnx needs --trt-flavor none. \\[default: --onnx]")] = None,
+    cpu_engines: Annotated[Optional[str], typer.Option(metavar="aoti|none", help="CPU engines: aoti compiles the decode loop's steps (the target's decode and verify steps, the MTP head's step, each one-rank drafter's propose with its context update) into AOTInductor packages for this machine's CPU (what --backend auto runs on a CPU); none skips them. \\[default: aoti]")] = None,
 ):
     """Build an engine directory from a recipe's Hugging Face checkpoints."""
     with user_errors():

@@ -87,7 +87,11 @@ def step_kernel_specs(act: str = "bf16") -> list[dict]:
     """`kernel_specs`' entries for the decode step's kernels (`step_kernels`), which no plugin
     launches: triton's JIT compiles them on the serving GPU. Compiled here (when named) to
     check that they build for every SM, with DFlash2's default K and selector dim and Qwen3's
-    head size."""
+    head size, and the MoE kernels' tiles at a router of up to 128 experts."""
+    from metrale.plugins.step_kernels import MOE_BLOCK
+
+    moe_ints = {"H": "i32", "INTER": "i32", "TOPK": "i32"}
+    moe_blocks = {"BLOCK_I": MOE_BLOCK, "BLOCK_H": 2 * MOE_BLOCK}
     return [
         dict(name="dflash2_select_kernel", blocks={"BLOCK_K": 16, "BLOCK_D": 32}, num_warps=1,
              signature={"proj_ptr": _ptr(act), "logit_ptr": _ptr(act), "cand_ptr": "*i64",
@@ -100,6 +104,19 @@ def step_kernel_specs(act: str = "bf16") -> list[dict]:
                         "k_ptr": _ptr(act), "T": "i32", "NH": "i32", "NKV": "i32",
                         "Q_STRIDE": "i32", "K_STRIDE": "i32", "eps": "fp32"},
              grid=["B * T", "NH + NKV", "1"], note="step_kernels.qk_norm_rope: one program per head and row"),
+        dict(name="moe_route_kernel", blocks={"NORM": True, "BLOCK_E": 128, "BLOCK_H": 64}, num_warps=4,
+             signature={"x_ptr": _ptr(act), "w_ptr": _ptr(act), "ids_ptr": "*i64", "wt_ptr": _ptr(act),
+                        "H": "i32", "E": "i32", "TOPK": "i32"},
+             grid=["T", "1", "1"], note="step_kernels.moe_experts' router: one program per row"),
+        dict(name="moe_gate_up_kernel", blocks=moe_blocks, num_warps=4,
+             signature={"x_ptr": _ptr(act), "ids_ptr": "*i64", "gu_ptr": _ptr(act), "act_ptr": "*fp32",
+                        **moe_ints},
+             grid=["T * TOPK", "cdiv(INTER, BLOCK_I)", "1"],
+             note="step_kernels.moe_experts' stage 1; act is a float32 [T*TOPK, INTER] workspace"),
+        dict(name="moe_down_kernel", blocks={"BLOCK_H": MOE_BLOCK, "BLOCK_I": 2 * MOE_BLOCK}, num_warps=4,
+             signature={"act_ptr": "*fp32", "ids_ptr": "*i64", "wt_ptr": _ptr(act), "dn_ptr": _ptr(act),
+                        "y_ptr": _ptr(act), **moe_ints},
+             grid=["T", "cdiv(H, BLOCK_H)", "1"], note="step_kernels.moe_experts' stage 2"),
     ]
 
 

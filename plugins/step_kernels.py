@@ -31,6 +31,7 @@ import torch
 # on: checked on the device; cpu: tests run them on CPU tensors (the interpreter); kernels: the
 # module of kernels, loaded once when they are turned on
 _state = {"on": False, "cpu": False, "kernels": None}
+MOE_BLOCK = 32  # the MoE kernels' tile: 32 outputs of a program by 64 inputs a step
 
 
 def use(t: torch.Tensor) -> bool:
@@ -72,6 +73,31 @@ def qk_norm_rope(q_in: torch.Tensor, k_in: torch.Tensor, weight: torch.Tensor, c
         q_rows, k_rows, weight.contiguous(), cos.contiguous(), sin.contiguous(), q, k,
         t, nh, nkv, q_rows.stride(0), k_rows.stride(0), eps, HD=hd, num_warps=1)
     return q, k
+
+
+def moe_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                top_k: int, norm_topk: bool) -> torch.Tensor:
+    """`layers.MoE.route` then its routed experts (`MoE._dense_experts`' math) in three launches
+    where the PyTorch forms run thirteen: x [N, H], the router's weight [E, H], the stacked
+    experts' gate/up [E·2I, H] and down [E, I, H] (`MoE.pack`'s), all in x's dtype -> [N, H].
+    Each row reads only its k experts' weights (the dense form multiplies the others by zero),
+    and rounds where the PyTorch forms round, so it gives their results up to the order of each
+    dot product's sum."""
+    n, h = x.shape
+    e, inter, _ = down.shape
+    x = x.contiguous()
+    ids = torch.empty(n, top_k, dtype=torch.long, device=x.device)
+    weights = torch.empty(n, top_k, dtype=x.dtype, device=x.device)
+    act = torch.empty(n * top_k, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    k = kernels(x.device.type)
+    k.moe_route_kernel[(n,)](x, router_weight.contiguous(), ids, weights, h, e, top_k, NORM=norm_topk,
+                             BLOCK_E=_pow2(e), BLOCK_H=min(64, _pow2(h)))
+    k.moe_gate_up_kernel[(n * top_k, -(-inter // MOE_BLOCK))](x, ids, gate_up.contiguous(), act, h, inter, top_k,
+                                                              BLOCK_I=MOE_BLOCK, BLOCK_H=2 * MOE_BLOCK)
+    k.moe_down_kernel[(n, -(-h // MOE_BLOCK))](act, ids, weights, down.contiguous(), y, h, inter, top_k,
+                                              BLOCK_H=MOE_BLOCK, BLOCK_I=2 * MOE_BLOCK)
+    return y
 
 
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -301,3 +301,107 @@ def qk_norm_rope_kernel(
     c = tl.load(cos_ptr + t * HD + d).to(tl.float32)
     s = tl.load(sin_ptr + t * HD + d).to(tl.float32)
     tl.store(dst + d, _cast_out(y * c + tl.where(d < HD // 2, -yr, yr) * s, out_ty))
+
+
+@triton.jit
+def moe_route_kernel(
+    x_ptr, w_ptr, ids_ptr, wt_ptr,
+    # x [T, H]; router weight [E, H]; ids i64 [T, k]; weights [T, k] in x's dtype
+    H, E, TOPK, NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """`layers.MoE.route` for one row: the router's logits rounded to x's dtype (the linear's
+    output), their softmax in float32, the top k (largest first, a tie to the lower id, as
+    `torch.topk` orders them), renormalised to sum 1 when NORM, rounded to x's dtype. Grid (T,)."""
+    t = tl.program_id(0).to(tl.int64)
+    re = tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        rh = h0 + tl.arange(0, BLOCK_H)
+        xv = tl.load(x_ptr + t * H + rh, mask=rh < H, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + re[:, None] * H + rh[None, :], mask=(re[:, None] < E) & (rh[None, :] < H),
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * xv[None, :], axis=1)
+    out_ty = wt_ptr.dtype.element_ty
+    logits = tl.where(re < E, _cast_out(acc, out_ty).to(tl.float32), float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)
+    # the k largest in turn (each max, then the lowest id holding it), twice: first for their
+    # sum in that order (the renormalisation's), then to write them; no store is read back
+    total = 0.0
+    left = p
+    for j in range(0, TOPK):
+        m = tl.max(left, axis=0)
+        total += m
+        left = tl.where(re == tl.min(tl.where(left == m, re, BLOCK_E), axis=0), -1.0, left)
+    left = p
+    for j in range(0, TOPK):
+        m = tl.max(left, axis=0)
+        e = tl.min(tl.where(left == m, re, BLOCK_E), axis=0)
+        tl.store(ids_ptr + t * TOPK + j, e.to(tl.int64))
+        if NORM:
+            m = m / total
+        tl.store(wt_ptr + t * TOPK + j, _cast_out(m, out_ty))
+        left = tl.where(re == e, -1.0, left)
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr, ids_ptr, gu_ptr, act_ptr,
+    # x [T, H]; ids i64 [T*k]; gate_up [E*2I, H] in x's dtype (expert e: gate rows e*2I..,
+    # up rows e*2I+I..); act f32 [T*k, I] (workspace)
+    H, INTER, TOPK,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Stage 1 of the bf16/fp32 routed experts: act[p] = silu(gate_e(x_t)) * up_e(x_t) for the
+    routed pair p = t*k + j, e = ids[p], rounded where `MLP` rounds (each projection's output,
+    silu's, the product's) to x's dtype. Grid (T*k, cdiv(I, BI))."""
+    p = tl.program_id(0).to(tl.int64)
+    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    t = p // TOPK
+    e = tl.load(ids_ptr + p)
+    g_rows = gu_ptr + (e * 2 * INTER + ri[:, None]) * H
+    u_rows = g_rows + INTER * H
+    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        rh = h0 + tl.arange(0, BLOCK_H)
+        xv = tl.load(x_ptr + t * H + rh, mask=rh < H, other=0.0).to(tl.float32)
+        m = (ri[:, None] < INTER) & (rh[None, :] < H)
+        acc_g += tl.sum(tl.load(g_rows + rh[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :], axis=1)
+        acc_u += tl.sum(tl.load(u_rows + rh[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :], axis=1)
+    out_ty = x_ptr.dtype.element_ty
+    g = _cast_out(acc_g, out_ty).to(tl.float32)
+    u = _cast_out(acc_u, out_ty).to(tl.float32)
+    s = _cast_out(g * tl.sigmoid(g), out_ty).to(tl.float32)
+    tl.store(act_ptr + p * INTER + ri, _cast_out(s * u, out_ty).to(tl.float32), mask=ri < INTER)
+
+
+@triton.jit
+def moe_down_kernel(
+    act_ptr, ids_ptr, wt_ptr, dn_ptr, y_ptr,
+    # act f32 [T*k, I]; ids i64 [T*k]; weights [T*k] in x's dtype; down [E, I, H] in x's
+    # dtype; y [T, H] in x's dtype
+    H, INTER, TOPK,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """Stage 2: y[t] = sum over t's k routed pairs of weight * down_e(act[p]), each pair's
+    projection and its weighted value rounded to x's dtype (as `MoE._dense_experts`' batched
+    product and its scaling round), the sum in float32, rounded once. Grid (T, cdiv(H, BH))."""
+    t = tl.program_id(0).to(tl.int64)
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    out_ty = y_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(0, TOPK):
+        p = t * TOPK + j
+        e = tl.load(ids_ptr + p)
+        part = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for i0 in range(0, INTER, BLOCK_I):
+            ri = i0 + tl.arange(0, BLOCK_I)
+            av = tl.load(act_ptr + p * INTER + ri, mask=ri < INTER, other=0.0)
+            wd = tl.load(dn_ptr + (e * INTER + ri[:, None]) * H + rh[None, :],
+                         mask=(ri[:, None] < INTER) & (rh[None, :] < H), other=0.0).to(tl.float32)
+            part += tl.sum(wd * av[:, None], axis=0)
+        wt = tl.load(wt_ptr + p).to(tl.float32)
+        acc += _cast_out(_cast_out(part, out_ty).to(tl.float32) * wt, out_ty).to(tl.float32)
+    tl.store(y_ptr + t * H + rh, _cast_out(acc, out_ty), mask=rh < H)

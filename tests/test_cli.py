@@ -31,6 +31,9 @@ def test_help_texts_say_what_the_seeds_say():
     build = plain_text(invoke("build", "--help").output)
     for phrase in ("fp8-aux", "one scale per row", "whole unsharded tensor", "Refused on any other head"):
         assert phrase.lower() in build.lower(), phrase
+    # the defaults a help text states in brackets, which rich would read as markup and drop
+    for default in ("fp8", "off", "bf16", "bfloat16", "--onnx", "aoti"):
+        assert f"[default: {default}]" in build, default
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -99,6 +99,55 @@ def test_qk_norm_rope_kernel_is_project_qkv(step_kernels_on_cpu, dtype, packed, 
     assert torch.equal(v, want[2])
 
 
+def random_moe(dtype, norm: bool, shared: int, seed: int, hidden: int = 40, inter: int = 48):
+    from metrale.runtime.models.configs import DecoderConfig
+    from metrale.runtime.models.layers import MoE
+
+    cfg = DecoderConfig(vocab_size=16, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, intermediate_size=64, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, max_position_embeddings=64, num_experts=6, num_experts_per_tok=3,
+                        moe_intermediate_size=inter, norm_topk_prob=norm, shared_expert_intermediate_size=shared)
+    moe = MoE(cfg)
+    g = gen(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    moe = moe.to(dtype)
+    moe.pack()
+    moe.row_invariant = True  # what the graphs capture: the dense experts' fixed ops
+    return moe
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm,shared", [(True, 0), (False, 24)])
+def test_moe_kernels_are_the_routed_experts(step_kernels_on_cpu, dtype, norm, shared):
+    """The router and routed experts in three launches (`step_kernels.moe_experts`) give the
+    dense PyTorch form's output (rounding where it rounds: float32 exactly up to the sums'
+    order, bfloat16 within its rounding), a row's output whatever rows run beside it, with
+    tiles that do not divide the sizes (H 40, I 48, 6 experts, top 3)."""
+    moe = random_moe(dtype, norm, shared, seed=int(norm) + shared)
+    x = torch.randn(3, 5, 40, generator=gen(11)).to(dtype)
+    calls = []
+    real = step_kernels_on_cpu.moe_experts
+    with pytest.MonkeyPatch.context() as m, torch.no_grad():
+        m.setattr(step_kernels_on_cpu, "moe_experts", lambda *a: calls.append(1) or real(*a))
+        got = moe(x)
+        m.setattr(step_kernels_on_cpu, "_state", {"on": False, "cpu": False})
+        want = moe(x)
+    assert calls == [1] and got.dtype == dtype and got.shape == want.shape
+    with torch.no_grad():  # the routed part's rows (the shared expert is the GEMM library's)
+        rows = x.reshape(-1, 40)
+        args = (moe.gate.weight, moe.experts_gate_up, moe.experts_down, 3, norm)
+        assert torch.equal(real(rows, *args)[7], real(rows[7:8], *args)[0])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # bfloat16: at most a unit in the last place of the output's rounding apart, mostly none
+        ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp(min=2 ** -8)
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+        assert (got == want).float().mean() > 0.9
+
+
 @needs_triton
 def test_step_kernels_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     from metrale.plugins import step_kernels
@@ -112,12 +161,18 @@ def test_step_kernels_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     wrong = lambda p, cl, ids, *a: ids[..., 1]  # noqa: E731 - the runner-up, not the selector's pick
     monkeypatch.setattr(step_kernels, "dflash2_select", wrong)
     assert agree(torch.device("cpu"), torch.float32).startswith("dflash2_select drafted")
+    monkeypatch.undo()
+    real = step_kernels.moe_experts
+    unrouted = lambda x, w, gu, dn, k, norm: real(x, w, gu, dn, k, not norm)  # noqa: E731 - weights not renormalised
+    monkeypatch.setattr(step_kernels, "moe_experts", unrouted)
+    assert agree(torch.device("cpu"), torch.float32).startswith("moe_experts is")
 
 
 @needs_triton
 def test_decoding_with_the_step_kernels_is_plain_decoding(step_kernels_on_cpu, tiny_engine_dir):
     """The eager models on the kernels (the interpreter standing in for a GPU): DFlash2's
-    drafts, the conv and every q/k of the target and the drafter take them, and greedy
+    drafts, the conv, every q/k of the target and the drafter and the target's MoE layers take
+    them, and greedy
     speculative decoding still emits plain decoding's tokens."""
     from metrale.plugins import dynamic_conv as conv_op
     from metrale.runtime.backends import load_engine
@@ -130,9 +185,9 @@ def test_decoding_with_the_step_kernels_is_plain_decoding(step_kernels_on_cpu, t
     spec = EngineGenerator(engine, SpeculativeConfig.from_flags(dflash=True, dflash_drafter="dflash2"))
     prompt = engine.tokenizer.encode("The river ran")
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    counts = {"select": 0, "qk": 0, "conv": 0}
+    counts = {"select": 0, "qk": 0, "conv": 0, "moe": 0}
     real = (step_kernels_on_cpu.dflash2_select, step_kernels_on_cpu.qk_norm_rope,
-            conv_op.dflash2_dynamic_conv_triton)
+            conv_op.dflash2_dynamic_conv_triton, step_kernels_on_cpu.moe_experts)
 
     def counted(key, fn):
         return lambda *a: counts.__setitem__(key, counts[key] + 1) or fn(*a)
@@ -141,6 +196,7 @@ def test_decoding_with_the_step_kernels_is_plain_decoding(step_kernels_on_cpu, t
         m.setattr(step_kernels_on_cpu, "dflash2_select", counted("select", real[0]))
         m.setattr(step_kernels_on_cpu, "qk_norm_rope", counted("qk", real[1]))
         m.setattr(conv_op, "dflash2_dynamic_conv_triton", counted("conv", real[2]))
+        m.setattr(step_kernels_on_cpu, "moe_experts", counted("moe", real[3]))
         got = spec.generate(prompt, params)
     want = plain.generate(prompt, params)  # (the kernels still on: plain's rows take them too)
     step_kernels_on_cpu.on_cpu_for_tests(False)
@@ -152,6 +208,7 @@ def test_decoding_with_the_step_kernels_is_plain_decoding(step_kernels_on_cpu, t
     assert steps > 0 and counts["select"] == steps
     assert counts["conv"] >= 4 * steps  # two convs per drafter layer, two layers
     assert counts["qk"] > 4 * steps  # every target layer's verify, and the drafter's
+    assert counts["moe"] >= 4 * steps  # every target layer's MoE at every verify
 
 
 def test_the_step_kernels_switch_is_checked(monkeypatch):
@@ -234,7 +291,7 @@ def test_the_step_kernels_cut_the_ops_a_step_dispatches(tiny_engine_dir):
 
     off = step_launches()
     with pytest.MonkeyPatch.context() as m:
-        for name in ("dflash2_select", "qk_norm_rope"):
+        for name in ("dflash2_select", "qk_norm_rope", "moe_experts"):
             m.setattr(step_kernels, name, one_launch(getattr(step_kernels, name)))
         step_kernels.on_cpu_for_tests()
         try:
@@ -242,7 +299,8 @@ def test_the_step_kernels_cut_the_ops_a_step_dispatches(tiny_engine_dir):
         finally:
             step_kernels.on_cpu_for_tests(False)
     layers = engine.target.config.num_hidden_layers
-    assert on["target"] < off["target"] - 5 * layers, (off, on)  # q/k: about nine ops a layer, one launch
+    # q/k: about nine ops a layer, one launch; the router and the experts: about ten, one launch
+    assert on["target"] < off["target"] - 15 * layers, (off, on)
     assert on["dflash"] < off["dflash"] and on["dflash2"] < off["dflash2"] - 7 * 10, (off, on)
 
 

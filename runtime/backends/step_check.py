@@ -15,7 +15,7 @@ from metrale.plugins.dynamic_conv import conv_math, dflash2_dynamic_conv_triton
 from metrale.runtime.errors import ConfigError
 from metrale.runtime.models.configs import DecoderConfig
 from metrale.runtime.models.dflash import CandidateSelector
-from metrale.runtime.models.layers import Attention
+from metrale.runtime.models.layers import Attention, MoE
 from metrale.runtime.models.rotary import rope_cos_sin
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def prepare(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def agree(device: torch.device, dtype: torch.dtype) -> str:
-    """'' where both kernels give the PyTorch forms' results on this device, else what differed."""
+    """'' where every kernel gives the PyTorch forms' results on this device, else what differed."""
     g = torch.Generator(device="cpu").manual_seed(0)
     # the selector's inputs in `dtype`; the PyTorch form scores the same values in float32, as
     # the kernel does, so the picks must agree (up to the dot products' summation order)
@@ -88,6 +88,21 @@ def agree(device: torch.device, dtype: torch.dtype) -> str:
     for name, a, b in zip("qk", got, want):
         if not _close(a, b):
             return f"qk_norm_rope's {name} is {_off(a, b):.3g} off the PyTorch form's"
+    moe = MoE(DecoderConfig(vocab_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, intermediate_size=64, rms_norm_eps=1e-6,
+                            rope_theta=10000.0, max_position_embeddings=64, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=48, norm_topk_prob=True))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    moe = moe.to(device, dtype)
+    moe.pack()
+    moe.row_invariant = True  # the PyTorch form the graphs capture: every expert, weighted
+    x = torch.randn(2, 5, 64, generator=g).to(device, dtype)
+    a = step_kernels.moe_experts(x.reshape(10, 64), moe.gate.weight, moe.experts_gate_up, moe.experts_down, 2, True)
+    b = moe(x).reshape(10, 64)
+    if not _close(a, b):
+        return f"moe_experts is {_off(a, b):.3g} off the PyTorch form's"
     x = torch.randn(2, 16, 64, generator=g).to(device, dtype)
     kernel = torch.randn(2, 16, 8, 2, generator=g).to(device, dtype)
     a, b = dflash2_dynamic_conv_triton(x, kernel, 8), conv_math(x, kernel, 8)

@@ -358,6 +358,14 @@ class MoE(nn.Module):
         export passes them as its graph's weights); by default the ones `pack()` stacked."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
+        if (self.experts_gate_up is not None and step_kernels.use(x) and type(self.gate) is nn.Linear
+                and self.experts_gate_up.dtype == x.dtype):
+            # a GPU: the router and the routed experts in three launches (`moe_experts`)
+            routed = step_kernels.moe_experts(x, self.gate.weight.to(x.dtype), self.experts_gate_up,
+                                              self.experts_down, self.top_k, self.norm_topk)
+            if self.shared_expert is not None:
+                routed = routed + self.shared(x)
+            return routed.reshape(shape)
         weights, ids = self.route(x)
         stacked = nvfp4_experts if nvfp4_experts is not None else self.nvfp4_stacked
         if stacked is not None:  # NVFP4 experts: the grouped op (one node / plugin when exported)

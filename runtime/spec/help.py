@@ -46,10 +46,10 @@ BUILD_HELP: dict[str, str] = {
     "--draft-weight-quantization": DRAFT_TIER_TEXT + (
         " (metrale build: the tier the engine directory stores, quantized with ModelOpt; the "
         "declared weights are kept beside it, so generate, serve and bench can take another "
-        "tier at load.) [default: fp8]"),
+        "tier at load.) \\[default: fp8]"),
     "--mtp-experts-nvfp4": MTP_NVFP4_TEXT + (
         " (metrale build: quantized with ModelOpt into the engine directory, which keeps the "
-        "head's BF16 weights too.) [default: off]"),
+        "head's BF16 weights too.) \\[default: off]"),
 }
 # The two weight-tier flags at load (`generate`, `serve`, `bench`): the seeds' definition, then
 # how loading takes a value other than the built one. Which mode reads them differs per command.
