@@ -88,7 +88,7 @@ def step_kernel_specs(act: str = "bf16") -> list[dict]:
     launches: triton's JIT compiles them on the serving GPU. Compiled here (when named) to
     check that they build for every SM, with DFlash2's default K and selector dim and Qwen3's
     head size, and the MoE kernels' tiles at a router of up to 128 experts."""
-    from metrale.plugins.step_kernels import MOE_BLOCK
+    from metrale.plugins.step_kernels import LANE_BLOCK_S, MOE_BLOCK
 
     moe_ints = {"H": "i32", "INTER": "i32", "TOPK": "i32"}
     moe_blocks = {"BLOCK_I": MOE_BLOCK, "BLOCK_H": 2 * MOE_BLOCK}
@@ -117,6 +117,13 @@ def step_kernel_specs(act: str = "bf16") -> list[dict]:
              signature={"act_ptr": "*fp32", "ids_ptr": "*i64", "wt_ptr": _ptr(act), "dn_ptr": _ptr(act),
                         "y_ptr": _ptr(act), **moe_ints},
              grid=["T", "cdiv(H, BLOCK_H)", "1"], note="step_kernels.moe_experts' stage 2"),
+        dict(name="lane_attention_kernel", blocks={"HD": 128, "BLOCK_M": 16, "BLOCK_S": LANE_BLOCK_S,
+                                                   "TREE": False, "DOT_F32": act == "fp32"}, num_warps=4,
+             signature={"q_ptr": _ptr(act), "k_ptr": _ptr(act), "v_ptr": _ptr(act), "last_ptr": "*i64",
+                        "hid_ptr": "*i64", "out_ptr": _ptr(act), "R": "i32", "S": "i32", "NKV": "i32",
+                        "G": "i32", "scale": "fp32", "k_sb": "i32", "k_sh": "i32", "k_sd": "i32",
+                        "v_sb": "i32", "v_sh": "i32", "v_ss": "i32"},
+             grid=["B", "NKV", "1"], note="step_kernels.lane_attention: one program per lane and KV head"),
     ]
 
 

@@ -32,6 +32,7 @@ import torch
 # module of kernels, loaded once when they are turned on
 _state = {"on": False, "cpu": False, "kernels": None}
 MOE_BLOCK = 32  # the MoE kernels' tile: 32 outputs of a program by 64 inputs a step
+LANE_BLOCK_S = 64  # the slots `lane_attention` scores at a time
 
 
 def use(t: torch.Tensor) -> bool:
@@ -98,6 +99,29 @@ def moe_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Ten
     k.moe_down_kernel[(n, -(-h // MOE_BLOCK))](act, ids, weights, down.contiguous(), y, h, inter, top_k,
                                               BLOCK_H=MOE_BLOCK, BLOCK_I=2 * MOE_BLOCK)
     return y
+
+
+def lane_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last_visible: torch.Tensor,
+                   hidden: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """`step_caches.LaneKV.attend` in one launch where the PyTorch form runs five (the scaling,
+    the two products, the mask, the softmax) and the mask's two: q [1, nh, B·R, hd] (hd a power
+    of two of at least 16), the pool's views k [B, nkv, hd, S] and v [B, nkv, S, hd], each row's
+    last visible slot [B·R] (int64), or, for a draft tree's rows, `hidden` [B, 1, R, S] (bool:
+    the slots a row may not see) -> [1, B·R, nh·hd]. It rounds where the PyTorch form rounds."""
+    _, nh, n, hd = q.shape
+    b, nkv, _, s = k.shape
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    out = torch.empty(n, nh * hd, dtype=q.dtype, device=q.device)
+    tree = hidden is not None
+    last_visible = last_visible.contiguous()  # (often a lane's one value expanded over its rows)
+    hid = hidden.reshape(b, rows, s).contiguous().view(torch.uint8) if tree else last_visible
+    kernels(q.device.type).lane_attention_kernel[(b, nkv)](
+        q[0].contiguous(), k, v, last_visible, hid, out, rows, s, nkv, nh // nkv, hd ** -0.5,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        HD=hd, BLOCK_M=max(16, _pow2(nh // nkv * rows)), BLOCK_S=LANE_BLOCK_S, TREE=tree,
+        DOT_F32=q.dtype == torch.float32 or not q.is_cuda)
+    return out[None]
 
 
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -405,3 +405,79 @@ def moe_down_kernel(
         wt = tl.load(wt_ptr + p).to(tl.float32)
         acc += _cast_out(_cast_out(part, out_ty).to(tl.float32) * wt, out_ty).to(tl.float32)
     tl.store(y_ptr + t * H + rh, _cast_out(acc, out_ty), mask=rh < H)
+
+
+@triton.jit
+def _lane_scores(q, k_base, k_sd, last, hid_base, rows, rs, S, HD: tl.constexpr, TREE: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """Scores [BM, BS] of `lane_attention_kernel`'s rows over slots rs: q·k rounded to q's dtype
+    (the product's output), -inf where a row may not see the slot."""
+    d = tl.arange(0, HD)
+    kt = tl.load(k_base + d[:, None] * k_sd + rs[None, :], mask=rs[None, :] < S, other=0.0)  # [HD, BS]
+    if DOT_F32:
+        sc = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+    else:
+        sc = tl.dot(q, kt.to(q.dtype))
+    sc = _cast_out(sc, q.dtype).to(tl.float32)
+    if TREE:
+        hidden = tl.load(hid_base + rows[:, None] * S + rs[None, :], mask=rs[None, :] < S, other=1)
+        seen = (hidden == 0) & (rs[None, :] < S)
+    else:
+        seen = rs[None, :] <= last[:, None]
+    return tl.where(seen, sc, float("-inf"))
+
+
+@triton.jit
+def lane_attention_kernel(
+    q_ptr, k_ptr, v_ptr, last_ptr, hid_ptr, out_ptr,
+    # q [nh, B*R, HD] (contiguous); k [B, NKV, HD, S] and v [B, NKV, S, HD] by strides, each
+    # slot-contiguous (k) or head-dim-contiguous (v); last i64 [B*R]; hid u8 [B, R, S] (TREE:
+    # 1 where a row may not see the slot); out [B*R, NKV*G*HD], all but last and hid in one dtype
+    R, S, NKV, G, scale,
+    k_sb, k_sh, k_sd, v_sb, v_sh, v_ss,
+    HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, TREE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """`step_caches.LaneKV.attend` for one key/value head of one sequence: its G·R query rows
+    (query head kvh·G + j // R, the sequence's row j % R), scaled and rounded as the PyTorch form
+    scales them, their scores over the sequence's S slots rounded to the dtype, masked, softmax in
+    float32 rounded to the dtype, then the probabilities times the values, rounded once. Three
+    passes over the keys (the scores' max, their exponentials' sum, the weighted values), so the
+    probabilities are the PyTorch form's up to the dot products' order. Grid (B, NKV)."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, BLOCK_M)
+    live = j < G * R
+    h = kvh * G + j // R
+    rows = b * R + j % R  # the query rows' index among the B·R rows
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (h[:, None] * (R * tl.num_programs(0)) + rows[:, None]) * HD + d[None, :],
+                mask=live[:, None], other=0.0)
+    q = _cast_out(q.to(tl.float32) * scale, q_ptr.dtype.element_ty)
+    last = tl.load(last_ptr + rows, mask=live, other=-1)
+    k_base = k_ptr + b * k_sb + kvh * k_sh
+    v_base = v_ptr + b * v_sb + kvh * v_sh
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        rs = s0 + tl.arange(0, BLOCK_S)
+        sc = _lane_scores(q, k_base, k_sd, last, hid_ptr, rows, rs, S, HD, TREE, DOT_F32)
+        m = tl.maximum(m, tl.max(sc, axis=1))
+    m = tl.where(live, m, 0.0)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        rs = s0 + tl.arange(0, BLOCK_S)
+        sc = _lane_scores(q, k_base, k_sd, last, hid_ptr, rows, rs, S, HD, TREE, DOT_F32)
+        total += tl.sum(tl.exp(sc - m[:, None]), axis=1)
+    total = tl.where(live, total, 1.0)
+    acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        rs = s0 + tl.arange(0, BLOCK_S)
+        sc = _lane_scores(q, k_base, k_sd, last, hid_ptr, rows, rs, S, HD, TREE, DOT_F32)
+        p = _cast_out(tl.exp(sc - m[:, None]) / total[:, None], q_ptr.dtype.element_ty)
+        vt = tl.load(v_base + rs[:, None] * v_ss + d[None, :], mask=rs[:, None] < S, other=0.0)  # [BS, HD]
+        if DOT_F32:
+            acc = tl.dot(p.to(tl.float32), vt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, vt.to(p.dtype), acc)
+    out = out_ptr + rows[:, None] * (NKV * G * HD) + h[:, None] * HD + d[None, :]
+    tl.store(out, _cast_out(acc, out_ptr.dtype.element_ty), mask=live[:, None])

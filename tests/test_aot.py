@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 SMS = (89, 90, 100, 120)
 QUICK = ("nvfp4_w4a16_gemm_kernel", "dflash2_dynamic_conv_kernel", "dflash2_select_kernel",
-         "qk_norm_rope_kernel", "moe_route_kernel", "moe_gate_up_kernel", "moe_down_kernel")  # in spec order
+         "qk_norm_rope_kernel", "moe_route_kernel", "moe_gate_up_kernel", "moe_down_kernel",
+         "lane_attention_kernel")  # in spec order
 EM_CUDA = 190  # ELF e_machine of NVIDIA CUDA objects
 
 

@@ -149,6 +149,46 @@ def test_moe_kernels_are_the_routed_experts(step_kernels_on_cpu, dtype, norm, sh
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["own", "block", "tree"])
+def test_lane_attention_kernel_is_lane_kv(step_kernels_on_cpu, dtype, kind):
+    """`LaneKV.attend` in one launch (`step_kernels.lane_attention`) gives the PyTorch form's
+    rows (float32 to 1e-5; bfloat16 within its rounding, mostly equal): two lanes of a three-lane
+    pool, 3 rows each over the first 40 of 72 slots (neither a multiple of the kernel's 64),
+    rows that see up to their own slot, a drafter block's rows that see the whole block, and a
+    tree's rows that see what `hidden` leaves them."""
+    from metrale.runtime.models.step_caches import LaneKV
+
+    g = gen(5)
+    b, r, nkv, grp, hd, s = 2, 3, 2, 2, 16, 40
+    k_pool = torch.randn(3, nkv, hd, 72, generator=g).to(dtype)
+    v_pool = torch.randn(3, nkv, 72, hd, generator=g).to(dtype)
+    kv = [k_pool[1:, :, :, :s], v_pool[1:, :, :s]]
+    pos = (torch.randint(0, s - r, (b, 1), generator=g) + torch.arange(r)).reshape(-1)
+    seq = torch.arange(b).repeat_interleave(r)
+    last = pos.view(b, r)[:, -1:].expand(b, r).reshape(-1) if kind == "block" else None
+    hidden = None
+    if kind == "tree":
+        hidden = torch.rand(b, 1, r, s, generator=g) < 0.5
+        hidden[0, 0, torch.arange(r), pos[:r]] = False  # each row sees its own slot
+        hidden[1, 0, torch.arange(r), pos[r:]] = False
+    q = torch.randn(1, nkv * grp, b * r, hd, generator=g).to(dtype)
+    calls = []
+    real = step_kernels_on_cpu.lane_attention
+    with pytest.MonkeyPatch.context() as m, torch.no_grad():
+        m.setattr(step_kernels_on_cpu, "lane_attention", lambda *a: calls.append(1) or real(*a))
+        got = LaneKV(kv, seq, pos, last, hidden=hidden).attend(0, q)
+        m.setattr(step_kernels_on_cpu, "_state", {"on": False, "cpu": False})
+        want = LaneKV(kv, seq, pos, last, hidden=hidden).attend(0, q)
+    assert calls == [1] and got.shape == want.shape == (1, b * r, nkv * grp * hd) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
+        assert (got == want).float().mean() > 0.9
+
+
+@needs_triton
 def test_step_kernels_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     from metrale.plugins import step_kernels
     from metrale.runtime.backends.step_check import agree, prepare
@@ -166,6 +206,11 @@ def test_step_kernels_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     unrouted = lambda x, w, gu, dn, k, norm: real(x, w, gu, dn, k, not norm)  # noqa: E731 - weights not renormalised
     monkeypatch.setattr(step_kernels, "moe_experts", unrouted)
     assert agree(torch.device("cpu"), torch.float32).startswith("moe_experts is")
+    monkeypatch.undo()
+    unmasked = lambda q, k, v, last, hid, r: real_lane(q, k, v, last + 1, hid, r)  # noqa: E731 - one slot too many
+    real_lane = step_kernels.lane_attention
+    monkeypatch.setattr(step_kernels, "lane_attention", unmasked)
+    assert agree(torch.device("cpu"), torch.float32).startswith("lane_attention is")
 
 
 @needs_triton

@@ -17,6 +17,7 @@ from metrale.runtime.models.configs import DecoderConfig
 from metrale.runtime.models.dflash import CandidateSelector
 from metrale.runtime.models.layers import Attention, MoE
 from metrale.runtime.models.rotary import rope_cos_sin
+from metrale.runtime.models.step_caches import LaneKV
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,15 @@ def agree(device: torch.device, dtype: torch.dtype) -> str:
     b = moe(x).reshape(10, 64)
     if not _close(a, b):
         return f"moe_experts is {_off(a, b):.3g} off the PyTorch form's"
+    kv = [torch.randn(3, 2, 32, 80, generator=g).to(device, dtype), torch.randn(3, 2, 80, 32, generator=g).to(device, dtype)]
+    kv = [kv[0][1:, :, :, :70], kv[1][1:, :, :70]]  # two lanes' first 70 slots of a pool's
+    pos = torch.tensor([20, 21, 22, 60, 61, 62], device=device)
+    lanes = LaneKV(kv, torch.arange(2, device=device).repeat_interleave(3), pos)
+    q = torch.randn(1, 4, 6, 32, generator=g).to(device, dtype)
+    a = step_kernels.lane_attention(q, kv[0], kv[1], pos, None, 3)
+    b = lanes.attend(0, q)
+    if not _close(a, b):
+        return f"lane_attention is {_off(a, b):.3g} off the PyTorch form's"
     x = torch.randn(2, 16, 64, generator=g).to(device, dtype)
     kernel = torch.randn(2, 16, 8, 2, generator=g).to(device, dtype)
     a, b = dflash2_dynamic_conv_triton(x, kernel, 8), conv_math(x, kernel, 8)

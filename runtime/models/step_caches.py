@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from metrale.plugins import step_kernels
 from metrale.plugins.cpu_attention import HIDE_BITS, visible_slots
 from metrale.plugins.cpu_attention import pooled_math as pooled_attention
 
@@ -140,6 +141,7 @@ class LaneKV:
         self.rows = positions.shape[0] // self.lanes
         self.last_visible = positions if last_visible is None else last_visible
         self._hidden: torch.Tensor | None = hidden  # [B, 1, R, S]: the slots a row may not see
+        self._tree_hidden = hidden
 
     def _masked(self) -> torch.Tensor:
         """Which slots each row may not see, worked out at the first layer's attention (rows
@@ -160,6 +162,8 @@ class LaneKV:
         k, v = self.kv[2 * layer], self.kv[2 * layer + 1]  # [B, nkv, hd, S], [B, nkv, S, hd]
         b, r = self.lanes, self.rows
         nh, hd = q.shape[1], q.shape[3]
+        if step_kernels.use(q) and hd >= 16 and hd & (hd - 1) == 0:  # a GPU: one launch
+            return step_kernels.lane_attention(q, k, v, self.last_visible, self._tree_hidden, r)
         nkv, s = k.shape[1], k.shape[3]
         g = nh // nkv
         # scaled before the product: the queries are R rows, the scores R·S
