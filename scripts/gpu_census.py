@@ -12,8 +12,9 @@ bfloat16 (`gpu_paths`):
 - RMSNorm as one `F.rms_norm` (one fused kernel on CUDA), counted as one kernel;
 - rotary cos/sin gathered from the shared table, as `rotary.rope_at` does on a GPU;
 - the Triton step kernels (`plugins.step_kernels`: q/k norm with rotary, DFlash2's selector and
-  dynamic conv) as stubs that count a launch and write zeros into their integer outputs (valid
-  ids) and nothing into the others.
+  dynamic conv, a MoE layer's router and experts, the iterations' attention) as stubs that
+  count a launch and write zeros into their integer outputs (valid ids) and nothing into the
+  others.
 
 Counted (`Census`): every ATen op dispatched within the iteration but views (no kernel) and
 `empty`-like allocations (none either), plus the Triton launches. An ATen op is taken as one

@@ -1,6 +1,6 @@
 """scripts/gpu_census.py: the kernels a whole iteration launches on the GPU paths, counted on a
 CPU. The Triton step kernels and the fused RMSNorm count one launch each where the GPU runs them
-(per layer, per drafter block), an iteration counts fewer kernels than the CPU's forms dispatch
+(per layer, per drafter block; a MoE layer's three), an iteration counts fewer kernels than the CPU's forms dispatch
 ops, and the models are back on their CPU paths afterwards, their tokens unchanged."""
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ def test_the_census_counts_the_gpu_launches(census_script, engine):
     target_layers = engine.target.config.num_hidden_layers
     drafter_layers = engine.drafters["dflash2"].config.decoder.num_hidden_layers
     plain, dflash2 = counts["plain"]["by_op"], counts["dflash2 k=7"]["by_op"]
-    assert plain["triton qk_norm_rope"] == target_layers
+    assert plain["triton qk_norm_rope"] == plain["triton lane_attention"] == target_layers
+    assert plain["triton moe_route"] == plain["triton moe_gate_up"] == plain["triton moe_down"] == target_layers
+    assert "softmax" not in plain and "topk" not in plain  # the attention's and the router's, in the kernels
     assert plain["rms_norm"] == 2 * target_layers + 1  # each layer's two, then the final norm
     assert "layer_norm" not in plain and "triton dflash2_select" not in plain
     assert dflash2["triton dflash2_select"] == 1  # the whole block's selection in one launch
