@@ -33,6 +33,9 @@ import torch
 _state = {"on": False, "cpu": False, "kernels": None}
 MOE_BLOCK = 32  # the MoE kernels' tile: 32 outputs of a program by 64 inputs a step
 LANE_BLOCK_S = 64  # the slots `lane_attention` scores at a time
+# the most query rows (rows × query heads per key/value head) one `lane_attention` program holds:
+# a step's and a tree's of up to 32 nodes; a prompt's rows, more, take the PyTorch form
+LANE_MAX_ROWS = 128
 
 
 def use(t: torch.Tensor) -> bool:

@@ -189,6 +189,20 @@ def test_lane_attention_kernel_is_lane_kv(step_kernels_on_cpu, dtype, kind):
 
 
 @needs_triton
+def test_lane_attention_leaves_a_prompts_rows_to_the_pytorch_form(step_kernels_on_cpu, monkeypatch):
+    """More query rows than a program holds (a prompt's, `LANE_MAX_ROWS`) take the PyTorch form."""
+    from metrale.runtime.models.step_caches import LaneKV
+
+    calls = []
+    monkeypatch.setattr(step_kernels_on_cpu, "lane_attention", lambda *a: calls.append(a))
+    rows = step_kernels_on_cpu.LANE_MAX_ROWS // 2 + 1  # two query heads per key/value head
+    kv = [torch.randn(1, 1, 16, 2 * rows), torch.randn(1, 1, 2 * rows, 16)]
+    with torch.no_grad():
+        out = LaneKV(kv, torch.zeros(rows, dtype=torch.long), torch.arange(rows)).attend(0, torch.randn(1, 2, rows, 16))
+    assert not calls and out.shape == (1, rows, 32)
+
+
+@needs_triton
 def test_step_kernels_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     from metrale.plugins import step_kernels
     from metrale.runtime.backends.step_check import agree, prepare

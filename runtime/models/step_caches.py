@@ -162,10 +162,11 @@ class LaneKV:
         k, v = self.kv[2 * layer], self.kv[2 * layer + 1]  # [B, nkv, hd, S], [B, nkv, S, hd]
         b, r = self.lanes, self.rows
         nh, hd = q.shape[1], q.shape[3]
-        if step_kernels.use(q) and hd >= 16 and hd & (hd - 1) == 0:  # a GPU: one launch
-            return step_kernels.lane_attention(q, k, v, self.last_visible, self._tree_hidden, r)
         nkv, s = k.shape[1], k.shape[3]
         g = nh // nkv
+        if (step_kernels.use(q) and hd >= 16 and hd & (hd - 1) == 0
+                and g * r <= step_kernels.LANE_MAX_ROWS):  # a GPU: one launch
+            return step_kernels.lane_attention(q, k, v, self.last_visible, self._tree_hidden, r)
         # scaled before the product: the queries are R rows, the scores R·S
         qs = q[0].reshape(nkv, g, b, r, hd).permute(2, 0, 1, 3, 4).reshape(b, nkv, g * r, hd) * hd ** -0.5
         scores = torch.matmul(qs, k).view(b, nkv, g, r, s)
