@@ -225,6 +225,9 @@ def test_step_kernels_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     real_lane = step_kernels.lane_attention
     monkeypatch.setattr(step_kernels, "lane_attention", unmasked)
     assert agree(torch.device("cpu"), torch.float32).startswith("lane_attention is")
+    untree = lambda q, k, v, last, hid, r: real_lane(q, k, v, last, None, r)  # noqa: E731 - no tree mask
+    monkeypatch.setattr(step_kernels, "lane_attention", untree)
+    assert agree(torch.device("cpu"), torch.float32).startswith("lane_attention (a tree's rows) is")
 
 
 @needs_triton

@@ -109,10 +109,14 @@ def agree(device: torch.device, dtype: torch.dtype) -> str:
     pos = torch.tensor([20, 21, 22, 60, 61, 62], device=device)
     lanes = LaneKV(kv, torch.arange(2, device=device).repeat_interleave(3), pos)
     q = torch.randn(1, 4, 6, 32, generator=g).to(device, dtype)
-    a = step_kernels.lane_attention(q, kv[0], kv[1], pos, None, 3)
-    b = lanes.attend(0, q)
-    if not _close(a, b):
-        return f"lane_attention is {_off(a, b):.3g} off the PyTorch form's"
+    hidden = torch.rand(2, 1, 3, 70, generator=g).to(device) < 0.5  # a tree's rows: what it leaves them
+    hidden[0, 0, torch.arange(3), pos[:3]] = hidden[1, 0, torch.arange(3), pos[3:]] = False
+    tree = LaneKV(kv, torch.arange(2, device=device).repeat_interleave(3), pos, hidden=hidden)
+    for name, a, b in (("", step_kernels.lane_attention(q, kv[0], kv[1], pos, None, 3), lanes.attend(0, q)),
+                       (" (a tree's rows)", step_kernels.lane_attention(q, kv[0], kv[1], pos, hidden, 3),
+                        tree.attend(0, q))):
+        if not _close(a, b):
+            return f"lane_attention{name} is {_off(a, b):.3g} off the PyTorch form's"
     x = torch.randn(2, 16, 64, generator=g).to(device, dtype)
     kernel = torch.randn(2, 16, 8, 2, generator=g).to(device, dtype)
     a, b = dflash2_dynamic_conv_triton(x, kernel, 8), conv_math(x, kernel, 8)
