@@ -18,7 +18,7 @@ from metrale.runtime.spec.iteration import DFlashIteration, PlainIteration
 from metrale.runtime.spec.iteration_loop import IterationLoop
 from metrale.runtime.spec.tree_iteration import DFlashTreeIteration
 
-SLOTS, TOKENS = 128, 8
+SLOTS, TOKENS = 128, 6
 
 
 @needs_triton
