@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from metrale.plugins.triton_mode import cdiv
+
 # on: checked on the device; cpu: tests run them on CPU tensors (the interpreter); kernels: the
 # module of kernels, loaded once when they are turned on
 _state = {"on": False, "cpu": False, "kernels": None}
@@ -97,9 +99,9 @@ def moe_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Ten
     k = kernels(x.device.type)
     k.moe_route_kernel[(n,)](x, router_weight.contiguous(), ids, weights, h, e, top_k, NORM=norm_topk,
                              BLOCK_E=_pow2(e), BLOCK_H=min(64, _pow2(h)))
-    k.moe_gate_up_kernel[(n * top_k, -(-inter // MOE_BLOCK))](x, ids, gate_up.contiguous(), act, h, inter, top_k,
+    k.moe_gate_up_kernel[(n * top_k, cdiv(inter, MOE_BLOCK))](x, ids, gate_up.contiguous(), act, h, inter, top_k,
                                                               BLOCK_I=MOE_BLOCK, BLOCK_H=2 * MOE_BLOCK)
-    k.moe_down_kernel[(n, -(-h // MOE_BLOCK))](act, ids, weights, down.contiguous(), y, h, inter, top_k,
+    k.moe_down_kernel[(n, cdiv(h, MOE_BLOCK))](act, ids, weights, down.contiguous(), y, h, inter, top_k,
                                               BLOCK_H=MOE_BLOCK, BLOCK_I=2 * MOE_BLOCK)
     return y
 

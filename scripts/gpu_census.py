@@ -98,6 +98,7 @@ def gpu_paths(engine, census_of):
     docstring; the rotary tables built as a CUDA load builds them); `census_of()` gives the
     census counting now, or None. Everything is restored on exit."""
     from metrale.plugins import step_kernels
+    from metrale.runtime.backends import engine_rope_tables
     from metrale.runtime.models import layers, rotary
 
     def rms_norm(self, x):
@@ -110,9 +111,7 @@ def gpu_paths(engine, census_of):
         return out
 
     saved = (dict(step_kernels._state), layers.RMSNorm.forward, rotary.gathers_rope, set(rotary._STEP_KEYS))
-    configs = [engine.target.config, *(m.config.decoder for m in engine.drafters.values()),
-               *([engine.mtp.config.decoder] if engine.mtp is not None else [])]
-    rotary.rope_tables(configs, engine.dtype, engine.device)
+    engine_rope_tables(engine)
     step_kernels._state.update(on=True, cpu=True, kernels=_StubKernels(census_of))
     layers.RMSNorm.forward = rms_norm
     rotary.gathers_rope = lambda positions: not torch._C._is_tracing()

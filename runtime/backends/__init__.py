@@ -177,6 +177,15 @@ def resolve_backend(backend: str, device: str | None, dtype: str = "float32",
     return b, device  # --nproc N: the ranks of a --draft-tp-size N build (`tensorrt.world_plan`)
 
 
+def engine_rope_tables(engine) -> None:
+    """The shared rotary tables (`rotary.rope_tables`) of every decoder of `engine` (target,
+    drafters, MTP head) in its dtype on its device: what its GPU steps gather from."""
+    from metrale.runtime.models.rotary import rope_tables
+
+    rope_tables([engine.target.config, *(m.config.decoder for m in engine.drafters.values()),
+                 *([engine.mtp.config.decoder] if engine.mtp is not None else [])], engine.dtype, engine.device)
+
+
 def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", components: tuple[str, ...] | None = None,
                 tp=None, states: dict | None = None):
@@ -210,12 +219,9 @@ def load_engine(engine_dir, *, backend: str | Backend = "torch", dtype: torch.dt
     kernels = ""
     if dev.type == "cuda":  # the eager models' small ops as one launch each, where they check out
         from metrale.runtime.backends.step_check import prepare
-        from metrale.runtime.models.rotary import rope_tables
 
         kernels = prepare(dev, engine.dtype)
-        rope_tables([engine.target.config, *(m.config.decoder for m in engine.drafters.values()),
-                     *([engine.mtp.config.decoder] if engine.mtp is not None else [])],
-                    engine.dtype, dev)
+        engine_rope_tables(engine)
     if b is Backend.AOTI or (b is Backend.AUTO and dev.type != "cuda"):
         from metrale.runtime.backends import aoti
 

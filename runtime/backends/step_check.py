@@ -5,6 +5,7 @@ switch METRALE_STEP_KERNELS=0 keeps them off)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -89,10 +90,8 @@ def agree(device: torch.device, dtype: torch.dtype) -> str:
     for name, a, b in zip("qk", got, want):
         if not _close(a, b):
             return f"qk_norm_rope's {name} is {_off(a, b):.3g} off the PyTorch form's"
-    moe = MoE(DecoderConfig(vocab_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32, intermediate_size=64, rms_norm_eps=1e-6,
-                            rope_theta=10000.0, max_position_embeddings=64, num_experts=8, num_experts_per_tok=2,
-                            moe_intermediate_size=48, norm_topk_prob=True))
+    moe = MoE(dataclasses.replace(cfg, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                  norm_topk_prob=True))
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)

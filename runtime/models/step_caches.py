@@ -140,17 +140,17 @@ class LaneKV:
             raise ValueError(f"{positions.shape[0]} rows are not R rows of each of {self.lanes} sequences")
         self.rows = positions.shape[0] // self.lanes
         self.last_visible = positions if last_visible is None else last_visible
-        self._hidden: torch.Tensor | None = hidden  # [B, 1, R, S]: the slots a row may not see
-        self._tree_hidden = hidden
+        self.hidden = hidden  # [B, 1, R, S]: the slots a tree's row may not see (given)
+        self._mask: torch.Tensor | None = hidden  # the same for every row (`_masked`)
 
     def _masked(self) -> torch.Tensor:
         """Which slots each row may not see, worked out at the first layer's attention (rows
         that are only written, a drafter's context, need none)."""
-        if self._hidden is None:
+        if self._mask is None:
             s = self.kv[0].shape[-1]
             last = self.last_visible.view(self.lanes, 1, self.rows, 1)
-            self._hidden = torch.arange(s, device=last.device) > last
-        return self._hidden
+            self._mask = torch.arange(s, device=last.device) > last
+        return self._mask
 
     def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [1, nkv, B·R, hd] -> each row's slot of its sequence's cache."""
@@ -166,7 +166,7 @@ class LaneKV:
         g = nh // nkv
         if (step_kernels.use(q) and hd >= 16 and hd & (hd - 1) == 0
                 and g * r <= step_kernels.LANE_MAX_ROWS):  # a GPU: one launch
-            return step_kernels.lane_attention(q, k, v, self.last_visible, self._tree_hidden, r)
+            return step_kernels.lane_attention(q, k, v, self.last_visible, self.hidden, r)
         # scaled before the product: the queries are R rows, the scores R·S
         qs = q[0].reshape(nkv, g, b, r, hd).permute(2, 0, 1, 3, 4).reshape(b, nkv, g * r, hd) * hd ** -0.5
         scores = torch.matmul(qs, k).view(b, nkv, g, r, s)

@@ -24,9 +24,9 @@ vocabulary (a model's padded embedding rows) are never allowed.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-import threading
 
 import numpy as np
 import torch
@@ -92,19 +92,14 @@ def check_schema(schema: str) -> None:
         raise ConfigError("no token can start a document it allows")
 
 
-_byte_compilers: list = []  # `check_schema`'s compiler, made at its first call
-_byte_lock = threading.Lock()
-
-
+@functools.cache
 def _byte_compiler():
-    with _byte_lock:
-        if not _byte_compilers:
-            import xgrammar
+    """`check_schema`'s compiler, made at its first call."""
+    import xgrammar
 
-            info = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)] + [b""], xgrammar.VocabType.RAW,
-                                          vocab_size=257, stop_token_ids=[256])
-            _byte_compilers.append(xgrammar.GrammarCompiler(info, cache_limit_bytes=CHECK_CACHE_BYTES))
-        return _byte_compilers[0]
+    info = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)] + [b""], xgrammar.VocabType.RAW,
+                                  vocab_size=257, stop_token_ids=[256])
+    return xgrammar.GrammarCompiler(info, cache_limit_bytes=CHECK_CACHE_BYTES)
 
 
 class GrammarStall(RuntimeError):
